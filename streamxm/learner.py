@@ -1,0 +1,195 @@
+"""The learning loop shared by the worker and the benchmarks: replay buffer, RNG, test-then-train
+rolling mAP, counters, and the whole state as arrays plus JSON.
+
+The worker feeds it pairs read from Redis; ``streamxm bench quality --protocol stream`` feeds it
+the training rows of a file. Both go through :meth:`Learner.learn`, so the benchmark measures the
+code the service runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm.evaluation import average_precision
+from streamxm.messages import Pair
+from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model
+from streamxm.replay import ReplayBuffer
+
+__all__ = ["UPDATE_BUCKETS", "Learner"]
+
+#: Upper bounds (seconds) of the per-pair update latency histogram.
+UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
+
+
+class Learner:
+    """A model plus everything needed to keep learning it from a stream.
+
+    Rolling mAP is test-then-train: every ``eval_every``-th pair, before the model learns from it,
+    the pair's image is ranked against the texts of the last ``eval_gallery`` buffered pairs plus
+    its own text (and its text against their images). Relevant items share a label with the query
+    (for an unlabelled query: its own partner). The AP of each such query enters a window of the
+    last ``rolling_window`` queries per direction; the rolling mAP is their mean. The schedule is
+    by pair index, so it does not depend on how the stream was cut into batches.
+
+    Parameters
+    ----------
+    model
+        Model name, e.g. ``"cmos"``.
+    img_dim, txt_dim
+        Input sizes.
+    params
+        Model constructor parameters.
+    buffer_capacity
+        Pairs in the replay buffer.
+    seed
+        Seed of the learner's RNG (triplet sampling); its state is checkpointed.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from streamxm.messages import make_pair
+    >>> rng = np.random.default_rng(0)
+    >>> learner = Learner("cmos", img_dim=4, txt_dim=3)
+    >>> pairs = [make_pair(str(i), rng.random(4), rng.random(3), labels=[i % 2]) for i in range(20)]
+    >>> report = learner.learn(pairs)
+    >>> learner.pairs_seen, report["pairs"]
+    (20, 20)
+    """
+
+    def __init__(
+        self,
+        model: str,
+        img_dim: int,
+        txt_dim: int,
+        params: dict[str, Any] | None = None,
+        buffer_capacity: int = 500,
+        seed: int = 0,
+        eval_every: int = 1,
+        eval_gallery: int = 200,
+        rolling_window: int = 500,
+        max_labels: int = 64,
+    ) -> None:
+        self.model_name = model
+        self.model: CrossModalModel = create_model(model, img_dim, txt_dim, params)
+        self.buffer = ReplayBuffer(buffer_capacity, img_dim, txt_dim, max_labels)
+        self.rng = np.random.default_rng(seed)
+        self.seed = seed
+        self.eval_every = eval_every
+        self.eval_gallery = eval_gallery
+        self.rolling_window = rolling_window
+        self.stats = LearnStats()
+        self.pairs_seen = 0
+        self.pairs_unlabelled = 0
+        self.update_seconds = 0.0
+        self.update_hist = [0] * len(UPDATE_BUCKETS)
+        self.rolling_ap: dict[str, deque[float]] = {
+            d: deque(maxlen=rolling_window) for d in DIRECTIONS
+        }
+
+    @property
+    def img_dim(self) -> int:
+        return self.model.img_dim
+
+    @property
+    def txt_dim(self) -> int:
+        return self.model.txt_dim
+
+    def rolling_map(self) -> dict[str, float | None]:
+        return {d: (float(np.mean(q)) if q else None) for d, q in self.rolling_ap.items()}
+
+    def _evaluate_before_learning(self, pair: Pair) -> None:
+        order = self.buffer.order()[-self.eval_gallery :]
+        imgs = np.vstack([pair.img[None, :], self.buffer.img[order]])
+        txts = np.vstack([pair.txt[None, :], self.buffer.txt[order]])
+        relevant = np.zeros(len(order) + 1, dtype=bool)
+        relevant[0] = True
+        if pair.labels:
+            stored = self.buffer.labels[order]
+            relevant[1:] = np.isin(stored, np.asarray(pair.labels)).any(axis=1)
+        i2t = self.model.similarity(pair.img[None, :], txts)
+        t2i = self.model.similarity(imgs, pair.txt[None, :]).T
+        # Cross-check of the definition: see average_precision (ties keep gallery order).
+        ap = average_precision(np.vstack([i2t, t2i]), np.vstack([relevant, relevant]))
+        self.rolling_ap["i2t"].append(float(ap[0]))
+        self.rolling_ap["t2i"].append(float(ap[1]))
+
+    def learn(self, pairs: Sequence[Pair]) -> dict[str, Any]:
+        """Test-then-train on each pair in order; return counts for this call."""
+        before = LearnStats.from_dict(self.stats.as_dict())
+        for pair in pairs:
+            if pair.img.shape[0] != self.img_dim or pair.txt.shape[0] != self.txt_dim:
+                raise ValueError(f"pair {pair.id!r} has dimensions other than the learner's")
+            start = time.perf_counter()
+            if self.pairs_seen % self.eval_every == 0 and len(self.buffer) > 0:
+                self._evaluate_before_learning(pair)
+            slot = self.buffer.add(pair)
+            self.model.learn_one(pair, slot, self.buffer, self.rng, self.stats)
+            self.pairs_seen += 1
+            self.pairs_unlabelled += not pair.labels
+            elapsed = time.perf_counter() - start
+            self.update_seconds += elapsed
+            self.update_hist[next(i for i, b in enumerate(UPDATE_BUCKETS) if elapsed <= b)] += 1
+        return {
+            "pairs": len(pairs),
+            "triplets": {d: self.stats.triplets[d] - before.triplets[d] for d in DIRECTIONS},
+            "mistakes": {d: self.stats.mistakes[d] - before.mistakes[d] for d in DIRECTIONS},
+            "loss": {d: self.stats.loss[d] - before.loss[d] for d in DIRECTIONS},
+        }
+
+    # -- state -------------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, NDArray[Any]], dict[str, Any]]:
+        model_arrays, model_meta = self.model.state()
+        buffer_arrays, buffer_meta = self.buffer.state()
+        arrays: dict[str, NDArray[Any]] = {f"model.{k}": v for k, v in model_arrays.items()}
+        arrays.update({f"buffer.{k}": v for k, v in buffer_arrays.items()})
+        for d in DIRECTIONS:
+            arrays[f"rolling_ap.{d}"] = np.asarray(self.rolling_ap[d], dtype=np.float64)
+        meta = {
+            "model": self.model_name,
+            "img_dim": self.img_dim,
+            "txt_dim": self.txt_dim,
+            "params": self.model.params(),
+            "model_meta": model_meta,
+            "buffer_meta": buffer_meta,
+            "seed": self.seed,
+            "rng": self.rng.bit_generator.state,
+            "eval_every": self.eval_every,
+            "eval_gallery": self.eval_gallery,
+            "rolling_window": self.rolling_window,
+            "stats": self.stats.as_dict(),
+            "pairs_seen": self.pairs_seen,
+            "pairs_unlabelled": self.pairs_unlabelled,
+            "update_seconds": self.update_seconds,
+            "update_hist": self.update_hist,
+        }
+        return arrays, meta
+
+    @classmethod
+    def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> Learner:
+        buffer_arrays = {k[7:]: v for k, v in arrays.items() if k.startswith("buffer.")}
+        learner = cls(
+            meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), meta["params"],
+            buffer_capacity=int(meta["buffer_meta"]["capacity"]), seed=int(meta["seed"]),
+            eval_every=int(meta["eval_every"]), eval_gallery=int(meta["eval_gallery"]),
+            rolling_window=int(meta["rolling_window"]),
+            max_labels=buffer_arrays["labels"].shape[1],
+        )
+        learner.model.load_state(
+            {k[6:]: v for k, v in arrays.items() if k.startswith("model.")}, meta["model_meta"]
+        )
+        learner.buffer = ReplayBuffer.from_state(buffer_arrays, meta["buffer_meta"])
+        learner.rng.bit_generator.state = meta["rng"]
+        for d in DIRECTIONS:
+            learner.rolling_ap[d].extend(float(x) for x in arrays[f"rolling_ap.{d}"])
+        learner.stats = LearnStats.from_dict(meta["stats"])
+        learner.pairs_seen = int(meta["pairs_seen"])
+        learner.pairs_unlabelled = int(meta["pairs_unlabelled"])
+        learner.update_seconds = float(meta["update_seconds"])
+        learner.update_hist = [int(x) for x in meta["update_hist"]]
+        return learner

@@ -1,0 +1,193 @@
+"""Pair message, version 1 (``DESIGN.md``): encoding, decoding and validation.
+
+One validator serves every entry point: the Python client and ``POST /v1/pairs`` reject a bad
+pair before it reaches the stream, and the worker dead-letters whatever reaches it anyway, with
+the same field name and reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = [
+    "MESSAGE_VERSION",
+    "InvalidPair",
+    "Limits",
+    "Pair",
+    "decode_pair",
+    "encode_pair",
+    "make_pair",
+]
+
+MESSAGE_VERSION = b"1"
+REQUIRED_FIELDS = (b"v", b"id", b"img", b"txt")
+KNOWN_FIELDS = (*REQUIRED_FIELDS, b"labels", b"ts")
+
+
+class InvalidPair(ValueError):
+    """A pair that breaks message v1. ``reason`` is a short code used as a metric label."""
+
+    def __init__(self, field: str, reason: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Input bounds shared by the client, the API and the worker."""
+
+    max_dim: int = 65_536
+    max_labels: int = 64
+    max_label_value: int = 1_000_000
+    max_id_length: int = 256
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One validated image-text pair. ``labels`` is empty for an unlabelled pair."""
+
+    id: str
+    img: NDArray[np.float32]
+    txt: NDArray[np.float32]
+    labels: tuple[int, ...] = ()
+    ts: float | None = None
+
+
+def _vector(name: str, value: ArrayLike, limits: Limits) -> NDArray[np.float32]:
+    try:
+        arr = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise InvalidPair(name, "not_numeric", f"not a numeric vector ({exc})") from None
+    if arr.ndim != 1 or arr.size == 0:
+        raise InvalidPair(name, "bad_shape", f"must be a non-empty 1-d vector, got shape {arr.shape}")
+    if arr.size > limits.max_dim:
+        raise InvalidPair(name, "too_large", f"{arr.size} values exceed the limit {limits.max_dim}")
+    if not np.isfinite(arr).all():
+        raise InvalidPair(name, "non_finite", "contains NaN or Inf (after float32 conversion)")
+    return arr
+
+
+def _labels(value: Iterable[object] | None, limits: Limits) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    out: list[int] = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int | np.integer):
+            raise InvalidPair("labels", "bad_labels", f"label {item!r} is not an integer")
+        if not 0 <= int(item) <= limits.max_label_value:
+            raise InvalidPair(
+                "labels", "bad_labels", f"label {item} outside 0..{limits.max_label_value}"
+            )
+        out.append(int(item))
+    if len(out) > limits.max_labels:
+        raise InvalidPair("labels", "bad_labels", f"{len(out)} labels exceed {limits.max_labels}")
+    return tuple(sorted(set(out)))
+
+
+def _pair_id(value: object, limits: Limits) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidPair("id", "bad_id", "must be a non-empty string")
+    if len(value) > limits.max_id_length:
+        raise InvalidPair("id", "bad_id", f"longer than {limits.max_id_length} characters")
+    return value
+
+
+def make_pair(
+    id: str,
+    img: ArrayLike,
+    txt: ArrayLike,
+    labels: Sequence[int] | None = None,
+    ts: float | None = None,
+    limits: Limits = Limits(),
+) -> Pair:
+    """Validate Python values into a :class:`Pair` or raise :class:`InvalidPair`.
+
+    Examples
+    --------
+    >>> make_pair("p1", [0.5, 0.5], [1.0], labels=[3]).labels
+    (3,)
+    >>> make_pair("p1", [float("nan")], [1.0])
+    Traceback (most recent call last):
+    ...
+    streamxm.messages.InvalidPair: img: contains NaN or Inf (after float32 conversion)
+    """
+    if ts is not None and (not isinstance(ts, int | float) or not math.isfinite(ts)):
+        raise InvalidPair("ts", "bad_ts", "must be a finite number of unix seconds")
+    return Pair(
+        id=_pair_id(id, limits),
+        img=_vector("img", img, limits),
+        txt=_vector("txt", txt, limits),
+        labels=_labels(labels, limits),
+        ts=None if ts is None else float(ts),
+    )
+
+
+def encode_pair(pair: Pair) -> dict[bytes, bytes]:
+    """Stream fields of message v1 for a validated pair."""
+    fields = {
+        b"v": MESSAGE_VERSION,
+        b"id": pair.id.encode(),
+        b"img": pair.img.astype("<f4", copy=False).tobytes(),
+        b"txt": pair.txt.astype("<f4", copy=False).tobytes(),
+    }
+    if pair.labels:
+        fields[b"labels"] = ",".join(map(str, pair.labels)).encode()
+    if pair.ts is not None:
+        fields[b"ts"] = repr(pair.ts).encode()
+    return fields
+
+
+def _decode_vector(name: str, raw: bytes, dim: int | None, limits: Limits) -> NDArray[np.float32]:
+    if len(raw) % 4:
+        raise InvalidPair(name, "bad_length", f"{len(raw)} bytes is not a whole number of float32")
+    n = len(raw) // 4
+    if dim is not None and n != dim:
+        raise InvalidPair(name, "dim_mismatch", f"{n} values, the namespace expects {dim}")
+    arr = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    return _vector(name, arr, limits)
+
+
+def decode_pair(
+    fields: Mapping[bytes, bytes],
+    img_dim: int | None = None,
+    txt_dim: int | None = None,
+    limits: Limits = Limits(),
+) -> Pair:
+    """Decode and validate raw stream fields; raise :class:`InvalidPair` with the reason."""
+    for name in REQUIRED_FIELDS:
+        if name not in fields:
+            raise InvalidPair(name.decode(), "missing_field", "required field is missing")
+    if fields[b"v"] != MESSAGE_VERSION:
+        raise InvalidPair("v", "bad_version", f"unsupported message version {fields[b'v']!r}")
+    try:
+        pair_id = fields[b"id"].decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidPair("id", "bad_id", "not valid UTF-8") from None
+    labels: list[int] | None = None
+    raw_labels = fields.get(b"labels", b"")
+    if raw_labels:
+        try:
+            labels = [int(x) for x in raw_labels.decode("ascii").split(",")]
+        except (UnicodeDecodeError, ValueError):
+            raise InvalidPair("labels", "bad_labels", "not comma-separated integers") from None
+    ts: float | None = None
+    if fields.get(b"ts"):
+        try:
+            ts = float(fields[b"ts"])
+        except ValueError:
+            raise InvalidPair("ts", "bad_ts", "not a number") from None
+    return make_pair(
+        pair_id,
+        _decode_vector("img", fields[b"img"], img_dim, limits),
+        _decode_vector("txt", fields[b"txt"], txt_dim, limits),
+        labels=labels,
+        ts=ts,
+        limits=limits,
+    )

@@ -1,0 +1,102 @@
+"""What every model offers: learning, embeddings for inner-product search, and state as arrays."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm.messages import Pair
+from streamxm.replay import ReplayBuffer
+
+__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats"]
+
+#: Query directions: an image query ranks texts (i2t), a text query ranks images (t2i).
+DIRECTIONS = ("i2t", "t2i")
+
+Arrays = dict[str, NDArray[Any]]
+
+
+@dataclass
+class LearnStats:
+    """What learning did, per direction: triplets used, mistakes (s(q,p) - s(q,n) <= 0 before the
+    update), hinge loss summed, and updates that changed the model."""
+
+    triplets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    mistakes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    loss: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
+    updates: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+
+    def add(self, direction: str, mistake: bool, loss: float, updated: bool) -> None:
+        self.triplets[direction] += 1
+        self.mistakes[direction] += int(mistake)
+        self.loss[direction] += loss
+        self.updates[direction] += int(updated)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {"triplets": dict(self.triplets), "mistakes": dict(self.mistakes),
+                "loss": dict(self.loss), "updates": dict(self.updates)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, float]]) -> LearnStats:
+        stats = cls()
+        for key in ("triplets", "mistakes", "updates"):
+            getattr(stats, key).update({k: int(v) for k, v in data[key].items()})
+        stats.loss.update({k: float(v) for k, v in data["loss"].items()})
+        return stats
+
+
+class CrossModalModel(ABC):
+    """Base class of the models. Subclasses set ``name`` and implement the abstract methods.
+
+    Online models (``online = True``) learn pair by pair through :meth:`learn_one`; the learner
+    stores the pair in the replay buffer first, so the model can draw triplets from it.
+    """
+
+    name: ClassVar[str]
+    online: ClassVar[bool] = True
+    #: Whether image and text embeddings live in one space (same-modality search makes sense).
+    shared_space: ClassVar[bool] = False
+
+    def __init__(self, img_dim: int, txt_dim: int) -> None:
+        self.img_dim = img_dim
+        self.txt_dim = txt_dim
+
+    @abstractmethod
+    def params(self) -> dict[str, Any]:
+        """Constructor parameters (JSON-serialisable), so a checkpoint can rebuild the model."""
+
+    @abstractmethod
+    def learn_one(
+        self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+        stats: LearnStats,
+    ) -> None:
+        """Learn from one arriving pair, already stored at ``slot`` of ``buffer``."""
+
+    @abstractmethod
+    def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        """Image vectors (n, img_dim) -> embeddings whose inner product with text embeddings is
+        the model's similarity."""
+
+    @abstractmethod
+    def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        """Text vectors (n, txt_dim) -> embeddings (see :meth:`embed_images`)."""
+
+    def similarity(
+        self, imgs: NDArray[np.floating], txts: NDArray[np.floating]
+    ) -> NDArray[np.float64]:
+        """Score matrix (n_imgs, n_txts). Subclasses may order the products more cheaply."""
+        a = self.embed_images(imgs).astype(np.float64)
+        b = self.embed_texts(txts).astype(np.float64)
+        return a @ b.T
+
+    @abstractmethod
+    def state(self) -> tuple[Arrays, dict[str, Any]]:
+        """Learned state as named arrays plus JSON-serialisable metadata."""
+
+    @abstractmethod
+    def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
+        """Restore what :meth:`state` returned (on a model built with the same params)."""

