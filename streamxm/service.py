@@ -1,0 +1,42 @@
+"""Wiring from settings to parts: one place that turns ``Settings`` into clients and stores."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from streamxm.checkpoint import CheckpointStore, DirectoryCheckpointStore, RedisCheckpointStore
+from streamxm.config import Settings
+from streamxm.keys import Keys
+from streamxm.messages import Limits
+from streamxm.worker import LearnerWorker
+
+__all__ = ["build_worker", "limits_from", "open_store"]
+
+
+def limits_from(settings: Settings) -> Limits:
+    return Limits(max_dim=settings.max_dim, max_labels=settings.max_labels,
+                  max_label_value=settings.max_label_value,
+                  max_id_length=settings.max_id_length)
+
+
+def open_store(settings: Settings, client: redis.Redis) -> CheckpointStore:
+    keys = Keys(settings.namespace)
+    if settings.checkpoint_store == "dir":
+        return DirectoryCheckpointStore(client, keys, settings.checkpoint_dir,
+                                        keep=settings.checkpoint_keep)
+    return RedisCheckpointStore(client, keys, keep=settings.checkpoint_keep)
+
+
+def build_worker(settings: Settings, client: redis.Redis, model: str,
+                 params: dict[str, Any] | None = None,
+                 learner_options: dict[str, Any] | None = None) -> LearnerWorker:
+    return LearnerWorker(
+        client, open_store(settings, client), model, namespace=settings.namespace,
+        consumer=settings.consumer, params=params, learner_options=learner_options,
+        seed=settings.seed, checkpoint_every_pairs=settings.checkpoint_every_pairs,
+        checkpoint_every_seconds=settings.checkpoint_every_seconds,
+        read_batch=settings.read_batch, block_ms=settings.block_ms,
+        lease_ttl_ms=settings.lease_ttl_ms, limits=limits_from(settings),
+    )

@@ -1,0 +1,344 @@
+"""The learner worker: read the stream with a consumer group, learn, checkpoint, acknowledge.
+
+Delivery guarantees (``DESIGN.md``):
+
+- One consumer group per model, so every model sees every pair.
+- One *active* learner per model at a time, chosen by a lease in Redis (``sxm:<ns>:lease:<m>``,
+  ``SET NX PX``, refreshed every loop). A sequential online learner has one model state, so
+  further workers of the same model are hot standbys: when the active one dies its lease expires,
+  a standby takes it, loads the newest checkpoint and claims the dead consumer's pending entries
+  (``XAUTOCLAIM``). This replaces "several workers split the load" for the sequential models.
+- Entries are acknowledged (``XACK``) only in the same Redis transaction that makes the checkpoint
+  containing their effect durable (with the Redis store; the directory store renames the file
+  first). The checkpoint records the last applied entry id, so a restarted learner acknowledges
+  without re-applying whatever it had already applied: no pair is lost, none is applied twice.
+- Entries that cannot be decoded or validated go to ``sxm:<ns>:dead`` with their reason, in the
+  same commit transaction, and never stop the worker.
+- SIGTERM (``stop`` set) ends with a final checkpoint and releases the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from streamxm.checkpoint import Checkpoint, CheckpointStore, LeaseLost
+from streamxm.client import check_dims, ensure_schema, read_schema
+from streamxm.keys import Keys
+from streamxm.learner import UPDATE_BUCKETS, Learner
+from streamxm.messages import InvalidPair, Limits, Pair, decode_pair
+from streamxm.models import DIRECTIONS
+
+__all__ = ["LearnerWorker", "entry_id_key"]
+
+log = logging.getLogger(__name__)
+
+_REFRESH_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def entry_id_key(entry_id: str) -> tuple[int, int]:
+    """Stream ids compare as (milliseconds, sequence)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass
+class _Pending:
+    """What was applied since the last checkpoint and awaits the commit."""
+
+    ack: list[str] = field(default_factory=list)
+    dead: list[dict[str, str | bytes]] = field(default_factory=list)
+    pairs: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.ack or self.dead)
+
+
+class LearnerWorker:
+    """Learn one model from the namespace's stream.
+
+    Parameters
+    ----------
+    client
+        Redis client.
+    store
+        Checkpoint store.
+    model
+        Model name (``DESIGN.md``).
+    namespace
+        Stream namespace.
+    consumer
+        Consumer name in the group (default ``<host>-<pid>``).
+    params
+        Model parameters, used when no checkpoint exists yet.
+    learner_options
+        Extra :class:`~streamxm.learner.Learner` options (buffer size, rolling-mAP schedule).
+    checkpoint_every_pairs, checkpoint_every_seconds
+        Checkpoint after this many pairs or this long, whichever comes first.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        store: CheckpointStore,
+        model: str,
+        namespace: str = "default",
+        consumer: str | None = None,
+        params: dict[str, Any] | None = None,
+        learner_options: dict[str, Any] | None = None,
+        seed: int = 0,
+        checkpoint_every_pairs: int = 2000,
+        checkpoint_every_seconds: float = 2.0,
+        read_batch: int = 256,
+        block_ms: int = 200,
+        lease_ttl_ms: int = 10_000,
+        limits: Limits = Limits(),
+    ) -> None:
+        self.r = client
+        self.store = store
+        self.model = model
+        self.keys = Keys(namespace)
+        self.group = self.keys.group(model)
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.params = params
+        self.learner_options = learner_options or {}
+        self.seed = seed
+        self.every_pairs = checkpoint_every_pairs
+        self.every_seconds = checkpoint_every_seconds
+        self.read_batch = read_batch
+        self.block_ms = block_ms
+        self.lease_ttl_ms = lease_ttl_ms
+        self.limits = limits
+        self.learner: Learner | None = None
+        self.version = 0
+        self.last_id = "0-0"
+        self.dead_letters = 0
+        self.leader = False
+        self._recovering = False
+        self._recovery_cursor = "0-0"
+        self._pending = _Pending()
+        self._last_commit = time.monotonic()
+        self._schema: tuple[int, int] | None = None
+        self._refresh = self.r.register_script(_REFRESH_LEASE)
+        self._release = self.r.register_script(_RELEASE_LEASE)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Register the model and create its consumer group (from the stream's start)."""
+        self.r.sadd(self.keys.models, self.model)
+        try:
+            self.r.xgroup_create(self.keys.pairs, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def run(self, stop: threading.Event | None = None, until_idle: bool = False) -> None:
+        """Loop until ``stop`` is set (or, with ``until_idle``, until nothing is left to read)."""
+        stop = stop or threading.Event()
+        self.setup()
+        log.info("worker %s: model %s, namespace %s", self.consumer, self.model,
+                 self.keys.namespace)
+        try:
+            while not stop.is_set():
+                if not self._hold_lease():
+                    stop.wait(self.lease_ttl_ms / 4000)
+                    continue
+                was_recovering = self._recovering
+                read = self.step()
+                if until_idle and read == 0 and not was_recovering:
+                    break
+        finally:
+            if self.leader:
+                self.commit()
+                self._release(keys=[self.keys.lease(self.model)], args=[self.consumer])
+                self.leader = False
+            log.info("worker %s stopped at entry %s, version %d", self.consumer, self.last_id,
+                     self.version)
+
+    def _hold_lease(self) -> bool:
+        key = self.keys.lease(self.model)
+        if self.leader:
+            if self._refresh(keys=[key], args=[self.consumer, self.lease_ttl_ms]):
+                return True
+            log.warning("worker %s lost the lease of %s", self.consumer, self.model)
+            self.leader, self.learner, self._pending = False, None, _Pending()
+        if self.r.set(key, self.consumer, nx=True, px=self.lease_ttl_ms):
+            self.leader = True
+            self._load()
+            return True
+        return False
+
+    def _load(self) -> None:
+        ckpt = self.store.load_latest(self.model)
+        if ckpt is None:
+            self.learner, self.version, self.last_id, self.dead_letters = None, 0, "0-0", 0
+        else:
+            self.learner = Learner.from_state(ckpt.arrays, ckpt.meta)
+            self.version, self.last_id = ckpt.version, ckpt.last_id
+            self.dead_letters = int(ckpt.meta.get("worker", {}).get("dead_letters", 0))
+        self._pending = _Pending()
+        self._last_commit = time.monotonic()
+        self._claim_orphans()
+        self._recovering, self._recovery_cursor = True, "0-0"
+        log.info("worker %s leads %s from version %d (entry %s)", self.consumer, self.model,
+                 self.version, self.last_id)
+
+    def _claim_orphans(self) -> None:
+        """Move every pending entry of other consumers to us: we hold the lease, so they are
+        dead (or stale and fenced off by the lease check at commit)."""
+        cursor = "0-0"
+        while True:
+            # Raw command: redis-py drops the cursor from a JUSTID reply.
+            reply = self.r.execute_command("XAUTOCLAIM", self.keys.pairs, self.group,
+                                           self.consumer, 0, cursor, "COUNT", 1000, "JUSTID")
+            cursor = _text(reply[0])
+            if cursor == "0-0":
+                break
+
+    # -- one read -> learn -> maybe checkpoint cycle ---------------------------------------
+    def step(self) -> int:
+        """Read one batch (our own pending entries first after a takeover), learn, and commit if
+        due. Returns the number of entries read."""
+        if self._recovering:
+            reply = self.r.xreadgroup(self.group, self.consumer,
+                                      {self.keys.pairs: self._recovery_cursor},
+                                      count=self.read_batch)
+        else:
+            reply = self.r.xreadgroup(self.group, self.consumer, {self.keys.pairs: ">"},
+                                      count=self.read_batch, block=self.block_ms)
+        entries = reply[0][1] if reply else []
+        if self._recovering:
+            if not entries:
+                self._recovering = False
+            else:
+                self._recovery_cursor = _text(entries[-1][0])
+        self._apply(entries)
+        if self._pending and (self._pending.pairs >= self.every_pairs
+                              or time.monotonic() - self._last_commit >= self.every_seconds):
+            self.commit()
+        return len(entries)
+
+    def _apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+        already: list[str] = []
+        pairs: list[Pair] = []
+        for raw_id, fields in entries:
+            entry_id = _text(raw_id)
+            if entry_id_key(entry_id) <= entry_id_key(self.last_id):
+                already.append(entry_id)  # applied before the restart; only the ack was lost
+                continue
+            self._pending.ack.append(entry_id)
+            self.last_id = entry_id
+            if fields is None:  # deleted from the stream while pending
+                continue
+            try:
+                pairs.append(self._decode(fields))
+            except InvalidPair as exc:
+                self._dead_letter(entry_id, fields, exc)
+        if already:
+            self.r.xack(self.keys.pairs, self.group, *already)
+        if pairs:
+            if self.learner is None:
+                self.learner = Learner(self.model, pairs[0].img.shape[0], pairs[0].txt.shape[0],
+                                       self.params, seed=self.seed, **self.learner_options)
+            self.learner.learn(pairs)
+            self._pending.pairs += len(pairs)
+
+    def _decode(self, fields: dict[bytes, bytes]) -> Pair:
+        if self._schema is None:
+            self._schema = read_schema(self.r, self.keys)
+        if self._schema is None:
+            pair = decode_pair(fields, limits=self.limits)
+            self._schema = ensure_schema(self.r, self.keys, pair.img.shape[0], pair.txt.shape[0])
+            check_dims(pair, self._schema)
+            return pair
+        return decode_pair(fields, self._schema[0], self._schema[1], self.limits)
+
+    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], exc: InvalidPair) -> None:
+        log.warning("dead letter %s (%s): %s", entry_id, exc.reason, exc)
+        letter: dict[str, str | bytes] = {
+            "entry_id": entry_id, "model": self.model, "reason": exc.reason,
+            "field": exc.field, "detail": exc.detail, "consumer": self.consumer,
+        }
+        for name, value in fields.items():
+            letter[f"orig.{_text(name)}"] = value
+        self._pending.dead.append(letter)
+
+    # -- commit ------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Checkpoint, dead-letter and acknowledge everything since the last commit, atomically."""
+        pending = self._pending
+        if not pending:
+            return
+        learner = self.learner
+        self.dead_letters += len(pending.dead)
+        if learner is not None:
+            self.version += 1
+            arrays, meta = learner.state()
+            meta["worker"] = {"dead_letters": self.dead_letters}
+            ckpt = Checkpoint(self.version, arrays, meta, last_id=self.last_id)
+
+        def hook(pipe: redis.client.Pipeline) -> None:
+            if pending.ack:
+                pipe.xack(self.keys.pairs, self.group, *pending.ack)
+            for letter in pending.dead:
+                pipe.xadd(self.keys.dead, letter)  # type: ignore[arg-type]
+                pipe.hincrby(self.keys.dead_counts, f"{self.model}|{letter['reason']}", 1)
+            pipe.hset(self.keys.stats(self.model), mapping=self._stats_fields())
+
+        lease = (self.keys.lease(self.model), self.consumer)
+        try:
+            if learner is None:  # only dead letters so far: nothing to checkpoint yet
+                with self.r.pipeline(transaction=True) as pipe:
+                    hook(pipe)
+                    pipe.execute()
+            else:
+                self.store.commit(self.model, ckpt, {"pairs_seen": learner.pairs_seen},
+                                  hook=hook, lease=lease)
+        except (LeaseLost, redis.WatchError):
+            log.error("worker %s lost the lease during a commit; dropping its state",
+                      self.consumer)
+            self.leader, self.learner, self._pending = False, None, _Pending()
+            return
+        self._pending = _Pending()
+        self._last_commit = time.monotonic()
+        log.debug("checkpoint %s v%d at %s", self.model, self.version, self.last_id)
+
+    def _stats_fields(self) -> dict[str, str]:
+        fields = {"version": str(self.version), "last_id": self.last_id,
+                  "checkpoint_time": repr(time.time()), "dead_letters": str(self.dead_letters),
+                  "consumer": self.consumer}
+        learner = self.learner
+        if learner is None:
+            return fields
+        rolling = learner.rolling_map()
+        fields.update(pairs_processed=str(learner.pairs_seen),
+                      pairs_unlabelled=str(learner.pairs_unlabelled),
+                      update_seconds_sum=repr(learner.update_seconds))
+        for d in DIRECTIONS:
+            fields[f"triplets_{d}"] = str(learner.stats.triplets[d])
+            fields[f"mistakes_{d}"] = str(learner.stats.mistakes[d])
+            fields[f"loss_{d}"] = repr(learner.stats.loss[d])
+            fields[f"rolling_map_{d}"] = "" if rolling[d] is None else repr(rolling[d])
+        for bound, count in zip(UPDATE_BUCKETS, learner.update_hist, strict=True):
+            fields[f"update_bucket_{bound}"] = str(count)
+        return fields
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
