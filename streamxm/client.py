@@ -100,7 +100,7 @@ class StreamClient:
             try:
                 validated.append(make_pair(pid, img, txt, labels, None, self.limits))
             except InvalidPair as exc:
-                raise InvalidPair(f"pairs[{i}].{exc.field}", exc.reason, exc.detail) from None
+                raise InvalidPair(exc.field, exc.reason, exc.detail, index=i) from None
         return self.push_pairs(validated, chunk)
 
     def push_pairs(self, pairs: Sequence[Pair], chunk: int = 500) -> list[str]:
@@ -109,8 +109,8 @@ class StreamClient:
             try:
                 self._check(pair)
             except InvalidPair as exc:
-                field = f"pairs[{i}].{exc.field}" if len(pairs) > 1 else exc.field
-                raise InvalidPair(field, exc.reason, exc.detail) from None
+                index = i if len(pairs) > 1 else None
+                raise InvalidPair(exc.field, exc.reason, exc.detail, index=index) from None
         ids: list[str] = []
         for start in range(0, len(pairs), chunk):
             part = pairs[start : start + chunk]

@@ -53,6 +53,7 @@ class Settings(BaseSettings):
     max_id_length: int = Field(default=256, ge=1)
     max_batch: int = Field(default=1024, ge=1)
     max_k: int = Field(default=1000, ge=1)
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
 
 
 @lru_cache(maxsize=1)

@@ -32,11 +32,13 @@ KNOWN_FIELDS = (*REQUIRED_FIELDS, b"labels", b"ts")
 class InvalidPair(ValueError):
     """A pair that breaks message v1. ``reason`` is a short code used as a metric label."""
 
-    def __init__(self, field: str, reason: str, detail: str) -> None:
-        super().__init__(f"{field}: {detail}")
+    def __init__(self, field: str, reason: str, detail: str, index: int | None = None) -> None:
+        where = field if index is None else f"pairs[{index}].{field}"
+        super().__init__(f"{where}: {detail}")
         self.field = field
         self.reason = reason
         self.detail = detail
+        self.index = index  # position in a batch, when the pair came in one
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The FastAPI app: thin routes over :mod:`streamxm`."""

@@ -1,0 +1,206 @@
+"""HTTP API: health, models, similarity, search, ingest and metrics. Logic lives in streamxm."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import numpy as np
+import redis
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.schemas import (
+    Hit,
+    ModelInfo,
+    ModelsOut,
+    PairsIn,
+    PairsOut,
+    SearchIn,
+    SearchOut,
+    SimilarityIn,
+    SimilarityOut,
+)
+from streamxm.client import StreamClient
+from streamxm.config import Settings, get_settings
+from streamxm.keys import Keys
+from streamxm.messages import InvalidPair, make_pair
+from streamxm.metrics import ApiMetrics
+from streamxm.models import DIRECTIONS
+from streamxm.redis_conn import connect
+from streamxm.service import limits_from, open_store
+from streamxm.serving import ModelServer, UnknownModel
+
+_bearer = HTTPBearer(auto_error=False)
+Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _unprocessable(field: list[str | int], reason: str, message: str) -> HTTPException:
+    return HTTPException(422, detail=[{"loc": ["body", *field], "msg": message, "type": reason}])
+
+
+def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> FastAPI:
+    """Build the app. Without arguments it reads settings from the environment."""
+    settings = settings or get_settings()
+    r = client or connect(settings)
+    keys = Keys(settings.namespace)
+    limits = limits_from(settings)
+    server = ModelServer(r, open_store(settings, r), settings.namespace,
+                         gallery_max=settings.gallery_max, limits=limits)
+    metrics = ApiMetrics(r, server, keys)
+    producer = StreamClient(r, settings.namespace, limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.start(settings.reload_interval_seconds)
+        yield
+        server.stop()
+
+    app = FastAPI(title="streamxm", version="0.1.0", lifespan=lifespan,
+                  description="Streaming cross-modal retrieval: similarity and top-k search "
+                              "from the newest online model.")
+    app.state.server = server
+    app.state.settings = settings
+
+    def check_token(credentials: HTTPAuthorizationCredentials | None) -> None:
+        token = settings.api_token
+        if token is None:
+            return
+        given = credentials.credentials if credentials else ""
+        # Constant-time comparison; the token itself is never logged.
+        if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+            raise HTTPException(401, detail="missing or invalid bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    def write_auth(credentials: Creds) -> None:
+        check_token(credentials)
+
+    def read_auth(credentials: Creds) -> None:
+        if settings.api_token_for_reads:
+            check_token(credentials)
+
+    def model_name(name: str | None) -> str:
+        return name or settings.default_model
+
+    def matrix(rows: list[list[float]], field: str, dim: int | None) -> np.ndarray[Any, Any]:
+        if len(rows) > settings.max_batch:
+            raise _unprocessable([field], "too_large",
+                                 f"{len(rows)} vectors exceed the limit {settings.max_batch}")
+        lengths = {len(row) for row in rows}
+        if len(lengths) != 1 or (dim is not None and lengths != {dim}):
+            raise _unprocessable([field], "dim_mismatch",
+                                 f"every vector must have {dim or 'the same'} values")
+        arr = np.asarray(rows, dtype=np.float32)
+        if not np.isfinite(arr).all():
+            raise _unprocessable([field], "non_finite", "contains NaN or Inf")
+        return arr
+
+    @app.middleware("http")
+    async def observe(request: Request,
+                      call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        route = request.url.path
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse({"detail": f"body larger than {settings.max_body_bytes} bytes"},
+                                status_code=413)
+        start = time.perf_counter()
+        response = await call_next(request)
+        metrics.request_seconds.labels(route, request.method).observe(
+            time.perf_counter() - start)
+        metrics.requests.labels(route, request.method, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(UnknownModel)
+    async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        if server.ready:
+            return JSONResponse({"status": "ready", "models": sorted(server.served)})
+        return JSONResponse({"status": "waiting for a model checkpoint"}, status_code=503)
+
+    @app.get("/v1/models", response_model=ModelsOut, dependencies=[Depends(read_auth)])
+    def models() -> ModelsOut:
+        out = []
+        for name in sorted(m.decode() for m in r.smembers(keys.models)):  # type: ignore[union-attr]
+            raw = {k.decode(): v.decode() for k, v in r.hgetall(keys.stats(name)).items()}  # type: ignore[union-attr]
+            served = server.served.get(name)
+            out.append(ModelInfo(
+                name=name, loaded=served is not None,
+                version=served.version if served else None,
+                checkpoint_version=int(raw["version"]) if raw.get("version") else None,
+                pairs_seen=int(raw.get("pairs_processed", 0)),
+                mistakes={d: int(raw.get(f"mistakes_{d}", 0)) for d in DIRECTIONS},
+                triplets={d: int(raw.get(f"triplets_{d}", 0)) for d in DIRECTIONS},
+                rolling_map={d: float(raw[f"rolling_map_{d}"]) if raw.get(f"rolling_map_{d}")
+                             else None for d in DIRECTIONS},
+                checkpoint_time=float(raw["checkpoint_time"]) if "checkpoint_time" in raw
+                else None,
+                gallery_items=served.gallery_size if served else 0,
+            ))
+        return ModelsOut(models=out)
+
+    @app.post("/v1/similarity", response_model=SimilarityOut, dependencies=[Depends(read_auth)])
+    def similarity(body: SimilarityIn) -> SimilarityOut:
+        name = model_name(body.model)
+        dims = server.get(name).model
+        images = matrix(body.images, "images", dims.img_dim)
+        texts = matrix(body.texts, "texts", dims.txt_dim)
+        if body.mode == "paired" and len(images) != len(texts):
+            raise _unprocessable(["texts"], "length_mismatch",
+                                 "paired mode needs as many texts as images")
+        served, scores = server.similarity(name, images, texts, body.mode == "matrix")
+        return SimilarityOut(model=name, version=served.version, scores=scores.tolist())
+
+    @app.post("/v1/search", response_model=SearchOut, dependencies=[Depends(read_auth)])
+    def search(body: SearchIn) -> SearchOut:
+        name = model_name(body.model)
+        if body.k > settings.max_k:
+            raise _unprocessable(["k"], "too_large", f"k must be <= {settings.max_k}")
+        model = server.get(name).model
+        dim = model.img_dim if body.modality == "image" else model.txt_dim
+        vector = matrix([body.vector], "vector", dim)[0]
+        served, hits = server.search(name, body.modality, vector, body.k)
+        return SearchOut(model=name, version=served.version,
+                         target="text" if body.modality == "image" else "image",
+                         results=[Hit(id=i, score=s) for i, s in hits])
+
+    @app.post("/v1/pairs", response_model=PairsOut, status_code=202,
+              dependencies=[Depends(write_auth)])
+    def pairs(body: PairsIn) -> PairsOut:
+        if len(body.pairs) > settings.max_batch:
+            raise _unprocessable(["pairs"], "too_large",
+                                 f"{len(body.pairs)} pairs exceed the limit {settings.max_batch}")
+        validated = []
+        for i, p in enumerate(body.pairs):
+            try:
+                validated.append(make_pair(p.id, p.img, p.txt, p.labels, p.ts, limits))
+            except InvalidPair as exc:
+                raise _unprocessable(["pairs", i, exc.field], exc.reason, exc.detail) from None
+        try:
+            ids = producer.push_pairs(validated)
+        except InvalidPair as exc:
+            index = 0 if exc.index is None else exc.index
+            raise _unprocessable(["pairs", index, exc.field], exc.reason, exc.detail) from None
+        metrics.pairs_accepted.inc(len(ids))
+        return PairsOut(accepted=len(ids), entry_ids=ids)
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,76 @@
+"""Request and response bodies. Sizes are bounded here and again by the settings' limits."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+Vector = list[float]
+
+
+class PairIn(BaseModel):
+    id: str = Field(min_length=1, max_length=256, description="producer's pair id")
+    img: Vector = Field(min_length=1, description="image feature vector")
+    txt: Vector = Field(min_length=1, description="text feature vector")
+    labels: list[int] | None = Field(default=None, description="optional non-negative labels")
+    ts: float | None = Field(default=None, description="event time, unix seconds")
+
+
+class PairsIn(BaseModel):
+    pairs: list[PairIn] = Field(min_length=1)
+
+
+class PairsOut(BaseModel):
+    accepted: int
+    entry_ids: list[str]
+
+
+class SimilarityIn(BaseModel):
+    model: str | None = Field(default=None, description="model name; default from settings")
+    images: list[Vector] = Field(min_length=1)
+    texts: list[Vector] = Field(min_length=1)
+    mode: Literal["paired", "matrix"] = Field(
+        default="paired", description="paired: score (images[i], texts[i]); matrix: all pairs")
+
+
+class SimilarityOut(BaseModel):
+    model: str
+    version: int
+    scores: list[float] | list[list[float]]
+
+
+class SearchIn(BaseModel):
+    model: str | None = None
+    modality: Literal["image", "text"] = Field(description="modality of the query vector")
+    vector: Vector = Field(min_length=1)
+    k: int = Field(default=10, ge=1)
+
+
+class Hit(BaseModel):
+    id: str
+    score: float
+
+
+class SearchOut(BaseModel):
+    model: str
+    version: int
+    target: Literal["image", "text"]
+    results: list[Hit]
+
+
+class ModelInfo(BaseModel):
+    name: str
+    loaded: bool
+    version: int | None = Field(description="version the API serves")
+    checkpoint_version: int | None = Field(description="newest version the worker wrote")
+    pairs_seen: int
+    mistakes: dict[str, int]
+    triplets: dict[str, int]
+    rolling_map: dict[str, float | None]
+    checkpoint_time: float | None
+    gallery_items: int
+
+
+class ModelsOut(BaseModel):
+    models: list[ModelInfo]

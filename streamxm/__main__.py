@@ -1,0 +1,3 @@
+from streamxm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The ``streamxm`` command: demo, worker, api, push, bench, redis."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _params(items: list[str]) -> dict[str, Any]:
+    """``["C=0.1", "center=false"]`` -> ``{"C": 0.1, "center": False}`` (JSON values)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--param expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from streamxm.demo import render, run_demo
+
+    result = run_demo(pairs=args.pairs, as_json=args.json, port=args.port, rate=args.rate,
+                      model=args.model)
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from streamxm.config import get_settings
+    from workers.learner import run_worker
+
+    return run_worker(get_settings(), args.model, _params(args.param) or None)
+
+
+def _cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from streamxm.config import get_settings
+
+    settings = get_settings()
+    uvicorn.run("api.app:create_app", factory=True, host=args.host or settings.api_host,
+                port=args.port or settings.api_port, log_level="info")
+    return 0
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from streamxm.client import StreamClient
+    from streamxm.config import get_settings
+    from streamxm.datasets import iter_pairs, load_dataset
+    from streamxm.redis_conn import connect
+    from streamxm.service import limits_from
+
+    settings = get_settings()
+    client = StreamClient(connect(settings), settings.namespace, limits_from(settings))
+    ds = load_dataset(args.dataset)
+    pairs = list(iter_pairs(ds, limit=args.limit, unlabelled=args.unlabelled,
+                            prefix=args.id_prefix))
+    chunk = max(1, min(500, int(args.rate) if args.rate else 500))
+    start = time.monotonic()
+    with tqdm(total=len(pairs), unit="pair", desc="pushed") as bar:
+        for i in range(0, len(pairs), chunk):
+            part = pairs[i : i + chunk]
+            client.push_pairs(part)
+            bar.update(len(part))
+            if args.rate:
+                # Hold the average rate: sleep until this many pairs are due.
+                due = start + (i + len(part)) / args.rate
+                time.sleep(max(0.0, due - time.monotonic()))
+    return 0
+
+
+def _cmd_bench_quality(args: argparse.Namespace) -> int:
+    from streamxm.bench import quality
+
+    result = quality(args.dataset, args.model, protocol=args.protocol,
+                     unlabelled=args.unlabelled, seed=args.seed, epochs=args.epochs,
+                     params=_params(args.param) or None, progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.model} ({args.protocol}): image->text {result['map_i2t']:.4f}  "
+              f"text->image {result['map_t2i']:.4f}")
+    return 0
+
+
+def _cmd_redis(args: argparse.Namespace) -> int:
+    from streamxm.config import get_settings
+    from streamxm.redis_conn import EmbeddedRedis
+
+    server = EmbeddedRedis(get_settings().data_dir / "redis")
+    if args.action == "start":
+        print(server.start())
+    elif args.action == "stop":
+        server.stop()
+    else:
+        print("running" if server.is_running() else "stopped", server.url)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamxm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="embedded Redis + worker + API on the Wikipedia pairs")
+    demo.add_argument("--pairs", type=int, default=None, help="train pairs to replay (default all)")
+    demo.add_argument("--json", action="store_true", help="print the final figures as JSON")
+    demo.add_argument("--port", type=int, default=8765, help="API port for the demo")
+    demo.add_argument("--rate", type=float, default=None, help="push rate, pairs/s")
+    demo.add_argument("--model", default="cmos")
+    demo.set_defaults(func=_cmd_demo)
+
+    worker = sub.add_parser("worker", help="run a learner worker")
+    worker.add_argument("--model", required=True, help="model name, e.g. cmos")
+    worker.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="model parameter for a fresh model (JSON value)")
+    worker.set_defaults(func=_cmd_worker)
+
+    api = sub.add_parser("api", help="run the HTTP API")
+    api.add_argument("--host", default=None)
+    api.add_argument("--port", type=int, default=None)
+    api.set_defaults(func=_cmd_api)
+
+    push = sub.add_parser("push", help="push a dataset's training pairs into the stream")
+    push.add_argument("--dataset", required=True, help="benchmark .npz (DESIGN.md)")
+    push.add_argument("--rate", type=float, default=None, help="pairs per second")
+    push.add_argument("--limit", type=int, default=None, help="push only the first N pairs")
+    push.add_argument("--unlabelled", action="store_true", help="withhold labels")
+    push.add_argument("--id-prefix", default="train", help="pair ids are PREFIX-<row>")
+    push.set_defaults(func=_cmd_push)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    q = bench_sub.add_parser("quality", help="test-split mAP on a benchmark file")
+    q.add_argument("--dataset", required=True)
+    q.add_argument("--model", required=True)
+    q.add_argument("--protocol", choices=["stream", "offline"], default="stream")
+    q.add_argument("--unlabelled", action="store_true", help="withhold every training label")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
+    q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_cmd_bench_quality)
+
+    rd = sub.add_parser("redis", help="the embedded Redis server")
+    rd.add_argument("action", choices=["start", "stop", "status"])
+    rd.set_defaults(func=_cmd_redis)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return int(args.func(args))

@@ -1,0 +1,139 @@
+"""Prometheus metrics for the API's ``/metrics``.
+
+Learning metrics live in Redis (each worker writes its statistics hash with every checkpoint);
+:class:`StreamCollector` reads them at scrape time, so one scrape target shows ingest, learning,
+serving and stream health. Names follow Prometheus conventions (``_total`` counters, base units).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from streamxm.keys import Keys
+from streamxm.learner import UPDATE_BUCKETS
+from streamxm.models import DIRECTIONS
+from streamxm.serving import ModelServer
+
+__all__ = ["ApiMetrics", "StreamCollector"]
+
+REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ApiMetrics:
+    """The API process's own metrics, in a registry of its own (one per app)."""
+
+    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys) -> None:
+        self.registry = CollectorRegistry()
+        self.request_seconds = Histogram(
+            "streamxm_request_duration_seconds", "HTTP request latency",
+            ["route", "method"], buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "streamxm_requests", "HTTP requests by status", ["route", "method", "status"],
+            registry=self.registry)
+        self.pairs_accepted = Counter(
+            "streamxm_api_pairs_accepted", "pairs accepted by POST /v1/pairs",
+            registry=self.registry)
+        self.registry.register(StreamCollector(client, server, keys))
+
+
+def _float(raw: dict[str, str], key: str, default: float = 0.0) -> float:
+    value = raw.get(key, "")
+    return float(value) if value not in ("", None) else default
+
+
+class StreamCollector(Collector):
+    """Reads stream and learner state from Redis on every scrape."""
+
+    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys) -> None:
+        self.r = client
+        self.server = server
+        self.keys = keys
+
+    def collect(self) -> Iterator[Metric]:
+        ns = self.keys.namespace
+        ingested = int(self.r.get(self.keys.ingested) or 0)  # type: ignore[arg-type]
+        m_ingested = CounterMetricFamily(
+            "streamxm_pairs_ingested", "pairs added to the stream by streamxm producers",
+            labels=["namespace"])
+        m_ingested.add_metric([ns], ingested)
+        yield m_ingested
+
+        processed = CounterMetricFamily("streamxm_pairs_processed",
+                                        "pairs applied by the model's learner", labels=["model"])
+        triplets = CounterMetricFamily("streamxm_triplets", "triplets learned from",
+                                       labels=["model", "direction"])
+        mistakes = CounterMetricFamily(
+            "streamxm_mistakes", "triplets ranked wrongly before the update (s(q,p)-s(q,n)<=0)",
+            labels=["model", "direction"])
+        rolling = GaugeMetricFamily("streamxm_rolling_map",
+                                    "test-then-train rolling mAP (0..1)",
+                                    labels=["model", "direction"])
+        age = GaugeMetricFamily("streamxm_checkpoint_age_seconds",
+                                "seconds since the newest checkpoint", labels=["model"])
+        ckpt_version = GaugeMetricFamily("streamxm_checkpoint_version",
+                                         "newest checkpoint version", labels=["model"])
+        served_version = GaugeMetricFamily("streamxm_model_version",
+                                           "model version the API serves", labels=["model"])
+        lag = GaugeMetricFamily("streamxm_stream_lag",
+                                "pairs ingested but not yet consumed by the model's group",
+                                labels=["model"])
+        pending = GaugeMetricFamily("streamxm_stream_pending",
+                                    "entries delivered to the group but not acknowledged",
+                                    labels=["model"])
+        update = HistogramMetricFamily("streamxm_update_duration_seconds",
+                                       "time to test-then-train one pair", labels=["model"])
+        gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
+                                    labels=["model"])
+
+        groups = {}
+        try:
+            for info in self.r.xinfo_groups(self.keys.pairs):
+                name = info["name"]
+                groups[name.decode() if isinstance(name, bytes) else name] = int(info["pending"])
+        except redis.ResponseError:  # no stream yet
+            pass
+        now = time.time()
+        for model in sorted(m.decode() for m in self.r.smembers(self.keys.models)):  # type: ignore[union-attr]
+            raw = {k.decode(): v.decode()
+                   for k, v in self.r.hgetall(self.keys.stats(model)).items()}  # type: ignore[union-attr]
+            done = _float(raw, "pairs_processed") + _float(raw, "dead_letters")
+            processed.add_metric([model], _float(raw, "pairs_processed"))
+            for d in DIRECTIONS:
+                triplets.add_metric([model, d], _float(raw, f"triplets_{d}"))
+                mistakes.add_metric([model, d], _float(raw, f"mistakes_{d}"))
+                if raw.get(f"rolling_map_{d}"):
+                    rolling.add_metric([model, d], _float(raw, f"rolling_map_{d}"))
+            if "checkpoint_time" in raw:
+                age.add_metric([model], max(0.0, now - _float(raw, "checkpoint_time")))
+                ckpt_version.add_metric([model], _float(raw, "version"))
+            lag.add_metric([model], max(0.0, ingested - done))
+            pending.add_metric([model], groups.get(model, 0))
+            buckets, cumulative = [], 0.0
+            for bound in UPDATE_BUCKETS:
+                cumulative += _float(raw, f"update_bucket_{bound}")
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            update.add_metric([model], buckets, _float(raw, "update_seconds_sum"))
+            served = self.server.served.get(model)
+            if served is not None:
+                served_version.add_metric([model], served.version)
+                gallery.add_metric([model], served.gallery_size)
+        yield from (processed, triplets, mistakes, rolling, age, ckpt_version, served_version,
+                    lag, pending, update, gallery)
+
+        dead = CounterMetricFamily("streamxm_dead_letters", "entries dead-lettered, by reason",
+                                   labels=["model", "reason"])
+        for key, count in sorted(self.r.hgetall(self.keys.dead_counts).items()):  # type: ignore[union-attr]
+            model, _, reason = key.decode().partition("|")
+            dead.add_metric([model, reason], int(count))
+        yield dead

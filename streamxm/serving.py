@@ -1,0 +1,254 @@
+"""Serving: the newest checkpoint of every model, hot-swapped, and a search gallery kept from
+the pairs stream.
+
+One background thread (:meth:`ModelServer.refresh`) does all the writing: it reads new pairs into
+the gallery and loads new checkpoint versions. Readers take a reference to an immutable
+:class:`ServedModel` and never lock, so a query sees one model version and the gallery
+embeddings computed with it, never half of a swap.
+
+The gallery is a tuple of immutable chunks (ids, images, texts); a new chunk is added for each
+batch read, small trailing chunks are merged, and the oldest chunks leave once the total passes
+``gallery_max`` (so the cap holds to within one chunk). Each served model keeps one embedding
+array per chunk; unchanged chunks keep theirs when the gallery grows, and a new model version
+re-embeds all of them before it is swapped in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+from numpy.typing import NDArray
+
+from streamxm.checkpoint import CheckpointStore
+from streamxm.client import read_schema
+from streamxm.keys import Keys
+from streamxm.learner import Learner
+from streamxm.messages import InvalidPair, Limits, decode_pair
+from streamxm.models import CrossModalModel, split_name
+
+__all__ = ["GalleryChunk", "ModelServer", "ServedModel", "UnknownModel"]
+
+log = logging.getLogger(__name__)
+
+_MERGE_BELOW = 4096  # rows: a trailing chunk smaller than this absorbs the next batch
+
+
+class UnknownModel(LookupError):
+    """No checkpoint of this model is loaded (yet)."""
+
+
+@dataclass(frozen=True, eq=False)
+class GalleryChunk:
+    """Immutable rows of the gallery, identified by object identity."""
+
+    ids: NDArray[np.str_]
+    img: NDArray[np.float32]
+    txt: NDArray[np.float32]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True, eq=False)
+class ServedModel:
+    """One model version with the gallery embedded by it."""
+
+    name: str
+    version: int
+    model: CrossModalModel
+    head: dict[str, Any]
+    loaded_at: float
+    # chunk -> (image embeddings, text embeddings), in gallery order
+    embedded: tuple[tuple[GalleryChunk, NDArray[np.float32], NDArray[np.float32]], ...]
+
+    @property
+    def gallery_size(self) -> int:
+        return sum(len(c) for c, _, _ in self.embedded)
+
+
+def _embed(model: CrossModalModel, chunk: GalleryChunk) -> tuple[
+        GalleryChunk, NDArray[np.float32], NDArray[np.float32]]:
+    return chunk, model.embed_images(chunk.img), model.embed_texts(chunk.txt)
+
+
+class ModelServer:
+    """Keeps the served models and the gallery current.
+
+    Parameters
+    ----------
+    client
+        Redis client.
+    store
+        Checkpoint store the workers write to.
+    namespace
+        Stream namespace.
+    gallery_max
+        Gallery size cap (items; within one chunk).
+    """
+
+    def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
+                 gallery_max: int = 100_000, limits: Limits = Limits(),
+                 read_count: int = 5000) -> None:
+        self.r = client
+        self.store = store
+        self.keys = Keys(namespace)
+        self.gallery_max = gallery_max
+        self.limits = limits
+        self.read_count = read_count
+        self.chunks: tuple[GalleryChunk, ...] = ()
+        self.served: dict[str, ServedModel] = {}
+        self.last_gallery_id = "0-0"
+        self.gallery_skipped = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- background refresh ------------------------------------------------------------------
+    def start(self, interval: float = 0.25) -> None:
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.refresh()
+                except redis.RedisError as exc:
+                    log.warning("refresh failed (will retry): %s", exc)
+                self._stop.wait(interval)
+
+        self._thread = threading.Thread(target=loop, name="streamxm-refresh", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def refresh(self) -> None:
+        """Read new gallery pairs, load new checkpoint versions, re-embed as needed."""
+        gallery_changed = self._read_gallery()
+        names = sorted(m.decode() for m in self.r.smembers(self.keys.models))  # type: ignore[union-attr]
+        for name in names:
+            head = self.store.head(name)
+            if head is None:
+                continue
+            current = self.served.get(name)
+            if current is None or head["version"] != current.version:
+                self._load(name)
+            elif gallery_changed:
+                self._reembed(current)
+
+    def _read_gallery(self) -> bool:
+        changed = False
+        while True:
+            reply = self.r.xread({self.keys.pairs: self.last_gallery_id}, count=self.read_count)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return changed
+            schema = read_schema(self.r, self.keys)
+            ids, imgs, txts = [], [], []
+            for raw_id, fields in entries:
+                try:
+                    pair = decode_pair(fields, *(schema or (None, None)), limits=self.limits)
+                except InvalidPair:
+                    self.gallery_skipped += 1
+                    continue
+                ids.append(pair.id)
+                imgs.append(pair.img)
+                txts.append(pair.txt)
+            last = entries[-1][0]
+            self.last_gallery_id = last.decode() if isinstance(last, bytes) else str(last)
+            if ids:
+                self._append(GalleryChunk(np.asarray(ids), np.vstack(imgs), np.vstack(txts)))
+                changed = True
+
+    def _append(self, chunk: GalleryChunk) -> None:
+        chunks = list(self.chunks)
+        if chunks and len(chunks[-1]) < _MERGE_BELOW:
+            tail = chunks.pop()
+            chunk = GalleryChunk(np.concatenate([tail.ids, chunk.ids]),
+                                 np.vstack([tail.img, chunk.img]), np.vstack([tail.txt, chunk.txt]))
+        chunks.append(chunk)
+        total = sum(len(c) for c in chunks)
+        while total > self.gallery_max and chunks:
+            excess = total - self.gallery_max
+            oldest = chunks[0]
+            if excess >= len(oldest):
+                chunks.pop(0)
+                total -= len(oldest)
+            else:
+                chunks[0] = GalleryChunk(oldest.ids[excess:], oldest.img[excess:],
+                                         oldest.txt[excess:])
+                total -= excess
+        self.chunks = tuple(chunks)
+
+    def _load(self, name: str) -> None:
+        ckpt = self.store.load_latest(name)
+        if ckpt is None:
+            return
+        learner = Learner.from_state(ckpt.arrays, ckpt.meta)
+        head = dict(self.store.head(name) or {})
+        head["pairs_seen"] = learner.pairs_seen
+        served = ServedModel(
+            name=name, version=ckpt.version, model=learner.model, head=head,
+            loaded_at=time.time(), embedded=tuple(_embed(learner.model, c) for c in self.chunks),
+        )
+        self.served[name] = served  # one reference assignment: the atomic swap
+        log.info("serving %s version %d (%d pairs seen)", name, ckpt.version, learner.pairs_seen)
+
+    def _reembed(self, current: ServedModel) -> None:
+        known = {id(c): (c, a, b) for c, a, b in current.embedded}
+        embedded = tuple(known.get(id(c)) or _embed(current.model, c) for c in self.chunks)
+        self.served[current.name] = ServedModel(
+            current.name, current.version, current.model, current.head, current.loaded_at,
+            embedded)
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return bool(self.served)
+
+    def get(self, name: str) -> ServedModel:
+        split_name(name)  # raises ValueError for names that are no model at all
+        served = self.served.get(name)
+        if served is None:
+            raise UnknownModel(f"model {name!r} has no checkpoint loaded yet")
+        return served
+
+    def similarity(self, name: str, images: NDArray[np.float32], texts: NDArray[np.float32],
+                   matrix: bool) -> tuple[ServedModel, NDArray[np.float64]]:
+        """Scores of (image_i, text_i) pairs, or the full image x text matrix."""
+        served = self.get(name)
+        if matrix:
+            return served, served.model.similarity(images, texts)
+        a = served.model.embed_images(images).astype(np.float64)
+        b = served.model.embed_texts(texts).astype(np.float64)
+        return served, np.einsum("ij,ij->i", a, b)
+
+    def search(self, name: str, modality: str, vector: NDArray[np.float32],
+               k: int) -> tuple[ServedModel, list[tuple[str, float]]]:
+        """The ``k`` best gallery items of the other modality for one query vector."""
+        served = self.get(name)
+        if modality == "image":
+            query = served.model.embed_images(vector[None, :])[0]
+        else:
+            query = served.model.embed_texts(vector[None, :])[0]
+        best_ids: list[NDArray[np.str_]] = []
+        best_scores: list[NDArray[np.float32]] = []
+        for chunk, img_emb, txt_emb in served.embedded:
+            target = txt_emb if modality == "image" else img_emb
+            scores = target @ query
+            if len(scores) > k:
+                top = np.argpartition(-scores, k - 1)[:k]
+                best_ids.append(chunk.ids[top])
+                best_scores.append(scores[top])
+            else:
+                best_ids.append(chunk.ids)
+                best_scores.append(scores)
+        if not best_ids:
+            return served, []
+        ids, scores = np.concatenate(best_ids), np.concatenate(best_scores)
+        order = np.argsort(-scores, kind="stable")[:k]
+        return served, [(str(ids[i]), float(scores[i])) for i in order]
