@@ -204,9 +204,9 @@ class LearnerWorker:
         dead (or stale and fenced off by the lease check at commit)."""
         cursor = "0-0"
         while True:
-            # Raw command: redis-py drops the cursor from a JUSTID reply.
-            reply = self.r.execute_command("XAUTOCLAIM", self.keys.pairs, self.group,
-                                           self.consumer, 0, cursor, "COUNT", 1000, "JUSTID")
+            # Not JUSTID: redis-py drops the cursor from a JUSTID reply.
+            reply = self.r.xautoclaim(self.keys.pairs, self.group, self.consumer,
+                                      min_idle_time=0, start_id=cursor, count=500)
             cursor = _text(reply[0])
             if cursor == "0-0":
                 break

@@ -1,0 +1,107 @@
+"""Fixtures: a real redis-server (the embedded binary) for the whole session, a namespace per
+test, and helpers to run the worker and the API for real."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from streamxm.config import Settings
+from streamxm.redis_conn import EmbeddedRedis, connect
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_WIKI = ROOT.parent / "shared" / "datasets" / "wiki_sift128_lda10.npz"
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A system Redis from ``STREAMXM_TEST_REDIS_URL``, else the embedded server."""
+    url = os.environ.get("STREAMXM_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def settings(redis_url: str, namespace: str, tmp_path: Path) -> Settings:
+    return Settings(redis_url=redis_url, namespace=namespace, data_dir=tmp_path / "data",
+                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every_seconds=0.2,
+                    block_ms=50, lease_ttl_ms=1000, _env_file=None)  # type: ignore[call-arg]
+
+
+@pytest.fixture
+def r(settings: Settings) -> redis.Redis:
+    return connect(settings)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
+    env.update(STREAMXM_REDIS_URL=str(settings.redis_url), STREAMXM_NAMESPACE=settings.namespace,
+               STREAMXM_BLOCK_MS="50", STREAMXM_LEASE_TTL_MS="1000")
+    env.update(extra)
+    return env
+
+
+PY = [sys.executable, "-m", "streamxm"]
+
+
+class ApiServer:
+    """The real app under uvicorn on a loopback port, in a thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        import uvicorn
+
+        from api.app import create_app
+
+        self.port = free_port()
+        self.app = create_app(settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ApiServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, 20, "uvicorn to start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

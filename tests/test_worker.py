@@ -1,0 +1,131 @@
+"""The learner worker against a real Redis: dead letters, crash and restart, reclaiming."""
+
+import signal
+import subprocess
+import threading
+
+import numpy as np
+import redis
+
+from streamxm.client import StreamClient
+from streamxm.config import Settings
+from streamxm.datasets import bundled_wiki_path, iter_pairs, load_dataset
+from streamxm.keys import Keys
+from streamxm.learner import Learner
+from streamxm.service import build_worker, open_store
+from tests.conftest import PY, wait_for, worker_env
+
+
+def _stats(r: redis.Redis, keys: Keys) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(keys.stats("cmos")).items()}  # type: ignore[union-attr]
+
+
+def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_going(
+        r: redis.Redis, settings: Settings) -> None:
+    keys = Keys(settings.namespace)
+    client = StreamClient(r, settings.namespace)
+    rng = np.random.default_rng(0)
+    client.push("good-0", rng.random(4), rng.random(3), labels=[1])
+    good = np.ones(4, "<f4").tobytes()
+    bad = [
+        {"v": "1", "id": "short", "img": good[:-4], "txt": np.ones(3, "<f4").tobytes()},
+        {"v": "1", "id": "nan", "img": np.array([1, np.nan, 0, 0], "<f4").tobytes(),
+         "txt": np.ones(3, "<f4").tobytes()},
+        {"v": "1", "id": "no-txt", "img": good},
+        {"garbage": b"\x00\xff\x13binary"},
+    ]
+    for fields in bad:
+        r.xadd(keys.pairs, fields)  # type: ignore[arg-type]
+    client.push("good-1", rng.random(4), rng.random(3), labels=[2])
+    worker = build_worker(settings, r, "cmos")
+    worker.run(until_idle=True)
+    letters = r.xrange(keys.dead)
+    reasons = [fields[b"reason"].decode() for _, fields in letters]
+    assert reasons == ["dim_mismatch", "non_finite", "missing_field", "missing_field"]
+    assert letters[0][1][b"orig.id"] == b"short"
+    assert _stats(r, keys)["pairs_processed"] == "2"
+    assert r.xpending(keys.pairs, "cmos")["pending"] == 0
+    counts = r.hgetall(keys.dead_counts)
+    assert counts[b"cmos|missing_field"] == b"2"
+
+
+def _reference(pairs: list, seed: int = 0) -> Learner:  # type: ignore[type-arg]
+    learner = Learner("cmos", 128, 10, seed=seed)
+    learner.learn(pairs)
+    return learner
+
+
+def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
+        r: redis.Redis, settings: Settings) -> None:
+    keys = Keys(settings.namespace)
+    ds = load_dataset(bundled_wiki_path())
+    pairs = list(iter_pairs(ds, limit=1500))
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+    env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40")
+    kills = 0
+    for threshold in (200, 600, 1000):
+        proc = subprocess.Popen([*PY, "worker", "--model", "cmos"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda t=threshold: int(_stats(r, keys).get("pairs_processed", 0)) >= t, 60,
+                 f"{threshold} pairs")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    proc = subprocess.Popen([*PY, "worker", "--model", "cmos"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: _stats(r, keys).get("pairs_processed") == "1500", 60, "all pairs")
+        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert kills == 3
+    ckpt = open_store(settings, r).load_latest("cmos")
+    assert ckpt is not None
+    restored = Learner.from_state(ckpt.arrays, ckpt.meta)
+    reference = _reference(pairs)
+    assert restored.pairs_seen == 1500
+    # Bit for bit the model of an uninterrupted run over the same stream.
+    assert np.array_equal(restored.model.W, reference.model.W)  # type: ignore[attr-defined]
+    assert restored.stats.as_dict() == reference.stats.as_dict()
+    # Several consumers took part (each restart is a new consumer that reclaimed the pending).
+    consumers = r.xinfo_consumers(keys.pairs, "cmos")
+    assert len(consumers) == 4
+
+
+def test_standby_takes_over_and_reclaims_pending(r: redis.Redis, settings: Settings) -> None:
+    keys = Keys(settings.namespace)
+    ds = load_dataset(bundled_wiki_path())
+    pairs = list(iter_pairs(ds, limit=300))
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+    # A consumer that read entries and died before acknowledging them.
+    r.xgroup_create(keys.pairs, "cmos", id="0", mkstream=True)
+    r.xreadgroup("cmos", "dead-consumer", {keys.pairs: ">"}, count=120)
+    assert r.xpending(keys.pairs, "cmos")["pending"] == 120
+    stop = threading.Event()
+    worker = build_worker(settings, r, "cmos")
+    thread = threading.Thread(target=worker.run, args=(stop,))
+    thread.start()
+    try:
+        wait_for(lambda: _stats(r, keys).get("pairs_processed") == "300", 30, "all pairs")
+        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+    finally:
+        stop.set()
+        thread.join()
+    assert np.array_equal(worker.learner.model.W, _reference(pairs).model.W)  # type: ignore[union-attr, attr-defined]
+
+
+def test_directory_checkpoints_resume_too(r: redis.Redis, settings: Settings) -> None:
+    dir_settings = settings.model_copy(update={"checkpoint_store": "dir"})
+    keys = Keys(settings.namespace)
+    ds = load_dataset(bundled_wiki_path())
+    pairs = list(iter_pairs(ds, limit=400))
+    client = StreamClient(r, settings.namespace)
+    client.push_pairs(pairs[:250])
+    build_worker(dir_settings, r, "cmos").run(until_idle=True)
+    client.push_pairs(pairs[250:])
+    second = build_worker(dir_settings, r, "cmos")
+    second.run(until_idle=True)
+    assert second.learner is not None and second.learner.pairs_seen == 400
+    assert np.array_equal(second.learner.model.W, _reference(pairs).model.W)  # type: ignore[attr-defined]
+    assert r.xpending(keys.pairs, "cmos")["pending"] == 0
