@@ -32,7 +32,7 @@ from streamxm.keys import Keys
 from streamxm.messages import InvalidPair, make_pair
 from streamxm.metrics import ApiMetrics
 from streamxm.models import DIRECTIONS
-from streamxm.redis_conn import connect
+from streamxm.redis_conn import connect, str_hash, str_set
 from streamxm.service import limits_from, open_store
 from streamxm.serving import ModelServer, UnknownModel
 
@@ -136,8 +136,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     @app.get("/v1/models", response_model=ModelsOut, dependencies=[Depends(read_auth)])
     def models() -> ModelsOut:
         out = []
-        for name in sorted(m.decode() for m in r.smembers(keys.models)):  # type: ignore[union-attr]
-            raw = {k.decode(): v.decode() for k, v in r.hgetall(keys.stats(name)).items()}  # type: ignore[union-attr]
+        for name in str_set(r.smembers(keys.models)):
+            raw = str_hash(r.hgetall(keys.stats(name)))
             served = server.served.get(name)
             out.append(ModelInfo(
                 name=name, loaded=served is not None,

@@ -31,6 +31,7 @@ import redis
 from numpy.typing import NDArray
 
 from streamxm.keys import Keys
+from streamxm.redis_conn import str_hash, text
 
 __all__ = [
     "Checkpoint",
@@ -101,9 +102,9 @@ def _check_lease(pipe: redis.client.Pipeline, lease: tuple[str, str] | None) -> 
     if lease is None:
         return
     key, owner = lease
-    pipe.watch(key)
+    pipe.watch(key)  # type: ignore[no-untyped-call]
     current = pipe.get(key)
-    if current is None or current.decode() != owner:
+    if current is None or text(current) != owner:
         pipe.unwatch()
         raise LeaseLost(f"lease {key} is held by {current!r}, not {owner!r}")
 
@@ -165,10 +166,8 @@ class RedisCheckpointStore(CheckpointStore):
     """Blobs under ``sxm:<ns>:ckpt:<model>:v:<version>``, head hash beside them."""
 
     def head(self, model: str) -> dict[str, Any] | None:
-        raw = self.r.hgetall(self.keys.checkpoint_head(model))
-        if not raw:
-            return None
-        return _parse_head({k.decode(): v.decode() for k, v in raw.items()})
+        raw = str_hash(self.r.hgetall(self.keys.checkpoint_head(model)))
+        return _parse_head(raw) if raw else None
 
     def _versions(self, model: str) -> list[tuple[int, str]]:
         head = self.head(model)
@@ -191,7 +190,7 @@ class RedisCheckpointStore(CheckpointStore):
                 pipe.delete(self.keys.checkpoint_blob(model, version))
             pipe.delete(self.keys.checkpoint_head(model))
             pipe.hset(self.keys.checkpoint_head(model),
-                      mapping=_head_fields(ckpt, kept, head_extra))
+                      mapping=_head_fields(ckpt, kept, head_extra))  # type: ignore[arg-type]
             if hook:
                 hook(pipe)
             pipe.publish(self.keys.checkpoint_channel, f"{model} {ckpt.version}")

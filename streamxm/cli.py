@@ -166,4 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    return int(args.func(args))
+    from streamxm.messages import InvalidPair
+
+    try:
+        return int(args.func(args))
+    except (FileNotFoundError, InvalidPair, ValueError, TimeoutError) as exc:
+        print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

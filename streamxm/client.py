@@ -25,6 +25,7 @@ from numpy.typing import ArrayLike
 
 from streamxm.keys import Keys
 from streamxm.messages import InvalidPair, Limits, Pair, encode_pair, make_pair
+from streamxm.redis_conn import text
 
 __all__ = ["StreamClient", "ensure_schema", "read_schema"]
 
@@ -33,7 +34,7 @@ def read_schema(r: redis.Redis, keys: Keys) -> tuple[int, int] | None:
     raw = r.get(keys.schema)
     if raw is None:
         return None
-    data = json.loads(raw)  # type: ignore[arg-type]
+    data = json.loads(text(raw))
     return int(data["img_dim"]), int(data["txt_dim"])
 
 
@@ -120,5 +121,5 @@ class StreamClient:
                               maxlen=self.maxlen, approximate=True)
                 pipe.incrby(self.keys.ingested, len(part))
                 out = pipe.execute()
-            ids.extend(x.decode() if isinstance(x, bytes) else str(x) for x in out[:-1])
+            ids.extend(text(x) for x in out[:-1])
         return ids

@@ -22,7 +22,8 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, description="Redis >= 6.2 URL; unset starts the embedded server"
     )
-    data_dir: Path = Field(default=Path(".streamxm"), description="embedded Redis data and local files")
+    data_dir: Path = Field(default=Path(".streamxm"),
+                           description="embedded Redis data and local files")
     namespace: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
 
     # Learner worker

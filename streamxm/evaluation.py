@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["average_precision", "mean_average_precision", "label_relevance", "as_label_matrix"]
+__all__ = ["as_label_matrix", "average_precision", "label_relevance", "mean_average_precision"]
 
 # Rows of queries handled at once: bounds the (rows x gallery) temporaries.
 _CHUNK = 512
@@ -37,7 +37,7 @@ def label_relevance(
     """Relevance matrix (queries x gallery): True where the two share at least one label."""
     q, g = np.asarray(query_labels), np.asarray(gallery_labels)
     if q.ndim == 1 and g.ndim == 1:
-        return q[:, None] == g[None, :]
+        return np.asarray(q[:, None] == g[None, :], dtype=bool)
     n = max(
         int(q.max()) + 1 if q.ndim == 1 else q.shape[1],
         int(g.max()) + 1 if g.ndim == 1 else g.shape[1],
@@ -76,7 +76,8 @@ def average_precision(
         n_rel = cum[:, -1] if cum.shape[1] else np.zeros(len(cum))
         prec_sum = np.sum(np.where(hits, cum / ranks, 0.0), axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            out[start : start + _CHUNK] = np.where(n_rel > 0, prec_sum / np.maximum(n_rel, 1), np.nan)
+            ap = np.where(n_rel > 0, prec_sum / np.maximum(n_rel, 1), np.nan)
+        out[start : start + _CHUNK] = ap
     return out
 
 

@@ -64,11 +64,13 @@ class Pair:
 
 def _vector(name: str, value: ArrayLike, limits: Limits) -> NDArray[np.float32]:
     try:
-        arr = np.asarray(value, dtype=np.float32)
+        with np.errstate(over="ignore"):  # overflow to Inf is reported just below
+            arr = np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError) as exc:
         raise InvalidPair(name, "not_numeric", f"not a numeric vector ({exc})") from None
     if arr.ndim != 1 or arr.size == 0:
-        raise InvalidPair(name, "bad_shape", f"must be a non-empty 1-d vector, got shape {arr.shape}")
+        raise InvalidPair(name, "bad_shape",
+                          f"must be a non-empty 1-d vector, got shape {arr.shape}")
     if arr.size > limits.max_dim:
         raise InvalidPair(name, "too_large", f"{arr.size} values exceed the limit {limits.max_dim}")
     if not np.isfinite(arr).all():

@@ -7,6 +7,7 @@ serving and stream health. Names follow Prometheus conventions (``_total`` count
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -23,6 +24,7 @@ from prometheus_client.registry import Collector
 from streamxm.keys import Keys
 from streamxm.learner import UPDATE_BUCKETS
 from streamxm.models import DIRECTIONS
+from streamxm.redis_conn import str_hash, str_set, text
 from streamxm.serving import ModelServer
 
 __all__ = ["ApiMetrics", "StreamCollector"]
@@ -62,7 +64,7 @@ class StreamCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         ns = self.keys.namespace
-        ingested = int(self.r.get(self.keys.ingested) or 0)  # type: ignore[arg-type]
+        ingested = int(text(self.r.get(self.keys.ingested) or 0))
         m_ingested = CounterMetricFamily(
             "streamxm_pairs_ingested", "pairs added to the stream by streamxm producers",
             labels=["namespace"])
@@ -96,17 +98,13 @@ class StreamCollector(Collector):
         gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
                                     labels=["model"])
 
-        groups = {}
-        try:
+        groups: dict[str, int] = {}
+        with contextlib.suppress(redis.ResponseError):  # no stream yet
             for info in self.r.xinfo_groups(self.keys.pairs):
-                name = info["name"]
-                groups[name.decode() if isinstance(name, bytes) else name] = int(info["pending"])
-        except redis.ResponseError:  # no stream yet
-            pass
+                groups[text(info["name"])] = int(info["pending"])
         now = time.time()
-        for model in sorted(m.decode() for m in self.r.smembers(self.keys.models)):  # type: ignore[union-attr]
-            raw = {k.decode(): v.decode()
-                   for k, v in self.r.hgetall(self.keys.stats(model)).items()}  # type: ignore[union-attr]
+        for model in str_set(self.r.smembers(self.keys.models)):
+            raw = str_hash(self.r.hgetall(self.keys.stats(model)))
             done = _float(raw, "pairs_processed") + _float(raw, "dead_letters")
             processed.add_metric([model], _float(raw, "pairs_processed"))
             for d in DIRECTIONS:
@@ -133,7 +131,7 @@ class StreamCollector(Collector):
 
         dead = CounterMetricFamily("streamxm_dead_letters", "entries dead-lettered, by reason",
                                    labels=["model", "reason"])
-        for key, count in sorted(self.r.hgetall(self.keys.dead_counts).items()):  # type: ignore[union-attr]
-            model, _, reason = key.decode().partition("|")
+        for key, count in sorted(str_hash(self.r.hgetall(self.keys.dead_counts)).items()):
+            model, _, reason = key.partition("|")
             dead.add_metric([model, reason], int(count))
         yield dead

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -147,3 +148,32 @@ def connect(settings: Settings, url: str | None = None) -> redis.Redis:
         health_check_interval=30,
         client_name=f"streamxm-{os.getpid()}",
     )
+
+
+# -- reply helpers: redis-py returns loosely typed values; these give them one shape ----------
+StreamEntry = tuple[str, dict[bytes, bytes] | None]
+
+
+def text(value: Any) -> str:
+    """A reply value (bytes or str) as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def stream_entries(reply: Any) -> list[StreamEntry]:
+    """Entries of the first stream of an XREAD/XREADGROUP reply, ids as str (None fields for
+    an entry deleted while pending)."""
+    if not reply:
+        return []
+    first = reply[0] if isinstance(reply, list) else next(iter(reply.values()))
+    entries = first[1] if isinstance(reply, list) else first[0]
+    return [(text(entry_id), fields) for entry_id, fields in entries]
+
+
+def str_hash(reply: Any) -> dict[str, str]:
+    """An HGETALL reply with str keys and values."""
+    return {text(k): text(v) for k, v in (reply or {}).items()}
+
+
+def str_set(reply: Any) -> list[str]:
+    """An SMEMBERS reply as a sorted list of str."""
+    return sorted(text(m) for m in (reply or ()))

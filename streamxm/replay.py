@@ -85,7 +85,8 @@ class ReplayBuffer:
         return np.asarray(np.isin(stored, query).sum(axis=1), dtype=np.int64)
 
     def state(self) -> tuple[dict[str, NDArray[Any]], dict[str, Any]]:
-        arrays = {"img": self.img, "txt": self.txt, "labels": self.labels}
+        arrays: dict[str, NDArray[Any]] = {"img": self.img, "txt": self.txt,
+                                           "labels": self.labels}
         return arrays, {"capacity": self.capacity, "size": self.size, "head": self.head}
 
     @classmethod

@@ -31,6 +31,7 @@ from streamxm.keys import Keys
 from streamxm.learner import Learner
 from streamxm.messages import InvalidPair, Limits, decode_pair
 from streamxm.models import CrossModalModel, split_name
+from streamxm.redis_conn import str_set, stream_entries
 
 __all__ = ["GalleryChunk", "ModelServer", "ServedModel", "UnknownModel"]
 
@@ -129,8 +130,7 @@ class ModelServer:
     def refresh(self) -> None:
         """Read new gallery pairs, load new checkpoint versions, re-embed as needed."""
         gallery_changed = self._read_gallery()
-        names = sorted(m.decode() for m in self.r.smembers(self.keys.models))  # type: ignore[union-attr]
-        for name in names:
+        for name in str_set(self.r.smembers(self.keys.models)):
             head = self.store.head(name)
             if head is None:
                 continue
@@ -144,22 +144,23 @@ class ModelServer:
         changed = False
         while True:
             reply = self.r.xread({self.keys.pairs: self.last_gallery_id}, count=self.read_count)
-            entries = reply[0][1] if reply else []
+            entries = stream_entries(reply)
             if not entries:
                 return changed
-            schema = read_schema(self.r, self.keys)
+            img_dim, txt_dim = read_schema(self.r, self.keys) or (None, None)
             ids, imgs, txts = [], [], []
-            for raw_id, fields in entries:
+            for _entry_id, fields in entries:
+                if fields is None:
+                    continue
                 try:
-                    pair = decode_pair(fields, *(schema or (None, None)), limits=self.limits)
+                    pair = decode_pair(fields, img_dim, txt_dim, limits=self.limits)
                 except InvalidPair:
                     self.gallery_skipped += 1
                     continue
                 ids.append(pair.id)
                 imgs.append(pair.img)
                 txts.append(pair.txt)
-            last = entries[-1][0]
-            self.last_gallery_id = last.decode() if isinstance(last, bytes) else str(last)
+            self.last_gallery_id = entries[-1][0]
             if ids:
                 self._append(GalleryChunk(np.asarray(ids), np.vstack(imgs), np.vstack(txts)))
                 changed = True

@@ -35,6 +35,7 @@ from streamxm.keys import Keys
 from streamxm.learner import UPDATE_BUCKETS, Learner
 from streamxm.messages import InvalidPair, Limits, Pair, decode_pair
 from streamxm.models import DIRECTIONS
+from streamxm.redis_conn import StreamEntry, stream_entries, text
 
 __all__ = ["LearnerWorker", "entry_id_key"]
 
@@ -207,7 +208,7 @@ class LearnerWorker:
             # Not JUSTID: redis-py drops the cursor from a JUSTID reply.
             reply = self.r.xautoclaim(self.keys.pairs, self.group, self.consumer,
                                       min_idle_time=0, start_id=cursor, count=500)
-            cursor = _text(reply[0])
+            cursor = text(reply[0])
             if cursor == "0-0":
                 break
 
@@ -222,23 +223,22 @@ class LearnerWorker:
         else:
             reply = self.r.xreadgroup(self.group, self.consumer, {self.keys.pairs: ">"},
                                       count=self.read_batch, block=self.block_ms)
-        entries = reply[0][1] if reply else []
+        entries = stream_entries(reply)
         if self._recovering:
             if not entries:
                 self._recovering = False
             else:
-                self._recovery_cursor = _text(entries[-1][0])
+                self._recovery_cursor = entries[-1][0]
         self._apply(entries)
         if self._pending and (self._pending.pairs >= self.every_pairs
                               or time.monotonic() - self._last_commit >= self.every_seconds):
             self.commit()
         return len(entries)
 
-    def _apply(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+    def _apply(self, entries: list[StreamEntry]) -> None:
         already: list[str] = []
         pairs: list[Pair] = []
-        for raw_id, fields in entries:
-            entry_id = _text(raw_id)
+        for entry_id, fields in entries:
             if entry_id_key(entry_id) <= entry_id_key(self.last_id):
                 already.append(entry_id)  # applied before the restart; only the ack was lost
                 continue
@@ -276,7 +276,7 @@ class LearnerWorker:
             "field": exc.field, "detail": exc.detail, "consumer": self.consumer,
         }
         for name, value in fields.items():
-            letter[f"orig.{_text(name)}"] = value
+            letter[f"orig.{text(name)}"] = value
         self._pending.dead.append(letter)
 
     # -- commit ------------------------------------------------------------------------------
@@ -298,8 +298,9 @@ class LearnerWorker:
                 pipe.xack(self.keys.pairs, self.group, *pending.ack)
             for letter in pending.dead:
                 pipe.xadd(self.keys.dead, letter)  # type: ignore[arg-type]
-                pipe.hincrby(self.keys.dead_counts, f"{self.model}|{letter['reason']}", 1)
-            pipe.hset(self.keys.stats(self.model), mapping=self._stats_fields())
+                pipe.hincrby(self.keys.dead_counts, f"{self.model}|{letter['reason']!s}", 1)
+            pipe.hset(self.keys.stats(self.model),
+                      mapping=self._stats_fields())  # type: ignore[arg-type]
 
         lease = (self.keys.lease(self.model), self.consumer)
         try:
@@ -339,6 +340,3 @@ class LearnerWorker:
             fields[f"update_bucket_{bound}"] = str(count)
         return fields
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

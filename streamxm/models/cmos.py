@@ -109,7 +109,7 @@ class CMOS(CrossModalModel):
         if self.normalize == "l2":
             norms = np.linalg.norm(x, axis=-1, keepdims=True)
             x = x / np.where(norms > 0, norms, 1.0)
-        return x
+        return np.asarray(x, dtype=np.float64)
 
     def _mean(self, total: NDArray[np.float64]) -> NDArray[np.float64]:
         if not self.center or self.n_seen == 0:
