@@ -131,29 +131,29 @@ class CMOS(CrossModalModel):
             return loss, 0.0
         return loss, min(self.C, loss / sq_norm)
 
+    def _update(self, direction: str, left: NDArray[np.float64], right: NDArray[np.float64],
+                stats: LearnStats) -> None:
+        """One PA-I step with ``V = left right^T``: the margin difference is
+        ``s(q,p) - s(q,n) = left^T W right`` and ``||V||_F^2 = ||left||^2 ||right||^2``."""
+        diff = float(left @ self.W @ right)
+        loss, tau = self._pa_step(diff, float(left @ left) * float(right @ right))
+        if tau:
+            self.W += tau * np.outer(left, right)
+        stats.add(direction, diff <= 0.0, loss, bool(tau))
+
     def update_image(
         self, v: NDArray[np.float64], t_pos: NDArray[np.float64], t_neg: NDArray[np.float64],
         stats: LearnStats,
     ) -> None:
-        """Image-query triplet ``(v, t+, t-)`` on already-mapped vectors."""
-        a = t_pos - t_neg
-        diff = float(v @ self.W @ a)
-        loss, tau = self._pa_step(diff, float(v @ v) * float(a @ a))
-        if tau:
-            self.W += tau * np.outer(v, a)
-        stats.add("i2t", diff <= 0.0, loss, bool(tau))
+        """Image-query triplet ``(v, t+, t-)`` on mapped vectors: ``V = v (t+ - t-)^T``."""
+        self._update("i2t", v, t_pos - t_neg, stats)
 
     def update_text(
         self, t: NDArray[np.float64], v_pos: NDArray[np.float64], v_neg: NDArray[np.float64],
         stats: LearnStats,
     ) -> None:
-        """Text-query triplet ``(t, v+, v-)`` on already-mapped vectors."""
-        a = v_pos - v_neg
-        diff = float(a @ self.W @ t)
-        loss, tau = self._pa_step(diff, float(a @ a) * float(t @ t))
-        if tau:
-            self.W += tau * np.outer(a, t)
-        stats.add("t2i", diff <= 0.0, loss, bool(tau))
+        """Text-query triplet ``(t, v+, v-)`` on mapped vectors: ``V = (v+ - v-) t^T``."""
+        self._update("t2i", v_pos - v_neg, t, stats)
 
     def learn_one(
         self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
