@@ -124,9 +124,16 @@ class CheckpointStore(ABC):
     def head(self, model: str) -> dict[str, Any] | None:
         """Metadata of the newest version (``version``, ``created``, ``last_id``...)."""
 
-    @abstractmethod
     def _versions(self, model: str) -> list[tuple[int, str]]:
-        """Stored (version, sha256), newest first."""
+        """Stored (version, sha256), newest first, as the head lists them."""
+        head = self.head(model)
+        return [] if head is None else list(head["history"])
+
+    def _history(self, model: str, version: int, blob: bytes) -> tuple[
+            list[tuple[int, str]], list[tuple[int, str]]]:
+        """(versions kept, versions to delete) once ``version`` with ``blob`` is the newest."""
+        history = [(version, _sha(blob)), *self._versions(model)]
+        return history[: self.keep], history[self.keep :]
 
     @abstractmethod
     def _read(self, model: str, version: int) -> bytes | None:
@@ -169,10 +176,6 @@ class RedisCheckpointStore(CheckpointStore):
         raw = str_hash(self.r.hgetall(self.keys.checkpoint_head(model)))
         return _parse_head(raw) if raw else None
 
-    def _versions(self, model: str) -> list[tuple[int, str]]:
-        head = self.head(model)
-        return [] if head is None else head["history"]
-
     def _read(self, model: str, version: int) -> bytes | None:
         value = self.r.get(self.keys.checkpoint_blob(model, version))
         return None if value is None else bytes(value)  # type: ignore[arg-type]
@@ -180,8 +183,7 @@ class RedisCheckpointStore(CheckpointStore):
     def commit(self, model: str, ckpt: Checkpoint, head_extra: dict[str, Any],
                hook: PipelineHook | None = None, lease: tuple[str, str] | None = None) -> None:
         blob = encode_blob(ckpt)
-        history = [(ckpt.version, _sha(blob)), *self._versions(model)]
-        kept, dropped = history[: self.keep], history[self.keep :]
+        kept, dropped = self._history(model, ckpt.version, blob)
         with self.r.pipeline(transaction=True) as pipe:
             _check_lease(pipe, lease)
             pipe.multi()
@@ -213,10 +215,6 @@ class DirectoryCheckpointStore(CheckpointStore):
         except FileNotFoundError:
             return None
 
-    def _versions(self, model: str) -> list[tuple[int, str]]:
-        head = self.head(model)
-        return [] if head is None else head["history"]
-
     def _read(self, model: str, version: int) -> bytes | None:
         try:
             return (self._dir(model) / f"v{version:012d}.npz").read_bytes()
@@ -242,8 +240,7 @@ class DirectoryCheckpointStore(CheckpointStore):
         directory = self._dir(model)
         directory.mkdir(parents=True, exist_ok=True)
         blob = encode_blob(ckpt)
-        history = [(ckpt.version, _sha(blob)), *self._versions(model)]
-        kept, dropped = history[: self.keep], history[self.keep :]
+        kept, dropped = self._history(model, ckpt.version, blob)
         with self.r.pipeline(transaction=True) as pipe:
             _check_lease(pipe, lease)
             self._write_atomic(directory / f"v{ckpt.version:012d}.npz", blob)

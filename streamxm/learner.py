@@ -8,6 +8,7 @@ code the service runs.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -134,7 +135,7 @@ class Learner:
             self.pairs_unlabelled += not pair.labels
             elapsed = time.perf_counter() - start
             self.update_seconds += elapsed
-            self.update_hist[next(i for i, b in enumerate(UPDATE_BUCKETS) if elapsed <= b)] += 1
+            self.update_hist[bisect.bisect_left(UPDATE_BUCKETS, elapsed)] += 1
         return {
             "pairs": len(pairs),
             "triplets": {d: self.stats.triplets[d] - before.triplets[d] for d in DIRECTIONS},
