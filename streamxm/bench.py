@@ -17,6 +17,7 @@ __all__ = ["evaluate_model", "quality"]
 
 def evaluate_model(learner: Learner, ds: Dataset) -> dict[str, float]:
     """Test-split mAP, whole gallery, relevant = shares a label."""
+    learner.flush()
     scores = learner.model.similarity(ds.img_test, ds.txt_test)
     rel = label_relevance(ds.y_test, ds.y_test)
     return {"map_i2t": mean_average_precision(scores, rel),

@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     lease_ttl_ms: int = Field(default=10_000, ge=100)
     consumer: str | None = Field(default=None, description="consumer name; default host-pid")
     seed: int = 0
+    buffer_capacity: int = Field(default=500, ge=2, le=1_000_000,
+                                 description="replay buffer of recent pairs (triplet sampling)")
+    eval_every: int = Field(default=1, ge=1,
+                            description="score every N-th pair for the rolling mAP (test-then-"
+                                        "train); raise it for large vectors")
 
     # API
     api_host: str = "127.0.0.1"

@@ -104,7 +104,12 @@ class Learner:
     def rolling_map(self) -> dict[str, float | None]:
         return {d: (float(np.mean(q)) if q else None) for d, q in self.rolling_ap.items()}
 
+    def flush(self) -> None:
+        """Apply whatever learning the model has deferred (see :meth:`CrossModalModel.flush`)."""
+        self.model.flush(self.stats)
+
     def _evaluate_before_learning(self, pair: Pair) -> None:
+        self.flush()
         order = self.buffer.order()[-self.eval_gallery :]
         imgs = np.vstack([pair.img[None, :], self.buffer.img[order]])
         txts = np.vstack([pair.txt[None, :], self.buffer.txt[order]])

@@ -105,18 +105,32 @@ def sample_triplet_slots(
 ) -> tuple[int, int] | None:
     """Draw (positive slot, negative slot) for the pair stored at ``query_slot``.
 
-    Rules (``DESIGN.md``):
+    The three ways a triplet arises (CMOS paper, ``DESIGN.md``), candidates drawn uniformly from
+    the buffer:
 
-    - labelled query: the positive is a uniformly drawn buffered pair sharing at least one label
-      with the query (the query's own partner included); the negative is a uniformly drawn
-      labelled pair sharing fewer labels than the positive. With single labels this is "positive
-      from the query's class, negative from another class"; with several labels the positive
-      always shares more labels than the negative. Unlabelled buffered pairs are never used as
-      negatives for a labelled query, since their relevance is unknown.
-    - unlabelled query: the positive is the query's own partner, the negative any other buffered
-      pair.
+    - **single label** (the query has one label): the positive is a buffered pair of the query's
+      class (its own partner included), the negative a labelled pair of another class.
+    - **multi-label** (the query has several labels): two distinct labelled candidates are drawn;
+      the one sharing more labels with the query is the positive. A tie gives no triplet.
+    - **unlabelled** query: the positive is the query's own partner, the negative any other
+      buffered pair.
 
-    Returns ``None`` when the buffer has no valid negative yet.
+    Unlabelled buffered pairs are never negatives for a labelled query: their relevance is
+    unknown. Returns ``None`` when no triplet arises (no valid negative yet, or a tie).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from streamxm.messages import make_pair
+    >>> buf = ReplayBuffer(4, img_dim=1, txt_dim=1)
+    >>> for i, labels in enumerate([[0, 1], [0, 1], [2], [0]]):
+    ...     _ = buf.add(make_pair(str(i), [0.0], [0.0], labels=labels))
+    >>> rng = np.random.default_rng(0)
+    >>> draws = {sample_triplet_slots(buf, 0, (0, 1), rng) for _ in range(200)}
+    >>> sorted(d for d in draws if d is not None)  # shared counts 2, 2, 0, 1 by slot
+    [(0, 2), (0, 3), (1, 2), (1, 3), (3, 2)]
+    >>> None in draws  # slots 0 and 1 tie
+    True
     """
     n = buffer.size
     if n < 2:
@@ -125,9 +139,18 @@ def sample_triplet_slots(
         neg = int(rng.integers(n - 1))
         return query_slot, neg + (neg >= query_slot)
     shared = buffer.shared_label_counts(labels)
-    pos_candidates = np.flatnonzero(shared > 0)
-    pos = int(pos_candidates[rng.integers(len(pos_candidates))])
-    neg_candidates = np.flatnonzero(buffer.labelled() & (shared < shared[pos]))
-    if len(neg_candidates) == 0:
+    if len(labels) == 1:
+        pos_candidates = np.flatnonzero(shared > 0)
+        neg_candidates = np.flatnonzero(buffer.labelled() & (shared == 0))
+        if len(neg_candidates) == 0:
+            return None
+        pos = int(pos_candidates[rng.integers(len(pos_candidates))])
+        return pos, int(neg_candidates[rng.integers(len(neg_candidates))])
+    candidates = np.flatnonzero(buffer.labelled())
+    if len(candidates) < 2:
         return None
-    return pos, int(neg_candidates[rng.integers(len(neg_candidates))])
+    first, second = rng.choice(len(candidates), size=2, replace=False)
+    a, b = int(candidates[first]), int(candidates[second])
+    if shared[a] == shared[b]:
+        return None
+    return (a, b) if shared[a] > shared[b] else (b, a)

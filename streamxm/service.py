@@ -32,6 +32,8 @@ def open_store(settings: Settings, client: redis.Redis) -> CheckpointStore:
 def build_worker(settings: Settings, client: redis.Redis, model: str,
                  params: dict[str, Any] | None = None,
                  learner_options: dict[str, Any] | None = None) -> LearnerWorker:
+    learner_options = {"buffer_capacity": settings.buffer_capacity,
+                       "eval_every": settings.eval_every, **(learner_options or {})}
     return LearnerWorker(
         client, open_store(settings, client), model, namespace=settings.namespace,
         consumer=settings.consumer, params=params, learner_options=learner_options,

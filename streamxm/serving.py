@@ -190,6 +190,7 @@ class ModelServer:
         if ckpt is None:
             return
         learner = Learner.from_state(ckpt.arrays, ckpt.meta)
+        learner.flush()  # before publishing: queries then only read the model
         head = dict(self.store.head(name) or {})
         head["pairs_seen"] = learner.pairs_seen
         served = ServedModel(

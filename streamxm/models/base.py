@@ -76,6 +76,16 @@ class CrossModalModel(ABC):
     ) -> None:
         """Learn from one arriving pair, already stored at ``slot`` of ``buffer``."""
 
+    def flush(self, stats: LearnStats) -> None:
+        """Apply any learning the model has deferred, recording it in ``stats``.
+
+        Models that batch their work (CMOS merges pending rank-1 updates lazily) do it here; the
+        learner calls it at deterministic points of the stream (before each rolling evaluation and
+        when asked for the final model), so the result never depends on how the stream was cut
+        into batches. The default has nothing to do.
+        """
+        return None
+
     @abstractmethod
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         """Image vectors (n, img_dim) -> embeddings whose inner product with text embeddings is
