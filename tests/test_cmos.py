@@ -51,7 +51,7 @@ def test_updates_match_the_equations_on_random_data() -> None:
 
 
 def test_mistake_means_positive_not_above_negative_before_update() -> None:
-    model = CMOS(2, 2, normalize="none", center=False)
+    model = CMOS(2, 2, C=0.05, normalize="none", center=False)
     stats = LearnStats()
     # W = 0: every score is 0, so the first triplet is a mistake (0 - 0 <= 0).
     model.update_image(np.array([1.0, 0]), np.array([1.0, 0]), np.array([0, 1.0]), stats)
@@ -105,3 +105,100 @@ def test_one_pass_over_wikipedia_learns_something() -> None:
     # Chance level on 10 classes is about 0.1; the rolling mAP must be clearly above it.
     assert rm["i2t"] is not None and rm["i2t"] > 0.18
     assert rm["t2i"] is not None and rm["t2i"] > 0.18
+
+
+def _random_stream(n: int, dv: int, dt: int, seed: int, n_classes: int = 5) -> list:
+    """Pairs whose two vectors both lean towards a per-class direction, plus noise."""
+    rng = np.random.default_rng(seed)
+    centers_v, centers_t = rng.random((n_classes, dv)), rng.random((n_classes, dt))
+    pairs = []
+    for i in range(n):
+        c = int(rng.integers(n_classes))
+        pairs.append(make_pair(str(i), centers_v[c] + rng.random(dv), centers_t[c] + rng.random(dt),
+                               labels=[c]))
+    return pairs
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-5), ("float64", 1e-12)])
+def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str,
+                                                                 atol: float) -> None:
+    pairs = _random_stream(205, 48, 24, seed=11)
+    runs = {}
+    for solver in ("blocked", "paper"):
+        learner = Learner("cmos", 48, 24, {"solver": solver, "dtype": dtype, "C": 1.0}, seed=3,
+                          eval_every=10_000)
+        learner.model.tau_log = []  # type: ignore[attr-defined]
+        learner.learn(pairs)
+        learner.flush()
+        runs[solver] = learner
+    blocked, paper = runs["blocked"], runs["paper"]
+    taus_b = np.array(blocked.model.tau_log)  # type: ignore[attr-defined]
+    taus_p = np.array(paper.model.tau_log)  # type: ignore[attr-defined]
+    assert len(taus_b) == len(taus_p) >= 2000
+    np.testing.assert_allclose(taus_b, taus_p, rtol=1e-4 if dtype == "float32" else 1e-10,
+                               atol=1e-9)
+    np.testing.assert_array_equal(taus_b == 1.0, taus_p == 1.0)  # the same steps are clipped
+    np.testing.assert_allclose(blocked.model.W, paper.model.W, rtol=0,  # type: ignore[attr-defined]
+                               atol=atol)
+    assert blocked.stats.as_dict()["mistakes"] == paper.stats.as_dict()["mistakes"]
+    # All three kinds of step occur: passive, clipped at C, and the exact l / ||V||^2.
+    assert (taus_b == 0).sum() > 0 and (taus_b == 1.0).sum() > 0
+    assert ((taus_b > 0) & (taus_b < 1.0)).sum() > 0
+
+
+def test_deferred_learning_does_not_depend_on_cuts_or_restarts() -> None:
+    pairs = _random_stream(400, 10, 6, seed=2)
+    one = Learner("cmos", 10, 6, seed=5, eval_every=7)
+    one.learn(pairs)
+    cut = Learner("cmos", 10, 6, seed=5, eval_every=7)
+    for i in range(0, 250, 13):
+        cut.learn(pairs[i : min(i + 13, 250)])
+    assert cut.model._queued > 0  # type: ignore[attr-defined]  # state holds queued triplets
+    restored = Learner.from_state(*cut.state())
+    restored.learn(pairs[250:])
+    one.flush()
+    restored.flush()
+    assert np.array_equal(one.model.W, restored.model.W)  # type: ignore[attr-defined]
+    assert one.stats.as_dict() == restored.stats.as_dict()
+    assert one.rolling_map() == restored.rolling_map()
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_mistakes_stay_under_the_theorem_1_bound(noise: float) -> None:
+    """Theorem 1: mistakes <= max(R, 1/C) (||U||_F^2 + 2C sum_t l_t(U)) for any U, with
+    R = max_t ||V_t||_F^2. The stream is built so that a known U ranks every triplet with margin
+    (noise 0), or most of them (noise 0.3: some triplets are flipped, so U pays a loss)."""
+    rng = np.random.default_rng(0)
+    dv, dt, C = 8, 6, 0.1
+    U = rng.normal(size=(dv, dt))
+    U *= 2.0 / np.linalg.norm(U)
+    model = CMOS(dv, dt, C=C, normalize="none", center=False)
+    stats = LearnStats()
+    sq_norms, u_losses = [], []
+    kept = 0
+    while kept < 3000:
+        is_text = kept % 2 == 1
+        q = rng.normal(size=dt if is_text else dv)
+        p, n = (rng.normal(size=dv), rng.normal(size=dv)) if is_text else (
+            rng.normal(size=dt), rng.normal(size=dt))
+        left, right = (p - n, q) if is_text else (q, p - n)
+        u_margin = float(left @ U @ right)
+        if u_margin < 1.0:
+            if rng.random() >= noise or u_margin < -1.0:
+                continue  # keep the stream separable, except for the chosen noise
+        elif rng.random() < noise / 3:
+            p, n = n, p
+            left, right = (p - n, q) if is_text else (q, p - n)
+            u_margin = -u_margin
+        u_losses.append(max(0.0, 1.0 - u_margin))
+        sq_norms.append(float(left @ left) * float(right @ right))
+        if is_text:
+            model.update_text(q, p, n, stats, defer=True)
+        else:
+            model.update_image(q, p, n, stats, defer=True)
+        kept += 1
+    model.flush(stats)
+    mistakes = stats.mistakes["i2t"] + stats.mistakes["t2i"]
+    bound = max(max(sq_norms), 1 / C) * (np.sum(U * U) + 2 * C * sum(u_losses))
+    assert (sum(u_losses) == 0) == (noise == 0)
+    assert 0 < mistakes <= bound

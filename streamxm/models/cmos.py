@@ -42,7 +42,7 @@ class CMOS(CrossModalModel):
       centred by the running mean of the normalised vectors seen so far (``center=True``,
       the mean includes the arriving pair). Centring only moves the query vector: the
       difference ``t+ - t-`` is unchanged by it. The means are part of the state.
-    - **Triplets per pair**: each arriving pair yields ``triplets_per_pair`` triplets (default 8),
+    - **Triplets per pair**: each arriving pair yields ``triplets_per_pair`` triplets (default 10),
       drawn from the replay buffer by :func:`streamxm.replay.sample_triplet_slots` (uniform
       candidates from the learner's buffer of the last 500 pairs), the arriving pair being the
       query; directions alternate across all triplets.
@@ -58,7 +58,8 @@ class CMOS(CrossModalModel):
     img_dim, txt_dim
         Input sizes.
     C
-        PA-I aggressiveness (paper: 0.05).
+        PA-I aggressiveness (default 0.1: a plateau from 0.07 to 0.15 in one pass over the
+        Wikipedia features, ``docs/benchmarks.md``).
     margin
         Hinge margin (paper: 1).
     triplets_per_pair
@@ -71,6 +72,10 @@ class CMOS(CrossModalModel):
         ``"float32"`` or ``"float64"`` for ``W``.
     flush_every
         Queued triplets that trigger a flush (larger: fewer, bigger matrix products).
+    solver
+        ``"blocked"`` (the above) or ``"paper"``: Eq. 6/7 transcribed literally, one triplet at a
+        time with ``V`` formed explicitly; the baseline of ``streamxm bench throughput`` and the
+        oracle of the tests.
 
     Examples
     --------
@@ -79,9 +84,9 @@ class CMOS(CrossModalModel):
     >>> stats = LearnStats()
     >>> m.update_image(np.array([1., 0, 0]), np.array([1., 0]), np.array([0., 1]), stats)
     >>> m.W
-    array([[ 0.05, -0.05],
-           [ 0.  ,  0.  ],
-           [ 0.  ,  0.  ]], dtype=float32)
+    array([[ 0.1, -0.1],
+           [ 0. ,  0. ],
+           [ 0. ,  0. ]], dtype=float32)
     >>> stats.mistakes["i2t"], stats.loss["i2t"]
     (1, 1.0)
     """
@@ -93,19 +98,22 @@ class CMOS(CrossModalModel):
         self,
         img_dim: int,
         txt_dim: int,
-        C: float = 0.05,
+        C: float = 0.1,
         margin: float = 1.0,
-        triplets_per_pair: int = 8,
+        triplets_per_pair: int = 10,
         normalize: Literal["l2", "none"] = "l2",
         center: bool = True,
         dtype: Literal["float32", "float64"] = "float32",
         flush_every: int = 64,
+        solver: Literal["blocked", "paper"] = "blocked",
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if C <= 0 or margin <= 0 or triplets_per_pair < 1 or flush_every < 1:
             raise ValueError("C and margin must be > 0, triplets_per_pair and flush_every >= 1")
         if normalize not in ("l2", "none"):
             raise ValueError(f"normalize must be 'l2' or 'none', got {normalize!r}")
+        if solver not in ("blocked", "paper"):
+            raise ValueError(f"solver must be 'blocked' or 'paper', got {solver!r}")
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
         self.C = float(C)
@@ -115,6 +123,9 @@ class CMOS(CrossModalModel):
         self.center = bool(center)
         self.dtype = dtype
         self.flush_every = int(flush_every)
+        self.solver = solver
+        #: When a list, every flush appends the step sizes it took, in order (for tests).
+        self.tau_log: list[float] | None = None
         self.W = np.zeros((img_dim, txt_dim), dtype=dtype)
         self.img_sum = np.zeros(img_dim, dtype=np.float64)
         self.txt_sum = np.zeros(txt_dim, dtype=np.float64)
@@ -131,7 +142,7 @@ class CMOS(CrossModalModel):
     def params(self) -> dict[str, Any]:
         return {"C": self.C, "margin": self.margin, "triplets_per_pair": self.triplets_per_pair,
                 "normalize": self.normalize, "center": self.center, "dtype": self.dtype,
-                "flush_every": self.flush_every}
+                "flush_every": self.flush_every, "solver": self.solver}
 
     # -- input map -------------------------------------------------------------------------
     def _norm(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
@@ -163,25 +174,46 @@ class CMOS(CrossModalModel):
         self._is_text[k] = is_text
         self._queued += 1
 
+    def _submit(self, left: NDArray[np.floating], right: NDArray[np.floating], is_text: bool,
+                stats: LearnStats, defer: bool) -> None:
+        if self._queued >= self.flush_every:
+            self.flush(stats)
+        self._enqueue(left, right, is_text)
+        if not defer:
+            self.flush(stats)
+
     def update_image(
         self, v: NDArray[np.floating], t_pos: NDArray[np.floating], t_neg: NDArray[np.floating],
-        stats: LearnStats,
+        stats: LearnStats, defer: bool = False,
     ) -> None:
-        """Image-query triplet ``(v, t+, t-)`` on mapped vectors, applied now:
-        ``V = v (t+ - t-)^T``."""
-        self.flush(stats)
-        self._enqueue(v, np.asarray(t_pos, np.float64) - t_neg, is_text=False)
-        self.flush(stats)
+        """Image-query triplet ``(v, t+, t-)`` on mapped vectors: ``V = v (t+ - t-)^T``.
+
+        Applied now, or with ``defer=True`` queued for the next flush (its effect is the same).
+        """
+        self._submit(v, np.asarray(t_pos, np.float64) - t_neg, False, stats, defer)
 
     def update_text(
         self, t: NDArray[np.floating], v_pos: NDArray[np.floating], v_neg: NDArray[np.floating],
-        stats: LearnStats,
+        stats: LearnStats, defer: bool = False,
     ) -> None:
-        """Text-query triplet ``(t, v+, v-)`` on mapped vectors, applied now:
-        ``V = (v+ - v-) t^T``."""
-        self.flush(stats)
-        self._enqueue(np.asarray(v_pos, np.float64) - v_neg, t, is_text=True)
-        self.flush(stats)
+        """Text-query triplet ``(t, v+, v-)`` on mapped vectors: ``V = (v+ - v-) t^T`` (see
+        :meth:`update_image`)."""
+        self._submit(np.asarray(v_pos, np.float64) - v_neg, t, True, stats, defer)
+
+    def _paper_steps(self, n: int, stats: LearnStats) -> NDArray[np.float64]:
+        """Eq. 6/7 as written, one triplet after another."""
+        taus = np.zeros(n, dtype=np.float64)
+        for k in range(n):
+            left, right = self._left[k], self._right[k]
+            V = np.outer(left, right)
+            diff = float(left @ self.W @ right)
+            loss = max(0.0, self.margin - diff)
+            sq_norm = float(np.sum(V * V))
+            if loss > 0.0 and sq_norm > 0.0:
+                taus[k] = min(self.C, loss / sq_norm)
+                self.W += taus[k] * V
+            stats.add("t2i" if self._is_text[k] else "i2t", diff <= 0.0, loss, bool(taus[k]))
+        return taus
 
     def flush(self, stats: LearnStats) -> None:
         """Solve the queued triplets in order, exactly as the sequential PA loop, and merge their
@@ -189,6 +221,13 @@ class CMOS(CrossModalModel):
         n = self._queued
         if n == 0:
             return
+        self._queued = 0
+        tau = self._paper_steps(n, stats) if self.solver == "paper" else self._blocked_steps(
+            n, stats)
+        if self.tau_log is not None:
+            self.tau_log.extend(tau.tolist())
+
+    def _blocked_steps(self, n: int, stats: LearnStats) -> NDArray[np.float64]:
         left, right = self._left[:n], self._right[:n]
         base = np.einsum("kj,kj->k", left @ self.W, right, dtype=np.float64)
         left64, right64 = left.astype(np.float64), right.astype(np.float64)
@@ -203,7 +242,7 @@ class CMOS(CrossModalModel):
             stats.add("t2i" if self._is_text[k] else "i2t", diff <= 0.0, loss, bool(tau[k]))
         if tau.any():
             self.W += (left.T * tau.astype(self.W.dtype)) @ right
-        self._queued = 0
+        return tau
 
     def learn_one(
         self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
