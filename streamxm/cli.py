@@ -95,6 +95,24 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from streamxm.throughput import throughput
+
+    result = throughput(args.model, img_dim=args.img_dim, txt_dim=args.txt_dim, pairs=args.pairs,
+                        baseline_pairs=args.baseline_pairs, repeats=args.repeats,
+                        params=_params(args.param) or None, seed=args.seed)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        line = f"{args.model}: {result['pairs_per_s']:.0f} pairs/s on one core"
+        if "limit_pairs_per_s" in result:
+            line += (f", machine limit {result['limit_pairs_per_s']:.0f} "
+                     f"(ratio {result['ratio_to_limit']:.2f}), paper loop "
+                     f"{result['baseline_pairs_per_s']:.0f}")
+        print(line)
+    return 0
+
+
 def _cmd_redis(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
     from streamxm.redis_conn import EmbeddedRedis
@@ -153,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd_bench_quality)
+
+    t = bench_sub.add_parser("throughput", help="pairs learned per second on one core")
+    t.add_argument("--model", default="cmos")
+    t.add_argument("--img-dim", type=int, default=4096)
+    t.add_argument("--txt-dim", type=int, default=1000)
+    t.add_argument("--pairs", type=int, default=2000, help="timed pairs per repeat")
+    t.add_argument("--baseline-pairs", type=int, default=200,
+                   help="timed pairs of the literal paper loop (it is slow)")
+    t.add_argument("--repeats", type=int, default=3, help="figures are medians over repeats")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_cmd_bench_throughput)
 
     rd = sub.add_parser("redis", help="the embedded Redis server")
     rd.add_argument("action", choices=["start", "stop", "status"])

@@ -13,7 +13,16 @@ from numpy.typing import NDArray
 
 from streamxm.messages import Pair
 
-__all__ = ["ReplayBuffer"]
+__all__ = ["ReplayBuffer", "TripletSampler", "sample_triplet_slots"]
+
+
+def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float32]:
+    """L2 norm of each row, 1 for a zero row; one code path, so a restored buffer has the very
+    same bits as the one that was saved."""
+    norms: NDArray[np.float32] = np.sqrt(
+        np.einsum("ij,ij->i", rows, rows, dtype=np.float64)).astype(np.float32)
+    norms[norms == 0] = 1.0
+    return norms
 
 
 class ReplayBuffer:
@@ -46,6 +55,10 @@ class ReplayBuffer:
         self.img = np.zeros((capacity, img_dim), dtype=np.float32)
         self.txt = np.zeros((capacity, txt_dim), dtype=np.float32)
         self.labels = np.full((capacity, max_labels), -1, dtype=np.int64)
+        # L2 norms of the stored rows (1 for a zero row), so models need not recompute them.
+        self.img_norm = np.ones(capacity, dtype=np.float32)
+        self.txt_norm = np.ones(capacity, dtype=np.float32)
+        self.label_width = 0  # the most labels any stored pair has had: columns worth comparing
         self.size = 0
         self.head = 0  # slot the next pair goes to
 
@@ -59,6 +72,9 @@ class ReplayBuffer:
         self.txt[slot] = pair.txt
         self.labels[slot] = -1
         self.labels[slot, : len(pair.labels)] = pair.labels
+        self.label_width = max(self.label_width, len(pair.labels))
+        self.img_norm[slot] = _row_norms(pair.img[None, :])[0]
+        self.txt_norm[slot] = _row_norms(pair.txt[None, :])[0]
         self.head = (self.head + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
         return slot
@@ -80,7 +96,9 @@ class ReplayBuffer:
         """Per slot: how many labels the stored pair shares with ``labels``."""
         if not labels:
             return np.zeros(self.size, dtype=np.int64)
-        stored = self.labels[: self.size]
+        stored = self.labels[: self.size, : self.label_width]
+        if len(labels) == 1:
+            return np.asarray((stored == labels[0]).sum(axis=1), dtype=np.int64)
         query = np.asarray(labels, dtype=np.int64)
         return np.asarray(np.isin(stored, query).sum(axis=1), dtype=np.int64)
 
@@ -97,7 +115,53 @@ class ReplayBuffer:
         buf.txt[:] = arrays["txt"]
         buf.labels[:] = arrays["labels"]
         buf.size, buf.head = int(meta["size"]), int(meta["head"])
+        buf.label_width = int((buf.labels >= 0).sum(axis=1).max(initial=0))
+        buf.img_norm[:] = _row_norms(buf.img)
+        buf.txt_norm[:] = _row_norms(buf.txt)
         return buf
+
+
+class TripletSampler:
+    """Draws (positive slot, negative slot) triplets for the pair stored at ``query_slot``.
+
+    The candidates are worked out once per query, so drawing several triplets for one arriving
+    pair costs little. See :func:`sample_triplet_slots` for the rules.
+    """
+
+    def __init__(self, buffer: ReplayBuffer, query_slot: int, labels: tuple[int, ...]) -> None:
+        self.size = buffer.size
+        self.query_slot = query_slot
+        self.kind = "unlabelled" if not labels else "single" if len(labels) == 1 else "multi"
+        self.pos = self.neg = self.shared = np.zeros(0, dtype=np.int64)
+        if self.kind == "unlabelled" or self.size < 2:
+            return
+        self.shared = buffer.shared_label_counts(labels)
+        labelled = buffer.labelled()
+        if self.kind == "single":
+            self.pos = np.flatnonzero(self.shared > 0)
+            self.neg = np.flatnonzero(labelled & (self.shared == 0))
+        else:
+            self.pos = np.flatnonzero(labelled)  # the candidates, for the multi-label rule
+
+    def draw(self, rng: np.random.Generator) -> tuple[int, int] | None:
+        n = self.size
+        if n < 2:
+            return None
+        if self.kind == "unlabelled":
+            neg = int(rng.integers(n - 1))
+            return self.query_slot, neg + (neg >= self.query_slot)
+        if self.kind == "single":
+            if len(self.neg) == 0:
+                return None
+            pos = int(self.pos[rng.integers(len(self.pos))])
+            return pos, int(self.neg[rng.integers(len(self.neg))])
+        if len(self.pos) < 2:
+            return None
+        first, second = rng.choice(len(self.pos), size=2, replace=False)
+        a, b = int(self.pos[first]), int(self.pos[second])
+        if self.shared[a] == self.shared[b]:
+            return None
+        return (a, b) if self.shared[a] > self.shared[b] else (b, a)
 
 
 def sample_triplet_slots(
@@ -132,25 +196,4 @@ def sample_triplet_slots(
     >>> None in draws  # slots 0 and 1 tie
     True
     """
-    n = buffer.size
-    if n < 2:
-        return None
-    if not labels:
-        neg = int(rng.integers(n - 1))
-        return query_slot, neg + (neg >= query_slot)
-    shared = buffer.shared_label_counts(labels)
-    if len(labels) == 1:
-        pos_candidates = np.flatnonzero(shared > 0)
-        neg_candidates = np.flatnonzero(buffer.labelled() & (shared == 0))
-        if len(neg_candidates) == 0:
-            return None
-        pos = int(pos_candidates[rng.integers(len(pos_candidates))])
-        return pos, int(neg_candidates[rng.integers(len(neg_candidates))])
-    candidates = np.flatnonzero(buffer.labelled())
-    if len(candidates) < 2:
-        return None
-    first, second = rng.choice(len(candidates), size=2, replace=False)
-    a, b = int(candidates[first]), int(candidates[second])
-    if shared[a] == shared[b]:
-        return None
-    return (a, b) if shared[a] > shared[b] else (b, a)
+    return TripletSampler(buffer, query_slot, labels).draw(rng)

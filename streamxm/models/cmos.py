@@ -12,7 +12,7 @@ from numpy.typing import NDArray
 
 from streamxm.messages import Pair
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
-from streamxm.replay import ReplayBuffer, sample_triplet_slots
+from streamxm.replay import ReplayBuffer, TripletSampler
 
 __all__ = ["CMOS"]
 
@@ -104,7 +104,7 @@ class CMOS(CrossModalModel):
         normalize: Literal["l2", "none"] = "l2",
         center: bool = True,
         dtype: Literal["float32", "float64"] = "float32",
-        flush_every: int = 64,
+        flush_every: int = 128,
         solver: Literal["blocked", "paper"] = "blocked",
     ) -> None:
         super().__init__(img_dim, txt_dim)
@@ -156,6 +156,13 @@ class CMOS(CrossModalModel):
         if not self.center or self.n_seen == 0:
             return np.zeros_like(total)
         return total / self.n_seen
+
+    def _row_diff(self, rows: NDArray[np.float32], norms: NDArray[np.float32], pos: int,
+                  neg: int) -> NDArray[np.float32]:
+        """``phi(x+) - phi(x-)`` of two buffered rows (their norms are cached by the buffer)."""
+        if self.normalize == "l2":
+            return np.asarray(rows[pos] / norms[pos] - rows[neg] / norms[neg])
+        return np.asarray(rows[pos] - rows[neg])
 
     def map_images(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
         """``phi``: the input map applied to image vectors."""
@@ -253,17 +260,18 @@ class CMOS(CrossModalModel):
         self.txt_sum += self._norm(pair.txt)
         self.n_seen += 1
         v, t = self.map_images(pair.img), self.map_texts(pair.txt)
+        sampler = TripletSampler(buffer, slot, pair.labels)
         for _ in range(self.triplets_per_pair):
-            slots = sample_triplet_slots(buffer, slot, pair.labels, rng)
+            slots = sampler.draw(rng)
             if slots is None:
                 continue
             pos, neg = slots
             # Mean-centring cancels in a difference, so the normalised rows suffice there.
             if self.n_triplets % 2 == 0:
-                self._enqueue(v, self._norm(buffer.txt[pos]) - self._norm(buffer.txt[neg]),
+                self._enqueue(v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg),
                               is_text=False)
             else:
-                self._enqueue(self._norm(buffer.img[pos]) - self._norm(buffer.img[neg]), t,
+                self._enqueue(self._row_diff(buffer.img, buffer.img_norm, pos, neg), t,
                               is_text=True)
             self.n_triplets += 1
         if self._queued >= self.flush_every:

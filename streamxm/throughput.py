@@ -1,0 +1,124 @@
+"""``streamxm bench throughput``: pairs learned per second on one core, beside the machine's limit.
+
+The learner is timed on synthetic pairs of the requested sizes through :meth:`Learner.learn`, the
+code the worker runs (replay buffer, triplet sampling, updates), with the rolling evaluation off.
+For a bilinear model the work per triplet that no implementation can avoid is one
+matrix-vector product with ``W`` (the margin ``a^T W b``); the *limit* is the time BLAS takes for
+those products, one per triplet, measured on the same ``W`` in the same run. The *baseline* is the
+same pipeline with the paper's loop transcribed literally (``solver="paper"``). Everything runs
+under a one-thread BLAS limit. Each figure is the median of ``repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from streamxm.learner import Learner
+from streamxm.messages import Pair, make_pair
+from streamxm.models import split_name
+
+__all__ = ["synthetic_pairs", "throughput"]
+
+
+def synthetic_pairs(n: int, img_dim: int, txt_dim: int, n_classes: int = 10,
+                    seed: int = 0) -> list[Pair]:
+    """Non-negative pairs leaning towards a per-class direction (like histogram features)."""
+    rng = np.random.default_rng(seed)
+    centers_v = rng.random((n_classes, img_dim), dtype=np.float32)
+    centers_t = rng.random((n_classes, txt_dim), dtype=np.float32)
+    classes = rng.integers(n_classes, size=n)
+    imgs = centers_v[classes] + rng.random((n, img_dim), dtype=np.float32)
+    txts = centers_t[classes] + rng.random((n, txt_dim), dtype=np.float32)
+    return [make_pair(f"s{i}", imgs[i], txts[i], labels=[int(classes[i])]) for i in range(n)]
+
+
+def _median_seconds(run: Callable[[], float], repeats: int) -> float:
+    return statistics.median(run() for _ in range(repeats))
+
+
+def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
+                   seed: int) -> tuple[float, Learner]:
+    """Seconds per pair over ``pairs[warmup:]`` (the buffer fills during the warm-up)."""
+    img_dim, txt_dim = pairs[0].img.shape[0], pairs[0].txt.shape[0]
+    learner = Learner(model, img_dim, txt_dim, params, seed=seed, eval_every=len(pairs) + 1)
+    learner.learn(pairs[:warmup])
+    learner.flush()
+    start = time.perf_counter()
+    for i in range(warmup, len(pairs), 256):
+        learner.learn(pairs[i : i + 256])
+    learner.flush()
+    return (time.perf_counter() - start) / (len(pairs) - warmup), learner
+
+
+def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
+    """Seconds for one ``W @ x`` plus one ``y @ W`` (the two directions), BLAS."""
+    rng = np.random.default_rng(seed)
+    xs = rng.random((calls, W.shape[1]), dtype=np.float32).astype(W.dtype)
+    ys = rng.random((calls, W.shape[0]), dtype=np.float32).astype(W.dtype)
+    start = time.perf_counter()
+    for x, y in zip(xs, ys, strict=True):
+        W @ x
+        y @ W
+    return (time.perf_counter() - start) / calls
+
+
+def throughput(
+    model: str = "cmos",
+    img_dim: int = 4096,
+    txt_dim: int = 1000,
+    pairs: int = 2000,
+    baseline_pairs: int = 200,
+    warmup: int = 100,
+    repeats: int = 3,
+    params: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Measure the learner, the BLAS limit and (for CMOS) the literal baseline; return JSON.
+
+    For CMOS the default is ``triplets_per_pair=2`` (one triplet per direction, so the limit is
+    the two matrix-vector products per pair of the issue); pass ``params`` to change it.
+    """
+    base, _ = split_name(model)
+    params = dict(params or {})
+    if base == "cmos":
+        params.setdefault("triplets_per_pair", 2)
+    data = synthetic_pairs(warmup + pairs, img_dim, txt_dim, seed=seed)
+    result: dict[str, Any] = {"model": model, "img_dim": img_dim, "txt_dim": txt_dim,
+                              "pairs": pairs, "repeats": repeats, "threads": 1}
+    with threadpool_limits(limits=1):
+        learned: list[Learner] = []
+
+        def run_learner() -> float:
+            seconds, learner = _time_learning(model, data, warmup, params, seed)
+            learned.append(learner)
+            return seconds
+
+        per_pair = _median_seconds(run_learner, repeats)
+        learner = learned[-1]
+        result.update(params=learner.model.params(), pairs_per_s=round(1 / per_pair, 1),
+                      seconds_per_pair=per_pair)
+        if base == "cmos":
+            triplets = sum(learner.stats.triplets.values()) / learner.pairs_seen
+            W = learner.model.W  # type: ignore[attr-defined]
+            matvec = _median_seconds(lambda: _matvec_seconds(W, 200, seed), repeats)
+            # One product per triplet; a pair of directions is one W @ x plus one y @ W.
+            limit_per_pair = matvec / 2 * triplets
+            paper_params = {**params, "solver": "paper"}
+            base_data = data[: warmup + baseline_pairs]
+            baseline = _median_seconds(
+                lambda: _time_learning(model, base_data, warmup, paper_params, seed)[0], repeats)
+            result.update(
+                triplets_per_pair=round(triplets, 3),
+                limit_pairs_per_s=round(1 / limit_per_pair, 1),
+                ratio_to_limit=round(limit_per_pair / per_pair, 3),
+                baseline_pairs_per_s=round(1 / baseline, 1),
+                baseline_ratio_to_limit=round(limit_per_pair / baseline, 3),
+                speedup_over_baseline=round(baseline / per_pair, 2),
+            )
+    return result
