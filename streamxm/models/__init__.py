@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from streamxm.models.base import DIRECTIONS, CrossModalModel, LearnStats
+from streamxm.models.cmomks import CMOMKS
 from streamxm.models.cmos import CMOS
 
 __all__ = ["DIRECTIONS", "MODELS", "CrossModalModel", "LearnStats", "create_model", "split_name"]
 
-MODELS: dict[str, type[CrossModalModel]] = {CMOS.name: CMOS}
+MODELS: dict[str, type[CrossModalModel]] = {CMOS.name: CMOS, CMOMKS.name: CMOMKS}
 
 
 def split_name(name: str) -> tuple[str, str | None]:
