@@ -59,6 +59,10 @@ def entry_id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+#: Pairs learned between two lease checks inside one batch.
+_LEARN_SLICE = 32
+
+
 @dataclass
 class _Pending:
     """What was applied since the last checkpoint and awaits the commit."""
@@ -125,6 +129,7 @@ class LearnerWorker:
         self.read_batch = read_batch
         self.block_ms = block_ms
         self.lease_ttl_ms = lease_ttl_ms
+        self._lease_at = 0.0  # when the lease was last taken or refreshed (monotonic)
         self.limits = limits
         self.learner: Learner | None = None
         self.version = 0
@@ -172,14 +177,28 @@ class LearnerWorker:
             log.info("worker %s stopped at entry %s, version %d", self.consumer, self.last_id,
                      self.version)
 
+    def _refresh_lease(self) -> bool:
+        """Extend the lease we hold; if it is gone, drop the state (a successor owns it)."""
+        if self._refresh(keys=[self.keys.lease(self.model)],
+                         args=[self.consumer, self.lease_ttl_ms]):
+            self._lease_at = time.monotonic()
+            return True
+        log.warning("worker %s lost the lease of %s", self.consumer, self.model)
+        self.leader, self.learner, self._pending = False, None, _Pending()
+        return False
+
+    def _keep_lease(self) -> bool:
+        """Inside a batch: refresh the lease once a third of its time has passed."""
+        if time.monotonic() - self._lease_at < self.lease_ttl_ms / 3000:
+            return True
+        return self._refresh_lease()
+
     def _hold_lease(self) -> bool:
         key = self.keys.lease(self.model)
-        if self.leader:
-            if self._refresh(keys=[key], args=[self.consumer, self.lease_ttl_ms]):
-                return True
-            log.warning("worker %s lost the lease of %s", self.consumer, self.model)
-            self.leader, self.learner, self._pending = False, None, _Pending()
+        if self.leader and self._refresh_lease():
+            return True
         if self.r.set(key, self.consumer, nx=True, px=self.lease_ttl_ms):
+            self._lease_at = time.monotonic()
             self.leader = True
             self._load()
             return True
@@ -256,7 +275,12 @@ class LearnerWorker:
             if self.learner is None:
                 self.learner = Learner(self.model, pairs[0].img.shape[0], pairs[0].txt.shape[0],
                                        self.params, seed=self.seed, **self.learner_options)
-            self.learner.learn(pairs)
+            # Learn in slices and keep the lease alive in between: a slow model (or a large
+            # batch) must not outlive the lease, or every commit would be fenced off.
+            for i in range(0, len(pairs), _LEARN_SLICE):
+                self.learner.learn(pairs[i : i + _LEARN_SLICE])
+                if not self._keep_lease():
+                    return
             self._pending.pairs += len(pairs)
 
     def _decode(self, fields: dict[bytes, bytes]) -> Pair:

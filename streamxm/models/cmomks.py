@@ -47,8 +47,8 @@ class KernelPair:
 
 
 def default_kernels() -> list[dict[str, Any]]:
-    """Gaussian kernel pairs at three bandwidths, the same on both sides."""
-    return [KernelPair(g, g).to_json() for g in (1.0, 4.0, 8.0)]
+    """Gaussian kernel pairs at three image bandwidths (2, 4, 8) with text bandwidths 2, 4, 4."""
+    return [KernelPair(gv, gt).to_json() for gv, gt in ((2.0, 2.0), (4.0, 4.0), (8.0, 4.0))]
 
 
 class _Side:
@@ -67,6 +67,9 @@ class _Side:
         self.pool = [np.zeros((landmarks, w), dtype=np.float32) for w in widths]
         self.pool_size = 0
         self.support = [np.zeros((budget, 2, w), dtype=np.float32) for w in widths]
+        # Squared norms of the stored points: 1, or 0 for a zero vector.
+        self.pool_sq = [np.zeros(landmarks, dtype=np.float32) for _ in widths]
+        self.support_sq = [np.zeros(budget * 2, dtype=np.float32) for _ in widths]
         self.coef = np.zeros((budget, 2), dtype=np.float32)
         self.support_m = np.zeros((m, budget, 2), dtype=np.float64)  # m(x) of support points
         self.c = np.zeros(m, dtype=np.float64)
@@ -84,13 +87,15 @@ class _Side:
             out.append((part / np.where(norms > 0, norms, 1.0)).astype(np.float32))
         return out
 
-    def kernels(self, parts: list[NDArray[np.float32]],
-                points: list[NDArray[np.float32]]) -> F64:
-        """(M, n, p): raw kernel values between prepared rows and prepared points."""
+    def kernels(self, parts: list[NDArray[np.float32]], points: list[NDArray[np.float32]],
+                points_sq: list[NDArray[np.float32]] | None = None) -> F64:
+        """(M, n, p): raw kernel values between prepared rows and prepared points (whose squared
+        norms may be given, to spare a pass over large stored arrays)."""
         dists = []
-        for part, pts in zip(parts, points, strict=True):
-            d = (np.einsum("ij,ij->i", part, part)[:, None]
-                 + np.einsum("ij,ij->i", pts, pts)[None, :] - 2 * part @ pts.T)
+        for b, (part, pts) in enumerate(zip(parts, points, strict=True)):
+            pts_sq = np.einsum("ij,ij->i", pts, pts) if points_sq is None else points_sq[b]
+            d = (np.einsum("ij,ij->i", part, part)[:, None] + pts_sq[None, :]
+                 - 2 * part @ pts.T)
             dists.append(np.maximum(d, 0.0, dtype=np.float64))
         return np.stack([np.exp(-g * dists[b]) for b, g in zip(self.block_of, self.gammas,
                                                                 strict=True)])
@@ -100,7 +105,7 @@ class _Side:
 
     def centred_to_pool(self, parts: list[NDArray[np.float32]]) -> tuple[F64, F64]:
         """``k~(x, r)`` for every pool point ``r``, (M, n, P), and ``m(x)``, (M, n)."""
-        k = self.kernels(parts, self.pool_points())
+        k = self.kernels(parts, self.pool_points(), [q[: self.pool_size] for q in self.pool_sq])
         m_x = k.mean(axis=2)
         pool_m = self.support_m_of_pool
         return k - m_x[:, :, None] - pool_m[:, None, :] + self.c[:, None, None], m_x
@@ -122,7 +127,8 @@ class _Side:
         if used == 0:
             return np.zeros((len(self.block_of), len(parts[0]), 0))
         pts = [s[:used].reshape(used * 2, s.shape[2]) for s in self.support]
-        k = self.kernels(parts, pts).reshape(len(self.block_of), len(parts[0]), used, 2)
+        k = self.kernels(parts, pts, [q[: used * 2] for q in self.support_sq])
+        k = k.reshape(len(self.block_of), len(parts[0]), used, 2)
         k = k - m_x[:, :, None, None] - self.support_m[:, None, :used] + self.c[:, None, None, None]
         return np.asarray(np.einsum("mnkc,kc->mnk", k, self.coef[:used]))
 
@@ -131,6 +137,7 @@ class _Side:
         """Store a support triplet's two prepared points and their ``m`` at ``slot``."""
         for b, part in enumerate(parts):
             self.support[b][slot] = part
+            self.support_sq[b][2 * slot : 2 * slot + 2] = np.einsum("ij,ij->i", part, part)
         self.support_m[:, slot] = m_x
         self.coef[slot] = coef
 
@@ -153,8 +160,9 @@ class CMOMKS(CrossModalModel):
 
     - **Kernels**: Gaussian ``exp(-gamma ||x - y||^2)`` on vectors (or blocks of them, for image
       vectors that concatenate several representations) mapped by ``sign(x)|x|^power`` and
-      L2-normalised. Default: three pairs with ``gamma`` = 1, 4, 8 on both sides and
-      ``power = 0.5`` (the Hellinger map, suited to histogram features such as bags of words and
+      L2-normalised. Default: three pairs, image ``gamma`` 2, 4, 8 with text ``gamma`` 2, 4, 4
+      (squared distances of normalised vectors lie in [0, 4]; the median on the Wikipedia
+      features is about 1.2), and ``power = 0.5`` (the Hellinger map, suited to histogram features such as bags of words and
       topic proportions): on the Wikipedia features it adds about +0.02 mAP over ``power = 1``.
     - **Centring**: like CMOS's mean-centred inputs, the kernels are centred in feature space on
       a *landmark pool*, the first ``landmarks`` pairs of the stream (frozen once full). Centring
@@ -187,7 +195,8 @@ class CMOMKS(CrossModalModel):
     kernels
         Kernel pairs as JSON dicts (:class:`KernelPair` fields).
     C
-        PA-I aggressiveness.
+        PA-I aggressiveness (0.5: centred kernel features are shorter than CMOS's unit vectors,
+        so steps need a larger cap; 0.3-0.5 measured best, ``docs/benchmarks.md``).
     margin
         Hinge margin.
     beta
@@ -223,12 +232,12 @@ class CMOMKS(CrossModalModel):
         img_dim: int,
         txt_dim: int,
         kernels: list[dict[str, Any]] | None = None,
-        C: float = 0.1,
+        C: float = 0.5,
         margin: float = 1.0,
         beta: float = 0.998,
         budget: int = 1000,
-        landmarks: int = 300,
-        triplets_per_pair: int = 4,
+        landmarks: int = 500,
+        triplets_per_pair: int = 10,
         power: float = 0.5,
     ) -> None:
         super().__init__(img_dim, txt_dim)
@@ -317,22 +326,12 @@ class CMOMKS(CrossModalModel):
     # -- learning ----------------------------------------------------------------------------
     def _side_terms(self, side: _Side, parts: list[NDArray[np.float32]]
                     ) -> tuple[F64, F64, F64, F64]:
-        """For two prepared rows, in one kernel evaluation per block: centred kernels to the pool
-        (M, 2, P), support terms (M, 2, used), ``m`` of the rows (M, 2) and ``k(row0, row1)``."""
-        used = self.support_size
-        pool = side.pool_points()
-        points = [np.concatenate([pl, sp[:used].reshape(used * 2, sp.shape[2]), part])
-                  for pl, sp, part in zip(pool, side.support, parts, strict=True)]
-        k = side.kernels(parts, points)  # (M, 2, P + 2 used + 2)
-        n_pool = side.pool_size
-        m_x = k[:, :, :n_pool].mean(axis=2)
-        to_pool = (k[:, :, :n_pool] - m_x[:, :, None] - side.support_m_of_pool[:, None, :]
-                   + side.c[:, None, None])
-        sup = k[:, :, n_pool : n_pool + 2 * used].reshape(len(side.block_of), 2, used, 2)
-        sup = (sup - m_x[:, :, None, None] - side.support_m[:, None, :used]
-               + side.c[:, None, None, None])
-        support = np.einsum("mnkc,kc->mnk", sup, side.coef[:used])
-        return to_pool, support, m_x, k[:, 0, -1]
+        """For two prepared rows: centred kernels to the pool (M, 2, P), support terms
+        (M, 2, used), ``m`` of the rows (M, 2) and ``k(row0, row1)`` (M,)."""
+        to_pool, m_x = side.centred_to_pool(parts)
+        support = side.centred_to_support(parts, m_x, self.support_size)
+        k01 = side.kernels([p[:1] for p in parts], [p[1:] for p in parts])[:, 0, 0]
+        return to_pool, support, m_x, k01
 
     def learn_triplet(self, img_rows: NDArray[np.float32], txt_rows: NDArray[np.float32],
                       is_text: bool, stats: LearnStats) -> None:
@@ -395,6 +394,7 @@ class CMOMKS(CrossModalModel):
             for side, x in ((self.img_side, pair.img), (self.txt_side, pair.txt)):
                 for b, part in enumerate(side.prep(x)):
                     side.pool[b][side.pool_size] = part[0]
+                    side.pool_sq[b][side.pool_size] = np.einsum("ij,ij->i", part, part)[0]
                 side.pool_size += 1
         sampler = TripletSampler(buffer, slot, pair.labels)
         for _ in range(self.triplets_per_pair):
@@ -472,7 +472,10 @@ class CMOMKS(CrossModalModel):
             side.support_m = np.array(arrays[f"{name}.support_m"], dtype=np.float64)
             for b in range(len(side.blocks)):
                 side.pool[b] = np.array(arrays[f"{name}.pool.{b}"], dtype=np.float32)
+                side.pool_sq[b] = np.einsum("ij,ij->i", side.pool[b], side.pool[b])
                 side.support[b] = np.array(arrays[f"{name}.support.{b}"], dtype=np.float32)
+                flat = side.support[b].reshape(-1, side.support[b].shape[2])
+                side.support_sq[b] = np.einsum("ij,ij->i", flat, flat)
             side.pool_size = int(meta["pool_size"])
             if side.pool_size >= self.landmarks:
                 side.close_pool()  # derived: centring constants and the pool Gram inverse
