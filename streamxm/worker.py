@@ -24,6 +24,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +59,6 @@ def entry_id_key(entry_id: str) -> tuple[int, int]:
     """Stream ids compare as (milliseconds, sequence)."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-#: Pairs learned between two lease checks inside one batch.
-_LEARN_SLICE = 32
 
 
 @dataclass
@@ -129,7 +127,6 @@ class LearnerWorker:
         self.read_batch = read_batch
         self.block_ms = block_ms
         self.lease_ttl_ms = lease_ttl_ms
-        self._lease_at = 0.0  # when the lease was last taken or refreshed (monotonic)
         self.limits = limits
         self.learner: Learner | None = None
         self.version = 0
@@ -181,24 +178,37 @@ class LearnerWorker:
         """Extend the lease we hold; if it is gone, drop the state (a successor owns it)."""
         if self._refresh(keys=[self.keys.lease(self.model)],
                          args=[self.consumer, self.lease_ttl_ms]):
-            self._lease_at = time.monotonic()
             return True
         log.warning("worker %s lost the lease of %s", self.consumer, self.model)
         self.leader, self.learner, self._pending = False, None, _Pending()
         return False
 
-    def _keep_lease(self) -> bool:
-        """Inside a batch: refresh the lease once a third of its time has passed."""
-        if time.monotonic() - self._lease_at < self.lease_ttl_ms / 3000:
-            return True
-        return self._refresh_lease()
+    @contextmanager
+    def _lease_heartbeat(self) -> Iterator[threading.Event]:
+        """Refresh the lease every third of its time from a helper thread while the body runs;
+        the event yielded is set if the lease was lost meanwhile."""
+        lost, done = threading.Event(), threading.Event()
+        key = self.keys.lease(self.model)
+
+        def beat() -> None:
+            while not done.wait(self.lease_ttl_ms / 3000):
+                if not self._refresh(keys=[key], args=[self.consumer, self.lease_ttl_ms]):
+                    lost.set()
+                    return
+
+        thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield lost
+        finally:
+            done.set()
+            thread.join()
 
     def _hold_lease(self) -> bool:
         key = self.keys.lease(self.model)
         if self.leader and self._refresh_lease():
             return True
         if self.r.set(key, self.consumer, nx=True, px=self.lease_ttl_ms):
-            self._lease_at = time.monotonic()
             self.leader = True
             self._load()
             return True
@@ -275,12 +285,15 @@ class LearnerWorker:
             if self.learner is None:
                 self.learner = Learner(self.model, pairs[0].img.shape[0], pairs[0].txt.shape[0],
                                        self.params, seed=self.seed, **self.learner_options)
-            # Learn in slices and keep the lease alive in between: a slow model (or a large
-            # batch) must not outlive the lease, or every commit would be fenced off.
-            for i in range(0, len(pairs), _LEARN_SLICE):
-                self.learner.learn(pairs[i : i + _LEARN_SLICE])
-                if not self._keep_lease():
-                    return
+            # A slow model (or a large batch) must not outlive the lease, or every commit would
+            # be fenced off and the same batch retried forever: a heartbeat holds it meanwhile.
+            with self._lease_heartbeat() as lost:
+                self.learner.learn(pairs)
+            if lost.is_set():
+                log.warning("worker %s lost the lease of %s while learning", self.consumer,
+                            self.model)
+                self.leader, self.learner, self._pending = False, None, _Pending()
+                return
             self._pending.pairs += len(pairs)
 
     def _decode(self, fields: dict[bytes, bytes]) -> Pair:
