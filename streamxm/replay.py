@@ -6,6 +6,7 @@ The buffer is a ring of the last ``capacity`` pairs. Labels are kept as a padded
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,18 @@ class TripletSampler:
             self.neg = np.flatnonzero(labelled & (self.shared == 0))
         else:
             self.pos = np.flatnonzero(labelled)  # the candidates, for the multi-label rule
+
+    def directed(self, rng: np.random.Generator, count: int,
+                 drawn_before: int) -> Iterator[tuple[bool, int, int]]:
+        """Up to ``count`` triplets as ``(is_text, positive, negative)``, directions alternating
+        over the learner's whole stream (Algorithm 1): the query is the image when the number of
+        triplets drawn before is even, the text when it is odd."""
+        for _ in range(count):
+            slots = self.draw(rng)
+            if slots is None:
+                continue
+            yield drawn_before % 2 == 1, slots[0], slots[1]
+            drawn_before += 1
 
     def draw(self, rng: np.random.Generator) -> tuple[int, int] | None:
         n = self.size

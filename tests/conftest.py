@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 
 from streamxm.config import Settings
+from streamxm.messages import Pair, make_pair
 from streamxm.redis_conn import EmbeddedRedis, connect
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,3 +107,15 @@ class ApiServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def class_stream(n: int, img_dim: int, txt_dim: int, seed: int, n_classes: int = 4) -> list[Pair]:
+    """Labelled pairs whose two vectors both lean towards a per-class direction, plus noise."""
+    rng = np.random.default_rng(seed)
+    centers_v, centers_t = rng.random((n_classes, img_dim)), rng.random((n_classes, txt_dim))
+    pairs = []
+    for i in range(n):
+        c = int(rng.integers(n_classes))
+        pairs.append(make_pair(str(i), centers_v[c] + rng.random(img_dim),
+                               centers_t[c] + rng.random(txt_dim), labels=[c]))
+    return pairs

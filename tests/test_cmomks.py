@@ -14,25 +14,15 @@ from streamxm.messages import make_pair
 from streamxm.models.base import LearnStats
 from streamxm.models.cmomks import CMOMKS
 from streamxm.service import build_worker, open_store
+from tests.conftest import class_stream
 
 KERNELS = [{"img_gamma": 0.5, "txt_gamma": 0.5}, {"img_gamma": 4.0, "txt_gamma": 2.0}]
-
-
-def _stream(n: int, dv: int, dt: int, seed: int, n_classes: int = 4) -> list:
-    rng = np.random.default_rng(seed)
-    cv, ct = rng.random((n_classes, dv)), rng.random((n_classes, dt))
-    out = []
-    for i in range(n):
-        c = int(rng.integers(n_classes))
-        out.append(make_pair(str(i), cv[c] + rng.random(dv), ct[c] + rng.random(dt),
-                             labels=[c]))
-    return out
 
 
 def _model_with_pool(dv: int = 6, dt: int = 4, **params: object) -> CMOMKS:
     model = CMOMKS(dv, dt, kernels=KERNELS, landmarks=8, **params)  # type: ignore[arg-type]
     learner = Learner("cmomks", dv, dt, model.params(), seed=0)
-    learner.learn(_stream(30, dv, dt, seed=1))
+    learner.learn(class_stream(30, dv, dt, seed=1))
     assert isinstance(learner.model, CMOMKS) and learner.model.pool_full
     return learner.model
 
@@ -68,7 +58,7 @@ def test_each_kernel_pair_takes_its_own_pa_step(is_text: bool) -> None:
 
 def test_hedge_weights_are_beta_to_the_mistakes() -> None:
     learner = Learner("cmomks", 6, 4, {"kernels": KERNELS, "landmarks": 8, "beta": 0.9}, seed=0)
-    learner.learn(_stream(120, 6, 4, seed=2))
+    learner.learn(class_stream(120, 6, 4, seed=2))
     model = learner.model
     assert isinstance(model, CMOMKS)
     expected = 0.9 ** model.kernel_mistakes.astype(float)
@@ -76,14 +66,14 @@ def test_hedge_weights_are_beta_to_the_mistakes() -> None:
     assert model.kernel_mistakes.min() > 0
 
 
-def test_theorem_2_bound_on_a_test_stream() -> None:
+def test_theorem_2_bound_on_a_testclass_stream() -> None:
     """Mistakes of the Hedge-weighted vote stay under the bound in terms of the best single
     kernel pair: (ln(1/beta) min_j M_j + ln m) / ln(2/(1+beta)) <= 2 (...) / (1 - beta)."""
     kernels = [{"img_gamma": g, "txt_gamma": g} for g in (0.05, 1.0, 20.0)]
     beta = 0.95
     learner = Learner("cmomks", 6, 4, {"kernels": kernels, "landmarks": 10, "beta": beta,
                                        "budget": 200, "triplets_per_pair": 2}, seed=0)
-    learner.learn(_stream(600, 6, 4, seed=3))
+    learner.learn(class_stream(600, 6, 4, seed=3))
     model = learner.model
     assert isinstance(model, CMOMKS)
     best, m = int(model.kernel_mistakes.min()), len(kernels)
@@ -99,7 +89,7 @@ def _rss_bytes() -> int:
 
 
 def test_budget_keeps_memory_and_time_flat_over_100000_pairs() -> None:
-    pairs = _stream(2000, 8, 4, seed=4)
+    pairs = class_stream(2000, 8, 4, seed=4)
     learner = Learner("cmomks", 8, 4, {"kernels": KERNELS, "landmarks": 10, "budget": 100,
                                        "triplets_per_pair": 1}, seed=0, eval_every=10**9)
     learner.learn(pairs[:300])  # the pool and the budget fill
@@ -129,7 +119,7 @@ def test_budget_keeps_memory_and_time_flat_over_100000_pairs() -> None:
 
 
 def test_state_round_trip_continues_identically_even_before_the_pool_is_full() -> None:
-    pairs = _stream(200, 6, 4, seed=6)
+    pairs = class_stream(200, 6, 4, seed=6)
     params = {"kernels": KERNELS, "landmarks": 50, "budget": 40}
     a = Learner("cmomks", 6, 4, params, seed=1, eval_every=3)
     a.learn(pairs[:30])
@@ -148,7 +138,7 @@ def test_state_round_trip_continues_identically_even_before_the_pool_is_full() -
 
 def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
         r: redis.Redis, settings: Settings) -> None:
-    pairs = _stream(300, 6, 4, seed=7)
+    pairs = class_stream(300, 6, 4, seed=7)
     params = {"kernels": KERNELS, "landmarks": 200, "budget": 60}
     client = StreamClient(r, settings.namespace)
     client.push_pairs(pairs[:150])

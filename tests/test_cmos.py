@@ -8,7 +8,7 @@ from streamxm.learner import Learner
 from streamxm.messages import make_pair
 from streamxm.models.base import LearnStats
 from streamxm.models.cmos import CMOS
-from tests.conftest import SHARED_WIKI
+from tests.conftest import SHARED_WIKI, class_stream
 
 
 def transcription(triplets: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], dv: int,
@@ -107,22 +107,10 @@ def test_one_pass_over_wikipedia_learns_something() -> None:
     assert rm["t2i"] is not None and rm["t2i"] > 0.18
 
 
-def _random_stream(n: int, dv: int, dt: int, seed: int, n_classes: int = 5) -> list:
-    """Pairs whose two vectors both lean towards a per-class direction, plus noise."""
-    rng = np.random.default_rng(seed)
-    centers_v, centers_t = rng.random((n_classes, dv)), rng.random((n_classes, dt))
-    pairs = []
-    for i in range(n):
-        c = int(rng.integers(n_classes))
-        pairs.append(make_pair(str(i), centers_v[c] + rng.random(dv), centers_t[c] + rng.random(dt),
-                               labels=[c]))
-    return pairs
-
-
 @pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-5), ("float64", 1e-12)])
 def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str,
                                                                  atol: float) -> None:
-    pairs = _random_stream(205, 48, 24, seed=11)
+    pairs = class_stream(205, 48, 24, seed=11, n_classes=5)
     runs = {}
     for solver in ("blocked", "paper"):
         learner = Learner("cmos", 48, 24, {"solver": solver, "dtype": dtype, "C": 1.0}, seed=3,
@@ -146,7 +134,7 @@ def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str,
 
 
 def test_deferred_learning_does_not_depend_on_cuts_or_restarts() -> None:
-    pairs = _random_stream(400, 10, 6, seed=2)
+    pairs = class_stream(400, 10, 6, seed=2, n_classes=5)
     one = Learner("cmos", 10, 6, seed=5, eval_every=7)
     one.learn(pairs)
     cut = Learner("cmos", 10, 6, seed=5, eval_every=7)

@@ -398,17 +398,13 @@ class CMOMKS(CrossModalModel):
                     side.pool_sq[b][side.pool_size] = np.einsum("ij,ij->i", part, part)[0]
                 side.pool_size += 1
         sampler = TripletSampler(buffer, slot, pair.labels)
-        for _ in range(self.triplets_per_pair):
-            slots = sampler.draw(rng)
-            if slots is None:
-                continue
-            pos, neg = slots
-            if self.n_triplets % 2 == 0:
-                triplet = (np.vstack([pair.img, pair.img]),
-                           np.vstack([buffer.txt[pos], buffer.txt[neg]]), False)
-            else:
+        for is_text, pos, neg in sampler.directed(rng, self.triplets_per_pair, self.n_triplets):
+            if is_text:
                 triplet = (np.vstack([buffer.img[pos], buffer.img[neg]]),
                            np.vstack([pair.txt, pair.txt]), True)
+            else:
+                triplet = (np.vstack([pair.img, pair.img]),
+                           np.vstack([buffer.txt[pos], buffer.txt[neg]]), False)
             self.n_triplets += 1
             if self.pool_full and not self._waiting:
                 self.learn_triplet(*triplet, stats)

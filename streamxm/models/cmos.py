@@ -261,18 +261,14 @@ class CMOS(CrossModalModel):
         self.n_seen += 1
         v, t = self.map_images(pair.img), self.map_texts(pair.txt)
         sampler = TripletSampler(buffer, slot, pair.labels)
-        for _ in range(self.triplets_per_pair):
-            slots = sampler.draw(rng)
-            if slots is None:
-                continue
-            pos, neg = slots
+        for is_text, pos, neg in sampler.directed(rng, self.triplets_per_pair, self.n_triplets):
             # Mean-centring cancels in a difference, so the normalised rows suffice there.
-            if self.n_triplets % 2 == 0:
-                self._enqueue(v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg),
-                              is_text=False)
-            else:
+            if is_text:
                 self._enqueue(self._row_diff(buffer.img, buffer.img_norm, pos, neg), t,
                               is_text=True)
+            else:
+                self._enqueue(v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg),
+                              is_text=False)
             self.n_triplets += 1
         if self._queued >= self.flush_every:
             self.flush(stats)
