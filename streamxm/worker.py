@@ -174,10 +174,14 @@ class LearnerWorker:
             log.info("worker %s stopped at entry %s, version %d", self.consumer, self.last_id,
                      self.version)
 
+    def _extend_lease(self) -> bool:
+        """Extend the lease if we still hold it (atomically, by script)."""
+        return bool(self._refresh(keys=[self.keys.lease(self.model)],
+                                  args=[self.consumer, self.lease_ttl_ms]))
+
     def _refresh_lease(self) -> bool:
         """Extend the lease we hold; if it is gone, drop the state (a successor owns it)."""
-        if self._refresh(keys=[self.keys.lease(self.model)],
-                         args=[self.consumer, self.lease_ttl_ms]):
+        if self._extend_lease():
             return True
         log.warning("worker %s lost the lease of %s", self.consumer, self.model)
         self.leader, self.learner, self._pending = False, None, _Pending()
@@ -188,11 +192,10 @@ class LearnerWorker:
         """Refresh the lease every third of its time from a helper thread while the body runs;
         the event yielded is set if the lease was lost meanwhile."""
         lost, done = threading.Event(), threading.Event()
-        key = self.keys.lease(self.model)
 
         def beat() -> None:
             while not done.wait(self.lease_ttl_ms / 3000):
-                if not self._refresh(keys=[key], args=[self.consumer, self.lease_ttl_ms]):
+                if not self._extend_lease():
                     lost.set()
                     return
 

@@ -73,6 +73,7 @@ class _Side:
         self.coef = np.zeros((budget, 2), dtype=np.float32)
         self.support_m = np.zeros((m, budget, 2), dtype=np.float64)  # m(x) of support points
         self.c = np.zeros(m, dtype=np.float64)
+        self.pool_m = np.zeros((m, landmarks), dtype=np.float64)  # m(r) of the pool points
         self.pinv = np.zeros((m, landmarks, landmarks), dtype=np.float64)  # of centred pool Gram
 
     def prep(self, x: NDArray[np.floating]) -> list[NDArray[np.float32]]:
@@ -107,20 +108,17 @@ class _Side:
         """``k~(x, r)`` for every pool point ``r``, (M, n, P), and ``m(x)``, (M, n)."""
         k = self.kernels(parts, self.pool_points(), [q[: self.pool_size] for q in self.pool_sq])
         m_x = k.mean(axis=2)
-        pool_m = self.support_m_of_pool
-        return k - m_x[:, :, None] - pool_m[:, None, :] + self.c[:, None, None], m_x
+        return k - m_x[:, :, None] - self.pool_m[:, None, :] + self.c[:, None, None], m_x
 
     def close_pool(self) -> None:
         k = self.kernels(self.pool_points(), self.pool_points())
-        self.support_m_of_pool = k.mean(axis=2)
+        self.pool_m = k.mean(axis=2)
         self.c = k.mean(axis=(1, 2))
         n = self.pool_size
         for j in range(len(self.block_of)):
-            centred = k[j] - self.support_m_of_pool[j][:, None] - self.support_m_of_pool[j][None]
+            centred = k[j] - self.pool_m[j][:, None] - self.pool_m[j][None]
             centred += self.c[j]
             self.pinv[j, :n, :n] = np.linalg.pinv(centred, rcond=1e-6, hermitian=True)
-
-    support_m_of_pool: F64 = np.zeros((0, 0))
 
     def centred_to_support(self, parts: list[NDArray[np.float32]], m_x: F64, used: int) -> F64:
         """``sum_c coef_kc k~(x, x_kc)`` for every support triplet ``k``: (M, n, used)."""
@@ -163,8 +161,8 @@ class CMOMKS(CrossModalModel):
       L2-normalised. Default: three pairs, image ``gamma`` 2, 4, 8 with text ``gamma`` 2, 4, 4
       (squared distances of normalised vectors lie in [0, 4]; the median on the Wikipedia
       features is about 1.2), and ``power = 0.5`` (the Hellinger map, suited to histogram
-      features such as bags of words and topic proportions): on the Wikipedia features it adds
-      about +0.015 mAP over ``power = 1``.
+      features such as bags of words and topic proportions; ``docs/benchmarks.md`` measures it
+      against ``power = 1``).
     - **Centring**: like CMOS's mean-centred inputs, the kernels are centred in feature space on
       a *landmark pool*, the first ``landmarks`` pairs of the stream (frozen once full). Centring
       needs the pool, so the model starts learning when the pool is full; the triplets of the

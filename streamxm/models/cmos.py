@@ -256,10 +256,11 @@ class CMOS(CrossModalModel):
         stats: LearnStats,
     ) -> None:
         self._stats = stats
-        self.img_sum += self._norm(pair.img)
-        self.txt_sum += self._norm(pair.txt)
+        img, txt = self._norm(pair.img), self._norm(pair.txt)
+        self.img_sum += img
+        self.txt_sum += txt
         self.n_seen += 1
-        v, t = self.map_images(pair.img), self.map_texts(pair.txt)
+        v, t = img - self._mean(self.img_sum), txt - self._mean(self.txt_sum)
         sampler = TripletSampler(buffer, slot, pair.labels)
         for is_text, pos, neg in sampler.directed(rng, self.triplets_per_pair, self.n_triplets):
             # Mean-centring cancels in a difference, so the normalised rows suffice there.
