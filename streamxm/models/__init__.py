@@ -5,19 +5,31 @@ from __future__ import annotations
 from typing import Any
 
 from streamxm.models.base import DIRECTIONS, CrossModalModel, LearnStats
+from streamxm.models.cca import CCA
 from streamxm.models.cmomks import CMOMKS
 from streamxm.models.cmos import CMOS
+from streamxm.models.marginal import MarginalMatching
+from streamxm.models.pairwise import PairwiseLogistic
 
-__all__ = ["DIRECTIONS", "MODELS", "CrossModalModel", "LearnStats", "create_model", "split_name"]
+__all__ = ["DIRECTIONS", "MODELS", "MODEL_NAMES", "CrossModalModel", "LearnStats", "create_model",
+           "split_name"]
 
-MODELS: dict[str, type[CrossModalModel]] = {CMOS.name: CMOS, CMOMKS.name: CMOMKS}
+MODELS: dict[str, type[CrossModalModel]] = {
+    m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA)
+}
+
+#: Variants implemented by a class of their own (the others go to the base class as ``variant``).
+VARIANT_CLASSES: dict[str, type[CrossModalModel]] = {"pairwise:marginal": MarginalMatching}
+
+#: Every name a user may give, variants included.
+MODEL_NAMES = ("cmos", "cmomks", "pairwise", "pairwise:bipartite", "pairwise:marginal", "cca")
 
 
 def split_name(name: str) -> tuple[str, str | None]:
     """``"pairwise:bipartite"`` -> ``("pairwise", "bipartite")``; unknown names raise."""
     base, _, variant = name.partition(":")
     if base not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     return base, variant or None
 
 
@@ -29,4 +41,4 @@ def create_model(
     kwargs = dict(params or {})
     if variant is not None:
         kwargs["variant"] = variant
-    return MODELS[base](img_dim, txt_dim, **kwargs)
+    return VARIANT_CLASSES.get(name, MODELS[base])(img_dim, txt_dim, **kwargs)
