@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from streamxm.models import MODEL_NAMES
+
 __all__ = ["main"]
 
 
@@ -141,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     worker = sub.add_parser("worker", help="run a learner worker")
-    worker.add_argument("--model", required=True, help="model name, e.g. cmos")
+    worker.add_argument("--model", required=True, help="model name: " + ", ".join(MODEL_NAMES))
     worker.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="model parameter for a fresh model (JSON value)")
     worker.set_defaults(func=_cmd_worker)

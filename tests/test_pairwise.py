@@ -88,7 +88,7 @@ def test_labels_decide_the_formed_pairs_when_present() -> None:
         (8, 3))
     means = []
     for stream in (pairs, stripped):
-        learner = Learner("pairwise", 5, 3, {"whiten": False}, eval_every=10**9)
+        learner = Learner("pairwise", 5, 3, {"whiten": False, "pos_weight": 1.0}, eval_every=10**9)
         learner.learn(stream)
         means.append(learner.model.similarity(probe_i, probe_t).mean())
     assert means[0] > 0 > means[1]
