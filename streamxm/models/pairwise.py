@@ -99,7 +99,8 @@ class PairwiseLogistic(CrossModalModel):
     >>> learner = Learner("pairwise", 3, 2, eval_every=10**9)
     >>> _ = learner.learn(pairs)
     >>> s = learner.model.similarity(z[:50], z[:50] @ [[0, 1], [1, 0], [1, 1]])
-    >>> bool((np.argmax(s, axis=1) == np.arange(50)).mean() > 0.5)
+    >>> top1 = (np.argmax(s, axis=1) == np.arange(50)).mean()  # chance: 0.02
+    >>> bool(top1 > 0.1 and np.diag(s).mean() > s.mean())
     True
     """
 
