@@ -14,6 +14,7 @@ from numpy.typing import NDArray
 from streamxm.messages import Pair
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
 from streamxm.models.moments import power_normalize
+from streamxm.models.optim import adagrad_step
 from streamxm.replay import ReplayBuffer
 
 __all__ = ["MarginalMatching"]
@@ -194,9 +195,7 @@ class MarginalMatching(CrossModalModel):
             if rows[0] == 0:
                 loss = float(-(target[0] * np.log(np.maximum(p[0], 1e-300))).sum())
                 stats.add(direction, int(np.argmax(p[0])) not in cols[0], loss, True)
-            grad = f.T @ (p - target) / len(rows) + self.lam * w
-            g += grad * grad
-            w -= self.lr * grad / (np.sqrt(g) + 1e-8)
+            adagrad_step(w, g, f.T @ (p - target) / len(rows), self.lr, self.lam)
 
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self.posteriors_images(x).astype(np.float32)

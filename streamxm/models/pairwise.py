@@ -14,6 +14,7 @@ from numpy.typing import NDArray
 from streamxm.messages import Pair
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
 from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
+from streamxm.models.optim import adagrad_step
 from streamxm.replay import ReplayBuffer
 
 __all__ = ["PairwiseLogistic"]
@@ -238,9 +239,7 @@ class PairwiseLogistic(CrossModalModel):
         for d, direction in ((i2t, "i2t"), (~i2t, "t2i")):
             for m in margins[d]:
                 stats.add(direction, bool(m <= 0), float(np.logaddexp(0.0, -m)), True)
-        grad += self.lam * self.W
-        self.G += grad * grad
-        self.W -= self.lr * grad / (np.sqrt(self.G) + 1e-8)
+        adagrad_step(self.W, self.G, grad, self.lr, self.lam)
 
     # -- serving -----------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
