@@ -240,3 +240,14 @@ def test_one_streaming_pass_reaches_95_percent_of_the_paper(name: str) -> None:
     i2t, t2i, _ = PUBLISHED_WIKI[PAPER[name]]
     i2t_share = 0.93 if name == "pairwise:marginal" else 0.95
     assert result["map_i2t"] >= i2t_share * i2t and result["map_t2i"] >= 0.95 * t2i, result
+
+
+def test_marginal_counts_labels_beyond_max_classes_once_per_arriving_pair() -> None:
+    learner = Learner("pairwise:marginal", 6, 4, {"max_classes": 2, "replay": 8},
+                      eval_every=10**9)
+    learner.learn(class_stream(40, 6, 4, seed=10, n_classes=3))
+    model = learner.model
+    assert isinstance(model, MarginalMatching) and len(model.classes) == 2
+    third = 40 - sum(1 for p in class_stream(40, 6, 4, seed=10, n_classes=3)
+                     if p.labels[0] in model.classes)
+    assert model.ignored_labels == third > 0

@@ -146,12 +146,13 @@ class MarginalMatching(CrossModalModel):
             return np.zeros((f.shape[0], 0))
         return softmax(f @ w)
 
-    def _add_classes(self, labels: tuple[int, ...]) -> list[int]:
+    def _add_classes(self, labels: tuple[int, ...], arriving: bool) -> list[int]:
         cols = []
         for label in labels:
             if label not in self.index:
                 if len(self.classes) >= self.max_classes:
-                    self.ignored_labels += 1
+                    # Counted once, when the pair arrives, not again at each replay.
+                    self.ignored_labels += arriving
                     continue
                 self.index[label] = len(self.classes)
                 self.classes.append(label)
@@ -181,7 +182,7 @@ class MarginalMatching(CrossModalModel):
                        labels: list[tuple[int, ...]], stats: LearnStats) -> None:
         """One AdaGrad step of each softmax model on the mean loss of a mini-batch of labelled
         pairs; the first pair is the arriving one and the only one counted in ``stats``."""
-        cols = [self._add_classes(lab) for lab in labels]
+        cols = [self._add_classes(lab, arriving=i == 0) for i, lab in enumerate(labels)]
         rows = [i for i, c in enumerate(cols) if c]
         if not rows:
             return
