@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 
 from streamxm.messages import Pair
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import power_normalize
 from streamxm.models.optim import adagrad_step
 from streamxm.replay import ReplayBuffer
@@ -113,20 +114,26 @@ class MarginalMatching(CrossModalModel):
         self.lam = float(lam)
         self.lr = float(lr)
         self.power = float(power)
-        self.max_classes = int(max_classes)
         self.replay = int(replay)
-        self.classes: list[int] = []
-        self.index: dict[int, int] = {}
+        self.class_index = ClassIndex(max_classes)
         self.Wx = np.zeros((img_dim + 1, 0))
         self.Wy = np.zeros((txt_dim + 1, 0))
         self.Gx = np.zeros_like(self.Wx)
         self.Gy = np.zeros_like(self.Wy)
         self.skipped_unlabelled = 0
-        self.ignored_labels = 0
+
+    @property
+    def classes(self) -> list[int]:
+        """Label values in column order."""
+        return self.class_index.classes
+
+    @property
+    def ignored_labels(self) -> int:
+        return self.class_index.ignored_labels
 
     def params(self) -> dict[str, Any]:
         return {"variant": "marginal", "lam": self.lam, "lr": self.lr, "power": self.power,
-                "max_classes": self.max_classes, "replay": self.replay}
+                "max_classes": self.class_index.max_classes, "replay": self.replay}
 
     def _features(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
         z = power_normalize(np.atleast_2d(x), self.power)
@@ -147,19 +154,12 @@ class MarginalMatching(CrossModalModel):
         return softmax(f @ w)
 
     def _add_classes(self, labels: tuple[int, ...], arriving: bool) -> list[int]:
-        cols = []
-        for label in labels:
-            if label not in self.index:
-                if len(self.classes) >= self.max_classes:
-                    # Counted once, when the pair arrives, not again at each replay.
-                    self.ignored_labels += arriving
-                    continue
-                self.index[label] = len(self.classes)
-                self.classes.append(label)
-                for key in ("Wx", "Wy", "Gx", "Gy"):
-                    w = getattr(self, key)
-                    setattr(self, key, np.hstack([w, np.zeros((w.shape[0], 1))]))
-            cols.append(self.index[label])
+        cols = self.class_index.columns(labels, arriving)
+        grow = len(self.class_index) - self.Wx.shape[1]
+        if grow:
+            for key in ("Wx", "Wy", "Gx", "Gy"):
+                w = getattr(self, key)
+                setattr(self, key, np.hstack([w, np.zeros((w.shape[0], grow))]))
         return cols
 
     def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
@@ -213,7 +213,5 @@ class MarginalMatching(CrossModalModel):
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         for key in ("Wx", "Wy", "Gx", "Gy"):
             setattr(self, key, np.array(arrays[key], dtype=np.float64))
-        self.classes = [int(c) for c in arrays["classes"]]
-        self.index = {c: i for i, c in enumerate(self.classes)}
+        self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
         self.skipped_unlabelled = int(meta["skipped_unlabelled"])
-        self.ignored_labels = int(meta["ignored_labels"])
