@@ -148,6 +148,15 @@ class Learner:
             "loss": {d: self.stats.loss[d] - before.loss[d] for d in DIRECTIONS},
         }
 
+    def fit(self, pairs: Sequence[Pair]) -> None:
+        """Batch training for models with a batch fit (the ``offline`` protocol); the pairs also
+        fill the replay buffer, as a stream of them would."""
+        for pair in pairs:
+            self.buffer.add(pair)
+        self.model.fit(list(pairs), self.rng, self.stats)
+        self.pairs_seen += len(pairs)
+        self.pairs_unlabelled += sum(not p.labels for p in pairs)
+
     # -- state -------------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, NDArray[Any]], dict[str, Any]]:
         model_arrays, model_meta = self.model.state()

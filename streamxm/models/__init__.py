@@ -10,19 +10,21 @@ from streamxm.models.cmomks import CMOMKS
 from streamxm.models.cmos import CMOS
 from streamxm.models.marginal import MarginalMatching
 from streamxm.models.pairwise import PairwiseLogistic
+from streamxm.models.sdsrl import SDSRL
 
 __all__ = ["DIRECTIONS", "MODELS", "MODEL_NAMES", "CrossModalModel", "LearnStats", "create_model",
            "split_name"]
 
 MODELS: dict[str, type[CrossModalModel]] = {
-    m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA)
+    m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA, SDSRL)
 }
 
 #: Variants implemented by a class of their own (the others go to the base class as ``variant``).
 VARIANT_CLASSES: dict[str, type[CrossModalModel]] = {"pairwise:marginal": MarginalMatching}
 
 #: Every name a user may give, variants included.
-MODEL_NAMES = ("cmos", "cmomks", "pairwise", "pairwise:bipartite", "pairwise:marginal", "cca")
+MODEL_NAMES = ("cmos", "cmomks", "pairwise", "pairwise:bipartite", "pairwise:marginal", "cca",
+               "sdsrl")
 
 
 def split_name(name: str) -> tuple[str, str | None]:

@@ -10,9 +10,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.messages import Pair
-from streamxm.replay import ReplayBuffer
+from streamxm.replay import ReplayBuffer, TripletSampler
 
-__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats"]
+__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "observe_triplet"]
 
 #: Query directions: an image query ranks texts (i2t), a text query ranks images (t2i).
 DIRECTIONS = ("i2t", "t2i")
@@ -110,3 +110,32 @@ class CrossModalModel(ABC):
     @abstractmethod
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned (on a model built with the same params)."""
+
+    #: Whether the model has a batch :meth:`fit` (the ``offline`` benchmark protocol uses it).
+    batch_fit: ClassVar[bool] = False
+
+    def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
+        """Learn from a whole training set at once (models with ``batch_fit`` only)."""
+        raise NotImplementedError(f"{self.name} learns from the stream only")
+
+
+def observe_triplet(model: CrossModalModel, pair: Pair, slot: int, buffer: ReplayBuffer,
+                    rng: np.random.Generator, stats: LearnStats) -> None:
+    """Score one triplet of the arriving pair with the current model and record it, without
+    learning from it: the mistake metrics of models whose updates are not per triplet.
+
+    The triplet is drawn as the online models draw theirs (:class:`~streamxm.replay.
+    TripletSampler`, directions alternating over the stream); its loss is the zero-margin hinge
+    ``max(0, s(q, n) - s(q, p))``, since such models have no margin of their own.
+    """
+    sampler = TripletSampler(buffer, slot, pair.labels)
+    for is_text, pos, neg in sampler.directed(rng, 1, sum(stats.triplets.values())):
+        if is_text:
+            query = model.embed_texts(pair.txt[None, :])
+            items = model.embed_images(buffer.img[[pos, neg]])
+        else:
+            query = model.embed_images(pair.img[None, :])
+            items = model.embed_texts(buffer.txt[[pos, neg]])
+        s_pos, s_neg = (items.astype(np.float64) @ query[0].astype(np.float64)).tolist()
+        stats.add("t2i" if is_text else "i2t", s_pos - s_neg <= 0, max(0.0, s_neg - s_pos),
+                  False)

@@ -1,0 +1,437 @@
+"""SDSRL: Nystroem kernel features and semantic projections learned by coordinate descent.
+
+Jiang, Li, Li and Wang, "Learning Discriminative Representations for Semantic Cross Media
+Retrieval" (SDSRL), Sec. 3 (Eq. 5), Algorithm 1 (MPL-CD) and its appendix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm.messages import Pair
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
+from streamxm.models.classes import ClassIndex
+from streamxm.models.moments import ResolveSchedule, power_normalize
+from streamxm.models.projections import mpl_cd
+from streamxm.replay import ReplayBuffer
+
+__all__ = ["SDSRL", "NystroemMap", "rbf_kernel"]
+
+F64 = NDArray[np.float64]
+
+
+def rbf_kernel(x: NDArray[np.floating], y: NDArray[np.floating], gamma: float) -> F64:
+    """``exp(-gamma ||x - y||^2)`` for every row pair (the paper's ``sigma`` is ``gamma``).
+
+    >>> rbf_kernel(np.array([[0.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 0.0]]), gamma=1.0)
+    array([[0.36787944, 1.        ]])
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    sq = np.einsum("ij,ij->i", x, x)[:, None] + np.einsum("ij,ij->i", y, y)[None, :] - 2 * x @ y.T
+    return np.asarray(np.exp(-gamma * np.maximum(sq, 0.0)))
+
+
+class NystroemMap:
+    """Explicit features ``phi(x) = k(x, landmarks) U diag(w)^-1/2`` with ``K_mm = U diag(w) U'``,
+    so that ``phi(x)'phi(y)`` approximates ``k(x, y)`` (exactly on the landmarks).
+
+    Eigenvalues below ``floor`` times the largest are dropped: with ``sigma = 1`` on L2-normalised
+    vectors the kernel is nearly linear and ``K_mm`` numerically singular, and dividing by those
+    eigenvalues would only amplify rounding. The feature count is the number of eigenvalues kept.
+
+    >>> rng = np.random.default_rng(0)
+    >>> pts = rng.normal(size=(5, 3))
+    >>> nm = NystroemMap(pts, gamma=0.5)
+    >>> f = nm.features(pts)
+    >>> bool(np.allclose(f @ f.T, rbf_kernel(pts, pts, 0.5)))
+    True
+    """
+
+    def __init__(self, landmarks: NDArray[np.floating], gamma: float, floor: float = 1e-10,
+                 proj: F64 | None = None) -> None:
+        self.landmarks = np.asarray(landmarks, dtype=np.float64)
+        self.gamma = float(gamma)
+        if proj is None:
+            w, u = np.linalg.eigh(rbf_kernel(self.landmarks, self.landmarks, self.gamma))
+            keep = w > floor * w.max()
+            proj = u[:, keep] / np.sqrt(w[keep])
+        self.proj = np.asarray(proj, dtype=np.float64)
+
+    @property
+    def dim(self) -> int:
+        return int(self.proj.shape[1])
+
+    def kernel(self, x: NDArray[np.floating]) -> F64:
+        return rbf_kernel(np.atleast_2d(x), self.landmarks, self.gamma)
+
+    def features(self, x: NDArray[np.floating]) -> F64:
+        return self.kernel(x) @ self.proj
+
+
+class SDSRL(CrossModalModel):
+    """Semantic projections of Nystroem features: ``s(x, y) = phi(x)' A B' psi(y)``.
+
+    From the paper: ``phi`` and ``psi`` are Nystroem maps of RBF kernels ``exp(-sigma||x-y||^2)``
+    (``sigma = 1``, inputs L2-normalised, ``m1 = 1000`` image landmarks, ``m2 = 20`` for 10-d
+    texts); the targets ``M_I, M_T, M_C`` of Eq. 5 come from the label similarity
+    ``S(a, b) = sum_j 2 L_a^j L_b^j / (L_a^j + L_b^j)``, the number of shared labels, i.e.
+    ``S = L L'``; and ``A`` (m1 x q), ``B`` (m2 x q) minimise ``||M_I - AA'||^2 + ||M_T - BB'||^2
+    + ||M_C - AB'||^2`` by MPL-CD (:func:`~streamxm.models.projections.mpl_cd`). Because
+    ``Phi'S Phi = (Phi'L)(Phi'L)'``, the stream only accumulates ``Phi'Phi``, ``Psi'Psi``,
+    ``Phi'L`` and ``Psi'L`` (``m x m`` and ``m x classes``): ``M_I = G G'`` with
+    ``G = (Phi'Phi + mu n I)^-1 Phi'L``, and no ``n x n`` or ``m x m`` target is ever formed.
+    Embeddings are ``phi(x)'A`` and ``psi(y)'B`` in one shared space, compared by inner product
+    (``AB'`` approximates ``M_C``, so the inner product is the model's estimate of ``S``), which
+    serves image->text, text->image and same-modality search alike.
+
+    Streaming, and the choices where the paper is silent (each a parameter):
+
+    - **Landmarks**: the first ``landmark_pool`` pairs are kept; when the pool is full, ``m_img``
+      images and ``m_txt`` texts drawn uniformly from it become the landmarks, frozen for good,
+      and the pool is folded into the statistics and dropped. Until then each solve draws
+      provisional landmarks from the pool and recomputes the statistics from it, so the service
+      has a model from the first solve on. ``fit`` (the offline protocol) draws the landmarks
+      from the whole training set.
+    - **mu** is relative to the pair count (``mu n`` is the paper's ``mu``), so the solution
+      does not drift as the statistics grow; ``mu = 5e-4`` is about the paper's ``mu = 1`` on
+      the 2173 Wikipedia training pairs (swept in ``docs/benchmarks.md``).
+    - **Inputs**: images go through ``power_img = 0.5`` (the Hellinger map of the visual-word
+      histograms) before L2 normalisation, texts are only L2-normalised; ``sigma = 1`` for both.
+    - **Statistics** accumulate in float64 (``Phi'Phi`` is ill-conditioned); they are folded in
+      batches of ``batch`` pairs and before each solve. With ``forget < 1`` each pair scales the
+      earlier statistics (and the pair count) by ``forget``: exponential forgetting for
+      drifting streams. Unlabelled pairs add to ``Phi'Phi``, ``Psi'Psi`` and the pair count
+      (their label row is zero: in Eq. 5 they are pairs similar to nothing) and are counted in
+      ``unlabelled``; they take part in the landmark pool too.
+    - **Solves** run on a :class:`~streamxm.models.moments.ResolveSchedule` (after 32, 64, ...
+      pairs, then every ``solve_every``), warm-started from the previous ``A``, ``B`` when the
+      landmarks have not changed, else from small random values (``A = 0`` is a stationary
+      point of the descent). MPL-CD runs ``outer`` loops of ``inner`` sweeps per sub-problem,
+      stopping when the loss falls by less than ``tol`` (relative) in a loop.
+    - **Classes** are the label values seen, up to ``max_classes`` (more are ignored and counted).
+    - Metrics: each arriving labelled pair scores one triplet with the current model before it
+      is learned (:func:`~streamxm.models.base.observe_triplet`), for the mistake counts.
+
+    Parameters
+    ----------
+    img_dim, txt_dim
+        Input sizes.
+    q
+        Dimension of the shared space.
+    mu
+        Ridge of the closed forms, per pair.
+    m_img, m_txt
+        Landmarks per modality; ``m_txt=None`` takes ``min(2 txt_dim, 1000)`` (20 for 10-d texts,
+        as the paper).
+    sigma_img, sigma_txt
+        RBF widths ``exp(-sigma ||x - y||^2)``.
+    power_img, power_txt
+        Input power maps before L2 normalisation.
+    landmark_pool
+        Pairs kept before the landmarks freeze.
+    solve_first, solve_every
+        Re-solve schedule (pairs).
+    outer, inner, tol
+        MPL-CD loops and stopping rule.
+    forget
+        Exponential forgetting factor per pair (1 keeps everything).
+    batch
+        Pairs buffered before they are folded into the statistics.
+    max_classes
+        Most classes tracked.
+
+    Examples
+    --------
+    >>> from streamxm.messages import make_pair
+    >>> rng = np.random.default_rng(0)
+    >>> centres = rng.normal(size=(3, 6))
+    >>> pairs = [make_pair(str(i), centres[i % 3] + 0.3 * rng.normal(size=6),
+    ...                    centres[i % 3, :4] + 0.3 * rng.normal(size=4), labels=[i % 3])
+    ...          for i in range(90)]
+    >>> m = SDSRL(6, 4, q=3, m_img=40, landmark_pool=60, power_img=1.0)
+    >>> m.fit(pairs, rng, LearnStats())
+    >>> z_img, z_txt = m.embed_images(np.stack([p.img for p in pairs[:3]])), m.embed_texts(
+    ...     np.stack([p.txt for p in pairs[:3]]))
+    >>> [int(i) for i in np.argmax(z_img @ z_txt.T, axis=1)]
+    [0, 1, 2]
+    """
+
+    name = "sdsrl"
+    shared_space = True
+    batch_fit = True
+
+    def __init__(
+        self,
+        img_dim: int,
+        txt_dim: int,
+        q: int = 10,
+        mu: float = 5e-4,
+        m_img: int = 1000,
+        m_txt: int | None = None,
+        sigma_img: float = 1.0,
+        sigma_txt: float = 1.0,
+        power_img: float = 0.5,
+        power_txt: float = 1.0,
+        landmark_pool: int = 1000,
+        solve_first: int = 32,
+        solve_every: int = 256,
+        outer: int = 10,
+        inner: int = 3,
+        tol: float = 1e-4,
+        forget: float = 1.0,
+        batch: int = 64,
+        max_classes: int = 1000,
+    ) -> None:
+        super().__init__(img_dim, txt_dim)
+        m_txt = min(2 * txt_dim, 1000) if m_txt is None else m_txt
+        if q < 1 or mu <= 0 or m_img < 1 or m_txt < 1 or landmark_pool < 1:
+            raise ValueError("q, m_img, m_txt, landmark_pool must be >= 1 and mu > 0")
+        if sigma_img <= 0 or sigma_txt <= 0 or power_img <= 0 or power_txt <= 0:
+            raise ValueError("sigma and power must be > 0")
+        if not 0 < forget <= 1 or batch < 1 or outer < 1 or inner < 1 or tol < 0:
+            raise ValueError("0 < forget <= 1, batch, outer, inner >= 1 and tol >= 0 required")
+        self.q, self.mu = int(q), float(mu)
+        self.m_img, self.m_txt = int(m_img), int(m_txt)
+        self.sigma_img, self.sigma_txt = float(sigma_img), float(sigma_txt)
+        self.power_img, self.power_txt = float(power_img), float(power_txt)
+        self.landmark_pool = int(landmark_pool)
+        self.schedule = ResolveSchedule(solve_first, solve_every)
+        self.outer, self.inner, self.tol = int(outer), int(inner), float(tol)
+        self.forget = float(forget)
+        self.batch = int(batch)
+        self.class_index = ClassIndex(max_classes)
+        # Pairs not yet folded into the statistics: the landmark pool, then a batch.
+        self.pending_img: list[NDArray[np.float64]] = []
+        self.pending_txt: list[NDArray[np.float64]] = []
+        self.pending_cols: list[list[int]] = []
+        self.frozen = False
+        self.map_img: NystroemMap | None = None
+        self.map_txt: NystroemMap | None = None
+        self.gram_img = self.gram_txt = np.zeros((0, 0))
+        self.lab_img = self.lab_txt = np.zeros((0, 0))
+        self.weight = 0.0  # the (forgetting-weighted) pair count of the statistics
+        self.a = np.zeros((0, self.q))
+        self.b = np.zeros((0, self.q))
+        # What queries use, replaced together at the end of each solve: the maps of that solve
+        # (the statistics' maps may have moved on, before the landmarks freeze) and the
+        # Nystroem projections times A and B.
+        self.serve_img: NystroemMap | None = None
+        self.serve_txt: NystroemMap | None = None
+        self.w_img = np.zeros((0, self.q))
+        self.w_txt = np.zeros((0, self.q))
+        self.pairs = 0
+        self.unlabelled = 0
+        self.solves = 0
+        self.cd_losses: list[float] = []
+
+    def params(self) -> dict[str, Any]:
+        return {"q": self.q, "mu": self.mu, "m_img": self.m_img, "m_txt": self.m_txt,
+                "sigma_img": self.sigma_img, "sigma_txt": self.sigma_txt,
+                "power_img": self.power_img, "power_txt": self.power_txt,
+                "landmark_pool": self.landmark_pool, "solve_first": self.schedule.first,
+                "solve_every": self.schedule.every, "outer": self.outer, "inner": self.inner,
+                "tol": self.tol, "forget": self.forget, "batch": self.batch,
+                "max_classes": self.class_index.max_classes}
+
+    @property
+    def ignored_labels(self) -> int:
+        return self.class_index.ignored_labels
+
+    # -- learning ----------------------------------------------------------------------------
+    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+                  stats: LearnStats) -> None:
+        if self.serve_img is not None:
+            observe_triplet(self, pair, slot, buffer, rng, stats)
+        self._add(pair)
+        if not self.frozen and self.pairs >= self.landmark_pool:
+            self._freeze(rng, len(self.pending_img))
+        elif self.frozen and len(self.pending_img) >= self.batch:
+            self._fold()
+        if self.schedule.due(self.pairs):
+            self.solve(rng)
+
+    def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
+        """The offline protocol: landmarks drawn from all of ``pairs``, one solve on all of them
+        (added to whatever the model has learned; on a fresh model, the paper's batch method)."""
+        for pair in pairs:
+            self._add(pair)
+        if not self.frozen:
+            self._freeze(rng, len(self.pending_img))
+        self.solve(rng)
+
+    def _add(self, pair: Pair) -> None:
+        self.pending_img.append(power_normalize(pair.img, self.power_img))
+        self.pending_txt.append(power_normalize(pair.txt, self.power_txt))
+        self.pending_cols.append(self.class_index.columns(pair.labels))
+        self.pairs += 1
+        self.unlabelled += not pair.labels
+
+    def _draw_maps(self, rng: np.random.Generator, pool: int) -> tuple[NystroemMap, NystroemMap]:
+        imgs = np.asarray(self.pending_img[:pool])
+        txts = np.asarray(self.pending_txt[:pool])
+        pick_img = np.sort(rng.choice(pool, size=min(self.m_img, pool), replace=False))
+        pick_txt = np.sort(rng.choice(pool, size=min(self.m_txt, pool), replace=False))
+        return (NystroemMap(imgs[pick_img], self.sigma_img),
+                NystroemMap(txts[pick_txt], self.sigma_txt))
+
+    def _freeze(self, rng: np.random.Generator, pool: int) -> None:
+        self.map_img, self.map_txt = self._draw_maps(rng, pool)
+        self.frozen = True
+        self._reset_statistics()
+        self._fold()
+
+    def _reset_statistics(self) -> None:
+        assert self.map_img is not None and self.map_txt is not None
+        self.gram_img = np.zeros((self.map_img.dim, self.map_img.dim))
+        self.gram_txt = np.zeros((self.map_txt.dim, self.map_txt.dim))
+        self.lab_img = np.zeros((self.map_img.dim, 0))
+        self.lab_txt = np.zeros((self.map_txt.dim, 0))
+        self.weight = 0.0
+        self.a = np.zeros((0, self.q))
+        self.b = np.zeros((0, self.q))
+
+    def _fold(self) -> None:
+        """Add the pending pairs to the statistics and drop them."""
+        self._accumulate(self.pending_img, self.pending_txt, self.pending_cols)
+        self.pending_img, self.pending_txt, self.pending_cols = [], [], []
+
+    def _accumulate(self, imgs: list[F64], txts: list[F64], label_cols: list[list[int]]) -> None:
+        """Add pairs to the statistics, in arrival order (for the forgetting)."""
+        if not imgs:
+            return
+        assert self.map_img is not None and self.map_txt is not None
+        phi = self.map_img.features(np.asarray(imgs))
+        psi = self.map_txt.features(np.asarray(txts))
+        labels = np.zeros((len(label_cols), len(self.class_index)))
+        for row, cols in enumerate(label_cols):
+            labels[row, cols] = 1.0
+        n = len(phi)
+        w = self.forget ** np.arange(n - 1, -1, -1, dtype=np.float64)
+        decay = self.forget ** n
+        grow = labels.shape[1] - self.lab_img.shape[1]
+        self.lab_img = np.hstack([self.lab_img, np.zeros((self.lab_img.shape[0], grow))])
+        self.lab_txt = np.hstack([self.lab_txt, np.zeros((self.lab_txt.shape[0], grow))])
+        self.gram_img = decay * self.gram_img + (phi * w[:, None]).T @ phi
+        self.gram_txt = decay * self.gram_txt + (psi * w[:, None]).T @ psi
+        self.lab_img = decay * self.lab_img + (phi * w[:, None]).T @ labels
+        self.lab_txt = decay * self.lab_txt + (psi * w[:, None]).T @ labels
+        self.weight = decay * self.weight + float(w.sum())
+
+    def targets(self) -> tuple[F64, F64]:
+        """``G = (Phi'Phi + mu n I)^-1 Phi'L`` and ``H`` likewise: ``M_I = GG'``, ``M_T = HH'``,
+        ``M_C = GH'`` (Eq. 5 with ``S = LL'``)."""
+        ridge = self.mu * self.weight
+        g = np.linalg.solve(self.gram_img + ridge * np.eye(len(self.gram_img)), self.lab_img)
+        h = np.linalg.solve(self.gram_txt + ridge * np.eye(len(self.gram_txt)), self.lab_txt)
+        return g, h
+
+    def solve(self, rng: np.random.Generator) -> None:
+        """Re-solve ``A`` and ``B`` from the statistics so far."""
+        if not self.frozen:
+            # Provisional landmarks from the pool: the statistics are rebuilt around them.
+            if len(self.pending_img) < 2:
+                return
+            self.map_img, self.map_txt = self._draw_maps(rng, len(self.pending_img))
+            self._reset_statistics()
+            self._accumulate(self.pending_img, self.pending_txt, self.pending_cols)
+        else:
+            self._fold()
+        g, h = self.targets()
+        if g.shape[1] == 0 or not np.any(g) or not np.any(h):
+            return  # no labelled pair yet: nothing to project onto
+        a, b = self.a, self.b
+        if a.shape != (len(g), self.q) or b.shape != (len(h), self.q):
+            a = _small_random(rng, g, self.q)
+            b = _small_random(rng, h, self.q)
+        result = mpl_cd(g, h, a, b, rng, self.outer, self.inner, self.tol)
+        self.a, self.b, self.cd_losses = result.a, result.b, result.losses
+        self.solves += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        assert self.map_img is not None and self.map_txt is not None
+        self.serve_img, self.serve_txt = self.map_img, self.map_txt
+        self.w_img = self.map_img.proj @ self.a
+        self.w_txt = self.map_txt.proj @ self.b
+
+    # -- serving -------------------------------------------------------------------------------
+    def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        x = np.atleast_2d(x)
+        if self.serve_img is None:
+            return np.zeros((len(x), self.q), dtype=np.float32)
+        k = self.serve_img.kernel(power_normalize(x, self.power_img))
+        return np.asarray(k @ self.w_img, dtype=np.float32)
+
+    def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        x = np.atleast_2d(x)
+        if self.serve_txt is None:
+            return np.zeros((len(x), self.q), dtype=np.float32)
+        k = self.serve_txt.kernel(power_normalize(x, self.power_txt))
+        return np.asarray(k @ self.w_txt, dtype=np.float32)
+
+    # -- state ---------------------------------------------------------------------------------
+    def state(self) -> tuple[Arrays, dict[str, Any]]:
+        arrays: Arrays = {
+            "gram_img": self.gram_img, "gram_txt": self.gram_txt,
+            "lab_img": self.lab_img, "lab_txt": self.lab_txt, "a": self.a, "b": self.b,
+            "pending_img": np.asarray(self.pending_img).reshape(-1, self.img_dim),
+            "pending_txt": np.asarray(self.pending_txt).reshape(-1, self.txt_dim),
+            "classes": np.asarray(self.class_index.classes, dtype=np.int64),
+        }
+        for key, nm in (("img", self.map_img), ("txt", self.map_txt)):
+            if nm is not None:
+                arrays[f"landmarks_{key}"] = nm.landmarks
+                arrays[f"proj_{key}"] = nm.proj
+        serve_apart = self.serve_img is not None and self.serve_img is not self.map_img
+        if serve_apart:
+            for key, nm in (("img", self.serve_img), ("txt", self.serve_txt)):
+                assert nm is not None
+                arrays[f"serve_landmarks_{key}"] = nm.landmarks
+                arrays[f"serve_proj_{key}"] = nm.proj
+        if self.serve_img is not None:
+            arrays["w_img"], arrays["w_txt"] = self.w_img, self.w_txt
+        meta = {"frozen": self.frozen, "weight": self.weight, "pairs": self.pairs,
+                "unlabelled": self.unlabelled, "solves": self.solves,
+                "pending_cols": self.pending_cols, "cd_losses": self.cd_losses,
+                "ignored_labels": self.class_index.ignored_labels, "serve_apart": serve_apart}
+        return arrays, meta
+
+    def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
+        for key in ("gram_img", "gram_txt", "lab_img", "lab_txt", "a", "b"):
+            setattr(self, key, np.array(arrays[key], dtype=np.float64))
+        self.pending_img = list(np.array(arrays["pending_img"], dtype=np.float64))
+        self.pending_txt = list(np.array(arrays["pending_txt"], dtype=np.float64))
+        self.pending_cols = [[int(c) for c in cols] for cols in meta["pending_cols"]]
+        self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
+        self.map_img = self.map_txt = None
+        if "landmarks_img" in arrays:
+            self.map_img = NystroemMap(arrays["landmarks_img"], self.sigma_img,
+                                       proj=arrays["proj_img"])
+            self.map_txt = NystroemMap(arrays["landmarks_txt"], self.sigma_txt,
+                                       proj=arrays["proj_txt"])
+        self.frozen = bool(meta["frozen"])
+        self.weight = float(meta["weight"])
+        self.pairs, self.unlabelled = int(meta["pairs"]), int(meta["unlabelled"])
+        self.solves = int(meta["solves"])
+        self.cd_losses = [float(x) for x in meta["cd_losses"]]
+        self.serve_img, self.serve_txt = self.map_img, self.map_txt
+        if meta["serve_apart"]:
+            self.serve_img = NystroemMap(arrays["serve_landmarks_img"], self.sigma_img,
+                                         proj=arrays["serve_proj_img"])
+            self.serve_txt = NystroemMap(arrays["serve_landmarks_txt"], self.sigma_txt,
+                                         proj=arrays["serve_proj_txt"])
+        if "w_img" in arrays:
+            self.w_img = np.array(arrays["w_img"], dtype=np.float64)
+            self.w_txt = np.array(arrays["w_txt"], dtype=np.float64)
+        else:
+            self.serve_img = self.serve_txt = None
+
+
+def _small_random(rng: np.random.Generator, target: F64, q: int) -> F64:
+    """A start for the descent at a tenth of the target's entry scale (``0`` is stationary)."""
+    scale = 0.1 * float(np.linalg.norm(target)) / np.sqrt(target.size)
+    return rng.normal(scale=scale, size=(len(target), q))
