@@ -34,7 +34,7 @@ from streamxm.metrics import ApiMetrics
 from streamxm.models import DIRECTIONS
 from streamxm.redis_conn import connect, str_hash, str_set
 from streamxm.service import limits_from, open_store
-from streamxm.serving import ModelServer, UnknownModel
+from streamxm.serving import ModelServer, SameModalityUnsupported, UnknownModel
 
 _bearer = HTTPBearer(auto_error=False)
 Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -174,9 +174,12 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         model = server.get(name).model
         dim = model.img_dim if body.modality == "image" else model.txt_dim
         vector = matrix([body.vector], "vector", dim)[0]
-        served, hits = server.search(name, body.modality, vector, body.k)
-        return SearchOut(model=name, version=served.version,
-                         target="text" if body.modality == "image" else "image",
+        target = body.target or ("text" if body.modality == "image" else "image")
+        try:
+            served, hits = server.search(name, body.modality, vector, body.k, target)
+        except SameModalityUnsupported as exc:
+            raise _unprocessable(["target"], "not_shared_space", str(exc)) from None
+        return SearchOut(model=name, version=served.version, target=target,
                          results=[Hit(id=i, score=s) for i, s in hits])
 
     @app.post("/v1/pairs", response_model=PairsOut, status_code=202,

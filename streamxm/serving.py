@@ -33,7 +33,8 @@ from streamxm.messages import InvalidPair, Limits, decode_pair
 from streamxm.models import CrossModalModel, split_name
 from streamxm.redis_conn import str_set, stream_entries
 
-__all__ = ["GalleryChunk", "ModelServer", "ServedModel", "UnknownModel"]
+__all__ = ["GalleryChunk", "ModelServer", "SameModalityUnsupported", "ServedModel",
+           "UnknownModel"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ _MERGE_BELOW = 4096  # rows: a trailing chunk smaller than this absorbs the next
 
 class UnknownModel(LookupError):
     """No checkpoint of this model is loaded (yet)."""
+
+
+class SameModalityUnsupported(ValueError):
+    """A same-modality search on a model without a shared embedding space."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -229,10 +234,18 @@ class ModelServer:
         b = served.model.embed_texts(texts).astype(np.float64)
         return served, np.einsum("ij,ij->i", a, b)
 
-    def search(self, name: str, modality: str, vector: NDArray[np.float32],
-               k: int) -> tuple[ServedModel, list[tuple[str, float]]]:
-        """The ``k`` best gallery items of the other modality for one query vector."""
+    def search(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+               target: str | None = None) -> tuple[ServedModel, list[tuple[str, float]]]:
+        """The ``k`` best gallery items of modality ``target`` (default: the other modality)
+        for one query vector of ``modality``. Same-modality search needs a model whose
+        embeddings share one space; others raise :class:`SameModalityUnsupported`."""
         served = self.get(name)
+        target = target or ("text" if modality == "image" else "image")
+        if target == modality and not served.model.shared_space:
+            raise SameModalityUnsupported(
+                f"model {name!r} embeds images and texts in different spaces: it answers "
+                f"cross-modal search only (target must be "
+                f"{'text' if modality == 'image' else 'image'})")
         if modality == "image":
             query = served.model.embed_images(vector[None, :])[0]
         else:
@@ -240,8 +253,7 @@ class ModelServer:
         best_ids: list[NDArray[np.str_]] = []
         best_scores: list[NDArray[np.float32]] = []
         for chunk, img_emb, txt_emb in served.embedded:
-            target = txt_emb if modality == "image" else img_emb
-            scores = target @ query
+            scores = (txt_emb if target == "text" else img_emb) @ query
             if len(scores) > k:
                 top = np.argpartition(-scores, k - 1)[:k]
                 best_ids.append(chunk.ids[top])

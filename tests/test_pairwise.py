@@ -164,7 +164,7 @@ def test_streamed_cca_equals_the_batch_fit_and_its_directions_are_canonical() ->
     streamed = Learner("cca", 6, 5, params, eval_every=10**9)
     streamed.learn([make_pair(str(i), imgs[i], txts[i]) for i in range(400)])
     batch = CCA(6, 5, **params)  # type: ignore[arg-type]
-    batch.fit(imgs, txts)
+    batch.fit_arrays(imgs, txts)
     probe_i, probe_t = rng.random((5, 6)), rng.random((4, 5))
     np.testing.assert_allclose(streamed.model.similarity(probe_i, probe_t),
                                batch.similarity(probe_i, probe_t), atol=1e-6)

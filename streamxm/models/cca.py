@@ -63,7 +63,7 @@ class CCA(CrossModalModel):
     >>> imgs = np.hstack([z, rng.normal(size=(500, 3))])
     >>> txts = np.hstack([z @ [[1.0, 0.5], [0.0, 1.0]], rng.normal(size=(500, 2))])
     >>> m = CCA(5, 4, k=2, ridge=0.0, power=1.0, solve_first=500)
-    >>> m.fit(imgs, txts)
+    >>> m.fit_arrays(imgs, txts)
     >>> bool(m.correlations[0] > 0.5 and m.correlations[1] > 0.5)
     True
     """
@@ -111,7 +111,7 @@ class CCA(CrossModalModel):
         if self.schedule.due(self.moments.n):
             self.solve()
 
-    def fit(self, imgs: NDArray[np.floating], txts: NDArray[np.floating]) -> None:
+    def fit_arrays(self, imgs: NDArray[np.floating], txts: NDArray[np.floating]) -> None:
         """Add a whole batch to the statistics and solve (the offline fit)."""
         self.moments.add(power_normalize(imgs, self.power), power_normalize(txts, self.power))
         self.solve()

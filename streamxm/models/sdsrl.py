@@ -327,7 +327,7 @@ class SDSRL(CrossModalModel):
         ridge = self.mu * self.weight
         g = np.linalg.solve(self.gram_img + ridge * np.eye(len(self.gram_img)), self.lab_img)
         h = np.linalg.solve(self.gram_txt + ridge * np.eye(len(self.gram_txt)), self.lab_txt)
-        return g, h
+        return np.asarray(g, dtype=np.float64), np.asarray(h, dtype=np.float64)
 
     def solve(self, rng: np.random.Generator) -> None:
         """Re-solve ``A`` and ``B`` from the statistics so far."""
