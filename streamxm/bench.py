@@ -7,31 +7,70 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 from tqdm import tqdm
 
-from streamxm.datasets import Dataset, iter_pairs, load_dataset
+from streamxm.datasets import Dataset, iter_pairs, load_dataset, row_labels
 from streamxm.evaluation import label_relevance, mean_average_precision
 from streamxm.learner import Learner
+from streamxm.messages import Pair, make_pair
 
-__all__ = ["evaluate_model", "quality"]
+__all__ = ["database_split", "evaluate_model", "quality", "retrieval_maps", "train"]
 
 
 def evaluate_model(learner: Learner, ds: Dataset) -> dict[str, float]:
     """Test-split mAP, whole gallery, relevant = shares a label; for models with a shared space
     also the same-modality directions (``map_i2i``, ``map_t2t``: the query itself stays in the
     gallery, as in the papers that report them)."""
+    return retrieval_maps(learner, (ds.img_test, ds.txt_test, ds.y_test),
+                          (ds.img_test, ds.txt_test, ds.y_test))
+
+
+Split = tuple[NDArray[np.floating], NDArray[np.floating], NDArray[Any]]
+
+
+def retrieval_maps(learner: Learner, queries: Split, gallery: Split) -> dict[str, float]:
+    """mAP of each direction, ``queries`` (images, texts, labels) ranked against the whole
+    ``gallery``; relevant = shares a label."""
     learner.flush()
     model = learner.model
-    scores = model.similarity(ds.img_test, ds.txt_test)
-    rel = label_relevance(ds.y_test, ds.y_test)
-    out = {"map_i2t": mean_average_precision(scores, rel),
-           "map_t2i": mean_average_precision(scores.T, rel.T)}
+    q_img, q_txt, q_y = queries
+    g_img, g_txt, g_y = gallery
+    rel = label_relevance(q_y, g_y)
+    e_qi, e_qt = (model.embed_images(q_img).astype(np.float64),
+                  model.embed_texts(q_txt).astype(np.float64))
+    e_gi, e_gt = (model.embed_images(g_img).astype(np.float64),
+                  model.embed_texts(g_txt).astype(np.float64))
+    out = {"map_i2t": mean_average_precision(e_qi @ e_gt.T, rel),
+           "map_t2i": mean_average_precision(e_qt @ e_gi.T, rel)}
     if model.shared_space:
-        img = model.embed_images(ds.img_test).astype(np.float64)
-        txt = model.embed_texts(ds.txt_test).astype(np.float64)
-        out["map_i2i"] = mean_average_precision(img @ img.T, rel)
-        out["map_t2t"] = mean_average_precision(txt @ txt.T, rel)
+        out["map_i2i"] = mean_average_precision(e_qi @ e_gi.T, rel)
+        out["map_t2t"] = mean_average_precision(e_qt @ e_gt.T, rel)
     return out
+
+
+def train(learner: Learner, pairs: list[Pair], protocol: str, epochs: int = 5,
+          progress: bool = False, desc: str = "") -> int:
+    """Feed ``pairs`` to ``learner`` by ``protocol``; returns the number of passes.
+
+    ``stream`` feeds each pair once, in order; ``offline`` gives models with a batch fit
+    (``batch_fit``) all pairs at once, and feeds the others the pairs ``epochs`` times (in
+    order each time: they see the data as a longer stream).
+    """
+    if protocol not in ("stream", "offline"):
+        raise ValueError("protocol must be 'stream' or 'offline'")
+    batch = protocol == "offline" and learner.model.batch_fit
+    passes = 1 if protocol == "stream" or batch else epochs
+    with tqdm(total=passes * len(pairs), disable=not progress, unit="pair", desc=desc) as bar:
+        for _ in range(passes):
+            if batch:
+                learner.fit(pairs)
+                bar.update(len(pairs))
+                continue
+            for i in range(0, len(pairs), 256):
+                learner.learn(pairs[i : i + 256])
+                bar.update(len(pairs[i : i + 256]))
+    return passes
 
 
 def quality(
@@ -44,30 +83,13 @@ def quality(
     params: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Train on the train split and score the test split.
-
-    ``stream`` feeds each training row once, in file order; ``offline`` gives models with a
-    batch fit (``batch_fit``) the whole training set at once, and feeds the others the training
-    rows ``epochs`` times (file order each time: they see the data as a longer stream).
-    """
-    if protocol not in ("stream", "offline"):
-        raise ValueError("protocol must be 'stream' or 'offline'")
+    """Train on the train split (see :func:`train` for the protocols) and score the test split
+    (:func:`evaluate_model`)."""
     ds = load_dataset(dataset)
     learner = Learner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
-    batch = protocol == "offline" and learner.model.batch_fit
-    passes = 1 if protocol == "stream" or batch else epochs
     start = time.perf_counter()
-    with tqdm(total=passes * len(ds.img_train), disable=not progress, unit="pair",
-              desc=f"{model} {protocol}") as bar:
-        for _ in range(passes):
-            pairs = list(iter_pairs(ds, unlabelled=unlabelled))
-            if batch:
-                learner.fit(pairs)
-                bar.update(len(pairs))
-                continue
-            for i in range(0, len(pairs), 256):
-                learner.learn(pairs[i : i + 256])
-                bar.update(len(pairs[i : i + 256]))
+    passes = train(learner, list(iter_pairs(ds, unlabelled=unlabelled)), protocol, epochs,
+                   progress, desc=f"{model} {protocol}")
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {
         "dataset": str(dataset),
@@ -86,3 +108,52 @@ def quality(
         "train_seconds": round(seconds, 3),
     }
     return result
+
+
+def database_split(
+    dataset: str | Path,
+    model: str,
+    seeds: list[int],
+    query_fraction: float = 0.25,
+    protocol: str = "offline",
+    epochs: int = 5,
+    params: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The protocol of papers that pool every pair (SDSRL's Table 1): train and test splits
+    merged, a random ``query_fraction`` of the pairs are queries and the rest the database;
+    the model learns from the database (with labels) and the database is also the gallery the
+    queries rank. Each seed draws its own split (and seeds the learner); the figures are per
+    seed and their mean and standard deviation.
+
+    The gallery is the data the model was trained on, so this measures how well the model
+    recalls its training set's classes, not how it generalises to unseen items
+    (:func:`quality` scores an unseen test gallery).
+    """
+    if not 0 < query_fraction < 1:
+        raise ValueError("query_fraction must be in (0, 1)")
+    ds = load_dataset(dataset)
+    img = np.vstack([ds.img_train, ds.img_test])
+    txt = np.vstack([ds.txt_train, ds.txt_test])
+    y = np.concatenate([ds.y_train, ds.y_test])
+    n_query = round(query_fraction * len(img))
+    runs = []
+    for seed in seeds:
+        order = np.random.default_rng(seed).permutation(len(img))
+        query, base = order[:n_query], order[n_query:]
+        learner = Learner(model, img.shape[1], txt.shape[1], params, seed=seed)
+        pairs = [make_pair(f"db-{i}", img[i], txt[i], labels=row_labels(y, int(i)))
+                 for i in base]
+        train(learner, pairs, protocol, epochs, progress, desc=f"{model} seed {seed}")
+        maps = retrieval_maps(learner, (img[query], txt[query], y[query]),
+                              (img[base], txt[base], y[base]))
+        runs.append({"seed": seed, **maps})
+    keys = [k for k in runs[0] if k.startswith("map_")]
+    return {
+        "dataset": str(dataset), "model": model, "protocol": protocol,
+        "query_fraction": query_fraction, "queries": n_query, "database": len(img) - n_query,
+        "params": Learner(model, img.shape[1], txt.shape[1], params).model.params(),
+        "runs": runs,
+        "mean": {k: float(np.mean([r[k] for r in runs])) for k in keys},
+        "std": {k: float(np.std([r[k] for r in runs])) for k in keys},
+    }

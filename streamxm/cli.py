@@ -97,6 +97,21 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_database(args: argparse.Namespace) -> int:
+    from streamxm.bench import database_split
+
+    seeds = [int(x) for x in args.seeds.split(",")]
+    result = database_split(args.dataset, args.model, seeds, query_fraction=args.query_fraction,
+                            protocol=args.protocol, epochs=args.epochs,
+                            params=_params(args.param) or None, progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.model} ({len(seeds)} splits): " + "  ".join(
+            f"{k[4:]} {v:.4f}+-{result['std'][k]:.4f}" for k, v in result["mean"].items()))
+    return 0
+
+
 def _cmd_bench_throughput(args: argparse.Namespace) -> int:
     from streamxm.throughput import throughput
 
@@ -173,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd_bench_quality)
+
+    db = bench_sub.add_parser(
+        "database", help="mAP with train+test pooled, random query/database split, database "
+        "as training set and gallery (the SDSRL paper's protocol)")
+    db.add_argument("--dataset", required=True)
+    db.add_argument("--model", required=True)
+    db.add_argument("--seeds", default="0,1,2,3,4", help="one random split per seed")
+    db.add_argument("--query-fraction", type=float, default=0.25)
+    db.add_argument("--protocol", choices=["stream", "offline"], default="offline")
+    db.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
+    db.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    db.add_argument("--json", action="store_true")
+    db.set_defaults(func=_cmd_bench_database)
 
     t = bench_sub.add_parser("throughput", help="pairs learned per second on one core")
     t.add_argument("--model", default="cmos")

@@ -5,6 +5,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import PY, SHARED_WIKI, free_port
@@ -62,3 +63,29 @@ def test_push_rejects_a_missing_dataset(tmp_path: Path) -> None:
     out = subprocess.run([*PY, "push", "--dataset", str(tmp_path / "nope.npz")],
                          env=_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "nope.npz" in out.stderr
+
+
+def test_bench_database_pools_splits_and_scores_against_the_database(tmp_path: Path) -> None:
+    """The SDSRL paper's protocol: all pairs pooled, a random quarter as queries, the rest both
+    the training set and the gallery; mean and spread over seeds."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(3, 8))
+    y = rng.integers(3, size=120)
+    arrays = {"img": centres[y] + 0.5 * rng.normal(size=(120, 8)),
+              "txt": centres[y, :5] + 0.5 * rng.normal(size=(120, 5))}
+    path = tmp_path / "tiny.npz"
+    np.savez(path, img_train=arrays["img"][:90], txt_train=arrays["txt"][:90], y_train=y[:90],
+             img_test=arrays["img"][90:], txt_test=arrays["txt"][90:], y_test=y[90:])
+    out = subprocess.run([*PY, "bench", "database", "--dataset", str(path), "--model", "sdsrl",
+                          "--seeds", "0,1,2", "--param", "m_img=40", "--param", "q=3",
+                          "--json"], env=_env(tmp_path), capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["queries"] == 30 and result["database"] == 90
+    assert [r["seed"] for r in result["runs"]] == [0, 1, 2]
+    for key in ("map_i2t", "map_t2i", "map_i2i", "map_t2t"):
+        values = [r[key] for r in result["runs"]]
+        assert result["mean"][key] == pytest.approx(np.mean(values))
+        assert result["mean"][key] > 0.6  # three well separated classes
+    assert len({r["map_i2t"] for r in result["runs"]}) > 1  # each seed its own split
