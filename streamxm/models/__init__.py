@@ -10,13 +10,14 @@ from streamxm.models.cmomks import CMOMKS
 from streamxm.models.cmos import CMOS
 from streamxm.models.marginal import MarginalMatching
 from streamxm.models.pairwise import PairwiseLogistic
+from streamxm.models.scsm import SCSM
 from streamxm.models.sdsrl import SDSRL
 
 __all__ = ["DIRECTIONS", "MODELS", "MODEL_NAMES", "CrossModalModel", "LearnStats", "create_model",
            "split_name"]
 
 MODELS: dict[str, type[CrossModalModel]] = {
-    m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA, SDSRL)
+    m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA, SDSRL, SCSM)
 }
 
 #: Variants implemented by a class of their own (the others go to the base class as ``variant``).
@@ -24,7 +25,7 @@ VARIANT_CLASSES: dict[str, type[CrossModalModel]] = {"pairwise:marginal": Margin
 
 #: Every name a user may give, variants included.
 MODEL_NAMES = ("cmos", "cmomks", "pairwise", "pairwise:bipartite", "pairwise:marginal", "cca",
-               "sdsrl")
+               "sdsrl", "scsm")
 
 
 def split_name(name: str) -> tuple[str, str | None]:

@@ -1,0 +1,297 @@
+"""The alternation of SCSM (Liang et al., SIGIR 2016, Sec. 2.3-2.4, Algorithm 1) on one set of
+pairs: self-paced weights ``v``, projections ``U_a``, ``U_b`` and the group indicator ``Y``.
+
+Notation (rows are samples here, the paper's columns): ``X_p`` (n x d_p) with a constant
+feature appended, ``Z_p = X_p U_p`` (n x c), ``y`` the group of each pair (``Y`` one-hot), ``v``
+0/1. Eq. 14 is
+
+    J = sum_i v_i (||Z_a,i - e_y_i||^2 + ||Z_b,i - e_y_i||^2)
+        + alpha Tr(Z' L Z) + beta (||U_a||^2 + ||U_b||^2) - lam sum_i v_i
+
+with ``lam = 1/k`` (the age) and ``L`` the Laplacian of the joint graph of Eq. 10:
+``gamma W_a`` and ``gamma W_b`` (r-nearest-neighbour Gaussian graphs) on the diagonal blocks,
+``Y'Y`` between the modalities. ``Tr(Z'LZ)`` is ``gamma (G(W_a, Z_a) + G(W_b, Z_b))`` plus
+``sum_{i,j: y_i = y_j} ||Z_a,i - Z_b,j||^2``, with ``G(W, Z) = 1/2 sum_ij W_ij ||Z_i - Z_j||^2``:
+the cross block's degree terms are what turn ``-Y'Y`` into distances. Every step below is an
+exact minimisation of ``J`` over its block, so ``J`` never increases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy import sparse
+
+__all__ = ["Problem", "kmeans", "knn_graph"]
+
+F64 = NDArray[np.float64]
+
+
+def knn_graph(x: NDArray[np.floating], r: int) -> sparse.csr_matrix:
+    """Symmetric r-nearest-neighbour graph with Gaussian weights ``exp(-d^2 / sigma^2)``
+    (Eq. 7); an edge exists when either end is among the other's ``r`` nearest. ``sigma^2`` is
+    the mean squared distance to the ``r``-th neighbour (the paper leaves the width open).
+
+    >>> g = knn_graph(np.array([[0.0], [1.0], [5.0]]), r=1)
+    >>> g.toarray().round(3)
+    array([[0.   , 0.846, 0.   ],
+           [0.846, 0.   , 0.069],
+           [0.   , 0.069, 0.   ]])
+    """
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    r = min(r, n - 1)
+    if r < 1:
+        return sparse.csr_matrix((n, n))
+    sq = np.einsum("ij,ij->i", x, x)
+    d2 = np.maximum(sq[:, None] + sq[None, :] - 2 * x @ x.T, 0.0)
+    np.fill_diagonal(d2, np.inf)
+    nn = np.argpartition(d2, r - 1, axis=1)[:, :r]
+    rows = np.repeat(np.arange(n), r)
+    dist = d2[rows, nn.ravel()]
+    sigma2 = float(np.mean(np.max(d2[np.arange(n)[:, None], nn], axis=1)))
+    w = np.exp(-dist / max(sigma2, 1e-12))
+    g = sparse.csr_matrix((w, (rows, nn.ravel())), shape=(n, n))
+    return g.maximum(g.T).tocsr()
+
+
+def laplacian(w: sparse.csr_matrix) -> sparse.csr_matrix:
+    return (sparse.diags(np.asarray(w.sum(axis=1)).ravel()) - w).tocsr()
+
+
+def kmeans(x: NDArray[np.floating], k: int, rng: np.random.Generator,
+           iterations: int = 50, init: NDArray[np.int64] | None = None) -> NDArray[np.int64]:
+    """Lloyd's k-means from a k-means++ start, or from the centroids of the assignment
+    ``init`` (entries < 0 unassigned; a cluster with no member there starts at a random
+    point); an emptied cluster takes the farthest point.
+
+    >>> x = np.array([[0.0], [0.1], [5.0], [5.1]])
+    >>> labels = kmeans(x, 2, np.random.default_rng(0))
+    >>> bool(labels[0] == labels[1] != labels[2] == labels[3])
+    True
+    """
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    if init is not None:
+        c = np.array([x[init == j].mean(axis=0) if np.any(init == j) else x[rng.integers(n)]
+                      for j in range(k)])
+    else:
+        centres = [x[rng.integers(n)]]
+        for _ in range(1, k):
+            d2 = np.min([np.sum((x - c) ** 2, axis=1) for c in centres], axis=0)
+            total = d2.sum()
+            centres.append(x[rng.choice(n, p=d2 / total)] if total > 0 else x[rng.integers(n)])
+        c = np.array(centres)
+    labels = np.zeros(n, dtype=np.int64)
+    for it in range(iterations):
+        d2 = np.sum(x * x, 1)[:, None] + np.sum(c * c, 1)[None, :] - 2 * x @ c.T
+        new = np.argmin(d2, axis=1)
+        for j in range(k):
+            members = new == j
+            if not members.any():
+                far = int(np.argmax(np.min(d2, axis=1)))
+                new[far] = j
+                members = new == j
+            c[j] = x[members].mean(axis=0)
+        if it and np.array_equal(new, labels):
+            break
+        labels = new
+    return labels
+
+
+@dataclass
+class Problem:
+    """One set of pairs and the state of the alternation on it.
+
+    ``alpha``, ``gamma``, ``beta`` are the paper's weights as they enter ``J``; the model
+    (:class:`~streamxm.models.scsm.SCSM`) scales them with the number of pairs.
+    """
+
+    xa: F64
+    xb: F64
+    groups: int
+    alpha: float
+    gamma: float
+    beta: float
+    r: int
+    y: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    ua: F64 = field(default_factory=lambda: np.zeros((0, 0)))
+    ub: F64 = field(default_factory=lambda: np.zeros((0, 0)))
+    v: NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    lam: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.la = laplacian(knn_graph(self.xa, self.r))
+        self.lb = laplacian(knn_graph(self.xb, self.r))
+        n = len(self.xa)
+        if self.y.shape != (n,):
+            self.y = np.zeros(n, dtype=np.int64)
+        if self.v.shape != (n,):
+            self.v = np.ones(n, dtype=bool)
+        if self.ua.shape != (self.xa.shape[1], self.groups):
+            self.ua = np.zeros((self.xa.shape[1], self.groups))
+        if self.ub.shape != (self.xb.shape[1], self.groups):
+            self.ub = np.zeros((self.xb.shape[1], self.groups))
+
+    # -- the objective ---------------------------------------------------------------------
+    def projections(self) -> tuple[F64, F64]:
+        return self.xa @ self.ua, self.xb @ self.ub
+
+    def sample_losses(self) -> F64:
+        """``||Z_a,i - e_y_i||^2 + ||Z_b,i - e_y_i||^2`` per pair."""
+        za, zb = self.projections()
+        rows = np.arange(len(self.y))
+        ea, eb = za.copy(), zb.copy()
+        ea[rows, self.y] -= 1.0
+        eb[rows, self.y] -= 1.0
+        return np.asarray(np.einsum("ij,ij->i", ea, ea) + np.einsum("ij,ij->i", eb, eb))
+
+    def cross_term(self, za: F64, zb: F64) -> float:
+        """``sum_{i,j: y_i = y_j} ||Z_a,i - Z_b,j||^2`` from per-group sums."""
+        total = 0.0
+        for c in range(self.groups):
+            m = self.y == c
+            nc = int(m.sum())
+            if nc:
+                sa, sb = za[m].sum(axis=0), zb[m].sum(axis=0)
+                total += nc * (float(np.sum(za[m] ** 2)) + float(np.sum(zb[m] ** 2)))
+                total -= 2.0 * float(sa @ sb)
+        return total
+
+    def objective(self) -> float:
+        """Eq. 14 (with ``lam = 1/k``)."""
+        za, zb = self.projections()
+        graph = self.gamma * (float(np.sum(za * (self.la @ za)))
+                              + float(np.sum(zb * (self.lb @ zb))))
+        fit = float(np.sum(self.sample_losses()[self.v]))
+        reg = self.beta * (float(np.sum(self.ua ** 2)) + float(np.sum(self.ub ** 2)))
+        return (fit + self.alpha * (graph + self.cross_term(za, zb)) + reg
+                - self.lam * float(self.v.sum()))
+
+    # -- the steps ---------------------------------------------------------------------------
+    def update_v(self) -> None:
+        """Eq. 13: a pair enters when its loss is below the age threshold ``lam = 1/k``."""
+        self.v = self.sample_losses() < self.lam
+
+    def update_u(self, modality: str) -> None:
+        """Eq. 16 for one modality, the other fixed: the normal equations
+        ``(X'VX + alpha gamma X'L_p X + alpha X'N X + beta I) U = X'V E + alpha X' S_other[y]``,
+        ``N`` the diagonal of group sizes (the cross block's degrees) and ``S_other[c]`` the sum
+        of the other modality's projections over group ``c`` (``-Y'Y`` times them)."""
+        if modality == "image":
+            x, lp, other = self.xa, self.la, self.xb @ self.ub
+        else:
+            x, lp, other = self.xb, self.lb, self.xa @ self.ua
+        n_group = np.bincount(self.y, minlength=self.groups).astype(np.float64)
+        s_other = np.zeros((self.groups, other.shape[1]))
+        np.add.at(s_other, self.y, other)
+        vx = x * self.v[:, None]
+        lhs = (vx.T @ x + self.alpha * self.gamma * (x.T @ (lp @ x))
+               + self.alpha * (x * n_group[self.y][:, None]).T @ x
+               + self.beta * np.eye(x.shape[1]))
+        e = np.zeros((len(self.y), self.groups))
+        e[np.arange(len(self.y)), self.y] = 1.0
+        rhs = vx.T @ e + self.alpha * x.T @ s_other[self.y]
+        u = np.linalg.solve(lhs, rhs)
+        if modality == "image":
+            self.ua = u
+        else:
+            self.ub = u
+
+    def column_costs(self, i: int, za: F64, zb: F64, sums: dict[str, Any]) -> F64:
+        """``J`` as a function of pair ``i``'s group (up to a constant): the fit term and the
+        cross-block distances to the other members of each group."""
+        sa, sb, qa, qb, nc = sums["sa"], sums["sb"], sums["qa"], sums["qb"], sums["n"]
+        own = self.y[i]
+        na2, nb2 = float(za[i] @ za[i]), float(zb[i] @ zb[i])
+        # Group statistics without pair i.
+        sa_i, sb_i, qa_i, qb_i, n_i = sa.copy(), sb.copy(), qa.copy(), qb.copy(), nc.copy()
+        sa_i[own] -= za[i]
+        sb_i[own] -= zb[i]
+        qa_i[own] -= na2
+        qb_i[own] -= nb2
+        n_i[own] -= 1
+        cross = (n_i * (na2 + nb2) - 2.0 * (sb_i @ za[i]) - 2.0 * (sa_i @ zb[i]) + qa_i + qb_i)
+        fit = -2.0 * (za[i] + zb[i]) if self.v[i] else np.zeros(self.groups)
+        return np.asarray(fit + self.alpha * cross)
+
+    def update_y(self, sweeps: int = 2) -> int:
+        """Eq. 21-22 from the full objective: each pair in turn moves to the group of least
+        ``J`` given all others (group sums kept current); returns how many moves were made."""
+        za, zb = self.projections()
+        sums: dict[str, Any] = {
+            "sa": np.zeros((self.groups, self.groups)), "sb": np.zeros((self.groups,
+                                                                        self.groups)),
+            "qa": np.zeros(self.groups), "qb": np.zeros(self.groups),
+            "n": np.bincount(self.y, minlength=self.groups).astype(np.float64)}
+        np.add.at(sums["sa"], self.y, za)
+        np.add.at(sums["sb"], self.y, zb)
+        np.add.at(sums["qa"], self.y, np.einsum("ij,ij->i", za, za))
+        np.add.at(sums["qb"], self.y, np.einsum("ij,ij->i", zb, zb))
+        moves = 0
+        for _ in range(sweeps):
+            moved = 0
+            for i in range(len(self.y)):
+                costs = self.column_costs(i, za, zb, sums)
+                old, new = int(self.y[i]), int(np.argmin(costs))
+                if new == old or costs[new] >= costs[old]:
+                    continue
+                for key, value in (("sa", za[i]), ("sb", zb[i]),
+                                   ("qa", za[i] @ za[i]), ("qb", zb[i] @ zb[i]), ("n", 1.0)):
+                    sums[key][old] -= value
+                    sums[key][new] += value
+                self.y[i] = new
+                moved += 1
+            moves += moved
+            if not moved:
+                break
+        return moves
+
+    def refill_empty_groups(self) -> int:
+        """Guard: an empty group takes the pair of largest loss from a group of two or more.
+
+        Not a minimisation step (it may raise ``J``); without it a group that loses its last
+        pair never regains one, since its projection column is regressed to zero. Returns the
+        number of groups refilled.
+        """
+        refilled = 0
+        for c in range(self.groups):
+            sizes = np.bincount(self.y, minlength=self.groups)
+            if sizes[c] or len(self.y) < self.groups:
+                continue
+            losses = np.where(sizes[self.y] > 1, self.sample_losses(), -np.inf)
+            self.y[int(np.argmax(losses))] = c
+            refilled += 1
+        return refilled
+
+    def start(self, rng: np.random.Generator, init: NDArray[np.int64] | None = None) -> None:
+        """Algorithm 1's initialisation: ``Y`` by k-means on the texts (started from the groups
+        of ``init`` when given: a warm start), ``U`` from two rounds of Eq. 16 with every pair
+        in, and the age threshold ``lam`` at the median pair loss, so half the pairs start in."""
+        self.y = kmeans(self.xb[:, :-1], self.groups, rng, init=init)
+        self.v = np.ones(len(self.y), dtype=bool)
+        for _ in range(2):
+            self.update_u("image")
+            self.update_u("text")
+        self.lam = float(np.median(self.sample_losses()))
+
+    def iterate(self, growth: float, sweeps: int = 2) -> dict[str, float]:
+        """One outer iteration: v (Eq. 13), U_a, U_b (Eq. 16), Y (Eq. 21-22), the empty-group
+        guard, then the age grows (``lam *= growth``: more pairs enter). Returns ``J`` after
+        each step, for the objective curve."""
+        trace = {}
+        self.update_v()
+        trace["v"] = self.objective()
+        self.update_u("image")
+        self.update_u("text")
+        trace["u"] = self.objective()
+        trace["moves"] = float(self.update_y(sweeps))
+        trace["y"] = self.objective()
+        trace["refilled"] = float(self.refill_empty_groups())
+        self.lam *= growth
+        trace["age"] = self.objective()
+        trace["included"] = float(self.v.mean())
+        return trace
