@@ -62,29 +62,34 @@ def laplacian(w: sparse.csr_matrix) -> sparse.csr_matrix:
     return (sparse.diags(np.asarray(w.sum(axis=1)).ravel()) - w).tocsr()
 
 
-def kmeans(x: NDArray[np.floating], k: int, rng: np.random.Generator,
-           iterations: int = 50, init: NDArray[np.int64] | None = None) -> NDArray[np.int64]:
-    """Lloyd's k-means from a k-means++ start, or from the centroids of the assignment
-    ``init`` (entries < 0 unassigned; a cluster with no member there starts at a random
-    point); an emptied cluster takes the farthest point.
+def kmeans(x: NDArray[np.floating], k: int, rng: np.random.Generator, iterations: int = 50,
+           restarts: int = 3) -> NDArray[np.int64]:
+    """Lloyd's k-means, the best (least within-cluster sum of squares) of ``restarts``
+    k-means++ starts; an emptied cluster takes the farthest point.
 
     >>> x = np.array([[0.0], [0.1], [5.0], [5.1]])
     >>> labels = kmeans(x, 2, np.random.default_rng(0))
     >>> bool(labels[0] == labels[1] != labels[2] == labels[3])
     True
     """
-    x = np.asarray(x, dtype=np.float64)
+    data = np.asarray(x, dtype=np.float64)
+    best, best_sse = np.zeros(len(data), dtype=np.int64), np.inf
+    for _ in range(restarts):
+        labels, sse = _lloyd(data, k, rng, iterations)
+        if sse < best_sse:
+            best, best_sse = labels, sse
+    return best
+
+
+def _lloyd(x: F64, k: int, rng: np.random.Generator,
+           iterations: int) -> tuple[NDArray[np.int64], float]:
     n = len(x)
-    if init is not None:
-        c = np.array([x[init == j].mean(axis=0) if np.any(init == j) else x[rng.integers(n)]
-                      for j in range(k)])
-    else:
-        centres = [x[rng.integers(n)]]
-        for _ in range(1, k):
-            d2 = np.min([np.sum((x - c) ** 2, axis=1) for c in centres], axis=0)
-            total = d2.sum()
-            centres.append(x[rng.choice(n, p=d2 / total)] if total > 0 else x[rng.integers(n)])
-        c = np.array(centres)
+    centres = [x[rng.integers(n)]]
+    for _ in range(1, k):
+        d2 = np.min([np.sum((x - c) ** 2, axis=1) for c in centres], axis=0)
+        total = d2.sum()
+        centres.append(x[rng.choice(n, p=d2 / total)] if total > 0 else x[rng.integers(n)])
+    c = np.array(centres)
     labels = np.zeros(n, dtype=np.int64)
     for it in range(iterations):
         d2 = np.sum(x * x, 1)[:, None] + np.sum(c * c, 1)[None, :] - 2 * x @ c.T
@@ -99,7 +104,21 @@ def kmeans(x: NDArray[np.floating], k: int, rng: np.random.Generator,
         if it and np.array_equal(new, labels):
             break
         labels = new
-    return labels
+    sse = float(np.sum((x - c[labels]) ** 2))
+    return labels, sse
+
+
+def nearest_centroid(x: NDArray[np.floating], groups_of: NDArray[np.int64], k: int,
+                     rows: NDArray[np.bool_]) -> NDArray[np.int64]:
+    """For the ``rows`` of ``x``, the group (of ``groups_of``, < 0 = none) whose centroid is
+    nearest; groups without a member are skipped."""
+    x = np.asarray(x, dtype=np.float64)
+    d2 = np.full((int(rows.sum()), k), np.inf)
+    for j in range(k):
+        members = groups_of == j
+        if members.any():
+            d2[:, j] = np.sum((x[rows] - x[members].mean(axis=0)) ** 2, axis=1)
+    return np.asarray(np.argmin(d2, axis=1), dtype=np.int64)
 
 
 @dataclass
@@ -268,10 +287,17 @@ class Problem:
         return refilled
 
     def start(self, rng: np.random.Generator, init: NDArray[np.int64] | None = None) -> None:
-        """Algorithm 1's initialisation: ``Y`` by k-means on the texts (started from the groups
-        of ``init`` when given: a warm start), ``U`` from two rounds of Eq. 16 with every pair
-        in, and the age threshold ``lam`` at the median pair loss, so half the pairs start in."""
-        self.y = kmeans(self.xb[:, :-1], self.groups, rng, init=init)
+        """Algorithm 1's initialisation: ``Y`` by k-means on the texts, or, warm, the groups of
+        ``init`` with its unplaced pairs (< 0) put in the group of the nearest text centroid;
+        ``U`` from two rounds of Eq. 16 with every pair in; the age threshold ``lam`` at the
+        median pair loss, so half the pairs start in."""
+        if init is None:
+            self.y = kmeans(self.xb[:, :-1], self.groups, rng)
+        else:
+            self.y = np.array(init, dtype=np.int64)
+            new = self.y < 0
+            if new.any():
+                self.y[new] = nearest_centroid(self.xb[:, :-1], init, self.groups, new)
         self.v = np.ones(len(self.y), dtype=bool)
         for _ in range(2):
             self.update_u("image")
