@@ -43,8 +43,9 @@ class SCSM(CrossModalModel):
       the k-means that initialises ``Y``; only the first solve runs k-means, best of 3
       k-means++ starts: more starts find tighter text clusters that match the classes less,
       0.260 vs 0.268 image->text offline with 10 starts vs 3). Placing new pairs by their
-      projections instead lets one group absorb most arrivals (0.152 image->text after one pass); re-running k-means at each solve makes
-      pairs flip between the k-means and the SCSM partitions. After each solve the groups are
+      projections instead lets one group absorb most arrivals (0.152 image->text after one
+      pass); re-running k-means at each solve makes pairs flip between the k-means and the
+      SCSM partitions. After each solve the groups are
       matched to the previous ones (Hungarian assignment on the pairs both solves placed) and
       ``U``'s columns permuted, so a group keeps its identity and the served space does not
       jump.
