@@ -45,7 +45,8 @@ class SearchIn(BaseModel):
     modality: Literal["image", "text"] = Field(description="modality of the query vector")
     target: Literal["image", "text"] | None = Field(
         default=None, description="modality of the results; default the other one. The same "
-        "modality as the query needs a model with a shared space (sdsrl, cca, pairwise:marginal)")
+        "modality as the query needs a model with a shared space (sdsrl, scsm, cca, "
+        "pairwise:marginal)")
     vector: Vector = Field(min_length=1)
     k: int = Field(default=10, ge=1)
 
