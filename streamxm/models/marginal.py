@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 from streamxm.messages import Pair
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
 from streamxm.models.classes import ClassIndex
-from streamxm.models.moments import power_normalize
+from streamxm.models.moments import append_constant, power_normalize
 from streamxm.models.optim import adagrad_step
 from streamxm.replay import ReplayBuffer
 
@@ -136,8 +136,7 @@ class MarginalMatching(CrossModalModel):
                 "max_classes": self.class_index.max_classes, "replay": self.replay}
 
     def _features(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
-        z = power_normalize(np.atleast_2d(x), self.power)
-        return np.hstack([z, np.ones((z.shape[0], 1))])
+        return append_constant(power_normalize(np.atleast_2d(x), self.power))
 
     def posteriors_images(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
         """``eta_A``: class posteriors of images, columns in the order of :attr:`classes`."""

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["ResolveSchedule", "RunningMoments", "power_normalize", "ridge_whitener"]
+__all__ = ["ResolveSchedule", "RunningMoments", "append_constant", "power_normalize",
+           "ridge_whitener"]
 
 Arrays = dict[str, NDArray[Any]]
 
@@ -30,6 +31,16 @@ def power_normalize(x: NDArray[np.floating], power: float = 1.0) -> NDArray[np.f
         out = np.sign(out) * np.abs(out) ** power
     norms = np.linalg.norm(out, axis=-1, keepdims=True)
     return np.asarray(out / np.where(norms == 0, 1.0, norms))
+
+
+def append_constant(z: NDArray[np.floating]) -> NDArray[np.float64]:
+    """Rows with a constant 1 appended: an intercept for linear models on normalised inputs.
+
+    >>> append_constant(np.array([[0.5, 2.0]]))
+    array([[0.5, 2. , 1. ]])
+    """
+    z = np.atleast_2d(np.asarray(z, dtype=np.float64))
+    return np.hstack([z, np.ones((z.shape[0], 1))])
 
 
 def ridge_whitener(cov: NDArray[np.float64], ridge: float) -> NDArray[np.float64]:

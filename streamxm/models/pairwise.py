@@ -13,7 +13,13 @@ from numpy.typing import NDArray
 
 from streamxm.messages import Pair
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
-from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
+from streamxm.models.moments import (
+    ResolveSchedule,
+    RunningMoments,
+    append_constant,
+    power_normalize,
+    ridge_whitener,
+)
 from streamxm.models.optim import adagrad_step
 from streamxm.replay import ReplayBuffer
 
@@ -156,7 +162,7 @@ class PairwiseLogistic(CrossModalModel):
     def _features(self, x: NDArray[np.floating], mean: NDArray[np.float64],
                   white: NDArray[np.float64]) -> NDArray[np.float32]:
         z = (power_normalize(np.atleast_2d(x), self.power) - mean) @ white.T
-        return np.hstack([z, np.ones((z.shape[0], 1))]).astype(np.float32)
+        return append_constant(z).astype(np.float32)
 
     def image_features(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._features(x, self.mean_x, self.white_x)

@@ -15,7 +15,7 @@ from scipy.optimize import linear_sum_assignment
 
 from streamxm.messages import Pair
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
-from streamxm.models.moments import ResolveSchedule, power_normalize
+from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.scsm_solver import Problem
 from streamxm.replay import ReplayBuffer
 
@@ -164,8 +164,7 @@ class SCSM(CrossModalModel):
                 "power_img": self.power_img, "power_txt": self.power_txt, "center": self.center}
 
     def _features(self, x: NDArray[np.floating], power: float) -> F64:
-        z = power_normalize(np.atleast_2d(x), power)
-        return np.hstack([z, np.ones((len(z), 1))])
+        return append_constant(power_normalize(np.atleast_2d(x), power))
 
     # -- learning ----------------------------------------------------------------------------
     def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
