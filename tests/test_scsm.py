@@ -96,13 +96,7 @@ def test_y_column_update_is_the_brute_force_argmin() -> None:
     p.update_u("image")
     p.update_u("text")
     za, zb = p.projections()
-    sums = {"sa": np.zeros((p.groups, p.groups)), "sb": np.zeros((p.groups, p.groups)),
-            "qa": np.zeros(p.groups), "qb": np.zeros(p.groups),
-            "n": np.bincount(p.y, minlength=p.groups).astype(float)}
-    np.add.at(sums["sa"], p.y, za)
-    np.add.at(sums["sb"], p.y, zb)
-    np.add.at(sums["qa"], p.y, np.sum(za**2, axis=1))
-    np.add.at(sums["qb"], p.y, np.sum(zb**2, axis=1))
+    sums = p.group_sums(za, zb)
     for i in (0, 7, 33):
         costs = p.column_costs(i, za, zb, sums)
         brute = []

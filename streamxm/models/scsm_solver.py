@@ -19,13 +19,12 @@ exact minimisation of ``J`` over its block, so ``J`` never increases.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 from scipy import sparse
 
-__all__ = ["Problem", "kmeans", "knn_graph"]
+__all__ = ["GroupSums", "Problem", "kmeans", "knn_graph"]
 
 F64 = NDArray[np.float64]
 
@@ -119,6 +118,36 @@ def nearest_centroid(x: NDArray[np.floating], groups_of: NDArray[np.int64], k: i
         if members.any():
             d2[:, j] = np.sum((x[rows] - x[members].mean(axis=0)) ** 2, axis=1)
     return np.asarray(np.argmin(d2, axis=1), dtype=np.int64)
+
+
+@dataclass
+class GroupSums:
+    """Per group: member count ``n``, sums of the projections ``sa``, ``sb`` and of their
+    squared norms ``qa``, ``qb``; enough for every cross-block distance sum of a group."""
+
+    n: F64
+    sa: F64
+    sb: F64
+    qa: F64
+    qb: F64
+
+    @classmethod
+    def of(cls, y: NDArray[np.int64], za: F64, zb: F64, groups: int) -> GroupSums:
+        sums = cls(np.bincount(y, minlength=groups).astype(np.float64),
+                   np.zeros((groups, za.shape[1])), np.zeros((groups, zb.shape[1])),
+                   np.zeros(groups), np.zeros(groups))
+        np.add.at(sums.sa, y, za)
+        np.add.at(sums.sb, y, zb)
+        np.add.at(sums.qa, y, np.einsum("ij,ij->i", za, za))
+        np.add.at(sums.qb, y, np.einsum("ij,ij->i", zb, zb))
+        return sums
+
+    def move(self, za_i: F64, zb_i: F64, old: int, new: int) -> None:
+        """One pair leaves group ``old`` for ``new``."""
+        for key, value in (("n", 1.0), ("sa", za_i), ("sb", zb_i), ("qa", float(za_i @ za_i)),
+                           ("qb", float(zb_i @ zb_i))):
+            getattr(self, key)[old] -= value
+            getattr(self, key)[new] += value
 
 
 @dataclass
@@ -220,20 +249,18 @@ class Problem:
         else:
             self.ub = u
 
-    def column_costs(self, i: int, za: F64, zb: F64, sums: dict[str, Any]) -> F64:
+    def group_sums(self, za: F64, zb: F64) -> GroupSums:
+        return GroupSums.of(self.y, za, zb, self.groups)
+
+    def column_costs(self, i: int, za: F64, zb: F64, sums: GroupSums) -> F64:
         """``J`` as a function of pair ``i``'s group (up to a constant): the fit term and the
-        cross-block distances to the other members of each group."""
-        sa, sb, qa, qb, nc = sums["sa"], sums["sb"], sums["qa"], sums["qb"], sums["n"]
-        own = self.y[i]
+        cross-block distances ``sum_{j in c, j != i} ||Z_a,i - Z_b,j||^2 + ||Z_a,j - Z_b,i||^2``
+        to the other members of each group ``c``, from the group sums."""
         na2, nb2 = float(za[i] @ za[i]), float(zb[i] @ zb[i])
-        # Group statistics without pair i.
-        sa_i, sb_i, qa_i, qb_i, n_i = sa.copy(), sb.copy(), qa.copy(), qb.copy(), nc.copy()
-        sa_i[own] -= za[i]
-        sb_i[own] -= zb[i]
-        qa_i[own] -= na2
-        qb_i[own] -= nb2
-        n_i[own] -= 1
-        cross = (n_i * (na2 + nb2) - 2.0 * (sb_i @ za[i]) - 2.0 * (sa_i @ zb[i]) + qa_i + qb_i)
+        cross = (sums.n * (na2 + nb2) - 2.0 * (sums.sb @ za[i]) - 2.0 * (sums.sa @ zb[i])
+                 + sums.qa + sums.qb)
+        # Pair i's own group counts it among the members: take its own term back out.
+        cross[self.y[i]] -= 2.0 * float(np.sum((za[i] - zb[i]) ** 2))
         fit = -2.0 * (za[i] + zb[i]) if self.v[i] else np.zeros(self.groups)
         return np.asarray(fit + self.alpha * cross)
 
@@ -241,15 +268,7 @@ class Problem:
         """Eq. 21-22 from the full objective: each pair in turn moves to the group of least
         ``J`` given all others (group sums kept current); returns how many moves were made."""
         za, zb = self.projections()
-        sums: dict[str, Any] = {
-            "sa": np.zeros((self.groups, self.groups)), "sb": np.zeros((self.groups,
-                                                                        self.groups)),
-            "qa": np.zeros(self.groups), "qb": np.zeros(self.groups),
-            "n": np.bincount(self.y, minlength=self.groups).astype(np.float64)}
-        np.add.at(sums["sa"], self.y, za)
-        np.add.at(sums["sb"], self.y, zb)
-        np.add.at(sums["qa"], self.y, np.einsum("ij,ij->i", za, za))
-        np.add.at(sums["qb"], self.y, np.einsum("ij,ij->i", zb, zb))
+        sums = self.group_sums(za, zb)
         moves = 0
         for _ in range(sweeps):
             moved = 0
@@ -258,10 +277,7 @@ class Problem:
                 old, new = int(self.y[i]), int(np.argmin(costs))
                 if new == old or costs[new] >= costs[old]:
                     continue
-                for key, value in (("sa", za[i]), ("sb", zb[i]),
-                                   ("qa", za[i] @ za[i]), ("qb", zb[i] @ zb[i]), ("n", 1.0)):
-                    sums[key][old] -= value
-                    sums[key][new] += value
+                sums.move(za[i], zb[i], old, new)
                 self.y[i] = new
                 moved += 1
             moves += moved
