@@ -41,14 +41,13 @@ class SCSM(CrossModalModel):
       the alternation re-runs on it, warm-started: pairs still in the window keep their
       groups, new pairs join the group whose text centroid is nearest (the assignment step of
       the k-means that initialises ``Y``; only the first solve runs k-means, best of 3
-      k-means++ starts: more starts find tighter text clusters that match the classes less,
-      0.260 vs 0.268 image->text offline with 10 starts vs 3). Placing new pairs by their
-      projections instead lets one group absorb most arrivals (0.152 image->text after one
-      pass); re-running k-means at each solve makes pairs flip between the k-means and the
-      SCSM partitions. After each solve the groups are
-      matched to the previous ones (Hungarian assignment on the pairs both solves placed) and
-      ``U``'s columns permuted, so a group keeps its identity and the served space does not
-      jump.
+      k-means++ starts: on the Wikipedia texts, more starts found tighter clusters that match
+      the classes less). Placing new pairs by their projections instead let one group absorb
+      most arrivals, and re-running k-means at each solve made pairs flip between the k-means
+      and the SCSM partitions (both tried while building this; neither is kept as an
+      option). After each solve the groups are matched to the previous ones (Hungarian
+      assignment on the pairs both solves placed) and ``U``'s columns permuted, so a group
+      keeps its identity and the served space does not jump.
     - **Scales**: the cross-modal term grows with the square of the pairs per group and the fit
       with the pairs, so the weights are given per pair: Eq. 14's ``alpha = alpha / n``,
       ``gamma = gamma * n`` (so ``alpha * gamma``, the weight of the within-modality graphs, does
@@ -67,7 +66,8 @@ class SCSM(CrossModalModel):
       a constant feature appended to both (an intercept).
     - **Retrieval**: cosine of the projections after subtracting their mean over the working set
       (``center=True``): uncentred, every projection leans towards the mean group profile and
-      cosines mostly measure that (0.241 vs 0.271 image->text offline).
+      cosines mostly measure that (0.248 vs 0.271 image->text offline, the sweep of
+      ``scripts/scsm_analysis.py`` in ``docs/benchmarks.md``).
     - Metrics: one triplet per arriving pair (its own partner against a buffered pair) scored
       before learning (:func:`~streamxm.models.base.observe_triplet`) once the model serves.
 

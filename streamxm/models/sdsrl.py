@@ -359,19 +359,18 @@ class SDSRL(CrossModalModel):
         self.w_txt = self.map_txt.proj @ self.b
 
     # -- serving -------------------------------------------------------------------------------
-    def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+    def _embed(self, x: NDArray[np.floating], nm: NystroemMap | None, power: float,
+               w: F64) -> NDArray[np.float32]:
         x = np.atleast_2d(x)
-        if self.serve_img is None:
+        if nm is None:
             return np.zeros((len(x), self.q), dtype=np.float32)
-        k = self.serve_img.kernel(power_normalize(x, self.power_img))
-        return np.asarray(k @ self.w_img, dtype=np.float32)
+        return np.asarray(nm.kernel(power_normalize(x, power)) @ w, dtype=np.float32)
+
+    def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        return self._embed(x, self.serve_img, self.power_img, self.w_img)
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        x = np.atleast_2d(x)
-        if self.serve_txt is None:
-            return np.zeros((len(x), self.q), dtype=np.float32)
-        k = self.serve_txt.kernel(power_normalize(x, self.power_txt))
-        return np.asarray(k @ self.w_txt, dtype=np.float32)
+        return self._embed(x, self.serve_txt, self.power_txt, self.w_txt)
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
