@@ -34,7 +34,12 @@ from streamxm.metrics import ApiMetrics
 from streamxm.models import DIRECTIONS
 from streamxm.redis_conn import connect, str_hash, str_set
 from streamxm.service import limits_from, open_store
-from streamxm.serving import ModelServer, SameModalityUnsupported, UnknownModel
+from streamxm.serving import (
+    ModelServer,
+    SameModalityUnsupported,
+    UnknownModel,
+    other_modality,
+)
 
 _bearer = HTTPBearer(auto_error=False)
 Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -174,7 +179,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         model = server.get(name).model
         dim = model.img_dim if body.modality == "image" else model.txt_dim
         vector = matrix([body.vector], "vector", dim)[0]
-        target = body.target or ("text" if body.modality == "image" else "image")
+        target = body.target or other_modality(body.modality)
         try:
             served, hits = server.search(name, body.modality, vector, body.k, target)
         except SameModalityUnsupported as exc:

@@ -137,7 +137,7 @@ def database_split(
     txt = np.vstack([ds.txt_train, ds.txt_test])
     y = np.concatenate([ds.y_train, ds.y_test])
     n_query = round(query_fraction * len(img))
-    runs = []
+    runs, params_used = [], {}
     for seed in seeds:
         order = np.random.default_rng(seed).permutation(len(img))
         query, base = order[:n_query], order[n_query:]
@@ -148,11 +148,12 @@ def database_split(
         maps = retrieval_maps(learner, (img[query], txt[query], y[query]),
                               (img[base], txt[base], y[base]))
         runs.append({"seed": seed, **maps})
+        params_used = learner.model.params()
     keys = [k for k in runs[0] if k.startswith("map_")]
     return {
         "dataset": str(dataset), "model": model, "protocol": protocol,
         "query_fraction": query_fraction, "queries": n_query, "database": len(img) - n_query,
-        "params": Learner(model, img.shape[1], txt.shape[1], params).model.params(),
+        "params": params_used,
         "runs": runs,
         "mean": {k: float(np.mean([r[k] for r in runs])) for k in keys},
         "std": {k: float(np.std([r[k] for r in runs])) for k in keys},

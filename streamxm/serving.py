@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import redis
@@ -34,7 +34,7 @@ from streamxm.models import CrossModalModel, split_name
 from streamxm.redis_conn import str_set, stream_entries
 
 __all__ = ["GalleryChunk", "ModelServer", "SameModalityUnsupported", "ServedModel",
-           "UnknownModel"]
+           "UnknownModel", "other_modality"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ _MERGE_BELOW = 4096  # rows: a trailing chunk smaller than this absorbs the next
 
 class UnknownModel(LookupError):
     """No checkpoint of this model is loaded (yet)."""
+
+
+def other_modality(modality: str) -> Literal["image", "text"]:
+    """``"image"`` <-> ``"text"``: the default search target of a query."""
+    return "text" if modality == "image" else "image"
 
 
 class SameModalityUnsupported(ValueError):
@@ -240,12 +245,11 @@ class ModelServer:
         for one query vector of ``modality``. Same-modality search needs a model whose
         embeddings share one space; others raise :class:`SameModalityUnsupported`."""
         served = self.get(name)
-        target = target or ("text" if modality == "image" else "image")
+        target = target or other_modality(modality)
         if target == modality and not served.model.shared_space:
             raise SameModalityUnsupported(
                 f"model {name!r} embeds images and texts in different spaces: it answers "
-                f"cross-modal search only (target must be "
-                f"{'text' if modality == 'image' else 'image'})")
+                f"cross-modal search only (target must be {other_modality(modality)})")
         if modality == "image":
             query = served.model.embed_images(vector[None, :])[0]
         else:
