@@ -69,6 +69,13 @@ class ReplayBuffer:
     def add(self, pair: Pair) -> int:
         """Store a pair, evicting the oldest when full; return its slot."""
         slot = self.head
+        self.put(slot, pair)
+        self.head = (self.head + 1) % self.capacity
+        self.size = min(self.size + 1, self.capacity)
+        return slot
+
+    def put(self, slot: int, pair: Pair) -> None:
+        """Overwrite the pair at an occupied ``slot`` (a reservoir's replacement step)."""
         self.img[slot] = pair.img
         self.txt[slot] = pair.txt
         self.labels[slot] = -1
@@ -76,9 +83,6 @@ class ReplayBuffer:
         self.label_width = max(self.label_width, len(pair.labels))
         self.img_norm[slot] = _row_norms(pair.img[None, :])[0]
         self.txt_norm[slot] = _row_norms(pair.txt[None, :])[0]
-        self.head = (self.head + 1) % self.capacity
-        self.size = min(self.size + 1, self.capacity)
-        return slot
 
     def order(self) -> NDArray[np.intp]:
         """Slots from the oldest to the newest pair."""

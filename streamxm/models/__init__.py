@@ -1,7 +1,12 @@
-"""Model registry: names used everywhere (CLI, API, metrics, checkpoints), per ``DESIGN.md``."""
+"""Model registry: names used everywhere (CLI, API, metrics, checkpoints), per ``DESIGN.md``.
+
+SAM is imported when first built: it needs PyTorch, whose import costs every other process
+(workers of other models, the CLI) over a second.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from streamxm.models.base import DIRECTIONS, CrossModalModel, LearnStats
@@ -14,24 +19,27 @@ from streamxm.models.scsm import SCSM
 from streamxm.models.sdsrl import SDSRL
 
 __all__ = ["DIRECTIONS", "MODELS", "MODEL_NAMES", "CrossModalModel", "LearnStats", "create_model",
-           "split_name"]
+           "model_class", "split_name"]
 
 MODELS: dict[str, type[CrossModalModel]] = {
     m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA, SDSRL, SCSM)
 }
+
+#: Models whose module is imported on first use: name -> (module, class).
+LAZY_MODELS: dict[str, tuple[str, str]] = {"sam": ("streamxm.models.sam", "SAM")}
 
 #: Variants implemented by a class of their own (the others go to the base class as ``variant``).
 VARIANT_CLASSES: dict[str, type[CrossModalModel]] = {"pairwise:marginal": MarginalMatching}
 
 #: Every name a user may give, variants included.
 MODEL_NAMES = ("cmos", "cmomks", "pairwise", "pairwise:bipartite", "pairwise:marginal", "cca",
-               "sdsrl", "scsm")
+               "sdsrl", "scsm", "sam")
 
 
 def split_name(name: str) -> tuple[str, str | None]:
     """``"pairwise:bipartite"`` -> ``("pairwise", "bipartite")``; unknown names raise."""
     base, _, variant = name.partition(":")
-    if base not in MODELS:
+    if base not in MODELS and base not in LAZY_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     return base, variant or None
 
@@ -40,8 +48,20 @@ def create_model(
     name: str, img_dim: int, txt_dim: int, params: dict[str, Any] | None = None
 ) -> CrossModalModel:
     """Build a model by its name (with an optional ``:variant``)."""
-    base, variant = split_name(name)
+    _, variant = split_name(name)
     kwargs = dict(params or {})
     if variant is not None:
         kwargs["variant"] = variant
-    return VARIANT_CLASSES.get(name, MODELS[base])(img_dim, txt_dim, **kwargs)
+    return model_class(name)(img_dim, txt_dim, **kwargs)
+
+
+def model_class(name: str) -> type[CrossModalModel]:
+    """The class that implements ``name`` (importing it if it is a lazy one)."""
+    base, _ = split_name(name)
+    if name in VARIANT_CLASSES:
+        return VARIANT_CLASSES[name]
+    if base in LAZY_MODELS:
+        module, cls = LAZY_MODELS[base]
+        found: type[CrossModalModel] = getattr(importlib.import_module(module), cls)
+        return found
+    return MODELS[base]

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["ResolveSchedule", "RunningMoments", "append_constant", "power_normalize",
-           "ridge_whitener"]
+__all__ = ["FeatureScaler", "ResolveSchedule", "RunningMoments", "append_constant",
+           "power_normalize", "ridge_whitener"]
 
 Arrays = dict[str, NDArray[Any]]
 
@@ -129,6 +129,51 @@ class RunningMoments:
         self.n = int(arrays[f"{prefix}n"])
         for key in ("sum_x", "sum_y", "sxx", "syy", "sxy"):
             setattr(self, key, np.array(arrays[f"{prefix}{key}"], dtype=np.float64))
+
+
+class FeatureScaler:
+    """Per-feature running mean and variance of a stream; :meth:`transform` standardises.
+
+    Only the diagonal is kept (``d`` numbers, not ``d x d``), so 4096-d inputs cost nothing.
+    Sums are float64; the output is float32. The variance gets a floor of ``1e-6`` times the
+    mean variance (plus ``1e-12``), so a feature constant so far does not divide by zero and a
+    stream's first pairs (variance 0) map to 0 rather than infinity.
+
+    >>> s = FeatureScaler(2)
+    >>> s.add(np.array([[1.0, 5.0], [3.0, 5.0]]))
+    >>> np.round(s.transform(np.array([[2.0, 5.0], [3.0, 5.0]])), 4)
+    array([[0., 0.],
+           [1., 0.]], dtype=float32)
+    """
+
+    def __init__(self, dim: int) -> None:
+        self.n = 0
+        self.sum = np.zeros(dim)
+        self.sum_sq = np.zeros(dim)
+
+    def add(self, x: NDArray[np.floating]) -> None:
+        """Add rows ``x`` (n, dim)."""
+        x = np.atleast_2d(np.asarray(x, dtype=np.float64))
+        self.n += x.shape[0]
+        self.sum += x.sum(axis=0)
+        self.sum_sq += np.einsum("ij,ij->j", x, x)
+
+    def transform(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        n = max(self.n, 1)
+        mean = self.sum / n
+        var = np.maximum(self.sum_sq / n - mean * mean, 0.0)
+        var += 1e-6 * float(var.mean()) + 1e-12
+        z = (np.atleast_2d(np.asarray(x, dtype=np.float64)) - mean) / np.sqrt(var)
+        return z.astype(np.float32)
+
+    def state(self, prefix: str) -> Arrays:
+        return {f"{prefix}sum": self.sum, f"{prefix}sum_sq": self.sum_sq,
+                f"{prefix}n": np.asarray(self.n, dtype=np.int64)}
+
+    def load_state(self, arrays: Arrays, prefix: str) -> None:
+        self.n = int(arrays[f"{prefix}n"])
+        self.sum = np.array(arrays[f"{prefix}sum"], dtype=np.float64)
+        self.sum_sq = np.array(arrays[f"{prefix}sum_sq"], dtype=np.float64)
 
 
 class ResolveSchedule:

@@ -1,0 +1,539 @@
+"""SAM: two towers trained on bi-directional triplets with a scheduled adaptive margin.
+
+Semedo and Magalhaes, "Cross-Modal Subspace Learning with Scheduled Adaptive Margin
+Constraints", ACM MM 2019. The margin arithmetic (Eq. 6-10) is in the module-level functions,
+so it can be checked by hand; :class:`SAM` is the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from torch import Tensor, nn
+
+from streamxm.messages import Pair, make_pair
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.classes import ClassIndex
+from streamxm.models.moments import FeatureScaler, power_normalize
+from streamxm.replay import ReplayBuffer
+
+__all__ = ["SAM", "Tower", "batch_loss", "centroid_margin", "schedule_alpha", "semantic_margin"]
+
+_EMBED_ROWS = 4096  # rows per forward pass when embedding: bounds the hidden activations
+
+
+def schedule_alpha(t: float, k: float, f_a: float, n_e: float) -> float:
+    """Eq. 7: ``alpha(t) = 1 / (1 + exp(-k (t - f_a n_e)))``, the weight of the adaptive margin.
+
+    >>> round(schedule_alpha(40, k=0.1, f_a=0.4, n_e=100), 6)
+    0.5
+    >>> round(schedule_alpha(0, k=0.1, f_a=0.4, n_e=100), 6)
+    0.017986
+    """
+    return 1.0 / (1.0 + math.exp(-k * (t - f_a * n_e)))
+
+
+def semantic_margin(dist_img: Tensor, dist_txt: Tensor, scale_img: float,
+                    scale_txt: float) -> Tensor:
+    """``f_ms`` (Eq. 9): the mean over both modalities of the input-space distance between
+    anchor and negative, each divided by its modality's largest distance (``scale_*``) and
+    clipped to [0, 1].
+
+    >>> semantic_margin(torch.tensor([1.0, 4.0]), torch.tensor([0.5, 0.5]), 2.0, 1.0)
+    tensor([0.5000, 0.7500])
+    """
+    a = (dist_img / max(scale_img, 1e-12)).clamp(0.0, 1.0)
+    b = (dist_txt / max(scale_txt, 1e-12)).clamp(0.0, 1.0)
+    return 0.5 * (a + b)
+
+
+def centroid_margin(cent_img: Tensor, cent_txt: Tensor) -> Tensor:
+    """``f_mc`` (Eq. 10) for every pair of rows: half the sum, over the two modalities, of the
+    cosine distance between the rows' category centroids, the cosine mapped to [0, 1] first
+    (distance ``(1 - cos) / 2``).
+
+    >>> c = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    >>> centroid_margin(c, c)[0]
+    tensor([0.0000, 0.5000, 1.0000])
+    """
+    def cosine_distance(c: Tensor) -> Tensor:
+        u = nn.functional.normalize(c, dim=1)
+        return (1.0 - u @ u.T) / 2.0
+
+    return 0.5 * (cosine_distance(cent_img) + cosine_distance(cent_txt))
+
+
+def batch_loss(s: Tensor, margins: Tensor, negatives: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. 5 over a mini-batch: per anchor, the hinge summed over its negatives, both directions.
+
+    ``s[i, j]`` is the similarity of image ``i`` and text ``j`` (pair ``i``'s partner is text
+    ``i``), ``margins[a, n]`` the margin of anchor ``a`` against negative ``n`` and
+    ``negatives[a, n]`` whether ``n`` is a negative of ``a``. Returns the hinge terms of the
+    image anchors (against texts) and of the text anchors (against images), each (b, b), zero
+    off the negatives; the loss is their sum divided by the batch size (the mean over anchors
+    of the per-anchor sum, PAPER-NOTES: the plain sum diverges at the paper's learning rate).
+    """
+    pos = torch.diagonal(s)[:, None]
+    mask = negatives.to(s.dtype)
+    i2t = torch.relu(margins - pos + s) * mask
+    t2i = torch.relu(margins - pos + s.T) * mask
+    return i2t, t2i
+
+
+class Tower(nn.Module):
+    """``in -> hidden (tanh, dropout) -> out (tanh) -> L2 normalised``.
+
+    The dropout mask is drawn from the caller's generator, so the model's randomness is its own
+    (and checkpointed), not torch's global state.
+    """
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(in_dim, hidden))
+        self.b1 = nn.Parameter(torch.zeros(hidden))
+        self.w2 = nn.Parameter(torch.zeros(hidden, out_dim))
+        self.b2 = nn.Parameter(torch.zeros(out_dim))
+
+    def reset(self, generator: torch.Generator) -> None:
+        """Glorot-uniform weights, zero biases (the Keras defaults the paper's code used)."""
+        with torch.no_grad():
+            for w in (self.w1, self.w2):
+                bound = math.sqrt(6.0 / (w.shape[0] + w.shape[1]))
+                w.uniform_(-bound, bound, generator=generator)
+            self.b1.zero_()
+            self.b2.zero_()
+
+    def forward(self, x: Tensor, dropout: float = 0.0,
+                generator: torch.Generator | None = None) -> Tensor:
+        h = torch.tanh(x @ self.w1 + self.b1)
+        if dropout > 0:
+            keep = torch.rand(h.shape, generator=generator) >= dropout
+            h = h * keep / (1.0 - dropout)
+        return nn.functional.normalize(torch.tanh(h @ self.w2 + self.b2), dim=1)
+
+
+class SAM(CrossModalModel):
+    """Two towers into a shared ``dim``-space, trained with the scheduled adaptive margin.
+
+    From the paper: towers ``in -> 1024 -> dim`` with tanh after each layer, dropout 0.1 on the
+    hidden layer, L2-normalised outputs and cosine similarity; Eq. 5's bi-directional triplet
+    hinge where an anchor's positive is only its own partner and its negatives are the other
+    mini-batch items of a different category; the margin ``f_m = alpha(t) f_am +
+    (1 - alpha(t)) m`` with ``f_am = lam f_ms + (1 - lam) f_mc`` (:func:`schedule_alpha`,
+    :func:`semantic_margin`, :func:`centroid_margin`); SGD with Nesterov momentum 0.9, learning
+    rate 5e-3, decay 1e-6, mini-batches of 200; ``lam = 0.25``, ``f_a = 0.4``, ``k = 0.1``,
+    ``n_e = 100``, ``m = 1``.
+
+    Where the paper is silent (each a parameter, tested):
+
+    - **Loss scale**: the per-anchor sums averaged over the batch's anchors
+      (:func:`batch_loss`); the plain sum diverges at lr 5e-3 (PAPER-NOTES).
+    - **Decay**: Keras's ``decay`` (the paper's framework): ``lr_t = lr / (1 + decay * step)``.
+    - **Inputs**: each feature standardised by the running mean and variance of the pairs seen
+      (:class:`~streamxm.models.moments.FeatureScaler`; offline: of the training set), which
+      beat L2 normalisation and raw histograms (PAPER-NOTES).
+    - **f_ms**: Euclidean distances between the raw input vectors (the "original space"; raw so
+      the normaliser does not move with the standardisation), each modality divided by the
+      largest distance seen (offline: over the training set, from up to 4,096 sampled rows;
+      stream: the running maximum over mini-batches), clipped to [0, 1].
+    - **Centroids**: per class and modality, an exponentially weighted mean (rate
+      ``centroid_rate``) of the projections the training forward passes produce, updated from
+      each mini-batch before its margins are computed (so every labelled item has one). A
+      multi-label item's centroid is the mean of its labels' centroids.
+    - **Negatives**: a labelled anchor's negatives are the labelled items sharing none of its
+      labels (an unlabelled item's relevance to it is unknown, as in the triplet sampler); an
+      unlabelled anchor's are all other items. A triplet with an unlabelled side has no
+      category, so its ``f_am`` is ``f_ms`` alone.
+    - **Clock** (``t`` of Eq. 7, in epochs): it advances by ``rows / epoch`` per mini-batch, where
+      ``epoch`` is the training-set size offline (so ``t`` is the epoch count, continuous within
+      an epoch) and ``epoch_pairs`` on a stream (an epoch-equivalent is ``epoch_pairs`` rows of
+      gradient work); ``n_e`` is in the same unit. The clock is part of the checkpoint.
+    - **Stream**: each arriving pair waits in ``pending``; every ``step_every`` pairs one step is
+      taken on a mini-batch of the pending pairs filled up to ``batch_size`` from a reservoir
+      sample (``replay`` pairs, uniform over the whole stream so far), into which the pending
+      pairs then go. Pairs still pending are in the checkpoint. ``flush`` does not force a step,
+      so when steps happen depends on the pair count only.
+    - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
+      each time, the same step as the stream.
+    - **Weights**: Glorot-uniform, zero biases, drawn when learning starts from a seed taken
+      from the learner's RNG; dropout masks come from the model's own torch generator, whose
+      state is checkpointed (with weights, momentum buffers, clock, centroids and scaler), so a
+      restored model continues exactly as the original would have.
+    - **Metrics**: each step scores the triplets whose anchor is a newly arrived pair with the
+      training forward pass before the update: a mistake is ``s(a, p) - s(a, n) <= 0``, the loss
+      the hinge with the step's margin, ``updates`` the triplets with a positive hinge. Offline,
+      every anchor counts.
+    - float32 throughout the network; the scaler's sums are float64.
+
+    Parameters
+    ----------
+    img_dim, txt_dim
+        Input sizes.
+    dim, hidden, dropout
+        Output size (the shared space), hidden width, dropout rate on the hidden layer.
+    lr, momentum, decay, batch_size
+        Optimiser settings.
+    lam, f_a, k, n_e, margin
+        Margin schedule: Eq. 6-8's ``lambda``, ``f_a``, ``k``, ``n_e``, ``m``.
+    alpha
+        A fixed ``alpha`` instead of the schedule (the paper's ablations: 0 = static margin).
+    epochs
+        Offline passes.
+    epoch_pairs, step_every, replay
+        Streaming: the clock's unit, new pairs per step, reservoir size.
+    centroid_rate
+        Weight of a mini-batch's class means in the centroids.
+    max_classes
+        Classes with a centroid (labels beyond are ignored).
+
+    Examples
+    --------
+    >>> from streamxm.messages import make_pair
+    >>> rng = np.random.default_rng(0)
+    >>> centres = rng.normal(size=(3, 8))
+    >>> pairs = [make_pair(str(i), centres[i % 3] + 0.3 * rng.normal(size=8),
+    ...                    centres[i % 3, :5] + 0.3 * rng.normal(size=5), labels=[i % 3])
+    ...          for i in range(60)]
+    >>> m = SAM(8, 5, dim=16, hidden=32, epochs=30, batch_size=20)
+    >>> m.fit(pairs, rng, LearnStats())
+    >>> zi = m.embed_images(np.stack([p.img for p in pairs[:3]]))
+    >>> zt = m.embed_texts(np.stack([p.txt for p in pairs[:3]]))
+    >>> [int(i) for i in np.argmax(zi @ zt.T, axis=1)]
+    [0, 1, 2]
+    """
+
+    name = "sam"
+    shared_space = True
+    batch_fit = True
+
+    def __init__(
+        self,
+        img_dim: int,
+        txt_dim: int,
+        dim: int = 200,
+        hidden: int = 1024,
+        dropout: float = 0.3,
+        lr: float = 5e-3,
+        momentum: float = 0.9,
+        decay: float = 1e-6,
+        batch_size: int = 200,
+        lam: float = 0.25,
+        f_a: float = 0.4,
+        k: float = 0.1,
+        n_e: float = 100.0,
+        margin: float = 1.0,
+        alpha: float | None = None,
+        epochs: int = 100,
+        epoch_pairs: int = 2000,
+        step_every: int = 2,
+        replay: int = 5000,
+        centroid_rate: float = 0.1,
+        max_classes: int = 1000,
+        power_img: float | None = 0.5,
+        power_txt: float | None = None,
+    ) -> None:
+        super().__init__(img_dim, txt_dim)
+        if dim < 1 or hidden < 1 or batch_size < 2 or epochs < 0 or epoch_pairs < 1:
+            raise ValueError("dim, hidden >= 1, batch_size >= 2, epochs >= 0, epoch_pairs >= 1")
+        if not 0 <= dropout < 1 or lr <= 0 or not 0 <= momentum < 1 or decay < 0:
+            raise ValueError("0 <= dropout < 1, lr > 0, 0 <= momentum < 1, decay >= 0 required")
+        if not 0 <= lam <= 1 or (alpha is not None and not 0 <= alpha <= 1):
+            raise ValueError("lam and alpha must be in [0, 1]")
+        if not 1 <= step_every <= batch_size or replay < batch_size or not 0 < centroid_rate <= 1:
+            raise ValueError("1 <= step_every <= batch_size <= replay, 0 < centroid_rate <= 1")
+        self.dim, self.hidden, self.dropout = int(dim), int(hidden), float(dropout)
+        self.lr, self.momentum, self.decay = float(lr), float(momentum), float(decay)
+        self.batch_size = int(batch_size)
+        self.lam, self.f_a, self.k, self.n_e = float(lam), float(f_a), float(k), float(n_e)
+        self.margin = float(margin)
+        self.alpha = None if alpha is None else float(alpha)
+        self.epochs, self.epoch_pairs = int(epochs), int(epoch_pairs)
+        self.step_every, self.replay = int(step_every), int(replay)
+        self.centroid_rate = float(centroid_rate)
+        self.classes = ClassIndex(max_classes)
+        self.power_img = None if power_img is None else float(power_img)
+        self.power_txt = None if power_txt is None else float(power_txt)
+
+        self.img_tower = Tower(img_dim, self.hidden, self.dim)
+        self.txt_tower = Tower(txt_dim, self.hidden, self.dim)
+        self.optimizer = torch.optim.SGD(self._parameters(), lr=self.lr,
+                                         momentum=self.momentum, nesterov=self.momentum > 0)
+        self.generator = torch.Generator()
+        self.initialised = False
+        self.img_scaler = FeatureScaler(img_dim)
+        self.txt_scaler = FeatureScaler(txt_dim)
+        self.scale_img = self.scale_txt = 0.0  # f_ms normalisers
+        self.cent_img = torch.zeros(0, self.dim)
+        self.cent_txt = torch.zeros(0, self.dim)
+        self.cent_seen = torch.zeros(0, dtype=torch.bool)
+        self.reservoir = ReplayBuffer(self.replay, img_dim, txt_dim)
+        self.reservoir_seen = 0
+        self.pending: list[Pair] = []
+        self.steps = 0
+        self.clock = 0.0  # epochs (offline) or epoch-equivalents (stream) learned
+
+    def params(self) -> dict[str, Any]:
+        return {"dim": self.dim, "hidden": self.hidden, "dropout": self.dropout, "lr": self.lr,
+                "momentum": self.momentum, "decay": self.decay, "batch_size": self.batch_size,
+                "lam": self.lam, "f_a": self.f_a, "k": self.k, "n_e": self.n_e,
+                "margin": self.margin, "alpha": self.alpha, "epochs": self.epochs,
+                "epoch_pairs": self.epoch_pairs, "step_every": self.step_every,
+                "replay": self.replay, "centroid_rate": self.centroid_rate,
+                "max_classes": self.classes.max_classes, "power_img": self.power_img,
+                "power_txt": self.power_txt}
+
+    def _parameters(self) -> list[nn.Parameter]:
+        return [*self.img_tower.parameters(), *self.txt_tower.parameters()]
+
+    def current_alpha(self) -> float:
+        """``alpha(t)`` at the current clock (or the fixed ``alpha``)."""
+        if self.alpha is not None:
+            return self.alpha
+        return schedule_alpha(self.clock, self.k, self.f_a, self.n_e)
+
+    # -- learning ----------------------------------------------------------------------------
+    def _start(self, rng: np.random.Generator) -> None:
+        if self.initialised:
+            return
+        self.generator.manual_seed(int(rng.integers(2**62)))
+        self.img_tower.reset(self.generator)
+        self.txt_tower.reset(self.generator)
+        self.initialised = True
+
+    def _arrive(self, pairs: list[Pair]) -> None:
+        self.img_scaler.add(self._rows(np.stack([p.img for p in pairs]), self.power_img))
+        self.txt_scaler.add(self._rows(np.stack([p.txt for p in pairs]), self.power_txt))
+        for p in pairs:
+            self.classes.columns(p.labels)
+
+    def _keep(self, pair: Pair, rng: np.random.Generator) -> None:
+        """Reservoir sampling (Algorithm R): every pair so far is in it with equal chance."""
+        if self.reservoir.size < self.replay:
+            self.reservoir.add(pair)
+        else:
+            j = int(rng.integers(self.reservoir_seen + 1))
+            if j < self.replay:
+                self.reservoir.put(j, pair)
+        self.reservoir_seen += 1
+
+    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+                  stats: LearnStats) -> None:
+        self._start(rng)
+        self._arrive([pair])
+        self.pending.append(pair)
+        if len(self.pending) < self.step_every:
+            return
+        fresh, self.pending = self.pending, []
+        fill = min(self.batch_size - len(fresh), self.reservoir.size)
+        slots = rng.choice(self.reservoir.size, size=fill, replace=False)
+        img = np.vstack([np.stack([p.img for p in fresh]), self.reservoir.img[slots]])
+        txt = np.vstack([np.stack([p.txt for p in fresh]), self.reservoir.txt[slots]])
+        labels = [p.labels for p in fresh] + self._stored_labels(slots)
+        if len(img) >= 2:
+            new = np.zeros(len(img), dtype=bool)
+            new[: len(fresh)] = True
+            self._observe_scale(img, txt)
+            self.step(img, txt, labels, new, stats, self.epoch_pairs)
+        for p in fresh:
+            self._keep(p, rng)
+
+    def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
+        """``epochs`` passes over ``pairs`` in mini-batches (the paper's training)."""
+        self._start(rng)
+        self._arrive(pairs)
+        img = np.stack([p.img for p in pairs])
+        txt = np.stack([p.txt for p in pairs])
+        labels = [p.labels for p in pairs]
+        sample = rng.choice(len(pairs), size=min(len(pairs), 4096), replace=False)
+        self._observe_scale(img[sample], txt[sample])
+        for _ in range(self.epochs):
+            order = rng.permutation(len(pairs))
+            for at in range(0, len(order), self.batch_size):
+                rows = order[at : at + self.batch_size]
+                if len(rows) < 2:
+                    continue
+                self.step(img[rows], txt[rows], [labels[i] for i in rows],
+                          np.ones(len(rows), dtype=bool), stats, len(pairs))
+        for p in pairs:
+            self._keep(p, rng)
+
+    @staticmethod
+    def _rows(x: NDArray[np.floating], power: float | None) -> NDArray[np.floating]:
+        """Inputs before standardisation: as sent, or power-mapped and L2-normalised."""
+        return x if power is None else power_normalize(x, power)
+
+    def _stored_labels(self, slots: NDArray[np.int_]) -> list[tuple[int, ...]]:
+        return [tuple(int(x) for x in row if x >= 0) for row in self.reservoir.labels[slots]]
+
+    def _observe_scale(self, img: NDArray[np.floating], txt: NDArray[np.floating]) -> None:
+        """Raise the ``f_ms`` normalisers to the largest distance among these rows."""
+        for attr, x in (("scale_img", img), ("scale_txt", txt)):
+            t = torch.as_tensor(np.asarray(x, dtype=np.float32))
+            setattr(self, attr, max(getattr(self, attr), float(torch.cdist(t, t).max())))
+
+    def _category_matrix(self, labels: list[tuple[int, ...]]) -> Tensor:
+        """(b, classes) 0/1: the known classes of each item."""
+        y = torch.zeros(len(labels), len(self.classes))
+        for i, item in enumerate(labels):
+            cols = self.classes.columns(item, arriving=False)
+            y[i, cols] = 1.0
+        return y
+
+    def _update_centroids(self, y: Tensor, zi: Tensor, zt: Tensor) -> None:
+        grow = y.shape[1] - self.cent_img.shape[0]
+        if grow > 0:
+            self.cent_img = torch.cat([self.cent_img, torch.zeros(grow, self.dim)])
+            self.cent_txt = torch.cat([self.cent_txt, torch.zeros(grow, self.dim)])
+            self.cent_seen = torch.cat([self.cent_seen, torch.zeros(grow, dtype=torch.bool)])
+        counts = y.sum(dim=0)
+        present = counts > 0
+        rate = torch.where(self.cent_seen, self.centroid_rate, 1.0)[present, None]
+        for cent, z in ((self.cent_img, zi), (self.cent_txt, zt)):
+            means = (y.T @ z)[present] / counts[present, None]
+            cent[present] = (1.0 - rate) * cent[present] + rate * means
+        self.cent_seen |= present
+
+    def margins(self, img: NDArray[np.floating], txt: NDArray[np.floating], y: Tensor) -> Tensor:
+        """``f_m`` for every (anchor, negative) pair of a mini-batch (``y``: its categories)."""
+        ti = torch.as_tensor(np.asarray(img, dtype=np.float32))
+        tt = torch.as_tensor(np.asarray(txt, dtype=np.float32))
+        f_ms = semantic_margin(torch.cdist(ti, ti), torch.cdist(tt, tt), self.scale_img,
+                               self.scale_txt)
+        alpha = self.current_alpha()
+        labelled = y.sum(dim=1) > 0
+        if bool(labelled.any()) and self.lam < 1:
+            per_item = y / y.sum(dim=1, keepdim=True).clamp(min=1.0)
+            f_mc = centroid_margin(per_item @ self.cent_img, per_item @ self.cent_txt)
+            both = labelled[:, None] & labelled[None, :]
+            f_am = torch.where(both, self.lam * f_ms + (1 - self.lam) * f_mc, f_ms)
+        else:
+            f_am = f_ms
+        return alpha * f_am + (1 - alpha) * self.margin
+
+    def step(self, img: NDArray[np.floating], txt: NDArray[np.floating],
+             labels: list[tuple[int, ...]], new: NDArray[np.bool_], stats: LearnStats,
+             epoch: int) -> float:
+        """One SGD step on a mini-batch; returns its loss. ``new`` marks the anchors whose
+        triplets enter ``stats``; ``epoch`` is the clock's unit in rows."""
+        b = len(img)
+        y = self._category_matrix(labels)
+        labelled = y.sum(dim=1) > 0
+        shared = (y @ y.T) > 0
+        negatives = torch.where(labelled[:, None], labelled[None, :] & ~shared,
+                                torch.ones(b, b, dtype=torch.bool))
+        negatives &= ~torch.eye(b, dtype=torch.bool)
+
+        xi = torch.from_numpy(self.img_scaler.transform(self._rows(img, self.power_img)))
+        xt = torch.from_numpy(self.txt_scaler.transform(self._rows(txt, self.power_txt)))
+        zi = self.img_tower(xi, self.dropout, self.generator)
+        zt = self.txt_tower(xt, self.dropout, self.generator)
+        with torch.no_grad():
+            self._update_centroids(y, zi.detach(), zt.detach())
+            margins = self.margins(img, txt, y)
+        s = zi @ zt.T
+        i2t, t2i = batch_loss(s, margins, negatives)
+        loss = (i2t.sum() + t2i.sum()) / b
+        self._record(s.detach(), i2t.detach(), t2i.detach(), negatives,
+                     torch.from_numpy(np.asarray(new)), stats)
+        self.optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr / (1.0 + self.decay * self.steps)
+        self.optimizer.step()
+        self.steps += 1
+        self.clock += b / epoch
+        return float(loss.detach())
+
+    @staticmethod
+    def _record(s: Tensor, i2t: Tensor, t2i: Tensor, negatives: Tensor, new: Tensor,
+                stats: LearnStats) -> None:
+        pos = torch.diagonal(s)[:, None]
+        rows = negatives & new[:, None]
+        for direction, scores, hinge in (("i2t", s, i2t), ("t2i", s.T, t2i)):
+            stats.triplets[direction] += int(rows.sum())
+            stats.mistakes[direction] += int(((pos - scores <= 0) & rows).sum())
+            stats.loss[direction] += float(hinge[rows].sum())
+            stats.updates[direction] += int(((hinge > 0) & rows).sum())
+
+    # -- serving -------------------------------------------------------------------------------
+    def _embed(self, tower: Tower, scaler: FeatureScaler, power: float | None,
+               x: NDArray[np.floating]) -> NDArray[np.float32]:
+        x = np.atleast_2d(x)
+        if not self.initialised:
+            return np.zeros((len(x), self.dim), dtype=np.float32)
+        out = np.empty((len(x), self.dim), dtype=np.float32)
+        with torch.no_grad():
+            for at in range(0, len(x), _EMBED_ROWS):
+                rows = self._rows(x[at : at + _EMBED_ROWS], power)
+                chunk = torch.from_numpy(scaler.transform(rows))
+                out[at : at + _EMBED_ROWS] = tower(chunk).numpy()
+        return out
+
+    def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        return self._embed(self.img_tower, self.img_scaler, self.power_img, x)
+
+    def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        return self._embed(self.txt_tower, self.txt_scaler, self.power_txt, x)
+
+    # -- state ---------------------------------------------------------------------------------
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"img.{n}", p) for n, p in self.img_tower.named_parameters()] + [
+            (f"txt.{n}", p) for n, p in self.txt_tower.named_parameters()]
+
+    def state(self) -> tuple[Arrays, dict[str, Any]]:
+        arrays: Arrays = {}
+        for name, p in self._named_parameters():
+            arrays[f"w.{name}"] = p.detach().numpy().copy()
+            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                arrays[f"momentum.{name}"] = buf.numpy().copy()
+        arrays.update(self.img_scaler.state("scaler_img."))
+        arrays.update(self.txt_scaler.state("scaler_txt."))
+        arrays["cent_img"] = self.cent_img.numpy().copy()
+        arrays["cent_txt"] = self.cent_txt.numpy().copy()
+        arrays["cent_seen"] = self.cent_seen.numpy().copy()
+        arrays["torch_rng"] = self.generator.get_state().numpy().copy()
+        reservoir_arrays, reservoir_meta = self.reservoir.state()
+        arrays.update({f"reservoir.{k}": v for k, v in reservoir_arrays.items()})
+        pending = ReplayBuffer(max(len(self.pending), 1), self.img_dim, self.txt_dim)
+        for pair in self.pending:
+            pending.add(pair)
+        pending_arrays, _ = pending.state()
+        arrays.update({f"pending.{k}": v for k, v in pending_arrays.items()})
+        meta = {"initialised": self.initialised, "steps": self.steps, "clock": self.clock,
+                "scale_img": self.scale_img, "scale_txt": self.scale_txt,
+                "classes": self.classes.classes, "ignored_labels": self.classes.ignored_labels,
+                "reservoir": reservoir_meta, "reservoir_seen": self.reservoir_seen,
+                "pending": len(self.pending)}
+        return arrays, meta
+
+    def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, p in self._named_parameters():
+                p.copy_(torch.from_numpy(np.asarray(arrays[f"w.{name}"], dtype=np.float32)))
+                if f"momentum.{name}" in arrays:
+                    self.optimizer.state[p]["momentum_buffer"] = torch.from_numpy(
+                        np.array(arrays[f"momentum.{name}"], dtype=np.float32))
+        self.img_scaler.load_state(arrays, "scaler_img.")
+        self.txt_scaler.load_state(arrays, "scaler_txt.")
+        self.cent_img = torch.from_numpy(np.array(arrays["cent_img"], dtype=np.float32))
+        self.cent_txt = torch.from_numpy(np.array(arrays["cent_txt"], dtype=np.float32))
+        self.cent_seen = torch.from_numpy(np.array(arrays["cent_seen"], dtype=np.bool_))
+        self.generator.set_state(torch.from_numpy(np.array(arrays["torch_rng"], dtype=np.uint8)))
+        self.reservoir = ReplayBuffer.from_state(
+            {k[10:]: v for k, v in arrays.items() if k.startswith("reservoir.")},
+            meta["reservoir"])
+        self.reservoir_seen = int(meta["reservoir_seen"])
+        self.pending = [
+            make_pair(f"pending-{i}", arrays["pending.img"][i], arrays["pending.txt"][i],
+                      labels=[int(x) for x in arrays["pending.labels"][i] if x >= 0])
+            for i in range(int(meta["pending"]))]
+        self.initialised = bool(meta["initialised"])
+        self.steps, self.clock = int(meta["steps"]), float(meta["clock"])
+        self.scale_img, self.scale_txt = float(meta["scale_img"]), float(meta["scale_txt"])
+        self.classes.restore(meta["classes"], meta["ignored_labels"])
+        # The learning rate is a function of the step count, set before every step.
