@@ -1,0 +1,280 @@
+"""SAM: the margin on hand-computed cases, the loss against a direct loop over triplets, the
+stream clock, exact checkpoint continuation, serving over HTTP, and the Wikipedia figure."""
+
+import math
+import re
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import redis
+import torch
+
+from streamxm.bench import quality
+from streamxm.checkpoint import Checkpoint, decode_blob, encode_blob
+from streamxm.client import StreamClient
+from streamxm.config import Settings
+from streamxm.learner import Learner
+from streamxm.messages import Pair, make_pair
+from streamxm.models import LearnStats, create_model
+from streamxm.models.sam import (
+    SAM,
+    batch_loss,
+    centroid_margin,
+    schedule_alpha,
+    semantic_margin,
+)
+from streamxm.service import build_worker
+from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
+
+SMALL = {"dim": 8, "hidden": 32, "batch_size": 16, "replay": 64, "step_every": 3,
+         "epoch_pairs": 50}
+
+
+def test_alpha_follows_the_sigmoid_schedule() -> None:
+    # Paper defaults k = 0.1, f_a = 0.4, n_e = 100: the midpoint is epoch 40.
+    assert schedule_alpha(40, 0.1, 0.4, 100) == pytest.approx(0.5)
+    assert schedule_alpha(0, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e ** 4))
+    assert schedule_alpha(100, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e ** -6))
+    assert schedule_alpha(50, 1.0, 0.5, 100) == pytest.approx(0.5)
+
+
+def test_semantic_and_centroid_margins_by_hand() -> None:
+    # f_ms: each modality's distance over its largest distance, clipped, averaged.
+    got = semantic_margin(torch.tensor([[0.0, 3.0], [3.0, 0.0]]),
+                          torch.tensor([[0.0, 1.0], [1.0, 0.0]]), scale_img=6.0, scale_txt=0.5)
+    assert got.tolist() == [[0.0, 0.75], [0.75, 0.0]]  # (3/6 + min(1/0.5, 1)) / 2
+    # f_mc: cosines 1, 0, -1 map to distances 0, 1/2, 1 in each modality; then halved sum.
+    ci = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 0.0]])
+    ct = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, -1.0]])
+    got = centroid_margin(ci, ct)
+    assert got[0, 1].item() == pytest.approx(0.5 * (0.5 + 0.0))
+    assert got[0, 2].item() == pytest.approx(0.5 * (1.0 + 0.5))
+    assert got[1, 2].item() == pytest.approx(0.5 * (0.5 + 0.5))
+    assert torch.allclose(got, got.T) and torch.allclose(torch.diagonal(got), torch.zeros(3), atol=1e-6)
+
+
+def test_scheduled_margin_of_a_batch_by_hand() -> None:
+    m = SAM(2, 2, dim=2, hidden=4, lam=0.25)
+    m.clock = 40.0  # alpha = 1/2
+    m.scale_img, m.scale_txt = 2.0, 4.0
+    m.classes.columns((7,))
+    m.classes.columns((9,))
+    m.cent_img = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # cosine distance 1/2
+    m.cent_txt = torch.tensor([[1.0, 0.0], [-1.0, 0.0]])  # cosine distance 1
+    img = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    txt = np.array([[0.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
+    y = m._category_matrix([(7,), (9,), ()])
+    f = m.margins(img, txt, y)
+    f_ms_01 = 0.5 * (1.0 / 2.0 + 2.0 / 4.0)
+    f_mc_01 = 0.5 * (0.5 + 1.0)
+    assert f[0, 1].item() == pytest.approx(0.5 * (0.25 * f_ms_01 + 0.75 * f_mc_01) + 0.5 * 1.0)
+    # An unlabelled side has no category: f_am = f_ms.
+    f_ms_02 = 0.5 * (1.0 / 2.0 + 1.0)
+    assert f[0, 2].item() == pytest.approx(0.5 * f_ms_02 + 0.5)
+    m.alpha = 0.0  # the static-margin ablation
+    assert torch.allclose(m.margins(img, txt, y), torch.ones(3, 3))
+
+
+def mixed_batch(seed: int, b: int = 9) -> tuple[np.ndarray, np.ndarray, list[tuple[int, ...]]]:
+    rng = np.random.default_rng(seed)
+    labels: list[tuple[int, ...]] = [(int(c),) for c in rng.integers(3, size=b - 3)]
+    labels += [(), (), (0, 2)]  # two unlabelled items and a multi-label one
+    return rng.normal(size=(b, 6)), rng.normal(size=(b, 4)), labels
+
+
+def direct_loss(zi: np.ndarray, zt: np.ndarray, f: np.ndarray,
+                labels: list[tuple[int, ...]]) -> float:
+    """Eq. 5 by loops: every anchor, both directions, every valid negative."""
+    b = len(zi)
+    total = 0.0
+    for a in range(b):
+        for n in range(b):
+            if n == a:
+                continue
+            if labels[a] and (not labels[n] or set(labels[a]) & set(labels[n])):
+                continue  # labelled anchor: negatives are labelled and share no label
+            s_pos = float(zi[a] @ zt[a])
+            total += max(0.0, f[a, n] - s_pos + float(zi[a] @ zt[n]))  # image anchor
+            total += max(0.0, f[a, n] - s_pos + float(zt[a] @ zi[n]))  # text anchor
+    return total / b
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_step_loss_equals_a_direct_loop_over_triplets(seed: int) -> None:
+    img, txt, labels = mixed_batch(seed)
+    m = SAM(6, 4, dim=5, hidden=16, dropout=0.0, lam=0.25)
+    rng = np.random.default_rng(seed)
+    m._start(rng)
+    m._arrive([make_pair(str(i), img[i], txt[i], labels=list(labels[i]))
+               for i in range(len(img))])
+    m._observe_scale(img, txt)
+    m.clock = 35.0
+    zi, zt = m.embed_images(img).astype(np.float64), m.embed_texts(txt).astype(np.float64)
+    stats = LearnStats()
+    loss = m.step(img, txt, labels, np.ones(len(img), dtype=bool), stats, epoch=100)
+    assert m.clock == pytest.approx(35.0 + len(img) / 100)
+    # The centroids the step used are the ones it left (updated before the margins); the
+    # clock it used is the one before the step.
+    m.clock = 35.0
+    f = m.margins(img, txt, m._category_matrix(labels)).numpy().astype(np.float64)
+    assert loss == pytest.approx(direct_loss(zi, zt, f, labels), rel=1e-5)
+    assert stats.loss["i2t"] + stats.loss["t2i"] == pytest.approx(loss * len(img), rel=1e-5)
+
+
+def test_batch_loss_masks_to_the_negatives() -> None:
+    s = torch.tensor([[0.9, 0.1], [0.5, 0.2]])
+    margins = torch.full((2, 2), 0.5)
+    i2t, t2i = batch_loss(s, margins, torch.tensor([[False, True], [False, False]]))
+    assert torch.allclose(i2t, torch.zeros(2, 2))  # 0.5 - 0.9 + 0.1 < 0
+    assert torch.allclose(t2i, torch.tensor([[0.0, 0.1], [0.0, 0.0]]))  # 0.5 - 0.9 + 0.5
+
+
+def test_centroids_are_exponentially_weighted_class_means() -> None:
+    m = SAM(2, 2, dim=2, hidden=4, centroid_rate=0.25)
+    m.classes.columns((1,))
+    m.classes.columns((2,))
+    y = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    m._update_centroids(y, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.ones(2, 2))
+    assert m.cent_img[0].tolist() == [0.5, 0.5]  # first visit: the batch mean
+    assert m.cent_seen.tolist() == [True, False]
+    m._update_centroids(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2))
+    assert m.cent_img[0].tolist() == pytest.approx([0.625, 0.625])  # 0.75 * 0.5 + 0.25 * 1
+
+
+def test_stream_clock_steps_and_reservoir() -> None:
+    m = SAM(6, 5, **SMALL)
+    pairs = class_stream(200, 6, 5, seed=3)
+    rng, stats = np.random.default_rng(0), LearnStats()
+    buf = Learner("cmos", 6, 5).buffer
+    for p in pairs:
+        m.learn_one(p, buf.add(p), buf, rng, stats)
+    assert m.steps == 200 // 3 and len(m.pending) == 200 % 3
+    # Batches grow with the reservoir up to batch_size; the clock counts rows / epoch_pairs.
+    rows = sum(min(3 + min(3 * i, 64), 16) for i in range(m.steps))
+    assert m.clock == pytest.approx(rows / 50)
+    assert m.current_alpha() == pytest.approx(schedule_alpha(rows / 50, 0.1, 0.4, 100))
+    assert m.reservoir.size == 64 and m.reservoir_seen == 198
+    # Anchors of new pairs only: 3 per step, each against the labelled items of other classes.
+    assert 0 < stats.triplets["i2t"] == stats.triplets["t2i"] < m.steps * 3 * 16
+
+
+def test_learning_separates_classes() -> None:
+    pairs = class_stream(300, 12, 6, seed=5, n_classes=3)
+    learner = Learner("sam", 12, 6, SMALL, seed=1)
+    learner.learn(pairs)
+    test = class_stream(60, 12, 6, seed=5, n_classes=3)  # same class centres, new noise
+    zi = learner.model.embed_images(np.stack([p.img for p in test]))
+    zt = learner.model.embed_texts(np.stack([p.txt for p in test]))
+    y = np.array([p.labels[0] for p in test])
+    hits = y[np.argmax(zi @ zt.T, axis=1)] == y
+    assert hits.mean() > 0.8
+    assert learner.stats.mistakes["i2t"] > 0
+
+
+def learner_state(learner: Learner) -> dict[str, np.ndarray]:
+    arrays, _ = learner.state()
+    return arrays
+
+
+def test_checkpoint_round_trip_continues_training_identically() -> None:
+    pairs = class_stream(170, 7, 5, seed=11)
+    original = Learner("sam", 7, 5, SMALL, seed=4)
+    original.learn(pairs[:101])  # 101 = 33 steps + 2 pending pairs
+    assert len(original.model.pending) == 2
+    arrays, meta = original.state()
+    blob = encode_blob(Checkpoint(version=1, arrays=arrays, meta=meta))
+    restored_ckpt = decode_blob(blob)
+    restored = Learner.from_state(restored_ckpt.arrays, restored_ckpt.meta)
+    assert torch.equal(restored.model.generator.get_state(), original.model.generator.get_state())
+    original.learn(pairs[101:])
+    restored.learn(pairs[101:])
+    a, b = learner_state(original), learner_state(restored)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    assert original.stats.as_dict() == restored.stats.as_dict()
+    assert original.model.clock == restored.model.clock
+
+
+def test_checkpoints_hold_plain_arrays_and_torch_load_is_safe() -> None:
+    learner = Learner("sam", 4, 3, SMALL)
+    learner.learn(class_stream(20, 4, 3, seed=0))
+    arrays, _ = learner.state()
+    assert all(not np.asarray(v).dtype.hasobject for v in arrays.values())
+    root = Path(__file__).resolve().parents[1]
+    for path in [*root.glob("streamxm/**/*.py"), *root.glob("api/*.py"),
+                 *root.glob("workers/*.py")]:
+        for call in re.findall(r"torch\.load\(([^)]*)\)", path.read_text()):
+            assert "weights_only=True" in call, path
+
+
+def test_fixed_alpha_and_parameters_validate() -> None:
+    m = create_model("sam", 4, 3, {"alpha": 1.0, "lam": 1.0})
+    assert isinstance(m, SAM) and m.current_alpha() == 1.0
+    with pytest.raises(ValueError):
+        SAM(4, 3, dropout=1.0)
+    with pytest.raises(ValueError):
+        SAM(4, 3, batch_size=300, replay=100)
+
+
+def test_api_serves_sam_and_reembeds_its_gallery_on_swap(r: redis.Redis,
+                                                         settings: Settings) -> None:
+    pairs: list[Pair] = class_stream(240, 12, 6, seed=8)
+    settings = settings.model_copy(update={"checkpoint_every_pairs": 60})
+    stop = threading.Event()
+    worker = build_worker(settings, r, "sam", SMALL)
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    client = StreamClient(r, settings.namespace)
+    try:
+        with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+            client.push_pairs(pairs[:120])
+
+            def serving(n: int) -> dict | None:  # type: ignore[type-arg]
+                models = http.get("/v1/models").json()["models"]
+                info = models[0] if models else None
+                ok = info and info["pairs_seen"] == n and info["gallery_items"] == len(
+                    pairs[:n]) and info["version"] == info["checkpoint_version"]
+                return info if ok else None
+
+            first = wait_for(lambda: serving(120), 60, "SAM after 120 pairs")
+            query = pairs[7]
+
+            def check_search() -> None:
+                reply = http.post("/v1/search", json={
+                    "model": "sam", "modality": "image", "vector": query.img.tolist(), "k": 5})
+                assert reply.status_code == 200, reply.text
+                best = reply.json()["results"][0]
+                text = next(p for p in pairs if p.id == best["id"]).txt
+                sim = http.post("/v1/similarity", json={
+                    "model": "sam", "images": [query.img.tolist()],
+                    "texts": [text.tolist()]}).json()["scores"][0]
+                assert sim == pytest.approx(best["score"], abs=1e-5)
+                # A shared space: image -> image search finds the query itself first.
+                reply = http.post("/v1/search", json={
+                    "model": "sam", "modality": "image", "vector": query.img.tolist(), "k": 5,
+                    "target": "image"})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["results"][0]["id"] == query.id
+                assert reply.json()["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+
+            check_search()
+            client.push_pairs(pairs[120:])
+            second = wait_for(lambda: serving(240), 60, "SAM after 240 pairs")
+            assert second["version"] > first["version"]
+            check_search()  # the gallery was re-embedded by the new version
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+@pytest.mark.skipif(not SHARED_WIKI.exists(), reason="../shared/datasets not present")
+def test_offline_quality_on_wikipedia() -> None:
+    result = quality(SHARED_WIKI, "sam", protocol="offline", seed=0)
+    # docs/benchmarks.md: mean of 3 seeds 0.285 / 0.231; one seed may sit a little lower.
+    assert result["map_i2t"] > 0.275 and result["map_t2i"] > 0.222
+    assert result["map_i2t"] + result["map_t2i"] > 0.5
+
