@@ -53,7 +53,8 @@ def test_semantic_and_centroid_margins_by_hand() -> None:
     assert got[0, 1].item() == pytest.approx(0.5 * (0.5 + 0.0))
     assert got[0, 2].item() == pytest.approx(0.5 * (1.0 + 0.5))
     assert got[1, 2].item() == pytest.approx(0.5 * (0.5 + 0.5))
-    assert torch.allclose(got, got.T) and torch.allclose(torch.diagonal(got), torch.zeros(3), atol=1e-6)
+    assert torch.allclose(got, got.T)
+    assert torch.allclose(torch.diagonal(got), torch.zeros(3), atol=1e-6)
 
 
 def test_scheduled_margin_of_a_batch_by_hand() -> None:
