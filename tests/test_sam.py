@@ -68,7 +68,7 @@ def test_scheduled_margin_of_a_batch_by_hand() -> None:
     img = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
     txt = np.array([[0.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
     y = m._category_matrix([(7,), (9,), ()])
-    f = m.margins(img, txt, y)
+    f = m.margins(*m._distances(img, txt), y)
     f_ms_01 = 0.5 * (1.0 / 2.0 + 2.0 / 4.0)
     f_mc_01 = 0.5 * (0.5 + 1.0)
     assert f[0, 1].item() == pytest.approx(0.5 * (0.25 * f_ms_01 + 0.75 * f_mc_01) + 0.5 * 1.0)
@@ -76,7 +76,7 @@ def test_scheduled_margin_of_a_batch_by_hand() -> None:
     f_ms_02 = 0.5 * (1.0 / 2.0 + 1.0)
     assert f[0, 2].item() == pytest.approx(0.5 * f_ms_02 + 0.5)
     m.alpha = 0.0  # the static-margin ablation
-    assert torch.allclose(m.margins(img, txt, y), torch.ones(3, 3))
+    assert torch.allclose(m.margins(*m._distances(img, txt), y), torch.ones(3, 3))
 
 
 def mixed_batch(seed: int, b: int = 9) -> tuple[np.ndarray, np.ndarray, list[tuple[int, ...]]]:
@@ -111,7 +111,7 @@ def test_step_loss_equals_a_direct_loop_over_triplets(seed: int) -> None:
     m._start(rng)
     m._arrive([make_pair(str(i), img[i], txt[i], labels=list(labels[i]))
                for i in range(len(img))])
-    m._observe_scale(img, txt)
+    m._observe_scale(*m._distances(img, txt))
     m.clock = 35.0
     zi, zt = m.embed_images(img).astype(np.float64), m.embed_texts(txt).astype(np.float64)
     stats = LearnStats()
@@ -120,7 +120,7 @@ def test_step_loss_equals_a_direct_loop_over_triplets(seed: int) -> None:
     # The centroids the step used are the ones it left (updated before the margins); the
     # clock it used is the one before the step.
     m.clock = 35.0
-    f = m.margins(img, txt, m._category_matrix(labels)).numpy().astype(np.float64)
+    f = m.margins(*m._distances(img, txt), m._category_matrix(labels)).numpy().astype(np.float64)
     assert loss == pytest.approx(direct_loss(zi, zt, f, labels), rel=1e-5)
     assert stats.loss["i2t"] + stats.loss["t2i"] == pytest.approx(loss * len(img), rel=1e-5)
 

@@ -348,7 +348,6 @@ class SAM(CrossModalModel):
         if len(img) >= 2:
             new = np.zeros(len(img), dtype=bool)
             new[: len(fresh)] = True
-            self._observe_scale(img, txt)
             self.step(img, txt, labels, new, stats, self.epoch_pairs)
         for p in fresh:
             self._keep(p, rng)
@@ -367,7 +366,7 @@ class SAM(CrossModalModel):
         txt = np.stack([p.txt for p in pairs])
         labels = [p.labels for p in pairs]
         sample = rng.choice(len(pairs), size=min(len(pairs), 4096), replace=False)
-        self._observe_scale(img[sample], txt[sample])
+        self._observe_scale(*self._distances(img[sample], txt[sample]))
         for p in pairs:  # so that a stream can continue from the fitted model
             self._keep(p, rng)
         for epoch in range(self.epochs):
@@ -388,11 +387,17 @@ class SAM(CrossModalModel):
     def _stored_labels(self, slots: NDArray[np.int_]) -> list[tuple[int, ...]]:
         return [tuple(int(x) for x in row if x >= 0) for row in self.reservoir.labels[slots]]
 
-    def _observe_scale(self, img: NDArray[np.floating], txt: NDArray[np.floating]) -> None:
-        """Raise the ``f_ms`` normalisers to the largest distance among these rows."""
-        for attr, x in (("scale_img", img), ("scale_txt", txt)):
-            t = torch.as_tensor(np.asarray(x, dtype=np.float32))
-            setattr(self, attr, max(getattr(self, attr), float(torch.cdist(t, t).max())))
+    @staticmethod
+    def _distances(img: NDArray[np.floating], txt: NDArray[np.floating]) -> tuple[Tensor, Tensor]:
+        """Euclidean distances between the rows, per modality, on the vectors as sent."""
+        ti = torch.as_tensor(np.asarray(img, dtype=np.float32))
+        tt = torch.as_tensor(np.asarray(txt, dtype=np.float32))
+        return torch.cdist(ti, ti), torch.cdist(tt, tt)
+
+    def _observe_scale(self, dist_img: Tensor, dist_txt: Tensor) -> None:
+        """Raise the ``f_ms`` normalisers to the largest of these distances."""
+        self.scale_img = max(self.scale_img, float(dist_img.max()))
+        self.scale_txt = max(self.scale_txt, float(dist_txt.max()))
 
     def _category_matrix(self, labels: list[tuple[int, ...]]) -> Tensor:
         """(b, classes) 0/1: the known classes of each item."""
@@ -416,12 +421,10 @@ class SAM(CrossModalModel):
             cent[present] = (1.0 - rate) * cent[present] + rate * means
         self.cent_seen |= present
 
-    def margins(self, img: NDArray[np.floating], txt: NDArray[np.floating], y: Tensor) -> Tensor:
-        """``f_m`` for every (anchor, negative) pair of a mini-batch (``y``: its categories)."""
-        ti = torch.as_tensor(np.asarray(img, dtype=np.float32))
-        tt = torch.as_tensor(np.asarray(txt, dtype=np.float32))
-        f_ms = semantic_margin(torch.cdist(ti, ti), torch.cdist(tt, tt), self.scale_img,
-                               self.scale_txt)
+    def margins(self, dist_img: Tensor, dist_txt: Tensor, y: Tensor) -> Tensor:
+        """``f_m`` for every (anchor, negative) pair of a mini-batch, from its input-space
+        distances (:meth:`_distances`) and categories ``y``."""
+        f_ms = semantic_margin(dist_img, dist_txt, self.scale_img, self.scale_txt)
         alpha = self.current_alpha()
         labelled = y.sum(dim=1) > 0
         if bool(labelled.any()) and self.lam < 1:
@@ -452,7 +455,9 @@ class SAM(CrossModalModel):
         zt = self.txt_tower(xt, self.dropout, self.generator)
         with torch.no_grad():
             self._update_centroids(y, zi.detach(), zt.detach())
-            margins = self.margins(img, txt, y)
+            distances = self._distances(img, txt)
+            self._observe_scale(*distances)
+            margins = self.margins(*distances, y)
         s = zi @ zt.T
         i2t, t2i = batch_loss(s, margins, negatives)
         loss = (i2t.sum() + t2i.sum()) / b
