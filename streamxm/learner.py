@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.drift import DriftMonitor
 from streamxm.evaluation import average_precision
 from streamxm.messages import Pair
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model
@@ -30,6 +31,9 @@ UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0,
 
 class Learner:
     """A model plus everything needed to keep learning it from a stream.
+
+    Every pair's triplets feed a :class:`~streamxm.drift.DriftMonitor` (ADWIN on the mistake
+    indicator), which counts changes in the mistake rate.
 
     Rolling mAP is test-then-train: every ``eval_every``-th pair, before the model learns from it,
     the pair's image is ranked against the texts of the last ``eval_gallery`` buffered pairs plus
@@ -92,6 +96,7 @@ class Learner:
         self.rolling_ap: dict[str, deque[float]] = {
             d: deque(maxlen=rolling_window) for d in DIRECTIONS
         }
+        self.drift = DriftMonitor()
 
     @property
     def img_dim(self) -> int:
@@ -136,6 +141,8 @@ class Learner:
                 self._evaluate_before_learning(pair)
             slot = self.buffer.add(pair)
             self.model.learn_one(pair, slot, self.buffer, self.rng, self.stats)
+            self.drift.follow(sum(self.stats.mistakes.values()),
+                              sum(self.stats.triplets.values()), self.pairs_seen)
             self.pairs_seen += 1
             self.pairs_unlabelled += not pair.labels
             elapsed = time.perf_counter() - start
@@ -182,6 +189,7 @@ class Learner:
             "pairs_unlabelled": self.pairs_unlabelled,
             "update_seconds": self.update_seconds,
             "update_hist": self.update_hist,
+            "drift": self.drift.state(),
         }
         return arrays, meta
 
@@ -207,4 +215,6 @@ class Learner:
         learner.pairs_unlabelled = int(meta["pairs_unlabelled"])
         learner.update_seconds = float(meta["update_seconds"])
         learner.update_hist = [int(x) for x in meta["update_hist"]]
+        if "drift" in meta:  # checkpoints written before drift detection have none
+            learner.drift = DriftMonitor.from_state(meta["drift"])
         return learner

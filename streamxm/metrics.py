@@ -97,6 +97,9 @@ class StreamCollector(Collector):
                                        "time to test-then-train one pair", labels=["model"])
         gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
                                     labels=["model"])
+        drifts = CounterMetricFamily(
+            "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
+            labels=["model"])
 
         groups: dict[str, int] = {}
         with contextlib.suppress(redis.ResponseError):  # no stream yet
@@ -107,6 +110,7 @@ class StreamCollector(Collector):
             raw = str_hash(self.r.hgetall(self.keys.stats(model)))
             done = _float(raw, "pairs_processed") + _float(raw, "dead_letters")
             processed.add_metric([model], _float(raw, "pairs_processed"))
+            drifts.add_metric([model], _float(raw, "drift_detected"))
             for d in DIRECTIONS:
                 triplets.add_metric([model, d], _float(raw, f"triplets_{d}"))
                 mistakes.add_metric([model, d], _float(raw, f"mistakes_{d}"))
@@ -127,7 +131,7 @@ class StreamCollector(Collector):
                 served_version.add_metric([model], served.version)
                 gallery.add_metric([model], served.gallery_size)
         yield from (processed, triplets, mistakes, rolling, age, ckpt_version, served_version,
-                    lag, pending, update, gallery)
+                    lag, pending, update, gallery, drifts)
 
         dead = CounterMetricFamily("streamxm_dead_letters", "entries dead-lettered, by reason",
                                    labels=["model", "reason"])

@@ -370,7 +370,8 @@ class LearnerWorker:
         rolling = learner.rolling_map()
         fields.update(pairs_processed=str(learner.pairs_seen),
                       pairs_unlabelled=str(learner.pairs_unlabelled),
-                      update_seconds_sum=repr(learner.update_seconds))
+                      update_seconds_sum=repr(learner.update_seconds),
+                      drift_detected=str(learner.drift.detections))
         for d in DIRECTIONS:
             fields[f"triplets_{d}"] = str(learner.stats.triplets[d])
             fields[f"mistakes_{d}"] = str(learner.stats.mistakes[d])
