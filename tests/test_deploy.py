@@ -1,0 +1,259 @@
+"""deploy/: Prometheus' own tools on the config and rules, a real Prometheus scraping a running
+API, the dashboard's queries against the metric names the project exports, and the compose
+file's references."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from streamxm.checkpoint import RedisCheckpointStore
+from streamxm.client import StreamClient
+from streamxm.config import Settings
+from streamxm.keys import Keys
+from streamxm.messages import make_pair
+from streamxm.metrics import ApiMetrics
+from streamxm.service import build_worker
+from streamxm.serving import ModelServer
+from tests.conftest import ApiServer, class_stream, free_port, wait_for
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+RULES = DEPLOY / "prometheus" / "rules.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "streamxm.json"
+
+
+def _install_prometheus() -> str:
+    """Debian's ``prometheus`` package (promtool and the server); returns why it failed."""
+    if shutil.which("apt-get") is None:
+        return "no apt-get on this machine"
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if sudo and shutil.which("sudo") is None:
+        return "not root and no sudo"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
+    for attempt in ([install], [[*sudo, "apt-get", "update", "-q"], install]):
+        try:
+            ok = all(subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode
+                     == 0 for cmd in attempt)
+        except subprocess.TimeoutExpired:
+            ok = False
+        if ok and shutil.which("promtool"):
+            return ""
+    return "`apt-get install prometheus` failed"
+
+
+@pytest.fixture(scope="session")
+def prometheus_bin() -> tuple[str, str]:
+    """Paths of promtool and prometheus, installing Debian's package if they are missing."""
+    if shutil.which("promtool") is None or shutil.which("prometheus") is None:
+        why = _install_prometheus()
+        if why:
+            pytest.skip(f"promtool/prometheus not found and cannot be installed here: {why}")
+    return str(shutil.which("promtool")), str(shutil.which("prometheus"))
+
+
+def promtool(binary: str, *args: str) -> str:
+    result = subprocess.run([binary, *args], capture_output=True, text=True, timeout=120,
+                            cwd=DEPLOY / "prometheus")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def test_promtool_checks_config_rules_and_rule_unit_tests(prometheus_bin: tuple[str, str]) -> None:
+    tool = prometheus_bin[0]
+    assert "SUCCESS" in promtool(tool, "check", "config", "prometheus.yml")
+    assert "SUCCESS: 13 rules found" in promtool(tool, "check", "rules", "rules.yml")
+    assert "SUCCESS" in promtool(tool, "test", "rules", "rules_test.yml")
+
+
+def test_every_rule_has_a_unit_test() -> None:
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    tests = yaml.safe_load((DEPLOY / "prometheus" / "rules_test.yml").read_text())["tests"]
+    tested_alerts = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])}
+    tested_exprs = {t["expr"] for case in tests for t in case.get("promql_expr_test", [])}
+    for rule in rules:
+        if "alert" in rule:
+            assert rule["alert"] in tested_alerts, rule["alert"]
+        else:
+            assert rule["record"] in tested_exprs, rule["record"]
+    # Every alert is also seen firing somewhere, not only silent.
+    firing = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])
+              if t["exp_alerts"]}
+    assert firing == {r["alert"] for r in rules if "alert" in r}
+
+
+_PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
+                 "group_left", "group_right", "inf", "nan"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers left after removing strings,
+    label matchers, ranges and grouping clauses, that are not functions or keywords."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set()
+    for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        rest = expr[match.end():].lstrip()
+        if rest.startswith("(") or match.group().lower() in _PROMQL_WORDS:
+            continue
+        names.add(match.group())
+    return names
+
+
+def test_promql_name_parser() -> None:
+    expr = ('histogram_quantile(0.99, sum by (route, le) (rate(streamxm_x_bucket{a="b{c}"}[5m])))'
+            " / on (model) group_left streamxm_y > bool 2")
+    assert promql_metric_names(expr) == {"streamxm_x_bucket", "streamxm_y"}
+
+
+def exported_names(r: redis.Redis) -> set[str]:
+    """Series names the API's registry produces, by metric type (counters get ``_total``,
+    histograms ``_bucket``/``_sum``/``_count``), whether or not they have samples yet."""
+    server = ModelServer(r, RedisCheckpointStore(r, Keys("names")), "names")
+    registry = ApiMetrics(r, server, Keys("names")).registry
+    names = set()
+    for family in registry.collect():
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        elif family.type == "histogram":
+            names.update(family.name + s for s in ("_bucket", "_sum", "_count"))
+        else:
+            names.add(family.name)
+    return names
+
+
+def test_dashboard_queries_use_only_exported_metric_names(r: redis.Redis) -> None:
+    exported = exported_names(r)
+    assert {"streamxm_mistakes_total", "streamxm_rolling_map", "streamxm_drift_detected_total",
+            "streamxm_request_duration_seconds_bucket"} <= exported
+    recorded = {rule["record"] for g in yaml.safe_load(RULES.read_text())["groups"]
+                for rule in g["rules"] if "record" in rule}
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [a["expr"] for a in dashboard["annotations"]["list"]]
+    used: set[str] = set()
+    for expr in exprs:
+        names = promql_metric_names(expr)
+        assert names, expr
+        unknown = names - exported - recorded
+        assert not unknown, f"{expr!r} reads names nothing exports: {unknown}"
+        used |= names
+    # The rules read exported names too.
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            assert not promql_metric_names(rule["expr"]) - exported - recorded, rule
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for word in ("pairs/s", "mistakes", "mistake rate", "rolling map", "lag", "request rate",
+                 "latency", "checkpoint age", "dead letters", "drift"):
+        assert word in titles, word
+    assert {"streamxm_stream_pending", "streamxm_checkpoint_age_seconds"} <= used
+
+
+def test_compose_file_parses_and_references_existing_files() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"redis", "api", "prometheus", "grafana"} <= set(services)
+    assert any(s.startswith("worker-") for s in services)
+    assert "--appendonly" in services["redis"]["command"]
+    named_volumes = set(compose.get("volumes", {}))
+    for name, service in services.items():
+        assert "image" in service or "build" in service, name
+        if "build" in service:
+            context = (DEPLOY / service["build"]["context"]).resolve()
+            assert context.is_dir(), name
+            assert (context / service["build"]["dockerfile"]).is_file(), name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith((".", "/")):
+                assert (DEPLOY / source).exists(), f"{name}: {source}"
+            else:
+                assert source in named_volumes, f"{name}: {source}"
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY"):
+            for source in line.split()[1:-1]:
+                assert (DEPLOY.parent / source).exists(), source
+    for provisioning in (DEPLOY / "grafana" / "provisioning").rglob("*.yml"):
+        assert yaml.safe_load(provisioning.read_text())["apiVersion"] == 1
+
+
+def test_prometheus_scrapes_learning_metrics_from_the_api(
+        r: redis.Redis, settings: Settings, prometheus_bin: tuple[str, str]) -> None:
+    # The label-to-feature mapping switches halfway: ADWIN sees the mistake rate jump.
+    pairs = class_stream(3000, 16, 8, seed=0)
+    pairs = pairs[:1500] + [make_pair(p.id, p.img, p.txt, labels=[(p.labels[0] + 1) % 4])
+                            for p in pairs[1500:]]
+    stop = threading.Event()
+    worker = build_worker(settings, r, "cmos")
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp, ApiServer(settings) as api, \
+            httpx.Client(timeout=10) as http:
+        config = Path(tmp) / "prometheus.yml"
+        config.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [{"job_name": "streamxm",
+                                "static_configs": [{"targets": [f"127.0.0.1:{api.port}"]}]}],
+        }))
+        proc = subprocess.Popen(
+            [prometheus_bin[1], f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            client = StreamClient(r, settings.namespace)
+            client.push_pairs(pairs[:1500])
+
+            def query(expr: str) -> list[dict]:  # type: ignore[type-arg]
+                try:
+                    reply = http.get(f"{url}/api/v1/query", params={"query": expr}).json()
+                except (httpx.HTTPError, ValueError):  # not up yet
+                    return []
+                return reply["data"]["result"] if reply.get("status") == "success" else []
+
+            def positive(expr: str) -> list[dict] | None:  # type: ignore[type-arg]
+                found = query(expr)
+                return found if found and all(float(s["value"][1]) > 0 for s in found) else None
+
+            mistakes = wait_for(lambda: positive('streamxm_mistakes_total{model="cmos"}'), 90,
+                                "Prometheus to scrape mistakes")
+            assert {s["metric"]["direction"] for s in mistakes} == {"i2t", "t2i"}
+            rolling = wait_for(lambda: positive('streamxm_rolling_map{model="cmos"}'), 60,
+                               "rolling mAP in Prometheus")
+            assert all(0 < float(s["value"][1]) <= 1 for s in rolling)
+            processed = 'streamxm_pairs_processed_total{model="cmos"}'
+            wait_for(lambda: positive(processed + " >= 1500"), 60, "the first half learned")
+            wait_for(lambda: positive(f"count_over_time({processed}[1m]) >= 2"), 30,
+                     "two scrapes of the first half")
+            before = sum(float(s["value"][1]) for s in
+                         query('streamxm_drift_detected_total{model="cmos"}'))
+            client.push_pairs(pairs[1500:])  # the switch
+            wait_for(lambda: positive(processed + " >= 3000"), 120, "the second half learned")
+            drift = wait_for(lambda: positive(
+                f'streamxm_drift_detected_total{{model="cmos"}} > {before}'), 30,
+                "the drift detection in Prometheus")
+            assert drift[0]["metric"]["job"] == "streamxm"
+            # The recording rules evaluate on the scraped series (the counters moved).
+            ratio = wait_for(lambda: positive("model_direction:streamxm_mistake_ratio:rate5m"),
+                             60, "the mistake-ratio recording rule")
+            assert all(0 < float(s["value"][1]) < 1 for s in ratio)
+            rules = http.get(f"{url}/api/v1/rules").json()["data"]["groups"]
+            assert all(rule["health"] == "ok" for g in rules for rule in g["rules"])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            stop.set()
+            thread.join(timeout=30)
