@@ -55,6 +55,23 @@ def _cmd_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_top(args: argparse.Namespace) -> int:
+    from streamxm.config import get_settings
+    from streamxm.top import watch
+
+    settings = get_settings()
+    url = args.url or f"http://{settings.api_host}:{settings.api_port}"
+    token = settings.api_token.get_secret_value() if settings.api_token else None
+    import httpx
+
+    try:
+        watch(url, args.interval, token, frames=1 if args.once else None)
+    except httpx.HTTPError as exc:
+        print(f"streamxm top: cannot read {url}/metrics: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_push(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -167,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default=None)
     api.add_argument("--port", type=int, default=None)
     api.set_defaults(func=_cmd_api)
+
+    top = sub.add_parser("top", help="live health view read from the API's /metrics")
+    top.add_argument("--url", default=None, help="API base URL (default: the settings' host/port)")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(func=_cmd_top)
 
     push = sub.add_parser("push", help="push a dataset's training pairs into the stream")
     push.add_argument("--dataset", required=True, help="benchmark .npz (DESIGN.md)")
