@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from streamxm.models import MODEL_NAMES
@@ -52,6 +53,19 @@ def _cmd_api(args: argparse.Namespace) -> int:
     settings = get_settings()
     uvicorn.run("api.app:create_app", factory=True, host=args.host or settings.api_host,
                 port=args.port or settings.api_port, log_level="info")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from streamxm.report import report
+
+    result = report(args.dataset, [m.strip() for m in args.models.split(",") if m.strip()],
+                    args.out, seed=args.seed, every=args.every,
+                    params=_params(args.param) or None, progress=True)
+    print(Path(args.out) / "summary.md")
+    for run in result["runs"]:
+        print(f"{run['model']}: image->text {run['final']['i2t']:.4f}, "
+              f"text->image {run['final']['t2i']:.4f}")
     return 0
 
 
@@ -184,6 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default=None)
     api.add_argument("--port", type=int, default=None)
     api.set_defaults(func=_cmd_api)
+
+    rep = sub.add_parser("report", help="stream-protocol plots and a summary table for models")
+    rep.add_argument("--dataset", required=True, help="benchmark .npz (DESIGN.md)")
+    rep.add_argument("--models", required=True, help="comma-separated model names")
+    rep.add_argument("--out", required=True, help="directory for the PNGs and the summary")
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--every", type=int, default=256, help="evaluate every N pairs")
+    rep.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    rep.set_defaults(func=_cmd_report)
 
     top = sub.add_parser("top", help="live health view read from the API's /metrics")
     top.add_argument("--url", default=None, help="API base URL (default: the settings' host/port)")
