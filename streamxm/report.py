@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from tqdm import tqdm
 
 from streamxm.bench import evaluate_model
-from streamxm.datasets import PUBLISHED_WIKI, iter_pairs, load_dataset
+from streamxm.datasets import PUBLISHED_WIKI, Dataset, iter_pairs, load_dataset
 from streamxm.evaluation import label_relevance
 from streamxm.learner import Learner
 from streamxm.models import DIRECTIONS
@@ -56,9 +56,8 @@ def interpolated_pr(scores: NDArray[np.floating], relevant: NDArray[np.bool_]) -
     return np.asarray(out.mean(axis=0))
 
 
-def _curves(model: str, dataset: Any, seed: int, every: int, params: dict[str, Any] | None,
+def _curves(model: str, ds: Dataset, seed: int, every: int, params: dict[str, Any] | None,
             progress: bool) -> dict[str, Any]:
-    ds = dataset
     learner = Learner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
     pairs = list(iter_pairs(ds))
     points: list[dict[str, float]] = []
