@@ -35,6 +35,7 @@ from streamxm.models import DIRECTIONS
 from streamxm.redis_conn import connect, str_hash, str_set
 from streamxm.service import limits_from, open_store
 from streamxm.serving import (
+    ModelNotReady,
     ModelServer,
     SameModalityUnsupported,
     UnknownModel,
@@ -52,7 +53,8 @@ def _unprocessable(field: list[str | int], reason: str, message: str) -> HTTPExc
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> FastAPI:
     """Build the app. Without arguments it reads settings from the environment."""
     settings = settings or get_settings()
-    r = client or connect(settings)
+    # Few retries: a query must not hang through a Redis outage; it gets a 503 instead.
+    r = client or connect(settings, retries=2)
     keys = Keys(settings.namespace)
     limits = limits_from(settings)
     server = ModelServer(r, open_store(settings, r), settings.namespace,
@@ -67,6 +69,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         server.stop()
 
     app = FastAPI(title="streamxm", version="0.1.0", lifespan=lifespan,
+                  max_body_size=settings.max_body_bytes,
                   description="Streaming cross-modal retrieval: similarity and top-k search "
                               "from the newest online model.")
     app.state.server = server
@@ -108,13 +111,11 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     @app.middleware("http")
     async def observe(request: Request,
                       call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        route = request.url.path
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse({"detail": f"body larger than {settings.max_body_bytes} bytes"},
-                                status_code=413)
         start = time.perf_counter()
         response = await call_next(request)
+        # The route template, not the raw path: arbitrary paths must not grow the label set.
+        matched = request.scope.get("route")
+        route = getattr(matched, "path", "unmatched")
         metrics.request_seconds.labels(route, request.method).observe(
             time.perf_counter() - start)
         metrics.requests.labels(route, request.method, str(response.status_code)).inc()
@@ -123,6 +124,15 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     @app.exception_handler(UnknownModel)
     async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(ModelNotReady)
+    async def not_ready(request: Request, exc: ModelNotReady) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(redis.RedisError)
+    async def redis_down(request: Request, exc: redis.RedisError) -> JSONResponse:
+        return JSONResponse({"detail": f"stream store unavailable: {type(exc).__name__}"},
+                            status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:

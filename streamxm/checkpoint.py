@@ -3,7 +3,10 @@
 A checkpoint blob is an uncompressed ``.npz`` holding the state arrays and a ``__meta__`` array of
 UTF-8 JSON bytes; it is read back with ``allow_pickle=False``, so a blob from anywhere can at
 worst fail to load. Every version is stored with its SHA-256; a version whose bytes do not match
-(truncated, corrupted) is skipped in favour of the newest good one, with a log line.
+(truncated, corrupted) is skipped in favour of the newest good one, with a log line and a count in
+``sxm:<ns>:ckpt:corrupt`` (exported as ``streamxm_checkpoint_corrupt_total``). A worker that falls
+back replays the stream from the older version's last applied entry (see the worker), so a bad
+blob costs time, not pairs.
 
 Two stores: Redis (default; the write is part of the worker's commit transaction, together with
 the acknowledgements, dead letters and statistics) and a directory (files written to a temporary
@@ -30,6 +33,7 @@ import numpy as np
 import redis
 from numpy.typing import NDArray
 
+from streamxm.faults import pause_point
 from streamxm.keys import Keys
 from streamxm.redis_conn import str_hash, text
 
@@ -112,9 +116,6 @@ def _check_lease(pipe: redis.client.Pipeline, lease: tuple[str, str] | None) -> 
 class CheckpointStore(ABC):
     """Where a model's checkpoints live. ``head`` is cheap: the API polls it."""
 
-    #: Count of checkpoints skipped because their bytes failed the checksum or did not parse.
-    corrupt_skipped: int = 0
-
     def __init__(self, client: redis.Redis, keys: Keys, keep: int = 3) -> None:
         self.r = client
         self.keys = keys
@@ -163,10 +164,16 @@ class CheckpointStore(ABC):
                     return decode_blob(blob)
                 except (ValueError, OSError, KeyError) as exc:
                     problem = f"unreadable ({exc})"
-            type(self).corrupt_skipped += 1
             log.error("checkpoint %s v%d %s; falling back to the previous version",
                       model, version, problem)
+            # Counting is best effort: a Redis hiccup must not hide the good version.
+            with contextlib.suppress(redis.RedisError):
+                self.r.hincrby(self.keys.checkpoint_corrupt, model, 1)
         return None
+
+    def corrupt_count(self, model: str) -> int:
+        """Corrupt versions of ``model`` found so far, by any process of the namespace."""
+        return int(text(self.r.hget(self.keys.checkpoint_corrupt, model) or 0))
 
 
 class RedisCheckpointStore(CheckpointStore):
@@ -196,6 +203,7 @@ class RedisCheckpointStore(CheckpointStore):
             if hook:
                 hook(pipe)
             pipe.publish(self.keys.checkpoint_channel, f"{model} {ckpt.version}")
+            pause_point("checkpoint.before_exec")
             pipe.execute()
 
 
@@ -225,7 +233,11 @@ class DirectoryCheckpointStore(CheckpointStore):
     def _write_atomic(path: Path, data: bytes) -> None:
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            f.write(data)
+            half = len(data) // 2
+            f.write(data[:half])
+            f.flush()
+            pause_point("checkpoint.partial_write")
+            f.write(data[half:])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -253,6 +265,7 @@ class DirectoryCheckpointStore(CheckpointStore):
             if hook:
                 hook(pipe)
             pipe.publish(self.keys.checkpoint_channel, f"{model} {ckpt.version}")
+            pause_point("checkpoint.before_commit")
             pipe.execute()
 
 

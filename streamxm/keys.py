@@ -70,6 +70,11 @@ class Keys:
         """Hash of learning statistics, written with each checkpoint, read by the API."""
         return f"{self.prefix}:stats:{model}"
 
+    @property
+    def checkpoint_corrupt(self) -> str:
+        """Hash: checkpoint versions found corrupt (checksum or parse) per model."""
+        return f"{self.prefix}:ckpt:corrupt"
+
     def checkpoint_head(self, model: str) -> str:
         return f"{self.prefix}:ckpt:{model}:head"
 

@@ -63,6 +63,18 @@ class StreamCollector(Collector):
         self.keys = keys
 
     def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("streamxm_redis_up",
+                               "1 if the API could read stream state from Redis at this scrape")
+        try:
+            # Gathered first: a Redis outage mid-scrape yields redis_up 0, not a failed scrape.
+            families = list(self._collect())
+        except redis.RedisError:
+            families = []
+        up.add_metric([], 1.0 if families else 0.0)
+        yield up
+        yield from families
+
+    def _collect(self) -> Iterator[Metric]:
         ns = self.keys.namespace
         ingested = int(text(self.r.get(self.keys.ingested) or 0))
         m_ingested = CounterMetricFamily(
@@ -132,6 +144,14 @@ class StreamCollector(Collector):
                 gallery.add_metric([model], served.gallery_size)
         yield from (processed, triplets, mistakes, rolling, age, ckpt_version, served_version,
                     lag, pending, update, gallery, drifts)
+
+        corrupt = CounterMetricFamily(
+            "streamxm_checkpoint_corrupt",
+            "checkpoint versions that failed their checksum or did not parse (the previous good "
+            "version was used)", labels=["model"])
+        for model, count in sorted(str_hash(self.r.hgetall(self.keys.checkpoint_corrupt)).items()):
+            corrupt.add_metric([model], int(count))
+        yield corrupt
 
         dead = CounterMetricFamily("streamxm_dead_letters", "entries dead-lettered, by reason",
                                    labels=["model", "reason"])

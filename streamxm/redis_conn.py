@@ -135,16 +135,22 @@ def resolve_url(settings: Settings) -> str:
     return EmbeddedRedis(settings.data_dir / "redis").start()
 
 
-def connect(settings: Settings, url: str | None = None) -> redis.Redis:
-    """A client with retries on connection errors (the server may restart under us)."""
+def connect(settings: Settings, url: str | None = None, retries: int = 20) -> redis.Redis:
+    """A client that retries commands on connection errors (the server may restart under us).
+
+    ``retries=0`` surfaces every connection error instead: the learner worker wants that, since
+    a blocking read retried behind its back may have delivered entries whose reply was lost; it
+    reloads its checkpoint and replays instead (see :mod:`streamxm.worker`). Producers keep the
+    retries, at the price that a push whose reply was lost may be added twice (at least once).
+    """
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
     target = url or resolve_url(settings)
     return redis.Redis.from_url(
         target,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=20),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError] if retries else [],
         health_check_interval=30,
         client_name=f"streamxm-{os.getpid()}",
     )

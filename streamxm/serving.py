@@ -33,7 +33,7 @@ from streamxm.messages import InvalidPair, Limits, decode_pair
 from streamxm.models import CrossModalModel, split_name
 from streamxm.redis_conn import str_set, stream_entries
 
-__all__ = ["GalleryChunk", "ModelServer", "SameModalityUnsupported", "ServedModel",
+__all__ = ["GalleryChunk", "ModelNotReady", "ModelServer", "SameModalityUnsupported", "ServedModel",
            "UnknownModel", "other_modality"]
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,11 @@ _MERGE_BELOW = 4096  # rows: a trailing chunk smaller than this absorbs the next
 
 
 class UnknownModel(LookupError):
-    """No checkpoint of this model is loaded (yet)."""
+    """No learner of this model exists in the namespace."""
+
+
+class ModelNotReady(LookupError):
+    """The model exists (or the server has not looked yet) but no checkpoint is loaded."""
 
 
 def other_modality(modality: str) -> Literal["image", "text"]:
@@ -116,6 +120,11 @@ class ModelServer:
         self.served: dict[str, ServedModel] = {}
         self.last_gallery_id = "0-0"
         self.gallery_skipped = 0
+        self.known: frozenset[str] = frozenset()  # models registered in the namespace
+        self.refreshed = False  # one full refresh done: until then every model is "not ready"
+        # Head version last tried per model: a corrupt newest version (served: the previous
+        # good one) is tried once, not on every refresh.
+        self._attempted: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -127,6 +136,8 @@ class ModelServer:
                     self.refresh()
                 except redis.RedisError as exc:
                     log.warning("refresh failed (will retry): %s", exc)
+                except Exception:  # the thread must outlive any one bad checkpoint
+                    log.exception("refresh failed (will retry)")
                 self._stop.wait(interval)
 
         self._thread = threading.Thread(target=loop, name="streamxm-refresh", daemon=True)
@@ -140,15 +151,19 @@ class ModelServer:
     def refresh(self) -> None:
         """Read new gallery pairs, load new checkpoint versions, re-embed as needed."""
         gallery_changed = self._read_gallery()
-        for name in str_set(self.r.smembers(self.keys.models)):
+        names = str_set(self.r.smembers(self.keys.models))
+        self.known = frozenset(names)
+        for name in names:
             head = self.store.head(name)
             if head is None:
                 continue
             current = self.served.get(name)
-            if current is None or head["version"] != current.version:
+            if head["version"] != self._attempted.get(name):
+                self._attempted[name] = head["version"]
                 self._load(name)
-            elif gallery_changed:
+            elif current is not None and gallery_changed:
                 self._reembed(current)
+        self.refreshed = True
 
     def _read_gallery(self) -> bool:
         changed = False
@@ -226,7 +241,9 @@ class ModelServer:
         split_name(name)  # raises ValueError for names that are no model at all
         served = self.served.get(name)
         if served is None:
-            raise UnknownModel(f"model {name!r} has no checkpoint loaded yet")
+            if name in self.known or not self.refreshed:
+                raise ModelNotReady(f"model {name!r} has no checkpoint loaded yet")
+            raise UnknownModel(f"model {name!r} has no learner in this namespace")
         return served
 
     def similarity(self, name: str, images: NDArray[np.float32], texts: NDArray[np.float32],

@@ -10,8 +10,17 @@ Delivery guarantees (``DESIGN.md``):
   (``XAUTOCLAIM``). This replaces "several workers split the load" for the sequential models.
 - Entries are acknowledged (``XACK``) only in the same Redis transaction that makes the checkpoint
   containing their effect durable (with the Redis store; the directory store renames the file
-  first). The checkpoint records the last applied entry id, so a restarted learner acknowledges
-  without re-applying whatever it had already applied: no pair is lost, none is applied twice.
+  first). The checkpoint records the last applied entry id.
+- A learner that takes the lease (start, restart, takeover, lost connection) loads the newest good
+  checkpoint, claims every pending entry of the group, acknowledges those up to the checkpoint's
+  last applied id (applied; only the acknowledgement was lost) and *replays the stream* from that
+  id up to the group's last delivered id (``XRANGE``) before reading new entries. Replaying from
+  the checkpoint rather than from the pending list also covers a corrupt newest checkpoint (the
+  fallback version's successors were acknowledged already) and a read whose reply was lost. So
+  no pair is lost and none is applied twice, provided the stream is not trimmed below the
+  checkpoint.
+- A lost Redis connection never stops the worker: it drops its in-memory state, backs off
+  (exponentially, up to 5 s) and takes the lease again, which reloads and replays as above.
 - Entries that cannot be decoded or validated go to ``sxm:<ns>:dead`` with their reason, in the
   same commit transaction, and never stop the worker.
 - SIGTERM (``stop`` set) ends with a final checkpoint and releases the lease.
@@ -135,6 +144,7 @@ class LearnerWorker:
         self.leader = False
         self._recovering = False
         self._recovery_cursor = "0-0"
+        self._recovery_end = "0-0"
         self._pending = _Pending()
         self._last_commit = time.monotonic()
         self._schema: tuple[int, int] | None = None
@@ -154,25 +164,53 @@ class LearnerWorker:
     def run(self, stop: threading.Event | None = None, until_idle: bool = False) -> None:
         """Loop until ``stop`` is set (or, with ``until_idle``, until nothing is left to read)."""
         stop = stop or threading.Event()
-        self.setup()
+        backoff = 0.0
+        while not stop.is_set():
+            try:
+                self.setup()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                backoff = self._backoff(stop, backoff, exc)
         log.info("worker %s: model %s, namespace %s", self.consumer, self.model,
                  self.keys.namespace)
         try:
             while not stop.is_set():
-                if not self._hold_lease():
-                    stop.wait(self.lease_ttl_ms / 4000)
+                try:
+                    if not self._hold_lease():
+                        stop.wait(self.lease_ttl_ms / 4000)
+                        continue
+                    was_recovering = self._recovering
+                    read = self.step()
+                    backoff = 0.0
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    self._drop_state()
+                    backoff = self._backoff(stop, backoff, exc)
                     continue
-                was_recovering = self._recovering
-                read = self.step()
                 if until_idle and read == 0 and not was_recovering:
                     break
         finally:
             if self.leader:
-                self.commit()
-                self._release(keys=[self.keys.lease(self.model)], args=[self.consumer])
+                try:
+                    self.commit()
+                    self._release(keys=[self.keys.lease(self.model)], args=[self.consumer])
+                except redis.RedisError as exc:
+                    log.error("worker %s: final checkpoint failed (%s); the next learner "
+                              "replays from the previous one", self.consumer, exc)
                 self.leader = False
             log.info("worker %s stopped at entry %s, version %d", self.consumer, self.last_id,
                      self.version)
+
+    def _backoff(self, stop: threading.Event, previous: float, exc: Exception) -> float:
+        delay = min(5.0, max(0.1, previous * 2))
+        log.warning("worker %s: Redis unavailable (%s); state dropped, retrying in %.1f s",
+                    self.consumer, exc, delay)
+        stop.wait(delay)
+        return delay
+
+    def _drop_state(self) -> None:
+        """Forget everything not in a checkpoint; the next lease reloads and replays."""
+        self.leader, self.learner, self._pending = False, None, _Pending()
+        self._schema = None
 
     def _extend_lease(self) -> bool:
         """Extend the lease if we still hold it (atomically, by script)."""
@@ -184,7 +222,7 @@ class LearnerWorker:
         if self._extend_lease():
             return True
         log.warning("worker %s lost the lease of %s", self.consumer, self.model)
-        self.leader, self.learner, self._pending = False, None, _Pending()
+        self._drop_state()
         return False
 
     @contextmanager
@@ -211,7 +249,9 @@ class LearnerWorker:
         key = self.keys.lease(self.model)
         if self.leader and self._refresh_lease():
             return True
-        if self.r.set(key, self.consumer, nx=True, px=self.lease_ttl_ms):
+        # Our own name in the key: a lease we held before a lost connection, still valid.
+        if (self.r.set(key, self.consumer, nx=True, px=self.lease_ttl_ms)
+                or self._extend_lease()):
             self.leader = True
             self._load()
             return True
@@ -228,9 +268,11 @@ class LearnerWorker:
         self._pending = _Pending()
         self._last_commit = time.monotonic()
         self._claim_orphans()
-        self._recovering, self._recovery_cursor = True, "0-0"
-        log.info("worker %s leads %s from version %d (entry %s)", self.consumer, self.model,
-                 self.version, self.last_id)
+        self._ack_applied()
+        self._recovering, self._recovery_cursor = True, self.last_id
+        self._recovery_end = self._last_delivered()
+        log.info("worker %s leads %s from version %d (entry %s), replaying to %s", self.consumer,
+                 self.model, self.version, self.last_id, self._recovery_end)
 
     def _claim_orphans(self) -> None:
         """Move every pending entry of other consumers to us: we hold the lease, so they are
@@ -244,18 +286,37 @@ class LearnerWorker:
             if cursor == "0-0":
                 break
 
+    def _ack_applied(self) -> None:
+        """Acknowledge pending entries the checkpoint already contains (the ack was lost)."""
+        if self.last_id == "0-0":
+            return
+        while True:
+            rows = self.r.xpending_range(self.keys.pairs, self.group, min="-", max=self.last_id,
+                                         count=1000)
+            if not rows:
+                return
+            self.r.xack(self.keys.pairs, self.group, *[row["message_id"] for row in rows])
+
+    def _last_delivered(self) -> str:
+        for info in self.r.xinfo_groups(self.keys.pairs):
+            if text(info["name"]) == self.group:
+                return text(info["last-delivered-id"])
+        return "0-0"
+
     # -- one read -> learn -> maybe checkpoint cycle ---------------------------------------
     def step(self) -> int:
         """Read one batch (our own pending entries first after a takeover), learn, and commit if
         due. Returns the number of entries read."""
+        entries: list[StreamEntry]
         if self._recovering:
-            reply = self.r.xreadgroup(self.group, self.consumer,
-                                      {self.keys.pairs: self._recovery_cursor},
-                                      count=self.read_batch)
+            # Everything after the checkpoint that the group has delivered: replayed in order.
+            rows: Any = self.r.xrange(self.keys.pairs, min=f"({self._recovery_cursor}",
+                                      max=self._recovery_end, count=self.read_batch)
+            entries = [(text(entry_id), fields) for entry_id, fields in rows]
         else:
             reply = self.r.xreadgroup(self.group, self.consumer, {self.keys.pairs: ">"},
                                       count=self.read_batch, block=self.block_ms)
-        entries = stream_entries(reply)
+            entries = stream_entries(reply)
         if self._recovering:
             if not entries:
                 self._recovering = False
@@ -295,7 +356,7 @@ class LearnerWorker:
             if lost.is_set():
                 log.warning("worker %s lost the lease of %s while learning", self.consumer,
                             self.model)
-                self.leader, self.learner, self._pending = False, None, _Pending()
+                self._drop_state()
                 return
             self._pending.pairs += len(pairs)
 
@@ -354,7 +415,7 @@ class LearnerWorker:
         except (LeaseLost, redis.WatchError):
             log.error("worker %s lost the lease during a commit; dropping its state",
                       self.consumer)
-            self.leader, self.learner, self._pending = False, None, _Pending()
+            self._drop_state()
             return
         self._pending = _Pending()
         self._last_commit = time.monotonic()

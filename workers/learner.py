@@ -23,6 +23,7 @@ def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = N
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    worker = build_worker(settings, connect(settings), model, params=params)
+    # No silent command retries: the worker handles a lost connection itself (reload, replay).
+    worker = build_worker(settings, connect(settings, retries=0), model, params=params)
     worker.run(stop)
     return 0
