@@ -1,0 +1,361 @@
+"""Faults against real processes and real Redis servers: SIGKILLed workers (also in the middle
+of a checkpoint write), a SIGKILLed Redis restarted from its AOF, an API restarted under query
+load, a dead consumer's entries reclaimed by the survivor, corrupt checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from streamxm.checkpoint import RedisCheckpointStore
+from streamxm.client import StreamClient
+from streamxm.config import Settings
+from streamxm.keys import Keys
+from streamxm.learner import Learner
+from streamxm.messages import Pair, decode_pair
+from streamxm.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.service import build_worker, open_store
+from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for, worker_env
+
+IMG, TXT = 32, 16
+# Timing and the drift detector's window are not model state (ADWIN's window is not
+# checkpointed: no pickles); everything else must match bit for bit.
+_NOT_STATE = {"update_seconds", "update_hist", "drift"}
+
+
+def assert_same_learner(got: Learner, want: Learner) -> None:
+    """Every state array bit for bit, and the JSON state apart from timing."""
+    got.flush()
+    want.flush()
+    arrays_g, meta_g = got.state()
+    arrays_w, meta_w = want.state()
+    assert sorted(arrays_g) == sorted(arrays_w)
+    for name in arrays_w:
+        assert np.array_equal(arrays_g[name], arrays_w[name]), name
+    strip = lambda m: {k: v for k, v in m.items() if k not in _NOT_STATE}  # noqa: E731
+    assert strip(meta_g) == strip(meta_w)
+
+
+def reference(pairs: list[Pair]) -> Learner:
+    learner = Learner("cmos", pairs[0].img.shape[0], pairs[0].txt.shape[0], seed=0)
+    learner.learn(pairs)
+    return learner
+
+
+def stats(r: redis.Redis, keys: Keys, model: str = "cmos") -> dict[str, str]:
+    return str_hash(r.hgetall(keys.stats(model)))
+
+
+def processed(r: redis.Redis, keys: Keys) -> int:
+    return int(stats(r, keys).get("pairs_processed", 0))
+
+
+def latest(settings: Settings, r: redis.Redis) -> Learner:
+    ckpt = open_store(settings, r).load_latest("cmos")
+    assert ckpt is not None
+    return Learner.from_state(ckpt.arrays, ckpt.meta)
+
+
+class WorkerProcess:
+    """``streamxm worker`` as a child process; its log is watched for fail points."""
+
+    def __init__(self, env: dict[str, str], model: str = "cmos") -> None:
+        self.proc = subprocess.Popen([*PY, "worker", "--model", model], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self.paused = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if "fail point" in line:
+                self.paused.set()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def push_slowly(client: StreamClient, pairs: list[Pair], chunk: int = 100,
+                pause: float = 0.02) -> threading.Thread:
+    def run() -> None:
+        for start in range(0, len(pairs), chunk):
+            client.push_pairs(pairs[start : start + chunk])
+            time.sleep(pause)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+# (kind, fail points to kill at): the directory store has two windows inside a checkpoint
+# write (half a file on disk; file and head on disk, acknowledgements not yet committed), the
+# Redis store one (transaction built, not sent).
+@pytest.mark.parametrize("kind,fail_points", [
+    ("dir", ["checkpoint.partial_write", "checkpoint.before_commit"]),
+    ("redis", ["checkpoint.before_exec", "checkpoint.before_exec"]),
+])
+def test_sigkill_at_random_points_applies_every_pair_exactly_once(
+        kind: str, fail_points: list[str], r: redis.Redis, settings: Settings,
+        tmp_path: Path) -> None:
+    n = 4000
+    keys = Keys(settings.namespace)
+    pairs = class_stream(n, IMG, TXT, seed=3)
+    ckpt_dir = tmp_path / "ckpt"
+    env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40",
+                     STREAMXM_CHECKPOINT_STORE=kind, STREAMXM_CHECKPOINT_DIR=str(ckpt_dir))
+    producer = push_slowly(StreamClient(r, settings.namespace), pairs)
+    rng = np.random.default_rng(11)
+    thresholds = sorted(int(t) for t in rng.choice(np.arange(200, n - 400), 4, replace=False))
+    # Kills at random stream positions (plus a random delay, so mid-batch) with the two
+    # fail-point kills between them.
+    plan: list[tuple[str, Any]] = [("pairs", thresholds[0]), ("fail", fail_points[0]),
+                                   ("pairs", thresholds[1]), ("pairs", thresholds[2]),
+                                   ("fail", fail_points[1]), ("pairs", thresholds[3])]
+    kills = 0
+    for what, arg in plan:
+        if what == "fail":
+            worker = WorkerProcess({**env, "STREAMXM_FAULT_PAUSE": f"{arg}:30"})
+            wait_for(worker.paused.is_set, 60, f"fail point {arg}")
+            if arg == "checkpoint.partial_write":
+                assert list(ckpt_dir.rglob("*.tmp")), "no half-written checkpoint on disk"
+        else:
+            worker = WorkerProcess(env)
+            wait_for(lambda t=arg: processed(r, keys) >= t, 60, f"{arg} pairs")
+            time.sleep(float(rng.uniform(0, 0.3)))
+        worker.kill()
+        kills += 1
+    producer.join(timeout=120)
+    final = WorkerProcess(env)
+    try:
+        wait_for(lambda: processed(r, keys) == n, 120, "all pairs")
+        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+    finally:
+        assert final.stop() == 0, "".join(final.log[-20:])
+    assert kills >= 6
+    settings_kind = settings.model_copy(update={"checkpoint_store": kind,
+                                                "checkpoint_dir": ckpt_dir})
+    restored = latest(settings_kind, r)
+    assert restored.pairs_seen == n
+    assert_same_learner(restored, reference(pairs))
+
+
+def test_survivor_reclaims_the_pending_entries_of_a_killed_worker(
+        r: redis.Redis, settings: Settings) -> None:
+    n = 2500
+    keys = Keys(settings.namespace)
+    pairs = class_stream(n, IMG, TXT, seed=4)
+    env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="500",
+                     STREAMXM_CHECKPOINT_EVERY_SECONDS="2", STREAMXM_READ_BATCH="40")
+    producer = push_slowly(StreamClient(r, settings.namespace), pairs)
+    workers = {name: WorkerProcess({**env, "STREAMXM_CONSUMER": name}) for name in ("a", "b")}
+    try:
+        leader = wait_for(lambda: r.get(keys.lease("cmos")), 60, "a leader").decode()
+        survivor = "b" if leader == "a" else "a"
+
+        def leader_pending() -> int:
+            summary = r.xpending(keys.pairs, "cmos")
+            return int(dict((c["name"].decode(), c["pending"])  # type: ignore[misc]
+                            for c in summary["consumers"]).get(leader, 0))
+
+        wait_for(lambda: processed(r, keys) > 0 and leader_pending() >= 100, 60,
+                 "the leader to hold unacknowledged entries")
+        workers[leader].kill()
+        orphaned = leader_pending()
+        assert orphaned > 0
+        producer.join(timeout=120)
+        wait_for(lambda: processed(r, keys) == n, 120, "all pairs by the survivor")
+        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+        assert r.get(keys.lease("cmos")) == survivor.encode()
+        assert workers[survivor].proc.poll() is None
+    finally:
+        for w in workers.values():
+            if w.proc.poll() is None:
+                w.stop()
+    assert stats(r, keys)["consumer"] == survivor
+    assert_same_learner(latest(settings, r), reference(pairs))
+
+
+def _stream_pairs(r: redis.Redis, keys: Keys) -> list[Pair]:
+    return [decode_pair(fields) for _, fields in r.xrange(keys.pairs)]  # type: ignore[union-attr]
+
+
+def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
+        tmp_path: Path, namespace: str) -> None:
+    server = EmbeddedRedis(tmp_path / "redis")  # AOF on: appendonly yes, everysec
+    url = server.start()
+    settings = Settings(redis_url=url, namespace=namespace, data_dir=tmp_path / "data",
+                        checkpoint_every_seconds=0.2, block_ms=50, lease_ttl_ms=3000,
+                        _env_file=None)  # type: ignore[call-arg]
+    keys = Keys(namespace)
+    r = connect(settings)
+    n = 3000
+    pairs = class_stream(n, IMG, TXT, seed=5)
+    acknowledged: list[str] = []
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        client = StreamClient(connect(settings), namespace)  # retries with backoff
+        try:
+            for start in range(0, n, 50):
+                part = pairs[start : start + 50]
+                client.push_pairs(part)
+                acknowledged.extend(p.id for p in part)
+                time.sleep(0.01)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    worker = WorkerProcess(worker_env(settings, STREAMXM_LEASE_TTL_MS="3000"))
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        with ApiServer(settings) as api:
+            for mark in (800, 1800):
+                wait_for(lambda m=mark: len(acknowledged) >= m, 60, f"{mark} pushes")
+                pid = int((server.data_dir / "redis.pid").read_text())
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda s=server: not s.is_running(), 10, "redis to die")
+                time.sleep(0.5)  # everyone sees connection errors meanwhile
+                server = EmbeddedRedis(tmp_path / "redis")
+                server.start()
+            producer.join(timeout=120)
+            assert not errors, errors
+            assert len(acknowledged) == n
+            xlen = wait_for(lambda: r.xlen(keys.pairs), 10, "the stream")
+            wait_for(lambda: processed(r, keys) == xlen, 120, "every stream entry learned")
+            wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+            assert worker.proc.poll() is None, "the worker died"
+            # The API reconnected too: it serves the newest version.
+            version = int(stats(r, keys)["version"])
+            wait_for(lambda: httpx.get(f"{api.url}/v1/models").json()["models"][0]["version"]
+                     == version, 30, "the API to serve the newest checkpoint")
+            search = httpx.post(f"{api.url}/v1/search", json={
+                "modality": "image", "vector": pairs[0].img.tolist(), "k": 3})
+            assert search.status_code == 200, search.text
+        stream = _stream_pairs(r, keys)
+        # Every acknowledged pair is in the stream (a retried push may add one twice).
+        assert set(acknowledged) <= {p.id for p in stream}
+        assert worker.stop() == 0
+        assert any("Redis unavailable" in line for line in worker.log)
+        # Learned exactly once per stream entry: the uninterrupted run over the same stream.
+        assert_same_learner(latest(settings, r), reference(stream))
+    finally:
+        if worker.proc.poll() is None:
+            worker.kill()
+        server.stop()
+
+
+def test_api_restarted_under_query_load_is_ready_only_with_a_model(
+        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    keys = Keys(settings.namespace)
+    pairs = class_stream(600, IMG, TXT, seed=6)
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+    r.sadd(keys.models, "cmos")  # a worker registered, no checkpoint yet
+    port = free_port()
+    env = worker_env(settings, STREAMXM_API_PORT=str(port))
+    base = f"http://127.0.0.1:{port}"
+    results: list[tuple[str, int | str]] = []
+    bodies: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=5) as client:
+            while not stop.is_set():
+                for path, body in (("/readyz", None), ("/v1/search", {
+                        "modality": "text", "vector": pairs[1].txt.tolist(), "k": 5})):
+                    try:
+                        resp = (client.get(base + path) if body is None
+                                else client.post(base + path, json=body))
+                        results.append((path, resp.status_code))
+                        if resp.status_code not in (200, 503):
+                            bodies.append(resp.text)
+                    except httpx.TransportError:
+                        results.append((path, "down"))
+                time.sleep(0.005)
+
+    def start_api() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*PY, "api"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    loaders = [threading.Thread(target=load) for _ in range(4)]
+    for t in loaders:
+        t.start()
+    api = start_api()
+    try:
+        # Up but no model: not ready, and queries say why with a 503.
+        wait_for(lambda: ("/readyz", 503) in results, 60, "the API to answer not-ready")
+        assert ("/v1/search", 200) not in results
+        build_worker(settings, r, "cmos").run(until_idle=True)
+        wait_for(lambda: ("/v1/search", 200) in results, 30, "the API to serve the model")
+        api.send_signal(signal.SIGKILL)  # under load
+        api.wait()
+        mark = len(results)
+        wait_for(lambda: ("/v1/search", "down") in results[mark:], 10, "queries to fail")
+        api = start_api()
+        wait_for(lambda: ("/v1/search", 200) in results[mark:], 60, "serving after restart")
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join()
+        api.send_signal(signal.SIGTERM)
+        api.wait(timeout=30)
+    statuses = {status for _, status in results}
+    assert statuses <= {200, 503, "down"}, bodies[:3]
+    # Once ready, every query is served: no 503 after the last restart's first 200.
+    after = results[mark:]
+    first_ok = after.index(("/v1/search", 200))
+    assert all(s == 200 for p, s in after[first_ok:] if p == "/v1/search")
+
+
+def test_corrupt_checkpoint_falls_back_replays_and_counts(
+        r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    keys = Keys(settings.namespace)
+    pairs = class_stream(900, IMG, TXT, seed=7)
+    client = StreamClient(r, settings.namespace)
+    client.push_pairs(pairs[:600])
+    every = settings.model_copy(update={"checkpoint_every_pairs": 150, "read_batch": 50,
+                                        "checkpoint_every_seconds": 60.0})
+    build_worker(every, r, "cmos").run(until_idle=True)
+    store = RedisCheckpointStore(r, keys)
+    head = store.head("cmos")
+    assert head is not None and head["version"] >= 3
+    newest = head["version"]
+    blob = r.get(keys.checkpoint_blob("cmos", newest))
+    assert isinstance(blob, bytes)
+    r.set(keys.checkpoint_blob("cmos", newest), blob[: len(blob) // 2])  # truncated
+    # The API serves the previous good version and counts the bad one.
+    with ApiServer(settings) as api:
+        wait_for(lambda: httpx.get(f"{api.url}/readyz").status_code == 200, 30, "ready")
+        served = httpx.get(f"{api.url}/v1/models").json()["models"][0]["version"]
+        assert served == newest - 1
+        metrics = httpx.get(f"{api.url}/metrics").text
+        assert 'streamxm_checkpoint_corrupt_total{model="cmos"}' in metrics
+    # A worker falls back too, replays what the bad version had covered, and carries on.
+    client.push_pairs(pairs[600:])
+    caplog.set_level(logging.ERROR, logger="streamxm.checkpoint")
+    worker = build_worker(every, r, "cmos")
+    worker.run(until_idle=True)
+    assert any("checksum mismatch" in rec.getMessage() for rec in caplog.records)
+    assert store.corrupt_count("cmos") >= 2  # the API's find and the worker's
+    assert worker.learner is not None
+    assert_same_learner(worker.learner, reference(pairs))
+    assert_same_learner(latest(settings, r), reference(pairs))
+    assert r.xpending(keys.pairs, "cmos")["pending"] == 0
