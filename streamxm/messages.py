@@ -21,6 +21,7 @@ __all__ = [
     "Pair",
     "decode_pair",
     "encode_pair",
+    "field_name",
     "make_pair",
 ]
 
@@ -158,18 +159,34 @@ def _decode_vector(name: str, raw: bytes, dim: int | None, limits: Limits) -> ND
     return _vector(name, arr, limits)
 
 
+def field_name(raw: bytes | str, limit: int = 64) -> str:
+    """A field name fit for a log line or a metric label, whatever bytes it came as."""
+    name = raw if isinstance(raw, str) else raw.decode("utf-8", errors="backslashreplace")
+    return name if len(name) <= limit else name[:limit] + "..."
+
+
 def decode_pair(
     fields: Mapping[bytes, bytes],
     img_dim: int | None = None,
     txt_dim: int | None = None,
     limits: Limits = Limits(),
 ) -> Pair:
-    """Decode and validate raw stream fields; raise :class:`InvalidPair` with the reason."""
+    """Decode and validate raw stream fields; raise :class:`InvalidPair` with the reason.
+
+    Message v1 is closed: a field it does not define is refused (``unknown_field``) rather than
+    ignored, since a misspelt optional field (``label`` for ``labels``) would otherwise turn a
+    labelled pair into an unlabelled one without a word. New fields come with a new ``v``.
+    """
     for name in REQUIRED_FIELDS:
         if name not in fields:
             raise InvalidPair(name.decode(), "missing_field", "required field is missing")
     if fields[b"v"] != MESSAGE_VERSION:
-        raise InvalidPair("v", "bad_version", f"unsupported message version {fields[b'v']!r}")
+        raise InvalidPair("v", "bad_version",
+                          f"unsupported message version {fields[b'v'][:32]!r}")
+    for name in fields:
+        if name not in KNOWN_FIELDS:
+            raise InvalidPair(field_name(name), "unknown_field", "not a field of message v1 "
+                              "(v, id, img, txt, labels, ts)")
     try:
         pair_id = fields[b"id"].decode("utf-8")
     except UnicodeDecodeError:

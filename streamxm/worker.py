@@ -44,13 +44,16 @@ from streamxm.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.client import check_dims, ensure_schema, read_schema
 from streamxm.keys import Keys
 from streamxm.learner import UPDATE_BUCKETS, Learner
-from streamxm.messages import InvalidPair, Limits, Pair, decode_pair
+from streamxm.messages import InvalidPair, Limits, Pair, decode_pair, field_name
 from streamxm.models import DIRECTIONS
 from streamxm.redis_conn import StreamEntry, stream_entries, text
 
 __all__ = ["LearnerWorker", "entry_id_key"]
 
 log = logging.getLogger(__name__)
+
+_DEAD_MAX_FIELDS = 16
+_DEAD_MAX_VALUE = 1 << 20
 
 _REFRESH_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -376,8 +379,16 @@ class LearnerWorker:
             "entry_id": entry_id, "model": self.model, "reason": exc.reason,
             "field": exc.field, "detail": exc.detail, "consumer": self.consumer,
         }
-        for name, value in fields.items():
-            letter[f"orig.{text(name)}"] = value
+        # The original fields ride along for inspection, within bounds: a garbage entry must not
+        # turn into a garbage dead letter of any size.
+        for i, (name, value) in enumerate(fields.items()):
+            if i == _DEAD_MAX_FIELDS:
+                letter["truncated"] = f"{len(fields) - i} more fields dropped"
+                break
+            if len(value) > _DEAD_MAX_VALUE:
+                letter["truncated"] = f"values cut to {_DEAD_MAX_VALUE} bytes"
+                value = value[:_DEAD_MAX_VALUE]
+            letter[f"orig.{field_name(name)}"] = value
         self._pending.dead.append(letter)
 
     # -- commit ------------------------------------------------------------------------------
