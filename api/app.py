@@ -11,20 +11,23 @@ from typing import Annotated, Any
 import numpy as np
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.schemas import (
+    HealthOut,
     Hit,
     ModelInfo,
     ModelsOut,
     PairsIn,
     PairsOut,
+    ReadyOut,
     SearchIn,
     SearchOut,
     SimilarityIn,
     SimilarityOut,
+    error_responses,
 )
 from streamxm.client import StreamClient
 from streamxm.config import Settings, get_settings
@@ -85,12 +88,15 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
             raise HTTPException(401, detail="missing or invalid bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
-    def write_auth(credentials: Creds) -> None:
+    def bearer(credentials: Creds) -> None:
         check_token(credentials)
 
-    def read_auth(credentials: Creds) -> None:
-        if settings.api_token_for_reads:
-            check_token(credentials)
+    # Only routes that do check a token declare the bearer scheme, so the OpenAPI schema tells
+    # clients the truth about which calls need one.
+    write_auth = [Depends(bearer)] if settings.api_token else []
+    read_auth = write_auth if settings.api_token_for_reads else []
+    write_errors = error_responses(413, 503, *([401] if write_auth else []))
+    read_errors = error_responses(400, 404, 413, 503, *([401] if read_auth else []))
 
     def model_name(name: str | None) -> str:
         return name or settings.default_model
@@ -103,7 +109,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         if len(lengths) != 1 or (dim is not None and lengths != {dim}):
             raise _unprocessable([field], "dim_mismatch",
                                  f"every vector must have {dim or 'the same'} values")
-        arr = np.asarray(rows, dtype=np.float32)
+        with np.errstate(over="ignore"):  # overflow to Inf is refused just below
+            arr = np.asarray(rows, dtype=np.float32)
         if not np.isfinite(arr).all():
             raise _unprocessable([field], "non_finite", "contains NaN or Inf")
         return arr
@@ -138,17 +145,20 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/healthz", response_model=HealthOut)
+    def healthz() -> HealthOut:
+        return HealthOut(status="ok")
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_model=ReadyOut,
+             responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}})
     def readyz() -> JSONResponse:
         if server.ready:
             return JSONResponse({"status": "ready", "models": sorted(server.served)})
-        return JSONResponse({"status": "waiting for a model checkpoint"}, status_code=503)
+        return JSONResponse({"status": "waiting for a model checkpoint", "models": []},
+                            status_code=503)
 
-    @app.get("/v1/models", response_model=ModelsOut, dependencies=[Depends(read_auth)])
+    @app.get("/v1/models", response_model=ModelsOut, dependencies=read_auth,
+             responses=error_responses(503, *([401] if read_auth else [])))
     def models() -> ModelsOut:
         out = []
         for name in str_set(r.smembers(keys.models)):
@@ -169,7 +179,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
             ))
         return ModelsOut(models=out)
 
-    @app.post("/v1/similarity", response_model=SimilarityOut, dependencies=[Depends(read_auth)])
+    @app.post("/v1/similarity", response_model=SimilarityOut, dependencies=read_auth,
+              responses=read_errors)
     def similarity(body: SimilarityIn) -> SimilarityOut:
         name = model_name(body.model)
         dims = server.get(name).model
@@ -181,7 +192,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         served, scores = server.similarity(name, images, texts, body.mode == "matrix")
         return SimilarityOut(model=name, version=served.version, scores=scores.tolist())
 
-    @app.post("/v1/search", response_model=SearchOut, dependencies=[Depends(read_auth)])
+    @app.post("/v1/search", response_model=SearchOut, dependencies=read_auth,
+              responses=read_errors)
     def search(body: SearchIn) -> SearchOut:
         name = model_name(body.model)
         if body.k > settings.max_k:
@@ -198,7 +210,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                          results=[Hit(id=i, score=s) for i, s in hits])
 
     @app.post("/v1/pairs", response_model=PairsOut, status_code=202,
-              dependencies=[Depends(write_auth)])
+              dependencies=write_auth, responses=write_errors)
     def pairs(body: PairsIn) -> PairsOut:
         if len(body.pairs) > settings.max_batch:
             raise _unprocessable(["pairs"], "too_large",
@@ -217,7 +229,9 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         metrics.pairs_accepted.inc(len(ids))
         return PairsOut(accepted=len(ids), entry_ids=ids)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}},
+                              "description": "Prometheus text exposition"}})
     def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -78,3 +78,33 @@ class ModelInfo(BaseModel):
 
 class ModelsOut(BaseModel):
     models: list[ModelInfo]
+
+
+class ErrorOut(BaseModel):
+    """Every rejection: a message, or FastAPI's list of ``{loc, msg, type}`` for a 422."""
+
+    detail: str | list[dict[str, Any]] = Field(description="what is wrong with the request")
+
+
+class HealthOut(BaseModel):
+    status: str
+
+
+class ReadyOut(BaseModel):
+    status: str
+    models: list[str] = Field(default_factory=list, description="models being served")
+
+
+_ERRORS = {
+    400: "a value the model cannot take (e.g. a model name that does not exist)",
+    401: "missing or invalid bearer token",
+    404: "the model has no learner in this namespace",
+    413: "request body larger than STREAMXM_MAX_BODY_BYTES",
+    503: "not ready (no checkpoint of the model loaded yet) or the stream store is unavailable; "
+         "retry after the Retry-After header",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the given rejection codes (422 FastAPI documents itself)."""
+    return {code: {"model": ErrorOut, "description": _ERRORS[code]} for code in codes}

@@ -1,0 +1,135 @@
+"""The HTTP API fuzzed against its own OpenAPI schema (schemathesis), over real HTTP, with a
+model loaded and a token required for writes; and the token rules themselves."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import schemathesis
+from hypothesis import HealthCheck, given
+from hypothesis import settings as examples
+from hypothesis.errors import Unsatisfiable
+from pydantic import SecretStr
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from streamxm.client import StreamClient
+from streamxm.config import Settings
+from streamxm.service import build_worker
+from tests.conftest import ApiServer, class_stream, wait_for
+
+TOKEN = "s3cret-token-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def api(r: redis.Redis, settings: Settings) -> Iterator[ApiServer]:
+    """An API serving a CMOS model over a 300-pair gallery; writes need the token."""
+    StreamClient(r, settings.namespace).push_pairs(class_stream(300, 8, 4, seed=1))
+    build_worker(settings, r, "cmos").run(until_idle=True)
+    secured = settings.model_copy(update={"api_token": SecretStr(TOKEN), "max_k": 50,
+                                          "max_batch": 64})
+    with ApiServer(secured) as server:
+        wait_for(lambda: httpx.get(f"{server.url}/readyz").status_code == 200, 30, "ready")
+        yield server
+
+
+def fuzz(operation: Any, mode: GenerationMode, base_url: str, problems: list[str]) -> int:
+    """Run one operation's generated cases; collect every failure. Returns the call count."""
+    calls = 0
+
+    @examples(max_examples=40, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case: Any) -> None:
+        nonlocal calls
+        calls += 1
+        # positive_data_acceptance is left out: a schema-valid vector of the wrong length is
+        # refused (422) because dimensions are fixed per namespace at run time, which no
+        # static schema can say.
+        try:
+            response = case.call_and_validate(base_url=base_url, headers=AUTH,
+                                              excluded_checks=[positive_data_acceptance])
+        except Exception as exc:  # every failure is collected, not just the first
+            problems.append(f"{operation.label} {mode.value}: {exc}"[:2000])
+            return
+        if 400 <= response.status_code < 500 and not response.json().get("detail"):
+            problems.append(f"{operation.label}: {response.status_code} without a message: "
+                            f"{response.text[:200]}")
+
+    with contextlib.suppress(Unsatisfiable):  # nothing to break (GET /healthz, negative)
+        run()
+    return calls
+
+
+def test_no_request_from_the_schema_gets_a_500_and_every_rejection_says_why(
+        api: ApiServer) -> None:
+    schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json")
+    problems: list[str] = []
+    calls = 0
+    for result in schema.get_all_operations():
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            calls += fuzz(result.ok(), mode, api.url, problems)
+    assert calls > 200
+    assert not problems, "\n\n".join(problems[:5])
+
+
+def test_bounds_on_k_batch_and_body(api: ApiServer) -> None:
+    query = {"modality": "image", "vector": [0.1] * 8}
+    too_many = httpx.post(f"{api.url}/v1/search", json={**query, "k": 51})
+    assert too_many.status_code == 422 and "k must be <= 50" in too_many.text
+    batch = httpx.post(f"{api.url}/v1/similarity",
+                       json={"images": [[0.1] * 8] * 65, "texts": [[0.1] * 4] * 65})
+    assert batch.status_code == 422 and "exceed the limit 64" in batch.text
+
+
+def test_bodies_over_the_limit_are_refused_before_they_are_read(
+        r: redis.Redis, settings: Settings) -> None:
+    small = settings.model_copy(update={"max_body_bytes": 4096})
+    with ApiServer(small) as server:
+        body = b'{"modality": "image", "vector": [' + b"0.1," * 5000 + b"0.1]}"
+        declared = httpx.post(f"{server.url}/v1/search", content=body,
+                              headers={"content-type": "application/json"})
+        assert declared.status_code == 413
+
+        def chunks() -> Iterator[bytes]:  # no content-length: counted as it streams in
+            for i in range(0, len(body), 1000):
+                yield body[i : i + 1000]
+
+        streamed = httpx.post(f"{server.url}/v1/search", content=chunks(),
+                              headers={"content-type": "application/json"})
+        assert streamed.status_code == 413
+
+
+def test_tokens_guard_writes_and_optionally_reads_and_are_never_logged(
+        r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    pair = {"id": "x", "img": [0.1] * 8, "txt": [0.2] * 4}
+    caplog.set_level(logging.DEBUG)
+    for reads_too in (False, True):
+        secured = settings.model_copy(update={"api_token": SecretStr(TOKEN),
+                                              "api_token_for_reads": reads_too})
+        with ApiServer(secured) as server:
+            url = server.url
+            assert httpx.post(f"{url}/v1/pairs", json={"pairs": [pair]}).status_code == 401
+            wrong = {"Authorization": f"Bearer {TOKEN[:-1]}x"}
+            denied = httpx.post(f"{url}/v1/pairs", json={"pairs": [pair]}, headers=wrong)
+            assert denied.status_code == 401
+            assert denied.headers["www-authenticate"] == "Bearer"
+            ok = httpx.post(f"{url}/v1/pairs", json={"pairs": [pair]}, headers=AUTH)
+            assert ok.status_code == 202, ok.text
+            read = httpx.get(f"{url}/v1/models")
+            assert read.status_code == (401 if reads_too else 200)
+            assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
+            assert httpx.get(f"{url}/healthz").status_code == 200  # probes stay open
+            schema = httpx.get(f"{url}/openapi.json").json()
+            secured_ops = {path for path, ops in schema["paths"].items()
+                           for op in ops.values() if op.get("security")}
+            assert "/v1/pairs" in secured_ops
+            assert ("/v1/models" in secured_ops) == reads_too
+    assert TOKEN not in caplog.text and TOKEN[:-1] not in caplog.text
