@@ -161,6 +161,16 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_load(args: argparse.Namespace) -> int:
+    from streamxm import load
+
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("command", "bench", "func", "verbose", "json")}
+    result = getattr(load, args.bench.replace("-", "_"))(**options)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def _cmd_redis(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
     from streamxm.redis_conn import EmbeddedRedis
@@ -260,6 +270,43 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_throughput)
+
+    ing = bench_sub.add_parser("ingest", help="pairs/s via the client and POST /v1/pairs beside "
+                               "redis-benchmark's XADD on the same server")
+    ing.add_argument("--img-dim", type=int, default=4096)
+    ing.add_argument("--txt-dim", type=int, default=1000)
+    ing.add_argument("--pairs", type=int, default=2000)
+    ing.add_argument("--http-batch", type=int, default=64, help="pairs per POST")
+    ing.add_argument("--repeats", type=int, default=3)
+    e2e = bench_sub.add_parser("end-to-end", help="pairs/s one worker learns from the stream, "
+                               "beside the in-process learner; lag at a push rate")
+    e2e.add_argument("--model", default="cmos")
+    e2e.add_argument("--img-dim", type=int, default=4096)
+    e2e.add_argument("--txt-dim", type=int, default=1000)
+    e2e.add_argument("--backlog", type=int, default=4000)
+    e2e.add_argument("--rate", type=float, default=None,
+                     help="push rate for the lag phase (default half the learned rate)")
+    e2e.add_argument("--seconds", type=float, default=60.0)
+    e2e.add_argument("--eval-every", type=int, default=10)
+    qry = bench_sub.add_parser("query", help="/v1/search latency under concurrent clients while "
+                               "a worker learns and checkpoints swap in")
+    qry.add_argument("--gallery", type=int, default=100_000)
+    qry.add_argument("--img-dim", type=int, default=512)
+    qry.add_argument("--txt-dim", type=int, default=128)
+    qry.add_argument("--clients", type=int, default=32)
+    qry.add_argument("--seconds", type=float, default=30.0)
+    qry.add_argument("--model", default="cmos")
+    sk = bench_sub.add_parser("soak", help="long push/learn/query run sampling resident memory")
+    sk.add_argument("--minutes", type=float, default=20.0)
+    sk.add_argument("--rate", type=float, default=100.0, help="pairs pushed per second")
+    sk.add_argument("--qps", type=float, default=20.0, help="searches per second")
+    sk.add_argument("--gallery-max", type=int, default=20_000)
+    sk.add_argument("--sample-seconds", type=float, default=60.0)
+    sk.add_argument("--warmup-minutes", type=float, default=5.0)
+    for p in (ing, e2e, qry, sk):
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
+        p.set_defaults(func=_cmd_bench_load)
 
     rd = sub.add_parser("redis", help="the embedded Redis server")
     rd.add_argument("action", choices=["start", "stop", "status"])

@@ -1,0 +1,451 @@
+"""Load benchmarks: ingest, end-to-end learning, query latency under load, and a memory soak.
+
+Every benchmark starts its own stack in a temporary directory (a fresh embedded Redis with AOF,
+``streamxm api`` and ``streamxm worker`` as child processes, exactly as a user runs them) and
+measures its reference in the same run, so figures are ratios on the same noisy machine:
+
+- :func:`ingest`: pairs/s through :class:`~streamxm.client.StreamClient` (pipelined ``XADD``) and
+  through ``POST /v1/pairs``, beside ``redis-benchmark``'s ``XADD`` rate for entries of the same
+  size on the same server.
+- :func:`end_to_end`: pairs/s one worker learns from the stream (a backlog drained), beside the
+  same learner fed in-process; then the lag it keeps while pairs are pushed at a fixed rate.
+- :func:`query`: ``/v1/search`` latency and throughput from concurrent clients over a large
+  gallery, while a worker learns and the API swaps new checkpoints in.
+- :func:`soak`: push, learn and query for a long time, resident memory of worker and API sampled
+  every minute; the slope after warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import redis
+from threadpoolctl import threadpool_limits
+from tqdm import tqdm
+
+from streamxm.client import StreamClient
+from streamxm.config import Settings
+from streamxm.keys import Keys
+from streamxm.learner import Learner
+from streamxm.messages import Pair
+from streamxm.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.throughput import synthetic_pairs
+
+__all__ = ["end_to_end", "ingest", "query", "rss_mb", "soak", "stack"]
+
+NAMESPACE = "load"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process, MiB (Linux ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@dataclass
+class Stack:
+    """A private Redis plus the processes a benchmark starts against it."""
+
+    root: Path
+    redis_server: EmbeddedRedis
+    settings: Settings
+    r: redis.Redis
+    env: dict[str, str]
+    procs: list[subprocess.Popen[bytes]]
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.settings.namespace)
+
+    def spawn(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{args[0]}-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "streamxm", *args],
+                                env={**self.env, **env}, stdout=log, stderr=log)
+        self.procs.append(proc)
+        return proc
+
+    def api(self, **env: str) -> str:
+        port = _free_port()
+        self.spawn("api", STREAMXM_API_PORT=str(port), **env)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    return url
+            time.sleep(0.1)
+        raise RuntimeError("the API did not start; see its log in " + str(self.root))
+
+    def stats(self, model: str = "cmos") -> dict[str, str]:
+        return str_hash(self.r.hgetall(self.keys.stats(model)))
+
+    def processed(self, model: str = "cmos") -> int:
+        return int(self.stats(model).get("pairs_processed", 0))
+
+
+@contextlib.contextmanager
+def stack(**settings: Any) -> Iterator[Stack]:
+    """Fresh Redis (AOF on, as the embedded default) in a temporary directory; children are
+    stopped and everything removed on exit."""
+    root = Path(tempfile.mkdtemp(prefix="sxm-load-"))
+    server = EmbeddedRedis(root / "redis")
+    url = server.start()
+    values: dict[str, Any] = {"redis_url": url, "namespace": NAMESPACE,
+                              "data_dir": root / "data", **settings}
+    cfg = Settings(_env_file=None, **values)  # type: ignore[call-arg]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
+    env.update({f"STREAMXM_{k.upper()}": str(v) for k, v in values.items()},
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    st = Stack(root, server, cfg, connect(cfg), env, [])
+    try:
+        yield st
+    finally:
+        for proc in st.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in st.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def _pair_json(pair: Pair) -> dict[str, Any]:
+    return {"id": pair.id, "img": pair.img.tolist(), "txt": pair.txt.tolist(),
+            "labels": list(pair.labels)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+# -- ingest ---------------------------------------------------------------------------------
+def _redis_benchmark(st: Stack, img_dim: int, txt_dim: int, n: int, pipeline: int) -> float | None:
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        return None
+    # Entries of the same shape and size as message v1 (bytes as printable filler).
+    args = [binary, "-s", str(st.redis_server.socket), "-n", str(n), "-c", "1",
+            "-P", str(pipeline), "-q", "XADD", "sxm:bench:redis-benchmark", "*", "v", "1",
+            "id", "rb-__rand_int__", "img", "x" * (4 * img_dim), "txt", "x" * (4 * txt_dim),
+            "labels", "1"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    st.r.delete("sxm:bench:redis-benchmark")
+    rates = re.findall(r"([\d.]+) requests per second", out)
+    return float(rates[-1]) if rates else None
+
+
+def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000, http_batch: int = 64,
+           chunk: int = 500, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Median pairs/s of client, HTTP and ``redis-benchmark`` XADD, and their ratios."""
+    data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
+    # Bodies encoded up front: the figure is the API's rate, not this process's JSON encoder.
+    bodies = [json.dumps({"pairs": [_pair_json(p) for p in data[i : i + http_batch]]}).encode()
+              for i in range(0, pairs, http_batch)]
+    client_rates, http_rates, rb_rates = [], [], []
+    with stack() as st:
+        url = st.api()
+        client = StreamClient(st.r, NAMESPACE)
+        http = httpx.Client(timeout=120, headers={"content-type": "application/json"})
+        for _ in tqdm(range(repeats), desc="ingest repeats", file=sys.stderr):
+            start = time.perf_counter()
+            client.push_pairs(data, chunk=chunk)
+            client_rates.append(pairs / (time.perf_counter() - start))
+            st.r.delete(st.keys.pairs)
+            start = time.perf_counter()
+            for body in bodies:
+                response = http.post(f"{url}/v1/pairs", content=body)
+                if response.status_code != 202:
+                    raise RuntimeError(f"POST /v1/pairs: {response.status_code} "
+                                       f"{response.text[:200]}")
+            http_rates.append(pairs / (time.perf_counter() - start))
+            st.r.delete(st.keys.pairs)
+            rate = _redis_benchmark(st, img_dim, txt_dim, max(pairs, 5000), chunk)
+            if rate is not None:
+                rb_rates.append(rate)
+        http.close()
+    result: dict[str, Any] = {
+        "benchmark": "ingest", "img_dim": img_dim, "txt_dim": txt_dim, "pairs": pairs,
+        "entry_bytes": 4 * (img_dim + txt_dim), "client_pipeline": chunk,
+        "http_batch": http_batch, "repeats": repeats,
+        "client_pairs_per_s": round(statistics.median(client_rates), 1),
+        "http_pairs_per_s": round(statistics.median(http_rates), 1),
+        "client_runs": [round(x, 1) for x in client_rates],
+        "http_runs": [round(x, 1) for x in http_rates],
+    }
+    if rb_rates:
+        rb = statistics.median(rb_rates)
+        result.update(redis_benchmark_xadd_per_s=round(rb, 1),
+                      redis_benchmark_runs=[round(x, 1) for x in rb_rates],
+                      client_ratio=round(result["client_pairs_per_s"] / rb, 3),
+                      http_ratio=round(result["http_pairs_per_s"] / rb, 3))
+    else:
+        result["redis_benchmark_xadd_per_s"] = None
+        result["note"] = "redis-benchmark not found (Debian: apt-get install redis-tools)"
+    return result
+
+
+# -- end to end -----------------------------------------------------------------------------
+def _in_process_rate(model: str, data: list[Pair], eval_every: int, seed: int) -> float:
+    """The reference: the same learner, options and pairs, fed in-process on one thread."""
+    img_dim, txt_dim = data[0].img.shape[0], data[0].txt.shape[0]
+    with threadpool_limits(limits=1):
+        learner = Learner(model, img_dim, txt_dim, seed=seed, eval_every=eval_every)
+        start = time.perf_counter()
+        for i in range(0, len(data), 256):
+            learner.learn(data[i : i + 256])
+        learner.flush()
+        return len(data) / (time.perf_counter() - start)
+
+
+def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
+               backlog: int = 4000, rate: float | None = None, seconds: float = 60.0,
+               eval_every: int = 10, seed: int = 0) -> dict[str, Any]:
+    """Drain a backlog with one worker (learned pairs/s), then push at ``rate`` (default half
+    the measured rate) for ``seconds`` and sample the lag every 0.25 s."""
+    data = synthetic_pairs(backlog, img_dim, txt_dim, seed=seed)
+    reference = _in_process_rate(model, data, eval_every, seed)
+    with stack(eval_every=eval_every, checkpoint_every_seconds=0.5) as st:
+        client = StreamClient(st.r, NAMESPACE)
+        client.push_pairs(data)
+        st.spawn("worker", "--model", model)
+        samples: list[tuple[float, int]] = []
+        with tqdm(total=backlog, desc="draining the backlog", file=sys.stderr) as bar:
+            while (done := st.processed(model)) < backlog:
+                samples.append((time.perf_counter(), done))
+                bar.update(done - bar.n)
+                time.sleep(0.05)
+        samples.append((time.perf_counter(), backlog))
+        # Rate from the first checkpoint to the last: start-up (imports, first read) excluded.
+        t0, n0 = next((t, n) for t, n in samples if n > 0)
+        if n0 > backlog // 2:
+            raise ValueError(f"the first checkpoint already held {n0} of {backlog} pairs: "
+                             "raise --backlog to measure a rate")
+        learned = (backlog - n0) / (samples[-1][0] - t0)
+        push_rate = rate or round(learned / 2, 1)
+        more = synthetic_pairs(int(push_rate * seconds) + 1, img_dim, txt_dim, seed=seed + 1)
+        lags: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                ingested = int(st.r.get(st.keys.ingested) or 0)
+                lags.append(ingested - st.processed(model))
+                stop.wait(0.25)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        start = time.perf_counter()
+        step = max(1, int(push_rate / 20))  # 20 pushes per second
+        for i in tqdm(range(0, len(more), step), desc=f"pushing at {push_rate}/s",
+                      file=sys.stderr):
+            client.push_pairs(more[i : i + step])
+            wait = start + (i + step) / push_rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        pushed_at = time.perf_counter()
+        total = backlog + len(more)
+        _wait(lambda: st.processed(model) >= total, 600, "the worker to catch up")
+        drain = time.perf_counter() - pushed_at
+        stop.set()
+        sampler.join()
+    return {
+        "benchmark": "end_to_end", "model": model, "img_dim": img_dim, "txt_dim": txt_dim,
+        "eval_every": eval_every, "backlog": backlog,
+        "learned_pairs_per_s": round(learned, 1),
+        "in_process_pairs_per_s": round(reference, 1),
+        "ratio_to_in_process": round(learned / reference, 3),
+        "push_rate": push_rate, "push_seconds": seconds,
+        "lag_p50": _percentile([float(x) for x in lags], 50),
+        "lag_p99": _percentile([float(x) for x in lags], 99), "lag_max": max(lags),
+        "lag_seconds_p99": round(_percentile([float(x) for x in lags], 99) / push_rate, 3),
+        "drain_seconds_after_push": round(drain, 3),
+        "note": "lag = pairs ingested - pairs in the newest checkpoint (checkpoints every 0.5 s)",
+    }
+
+
+# -- query ----------------------------------------------------------------------------------
+async def _load(url: str, bodies: list[bytes], clients: int, seconds: float
+                ) -> tuple[list[float], dict[str, int], set[int]]:
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    versions: set[int] = set()
+    deadline = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits,
+                                 headers={"content-type": "application/json"}) as client:
+
+        async def one(worker: int) -> None:
+            i = worker
+            while time.perf_counter() < deadline:
+                start = time.perf_counter()
+                try:
+                    response = await client.post("/v1/search", content=bodies[i % len(bodies)])
+                    key = str(response.status_code)
+                    if response.status_code == 200:
+                        latencies.append(time.perf_counter() - start)
+                        versions.add(int(response.json()["version"]))
+                except httpx.HTTPError as exc:
+                    key = type(exc).__name__
+                statuses[key] = statuses.get(key, 0) + 1
+                i += clients
+
+        await asyncio.gather(*(one(w) for w in range(clients)))
+    return latencies, statuses, versions
+
+
+def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, clients: int = 32,
+          seconds: float = 30.0, k: int = 10, model: str = "cmos", seed: int = 0
+          ) -> dict[str, Any]:
+    """``/v1/search`` under ``clients`` concurrent connections for ``seconds`` while a worker
+    learns from the stream and its checkpoints are swapped in."""
+    data = synthetic_pairs(gallery, img_dim, txt_dim, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    bodies = [json.dumps({"modality": "image" if j % 2 else "text", "k": k,
+                          "vector": (data[int(rng.integers(gallery))].img if j % 2 else
+                                     data[int(rng.integers(gallery))].txt).tolist()}).encode()
+              for j in range(64)]
+    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0) as st:
+        client = StreamClient(st.r, NAMESPACE)
+        for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
+            client.push_pairs(data[i : i + 5000])
+        st.spawn("worker", "--model", model)
+        url = st.api()
+
+        def served() -> bool:
+            models = httpx.get(f"{url}/v1/models", timeout=10).json()["models"]
+            return bool(models) and models[0]["gallery_items"] >= gallery
+
+        _wait(served, 600, "the API to load a model and the whole gallery")
+        before = st.processed(model)
+        start = time.perf_counter()
+        latencies, statuses, versions = asyncio.run(_load(url, bodies, clients, seconds))
+        elapsed = time.perf_counter() - start
+        learned = st.processed(model) - before
+        api_rss = rss_mb(st.procs[1].pid)
+    ms = [x * 1000 for x in latencies]
+    errors = sum(n for code, n in statuses.items() if code != "200")
+    return {
+        "benchmark": "query", "gallery": gallery, "img_dim": img_dim, "txt_dim": txt_dim,
+        "model": model, "k": k, "clients": clients, "seconds": round(elapsed, 2),
+        "requests": len(ms), "requests_per_s": round(len(ms) / elapsed, 1),
+        "p50_ms": round(_percentile(ms, 50), 2), "p90_ms": round(_percentile(ms, 90), 2),
+        "p99_ms": round(_percentile(ms, 99), 2), "max_ms": round(max(ms), 2) if ms else None,
+        "errors": errors, "statuses": statuses,
+        "model_versions_served": len(versions), "pairs_learned_meanwhile": learned,
+        "api_rss_mb": round(api_rss, 1),
+    }
+
+
+# -- soak -----------------------------------------------------------------------------------
+def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim: int = 512,
+         txt_dim: int = 128, gallery_max: int = 20_000, sample_seconds: float = 60.0,
+         warmup_minutes: float = 5.0, seed: int = 0) -> dict[str, Any]:
+    """Push at ``rate``, query at ``qps``, learn; resident memory sampled every minute.
+
+    The gallery cap is reached after ``gallery_max / rate`` seconds; memory may grow until then
+    by design, so the slope is fitted to the samples after ``warmup_minutes``.
+    """
+    pool = synthetic_pairs(2000, img_dim, txt_dim, seed=seed)
+    stop = threading.Event()
+    counts = {"pushed": 0, "queries": 0, "query_errors": 0}
+    samples: list[dict[str, float]] = []
+    with stack(gallery_max=gallery_max, checkpoint_every_seconds=2.0) as st:
+        worker = st.spawn("worker", "--model", "cmos")
+        client = StreamClient(st.r, NAMESPACE)
+        client.push_pairs(pool[:200])
+        url = st.api()
+        api = st.procs[-1]
+        _wait(lambda: httpx.get(f"{url}/readyz", timeout=5).status_code == 200, 120, "ready")
+
+        def produce() -> None:
+            step, i = max(1, int(rate / 10)), 0
+            start = time.perf_counter()
+            while not stop.is_set():
+                part = [Pair(f"s{i + j}", p.img, p.txt, p.labels) for j, p in
+                        enumerate(pool[i % len(pool) : i % len(pool) + step])]
+                client.push_pairs(part)
+                i += len(part)
+                counts["pushed"] = i
+                stop.wait(max(0.0, start + i / rate - time.perf_counter()))
+
+        def ask() -> None:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                j = 0
+                while not stop.is_set():
+                    p = pool[j % len(pool)]
+                    response = http.post("/v1/search", json={
+                        "modality": "image", "vector": p.img.tolist(), "k": 10})
+                    counts["queries"] += 1
+                    counts["query_errors"] += response.status_code != 200
+                    j += 1
+                    stop.wait(1 / qps)
+
+        threads = [threading.Thread(target=produce, daemon=True),
+                   threading.Thread(target=ask, daemon=True)]
+        for t in threads:
+            t.start()
+        start = time.perf_counter()
+        total = int(minutes * 60 / sample_seconds)
+        for n in tqdm(range(total + 1), desc="soak samples", file=sys.stderr):
+            stop.wait(max(0.0, start + n * sample_seconds - time.perf_counter()))
+            samples.append({"minute": round((time.perf_counter() - start) / 60, 2),
+                            "worker_rss_mb": round(rss_mb(worker.pid), 1),
+                            "api_rss_mb": round(rss_mb(api.pid), 1),
+                            "pairs_learned": st.processed("cmos")})
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        alive = {"worker": worker.poll() is None, "api": api.poll() is None}
+    result: dict[str, Any] = {
+        "benchmark": "soak", "minutes": minutes, "push_rate": rate, "qps": qps,
+        "img_dim": img_dim, "txt_dim": txt_dim, "gallery_max": gallery_max,
+        "warmup_minutes": warmup_minutes, **counts, "alive_at_end": alive, "samples": samples,
+    }
+    late = [s for s in samples if s["minute"] >= warmup_minutes]
+    if len(late) >= 2:
+        x = np.array([s["minute"] for s in late])
+        for proc in ("worker", "api"):
+            y = np.array([s[f"{proc}_rss_mb"] for s in late])
+            slope = float(np.polyfit(x, y, 1)[0])
+            result[f"{proc}_slope_mb_per_min"] = round(slope, 3)
+            result[f"{proc}_growth_pct_per_hour"] = round(100 * slope * 60 / y.mean(), 2)
+    return result
