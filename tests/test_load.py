@@ -1,0 +1,31 @@
+"""The load benchmarks run end to end on a tiny scale and report what they claim (no timing is
+asserted: figures live in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from streamxm import load
+
+
+def test_ingest_reports_client_http_and_redis_benchmark_rates() -> None:
+    result = load.ingest(img_dim=16, txt_dim=8, pairs=300, http_batch=50, repeats=1)
+    assert result["client_pairs_per_s"] > 0 and result["http_pairs_per_s"] > 0
+    assert result["entry_bytes"] == 4 * (16 + 8)
+    if shutil.which("redis-benchmark"):
+        assert result["redis_benchmark_xadd_per_s"] > 0
+        assert result["client_ratio"] > 0
+    else:
+        assert "redis-tools" in result["note"]
+
+
+def test_query_serves_every_request_while_the_worker_learns() -> None:
+    result = load.query(gallery=3000, img_dim=16, txt_dim=8, clients=4, seconds=2.0)
+    assert result["requests"] > 0 and result["errors"] == 0, result["statuses"]
+    assert result["model_versions_served"] >= 1
+    assert result["p50_ms"] <= result["p99_ms"] <= result["max_ms"]
+
+
+def test_rss_of_this_process() -> None:
+    assert load.rss_mb(os.getpid()) > 1
