@@ -95,7 +95,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     # clients the truth about which calls need one.
     write_auth = [Depends(bearer)] if settings.api_token else []
     read_auth = write_auth if settings.api_token_for_reads else []
-    write_errors = error_responses(413, 503, *([401] if write_auth else []))
+    write_errors = error_responses(400, 413, 503, *([401] if write_auth else []))
     read_errors = error_responses(400, 404, 413, 503, *([401] if read_auth else []))
 
     def model_name(name: str | None) -> str:
