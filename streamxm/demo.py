@@ -21,6 +21,7 @@ from streamxm.config import Settings
 from streamxm.datasets import PUBLISHED_WIKI, bundled_wiki_path, iter_pairs, load_dataset
 from streamxm.evaluation import label_relevance, mean_average_precision
 from streamxm.redis_conn import EmbeddedRedis, connect
+from streamxm.waiting import wait_for
 
 __all__ = ["run_demo", "served_scores"]
 
@@ -41,19 +42,6 @@ def _process(args: list[str], env: dict[str, str], log_path: Path) -> Iterator[
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _wait(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def served_scores(http: httpx.Client, model: str, imgs: np.ndarray[Any, Any],
@@ -106,8 +94,8 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
               _process([*py, "api", "--host", "127.0.0.1", "--port", str(port)], env,
                        log_dir / "api.log") as api,
               httpx.Client(base_url=base, timeout=60) as http):
-            _wait(lambda: api.poll() is None and http.get("/healthz").status_code == 200,
-                  60, "the API to start")
+            wait_for(lambda: api.poll() is None and http.get("/healthz").status_code == 200,
+                     60, "the API to start", interval=0.1, tolerate=(httpx.HTTPError,))
             client = StreamClient(r, namespace)
             train = list(iter_pairs(ds, limit=n))
             start = time.monotonic()
@@ -146,7 +134,8 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
                     done = info.get("pairs_seen") == n
                     return info if done and info["version"] == info["checkpoint_version"] else None
 
-                info = _wait(caught_up, timeout, "the worker to learn every pair", interval=0.25)
+                info = wait_for(caught_up, timeout, "the worker to learn every pair",
+                                interval=0.25, tolerate=(httpx.HTTPError,))
             learn_seconds = time.monotonic() - start
             scores, version = served_scores(http, model, ds.img_test, ds.txt_test)
     finally:

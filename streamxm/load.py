@@ -24,14 +24,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,16 +48,11 @@ from streamxm.learner import Learner
 from streamxm.messages import Pair
 from streamxm.redis_conn import EmbeddedRedis, connect, str_hash
 from streamxm.throughput import synthetic_pairs
+from streamxm.waiting import free_port, wait_for
 
 __all__ = ["end_to_end", "ingest", "query", "rss_mb", "soak", "stack"]
 
 NAMESPACE = "load"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mb(pid: int) -> float:
@@ -92,16 +86,12 @@ class Stack:
         return proc
 
     def api(self, **env: str) -> str:
-        port = _free_port()
+        port = free_port()
         self.spawn("api", STREAMXM_API_PORT=str(port), **env)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    return url
-            time.sleep(0.1)
-        raise RuntimeError("the API did not start; see its log in " + str(self.root))
+        wait_for(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 60,
+                 f"the API to start (its log is in {self.root})", tolerate=(httpx.TransportError,))
+        return url
 
     def stats(self, model: str = "cmos") -> dict[str, str]:
         return str_hash(self.r.hgetall(self.keys.stats(model)))
@@ -137,15 +127,6 @@ def stack(**settings: Any) -> Iterator[Stack]:
                 proc.kill()
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def _pair_json(pair: Pair) -> dict[str, Any]:
@@ -283,7 +264,7 @@ def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
                 time.sleep(wait)
         pushed_at = time.perf_counter()
         total = backlog + len(more)
-        _wait(lambda: st.processed(model) >= total, 600, "the worker to catch up")
+        wait_for(lambda: st.processed(model) >= total, 600, "the worker to catch up")
         drain = time.perf_counter() - pushed_at
         stop.set()
         sampler.join()
@@ -354,7 +335,7 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
             models = httpx.get(f"{url}/v1/models", timeout=10).json()["models"]
             return bool(models) and models[0]["gallery_items"] >= gallery
 
-        _wait(served, 600, "the API to load a model and the whole gallery")
+        wait_for(served, 600, "the API to load a model and the whole gallery")
         before = st.processed(model)
         start = time.perf_counter()
         latencies, statuses, versions = asyncio.run(_load(url, bodies, clients, seconds))
@@ -394,7 +375,7 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
         client.push_pairs(pool[:200])
         url = st.api()
         api = st.procs[-1]
-        _wait(lambda: httpx.get(f"{url}/readyz", timeout=5).status_code == 200, 120, "ready")
+        wait_for(lambda: httpx.get(f"{url}/readyz", timeout=5).status_code == 200, 120, "ready")
 
         def produce() -> None:
             step, i = max(1, int(rate / 10)), 0

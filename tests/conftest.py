@@ -4,14 +4,11 @@ test, and helpers to run the worker and the API for real."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +17,7 @@ import redis
 from streamxm.config import Settings
 from streamxm.messages import Pair, make_pair
 from streamxm.redis_conn import EmbeddedRedis, connect
+from streamxm.waiting import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_WIKI = ROOT.parent / "shared" / "datasets" / "wiki_sift128_lda10.npz"
@@ -52,22 +50,6 @@ def settings(redis_url: str, namespace: str, tmp_path: Path) -> Settings:
 @pytest.fixture
 def r(settings: Settings) -> redis.Redis:
     return connect(settings)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
