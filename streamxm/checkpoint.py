@@ -8,9 +8,16 @@ worst fail to load. Every version is stored with its SHA-256; a version whose by
 back replays the stream from the older version's last applied entry (see the worker), so a bad
 blob costs time, not pairs.
 
-Two stores: Redis (default; the write is part of the worker's commit transaction, together with
-the acknowledgements, dead letters and statistics) and a directory (files written to a temporary
-name, fsynced, then renamed; the commit transaction follows the rename).
+Two stores, one commit protocol. The *head* (newest version, its last applied entry, and the
+kept versions with their checksums) is a Redis hash written in the worker's commit transaction,
+together with the acknowledgements, dead letters and statistics, and fenced by the learner lease
+(``WATCH``): only the lease holder's transaction can make a version current. The blob lives in
+Redis (default; written in the same transaction) or in a directory, as an immutable file named by
+its version *and its checksum* (``v<version>-<sha256[:16]>.npz``), written to a temporary name of
+its own, fsynced and renamed before the transaction. A writer that lost its lease while writing
+(a GC or VM pause longer than the lease) therefore leaves at most an orphan file that no head
+names: it can neither write into its successor's file of the same version nor make its own
+current. Orphans older than an hour are swept by later commits.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,31 +124,41 @@ def _check_lease(pipe: redis.client.Pipeline, lease: tuple[str, str] | None) -> 
 class CheckpointStore(ABC):
     """Where a model's checkpoints live. ``head`` is cheap: the API polls it."""
 
+    #: Fail point just before the commit transaction is sent.
+    before_exec_point = "checkpoint.before_exec"
+
     def __init__(self, client: redis.Redis, keys: Keys, keep: int = 3) -> None:
         self.r = client
         self.keys = keys
         self.keep = keep
 
-    @abstractmethod
     def head(self, model: str) -> dict[str, Any] | None:
-        """Metadata of the newest version (``version``, ``created``, ``last_id``...)."""
+        """Metadata of the newest version (``version``, ``created``, ``last_id``, ``history``)."""
+        raw = str_hash(self.r.hgetall(self.keys.checkpoint_head(model)))
+        return _parse_head(raw) if raw else None
 
     def _versions(self, model: str) -> list[tuple[int, str]]:
         """Stored (version, sha256), newest first, as the head lists them."""
         head = self.head(model)
         return [] if head is None else list(head["history"])
 
-    def _history(self, model: str, version: int, blob: bytes) -> tuple[
-            list[tuple[int, str]], list[tuple[int, str]]]:
-        """(versions kept, versions to delete) once ``version`` with ``blob`` is the newest."""
-        history = [(version, _sha(blob)), *self._versions(model)]
-        return history[: self.keep], history[self.keep :]
-
     @abstractmethod
-    def _read(self, model: str, version: int) -> bytes | None:
+    def _read(self, model: str, version: int, sha: str) -> bytes | None:
         """The blob of one version."""
 
-    @abstractmethod
+    # Optional steps of the commit (empty where a store has nothing to do there).
+    def _stage(self, model: str, version: int, sha: str, blob: bytes) -> None:  # noqa: B027
+        """Make the blob durable before the transaction, if it does not travel inside it."""
+
+    def _put(self, pipe: redis.client.Pipeline, model: str, version: int,  # noqa: B027
+             blob: bytes, dropped: list[tuple[int, str]]) -> None:
+        """Add the blob (and the deletion of dropped versions) to the transaction, if stored
+        in Redis."""
+
+    def _after_commit(self, model: str, kept: list[tuple[int, str]],  # noqa: B027
+                      dropped: list[tuple[int, str]]) -> None:
+        """Delete what the committed head no longer names, if stored outside Redis."""
+
     def commit(self, model: str, ckpt: Checkpoint, head_extra: dict[str, Any],
                hook: PipelineHook | None = None, lease: tuple[str, str] | None = None) -> None:
         """Make ``ckpt`` durable and newest; ``hook`` adds commands to the same transaction.
@@ -149,11 +167,29 @@ class CheckpointStore(ABC):
         (:class:`LeaseLost` otherwise, ``redis.WatchError`` if it changes meanwhile), so a worker
         that lost its lease can never overwrite its successor's checkpoint.
         """
+        blob = encode_blob(ckpt)
+        sha = _sha(blob)
+        history = [(ckpt.version, sha), *self._versions(model)]
+        kept, dropped = history[: self.keep], history[self.keep :]
+        self._stage(model, ckpt.version, sha, blob)
+        with self.r.pipeline(transaction=True) as pipe:
+            _check_lease(pipe, lease)
+            pipe.multi()
+            self._put(pipe, model, ckpt.version, blob, dropped)
+            pipe.delete(self.keys.checkpoint_head(model))
+            pipe.hset(self.keys.checkpoint_head(model),
+                      mapping=_head_fields(ckpt, kept, head_extra))  # type: ignore[arg-type]
+            if hook:
+                hook(pipe)
+            pipe.publish(self.keys.checkpoint_channel, f"{model} {ckpt.version}")
+            pause_point(self.before_exec_point)
+            pipe.execute()
+        self._after_commit(model, kept, dropped)
 
     def load_latest(self, model: str) -> Checkpoint | None:
         """The newest version whose bytes verify; older good ones replace corrupt ones."""
         for version, sha in self._versions(model):
-            blob = self._read(model, version)
+            blob = self._read(model, version, sha)
             problem = None
             if blob is None:
                 problem = "missing"
@@ -179,36 +215,28 @@ class CheckpointStore(ABC):
 class RedisCheckpointStore(CheckpointStore):
     """Blobs under ``sxm:<ns>:ckpt:<model>:v:<version>``, head hash beside them."""
 
-    def head(self, model: str) -> dict[str, Any] | None:
-        raw = str_hash(self.r.hgetall(self.keys.checkpoint_head(model)))
-        return _parse_head(raw) if raw else None
-
-    def _read(self, model: str, version: int) -> bytes | None:
+    def _read(self, model: str, version: int, sha: str) -> bytes | None:
         value = self.r.get(self.keys.checkpoint_blob(model, version))
         return None if value is None else bytes(value)  # type: ignore[arg-type]
 
-    def commit(self, model: str, ckpt: Checkpoint, head_extra: dict[str, Any],
-               hook: PipelineHook | None = None, lease: tuple[str, str] | None = None) -> None:
-        blob = encode_blob(ckpt)
-        kept, dropped = self._history(model, ckpt.version, blob)
-        with self.r.pipeline(transaction=True) as pipe:
-            _check_lease(pipe, lease)
-            pipe.multi()
-            pipe.set(self.keys.checkpoint_blob(model, ckpt.version), blob)
-            for version, _ in dropped:
-                pipe.delete(self.keys.checkpoint_blob(model, version))
-            pipe.delete(self.keys.checkpoint_head(model))
-            pipe.hset(self.keys.checkpoint_head(model),
-                      mapping=_head_fields(ckpt, kept, head_extra))  # type: ignore[arg-type]
-            if hook:
-                hook(pipe)
-            pipe.publish(self.keys.checkpoint_channel, f"{model} {ckpt.version}")
-            pause_point("checkpoint.before_exec")
-            pipe.execute()
+    def _put(self, pipe: redis.client.Pipeline, model: str, version: int, blob: bytes,
+             dropped: list[tuple[int, str]]) -> None:
+        pipe.set(self.keys.checkpoint_blob(model, version), blob)
+        for old, _ in dropped:
+            pipe.delete(self.keys.checkpoint_blob(model, old))
 
 
 class DirectoryCheckpointStore(CheckpointStore):
-    """Blobs as ``<dir>/<ns>/<model>/v<version>.npz``, head as ``HEAD.json`` (atomic renames)."""
+    """Blobs as ``<dir>/<ns>/<model>/v<version>-<sha256[:16]>.npz``; the head in Redis.
+
+    Directories written before the head moved to Redis (``HEAD.json``, ``v<version>.npz``) are
+    still read until the first new commit.
+    """
+
+    before_exec_point = "checkpoint.before_commit"
+    #: Files no head names (a fenced-off writer's, a killed writer's temporary) older than this
+    #: are deleted by the next commit; younger ones may belong to a commit in flight.
+    orphan_seconds = 3600.0
 
     def __init__(self, client: redis.Redis, keys: Keys, root: str | Path, keep: int = 3) -> None:
         super().__init__(client, keys, keep)
@@ -217,56 +245,68 @@ class DirectoryCheckpointStore(CheckpointStore):
     def _dir(self, model: str) -> Path:
         return self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", model)
 
+    @staticmethod
+    def _name(version: int, sha: str) -> str:
+        return f"v{version:012d}-{sha[:16]}.npz"
+
     def head(self, model: str) -> dict[str, Any] | None:
-        try:
+        head = super().head(model)
+        if head is not None:
+            return head
+        try:  # the layout before the head moved to Redis
             return _parse_head(json.loads((self._dir(model) / "HEAD.json").read_text()))
         except FileNotFoundError:
             return None
 
-    def _read(self, model: str, version: int) -> bytes | None:
-        try:
-            return (self._dir(model) / f"v{version:012d}.npz").read_bytes()
-        except FileNotFoundError:
-            return None
+    def _read(self, model: str, version: int, sha: str) -> bytes | None:
+        for name in (self._name(version, sha), f"v{version:012d}.npz"):
+            try:
+                return (self._dir(model) / name).read_bytes()
+            except FileNotFoundError:
+                continue
+        return None
 
-    @staticmethod
-    def _write_atomic(path: Path, data: bytes) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            half = len(data) // 2
-            f.write(data[:half])
-            f.flush()
-            pause_point("checkpoint.partial_write")
-            f.write(data[half:])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
+    def _stage(self, model: str, version: int, sha: str, blob: bytes) -> None:
+        directory = self._dir(model)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / self._name(version, sha)
+        # A temporary name no other writer can share; renaming onto an existing file of the
+        # same name replaces identical bytes (the name carries the checksum).
+        tmp = directory / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                half = len(blob) // 2
+                f.write(blob[:half])
+                f.flush()
+                pause_point("checkpoint.partial_write")
+                f.write(blob[half:])
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def commit(self, model: str, ckpt: Checkpoint, head_extra: dict[str, Any],
-               hook: PipelineHook | None = None, lease: tuple[str, str] | None = None) -> None:
+    def _after_commit(self, model: str, kept: list[tuple[int, str]],
+                      dropped: list[tuple[int, str]]) -> None:
         directory = self._dir(model)
-        directory.mkdir(parents=True, exist_ok=True)
-        blob = encode_blob(ckpt)
-        kept, dropped = self._history(model, ckpt.version, blob)
-        with self.r.pipeline(transaction=True) as pipe:
-            _check_lease(pipe, lease)
-            self._write_atomic(directory / f"v{ckpt.version:012d}.npz", blob)
-            self._write_atomic(directory / "HEAD.json",
-                               json.dumps(_head_fields(ckpt, kept, head_extra)).encode())
-            for version, _ in dropped:
-                with contextlib.suppress(FileNotFoundError):
-                    (directory / f"v{version:012d}.npz").unlink()
-            pipe.multi()
-            if hook:
-                hook(pipe)
-            pipe.publish(self.keys.checkpoint_channel, f"{model} {ckpt.version}")
-            pause_point("checkpoint.before_commit")
-            pipe.execute()
+        named = {self._name(v, sha) for v, sha in kept}
+        for version, sha in dropped:
+            with contextlib.suppress(FileNotFoundError):
+                (directory / self._name(version, sha)).unlink()
+        cutoff = time.time() - self.orphan_seconds
+        for path in directory.iterdir():
+            if path.name in named or not (path.name.endswith((".npz", ".tmp"))
+                                          or path.name == "HEAD.json"):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
 
 
 def _head_fields(ckpt: Checkpoint, history: list[tuple[int, str]],

@@ -19,14 +19,30 @@ from numpy.typing import NDArray
 
 from streamxm.drift import DriftMonitor
 from streamxm.evaluation import average_precision
+from streamxm.faults import raise_point
 from streamxm.messages import Pair
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model
 from streamxm.replay import ReplayBuffer
 
-__all__ = ["UPDATE_BUCKETS", "Learner"]
+__all__ = ["UPDATE_BUCKETS", "LearnFailed", "Learner"]
 
 #: Upper bounds (seconds) of the per-pair update latency histogram.
 UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
+
+
+class LearnFailed(RuntimeError):
+    """Learning raised at the ``index``-th pair of a :meth:`Learner.learn` call.
+
+    The pairs before it were applied and the failing one may be half applied, so the learner's
+    state is no longer that of any prefix of the stream: discard it and reload a checkpoint.
+    The original exception is the ``__cause__``.
+    """
+
+    def __init__(self, index: int, pair_id: str, cause: BaseException) -> None:
+        super().__init__(f"learning pair {pair_id!r} (#{index} of the batch) raised "
+                         f"{type(cause).__name__}: {cause}")
+        self.index = index
+        self.pair_id = pair_id
 
 
 class Learner:
@@ -131,16 +147,23 @@ class Learner:
         self.rolling_ap["t2i"].append(float(ap[1]))
 
     def learn(self, pairs: Sequence[Pair]) -> dict[str, Any]:
-        """Test-then-train on each pair in order; return counts for this call."""
+        """Test-then-train on each pair in order; return counts for this call.
+
+        Raises :class:`LearnFailed` (the cause chained) if learning a pair raises.
+        """
         before = LearnStats.from_dict(self.stats.as_dict())
-        for pair in pairs:
+        for index, pair in enumerate(pairs):
             if pair.img.shape[0] != self.img_dim or pair.txt.shape[0] != self.txt_dim:
                 raise ValueError(f"pair {pair.id!r} has dimensions other than the learner's")
             start = time.perf_counter()
-            if self.pairs_seen % self.eval_every == 0 and len(self.buffer) > 0:
-                self._evaluate_before_learning(pair)
-            slot = self.buffer.add(pair)
-            self.model.learn_one(pair, slot, self.buffer, self.rng, self.stats)
+            try:
+                raise_point("learn", pair.id)
+                if self.pairs_seen % self.eval_every == 0 and len(self.buffer) > 0:
+                    self._evaluate_before_learning(pair)
+                slot = self.buffer.add(pair)
+                self.model.learn_one(pair, slot, self.buffer, self.rng, self.stats)
+            except Exception as exc:  # any bug or MemoryError: the caller must know where
+                raise LearnFailed(index, pair.id, exc) from exc
             self.drift.follow(sum(self.stats.mistakes.values()),
                               sum(self.stats.triplets.values()), self.pairs_seen)
             self.pairs_seen += 1

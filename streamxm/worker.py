@@ -23,6 +23,11 @@ Delivery guarantees (``DESIGN.md``):
   (exponentially, up to 5 s) and takes the lease again, which reloads and replays as above.
 - Entries that cannot be decoded or validated go to ``sxm:<ns>:dead`` with their reason, in the
   same commit transaction, and never stop the worker.
+- An entry counts as applied only once learning it returned. If learning raises (a bug, a
+  ``MemoryError``), the half-updated state is dropped, nothing of the batch is committed, and
+  the worker backs off and reloads the checkpoint and replays, like after a lost connection.
+  After ``max_learn_attempts`` failures on the same entry it is dead-lettered with reason
+  ``learn_error`` (the exception in ``detail``) and learning goes on after it.
 - SIGTERM (``stop`` set) ends with a final checkpoint and releases the lease.
 """
 
@@ -43,12 +48,12 @@ import redis
 from streamxm.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.client import check_dims, ensure_schema, read_schema
 from streamxm.keys import Keys
-from streamxm.learner import UPDATE_BUCKETS, Learner
+from streamxm.learner import UPDATE_BUCKETS, Learner, LearnFailed
 from streamxm.messages import InvalidPair, Limits, Pair, decode_pair, field_name
 from streamxm.models import DIRECTIONS
 from streamxm.redis_conn import StreamEntry, stream_entries, text
 
-__all__ = ["LearnerWorker", "entry_id_key"]
+__all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,15 @@ def entry_id_key(entry_id: str) -> tuple[int, int]:
     """Stream ids compare as (milliseconds, sequence)."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+class EntryFailed(RuntimeError):
+    """Learning the stream entry ``entry_id`` raised; the worker's state was dropped."""
+
+    def __init__(self, entry_id: str, detail: str) -> None:
+        super().__init__(f"entry {entry_id}: {detail}")
+        self.entry_id = entry_id
+        self.detail = detail
 
 
 @dataclass
@@ -106,6 +120,8 @@ class LearnerWorker:
         Extra :class:`~streamxm.learner.Learner` options (buffer size, rolling-mAP schedule).
     checkpoint_every_pairs, checkpoint_every_seconds
         Checkpoint after this many pairs or this long, whichever comes first.
+    max_learn_attempts
+        Failures of learning one entry before it is dead-lettered as ``learn_error``.
     """
 
     def __init__(
@@ -124,6 +140,7 @@ class LearnerWorker:
         block_ms: int = 200,
         lease_ttl_ms: int = 10_000,
         limits: Limits = Limits(),
+        max_learn_attempts: int = 3,
     ) -> None:
         self.r = client
         self.store = store
@@ -140,6 +157,7 @@ class LearnerWorker:
         self.block_ms = block_ms
         self.lease_ttl_ms = lease_ttl_ms
         self.limits = limits
+        self.max_learn_attempts = max_learn_attempts
         self.learner: Learner | None = None
         self.version = 0
         self.last_id = "0-0"
@@ -151,6 +169,9 @@ class LearnerWorker:
         self._pending = _Pending()
         self._last_commit = time.monotonic()
         self._schema: tuple[int, int] | None = None
+        # entry id -> (failures so far, last error): entries whose learning raised, not yet
+        # committed; bounded by the entries between two checkpoints.
+        self._failures: dict[str, tuple[int, str]] = {}
         self._refresh = self.r.register_script(_REFRESH_LEASE)
         self._release = self.r.register_script(_RELEASE_LEASE)
 
@@ -189,6 +210,9 @@ class LearnerWorker:
                     self._drop_state()
                     backoff = self._backoff(stop, backoff, exc)
                     continue
+                except EntryFailed as exc:
+                    backoff = self._learn_failed(stop, backoff, exc)
+                    continue
                 if until_idle and read == 0 and not was_recovering:
                     break
         finally:
@@ -207,6 +231,19 @@ class LearnerWorker:
         delay = min(5.0, max(0.1, previous * 2))
         log.warning("worker %s: Redis unavailable (%s); state dropped, retrying in %.1f s",
                     self.consumer, exc, delay)
+        stop.wait(delay)
+        return delay
+
+    def _learn_failed(self, stop: threading.Event, previous: float, exc: EntryFailed) -> float:
+        """Count the failure against its entry, back off; the next lease reloads and replays."""
+        count = self._failures.get(exc.entry_id, (0, ""))[0] + 1
+        self._failures[exc.entry_id] = (count, exc.detail)
+        delay = min(5.0, max(0.1, previous * 2))
+        then = ("dead-lettering it" if count >= self.max_learn_attempts
+                else "reloading the checkpoint")
+        log.error("worker %s: learning entry %s failed (attempt %d of %d); state dropped, %s in "
+                  "%.1f s", self.consumer, exc.entry_id, count, self.max_learn_attempts, then,
+                  delay, exc_info=exc.__cause__)
         stop.wait(delay)
         return delay
 
@@ -333,19 +370,28 @@ class LearnerWorker:
 
     def _apply(self, entries: list[StreamEntry]) -> None:
         already: list[str] = []
+        ack: list[str] = []
+        dead: list[dict[str, str | bytes]] = []
         pairs: list[Pair] = []
+        pair_entries: list[str] = []
+        last_id = self.last_id
         for entry_id, fields in entries:
-            if entry_id_key(entry_id) <= entry_id_key(self.last_id):
+            if entry_id_key(entry_id) <= entry_id_key(last_id):
                 already.append(entry_id)  # applied before the restart; only the ack was lost
                 continue
-            self._pending.ack.append(entry_id)
-            self.last_id = entry_id
+            ack.append(entry_id)
+            last_id = entry_id
             if fields is None:  # deleted from the stream while pending
                 continue
+            count, error = self._failures.get(entry_id, (0, ""))
             try:
+                if count >= self.max_learn_attempts:
+                    raise InvalidPair("", "learn_error",
+                                      f"learning failed {count} times: {error}"[:1000])
                 pairs.append(self._decode(fields))
+                pair_entries.append(entry_id)
             except InvalidPair as exc:
-                self._dead_letter(entry_id, fields, exc)
+                dead.append(self._dead_letter(entry_id, fields, exc))
         if already:
             self.r.xack(self.keys.pairs, self.group, *already)
         if pairs:
@@ -354,14 +400,26 @@ class LearnerWorker:
                                        self.params, seed=self.seed, **self.learner_options)
             # A slow model (or a large batch) must not outlive the lease, or every commit would
             # be fenced off and the same batch retried forever: a heartbeat holds it meanwhile.
-            with self._lease_heartbeat() as lost:
-                self.learner.learn(pairs)
+            try:
+                with self._lease_heartbeat() as lost:
+                    self.learner.learn(pairs)
+            except LearnFailed as exc:
+                # The state holds part of the batch: it must never reach a checkpoint.
+                self._drop_state()
+                raise EntryFailed(pair_entries[exc.index], str(exc.__cause__)) from exc
+            except BaseException:
+                self._drop_state()  # e.g. KeyboardInterrupt: nothing half-learned is committed
+                raise
             if lost.is_set():
                 log.warning("worker %s lost the lease of %s while learning", self.consumer,
                             self.model)
                 self._drop_state()
                 return
-            self._pending.pairs += len(pairs)
+        # Recorded as applied only now that learning returned.
+        self._pending.ack.extend(ack)
+        self._pending.dead.extend(dead)
+        self._pending.pairs += len(pairs)
+        self.last_id = last_id
 
     def _decode(self, fields: dict[bytes, bytes]) -> Pair:
         if self._schema is None:
@@ -373,7 +431,8 @@ class LearnerWorker:
             return pair
         return decode_pair(fields, self._schema[0], self._schema[1], self.limits)
 
-    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], exc: InvalidPair) -> None:
+    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes],
+                     exc: InvalidPair) -> dict[str, str | bytes]:
         log.warning("dead letter %s (%s): %s", entry_id, exc.reason, exc)
         letter: dict[str, str | bytes] = {
             "entry_id": entry_id, "model": self.model, "reason": exc.reason,
@@ -389,7 +448,7 @@ class LearnerWorker:
                 letter["truncated"] = f"values cut to {_DEAD_MAX_VALUE} bytes"
                 value = value[:_DEAD_MAX_VALUE]
             letter[f"orig.{field_name(name)}"] = value
-        self._pending.dead.append(letter)
+        return letter
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self) -> None:
@@ -430,6 +489,8 @@ class LearnerWorker:
             return
         self._pending = _Pending()
         self._last_commit = time.monotonic()
+        done = entry_id_key(self.last_id)
+        self._failures = {k: v for k, v in self._failures.items() if entry_id_key(k) > done}
         log.debug("checkpoint %s v%d at %s", self.model, self.version, self.last_id)
 
     def _stats_fields(self) -> dict[str, str]:

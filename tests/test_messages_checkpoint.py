@@ -1,5 +1,7 @@
 """Message v1 validation and checkpoint stores, against a real Redis and real files."""
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -86,12 +88,33 @@ def test_store_keeps_versions_and_falls_back_on_corruption(kind: str, r: redis.R
         key = keys.checkpoint_blob("cmos", 3)
         r.set(key, r.get(key)[:-10])  # type: ignore[index]
     else:
-        path = tmp_path / namespace / "cmos" / f"v{3:012d}.npz"
+        # Immutable files named by version and checksum; only the kept versions remain.
+        files = sorted(p.name for p in (tmp_path / namespace / "cmos").iterdir())
+        assert [f[:13] for f in files] == [f"v{2:012d}", f"v{3:012d}"], files
+        path = tmp_path / namespace / "cmos" / files[1]
         path.write_bytes(path.read_bytes()[:-10])
     assert store.corrupt_count("cmos") == 0
     loaded = store.load_latest("cmos")
     assert loaded is not None and loaded.version == 2
     assert store.corrupt_count("cmos") == 1
+
+
+def test_directory_store_reads_the_layout_before_the_head_moved_to_redis(
+        r: redis.Redis, namespace: str, tmp_path: Path) -> None:
+    keys = Keys(namespace)
+    blob = encode_blob(_ckpt(4, 4.0))
+    legacy = tmp_path / namespace / "cmos"
+    legacy.mkdir(parents=True)
+    (legacy / f"v{4:012d}.npz").write_bytes(blob)
+    (legacy / "HEAD.json").write_text(json.dumps({
+        "version": "4", "created": "1.0", "last_id": "5-0",
+        "history": f"4:{hashlib.sha256(blob).hexdigest()}"}))
+    store = DirectoryCheckpointStore(r, keys, tmp_path)
+    loaded = store.load_latest("cmos")
+    assert loaded is not None and loaded.version == 4
+    store.commit("cmos", _ckpt(5, 5.0), {})  # from now on the head lives in Redis
+    head = store.head("cmos")
+    assert head is not None and [v for v, _ in head["history"]] == [5, 4]
 
 
 def test_commit_is_refused_without_the_lease(r: redis.Redis, namespace: str) -> None:
