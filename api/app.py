@@ -11,9 +11,11 @@ from typing import Annotated, Any
 import numpy as np
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.schemas import (
     HealthOut,
@@ -23,19 +25,21 @@ from api.schemas import (
     PairsIn,
     PairsOut,
     ReadyOut,
+    RequestLimits,
     SearchIn,
     SearchOut,
     SimilarityIn,
     SimilarityOut,
     error_responses,
+    request_limits,
 )
 from streamxm.client import StreamClient
 from streamxm.config import Settings, get_settings
 from streamxm.keys import Keys
 from streamxm.messages import InvalidPair, make_pair
-from streamxm.metrics import ApiMetrics
+from streamxm.metrics import ApiMetrics, method_label
 from streamxm.models import DIRECTIONS
-from streamxm.redis_conn import connect, str_hash, str_set
+from streamxm.redis_conn import connect, resolve_url, str_hash, str_set
 from streamxm.service import limits_from, open_store
 from streamxm.serving import (
     ModelNotReady,
@@ -53,16 +57,66 @@ def _unprocessable(field: list[str | int], reason: str, message: str) -> HTTPExc
     return HTTPException(422, detail=[{"loc": ["body", *field], "msg": message, "type": reason}])
 
 
+_MAX_ERRORS = 10
+_MAX_ECHO = 80
+
+
+def _echo(value: Any) -> Any:
+    """A bounded stand-in for an invalid input in an error body."""
+    if isinstance(value, str):
+        return value if len(value) <= _MAX_ECHO else value[:_MAX_ECHO] + "..."
+    if isinstance(value, list | tuple):
+        return f"<list of {len(value)} items>"
+    if isinstance(value, dict):
+        return f"<object with {len(value)} keys>"
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    return value if isinstance(value, int | float | bool) or value is None else repr(value)[
+        :_MAX_ECHO]
+
+
+def bounded_errors(errors: list[Any]) -> list[dict[str, Any]]:
+    """At most ten validation errors, each input cut short: a rejected body of any size gets a
+    small answer (FastAPI's default lists every error with its whole input)."""
+    out = [{"loc": [x if isinstance(x, int) else str(x)[:_MAX_ECHO] for x in e.get("loc", ())],
+            "msg": str(e.get("msg", ""))[:300], "type": str(e.get("type", "")),
+            "input": _echo(e.get("input"))} for e in errors[:_MAX_ERRORS]]
+    if len(errors) > _MAX_ERRORS:
+        out.append({"loc": ["body"], "msg": f"{len(errors) - _MAX_ERRORS} more errors not shown",
+                    "type": "too_many_errors"})
+    return out
+
+
+class _Limits:
+    """Makes this app's request bounds visible to the schema validators (a context variable:
+    each app, and each request, sees its own)."""
+
+    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = request_limits.set(self.limits)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            request_limits.reset(token)
+
+
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> FastAPI:
     """Build the app. Without arguments it reads settings from the environment."""
     settings = settings or get_settings()
-    # Few retries: a query must not hang through a Redis outage; it gets a 503 instead.
-    r = client or connect(settings, retries=2)
+    # Two connections: a request waiting on Redis gets a 503 within the short timeout, while the
+    # background refresh may take longer over a large checkpoint or gallery read.
+    url = resolve_url(settings)
+    r = client or connect(settings, url, retries=1,
+                          timeout=settings.redis_request_timeout_seconds)
+    background = client or connect(settings, url, retries=2, timeout=30.0)
     keys = Keys(settings.namespace)
     limits = limits_from(settings)
-    server = ModelServer(r, open_store(settings, r), settings.namespace,
+    server = ModelServer(background, open_store(settings, background), settings.namespace,
                          gallery_max=settings.gallery_max, limits=limits)
-    metrics = ApiMetrics(r, server, keys)
+    metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
     producer = StreamClient(r, settings.namespace, limits)
 
     @asynccontextmanager
@@ -71,12 +125,14 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         yield
         server.stop()
 
+    # No trailing-slash redirects: they echo the request's Host header into Location.
     app = FastAPI(title="streamxm", version="0.1.0", lifespan=lifespan,
-                  max_body_size=settings.max_body_bytes,
+                  max_body_size=settings.max_body_bytes, redirect_slashes=False,
                   description="Streaming cross-modal retrieval: similarity and top-k search "
                               "from the newest online model.")
     app.state.server = server
     app.state.settings = settings
+    app.add_middleware(_Limits, limits=RequestLimits.from_settings(settings))
 
     def check_token(credentials: HTTPAuthorizationCredentials | None) -> None:
         token = settings.api_token
@@ -102,9 +158,6 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         return name or settings.default_model
 
     def matrix(rows: list[list[float]], field: str, dim: int | None) -> np.ndarray[Any, Any]:
-        if len(rows) > settings.max_batch:
-            raise _unprocessable([field], "too_large",
-                                 f"{len(rows)} vectors exceed the limit {settings.max_batch}")
         lengths = {len(row) for row in rows}
         if len(lengths) != 1 or (dim is not None and lengths != {dim}):
             raise _unprocessable([field], "dim_mismatch",
@@ -123,10 +176,14 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         # The route template, not the raw path: arbitrary paths must not grow the label set.
         matched = request.scope.get("route")
         route = getattr(matched, "path", "unmatched")
-        metrics.request_seconds.labels(route, request.method).observe(
-            time.perf_counter() - start)
-        metrics.requests.labels(route, request.method, str(response.status_code)).inc()
+        method = method_label(request.method)
+        metrics.request_seconds.labels(route, method).observe(time.perf_counter() - start)
+        metrics.requests.labels(route, method, str(response.status_code)).inc()
         return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": bounded_errors(list(exc.errors()))}, status_code=422)
 
     @app.exception_handler(UnknownModel)
     async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
@@ -145,13 +202,15 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
+    # Probes are async and touch nothing but memory: they answer on the event loop even when
+    # every worker thread waits on a stalled Redis.
     @app.get("/healthz", response_model=HealthOut)
-    def healthz() -> HealthOut:
+    async def healthz() -> HealthOut:
         return HealthOut(status="ok")
 
     @app.get("/readyz", response_model=ReadyOut,
              responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}})
-    def readyz() -> JSONResponse:
+    async def readyz() -> JSONResponse:
         if server.ready:
             return JSONResponse({"status": "ready", "models": sorted(server.served)})
         return JSONResponse({"status": "waiting for a model checkpoint", "models": []},
@@ -196,8 +255,6 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
               responses=read_errors)
     def search(body: SearchIn) -> SearchOut:
         name = model_name(body.model)
-        if body.k > settings.max_k:
-            raise _unprocessable(["k"], "too_large", f"k must be <= {settings.max_k}")
         model = server.get(name).model
         dim = model.img_dim if body.modality == "image" else model.txt_dim
         vector = matrix([body.vector], "vector", dim)[0]
@@ -212,9 +269,6 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     @app.post("/v1/pairs", response_model=PairsOut, status_code=202,
               dependencies=write_auth, responses=write_errors)
     def pairs(body: PairsIn) -> PairsOut:
-        if len(body.pairs) > settings.max_batch:
-            raise _unprocessable(["pairs"], "too_large",
-                                 f"{len(body.pairs)} pairs exceed the limit {settings.max_batch}")
         validated = []
         for i, p in enumerate(body.pairs):
             try:

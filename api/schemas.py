@@ -1,24 +1,123 @@
-"""Request and response bodies. Sizes are bounded here and again by the settings' limits."""
+"""Request and response bodies, bounded before any element is validated.
+
+A hostile body must cost the API little: every list and string has a length bound, the bounds
+of this deployment (:class:`RequestLimits`, from the settings) are checked on the raw JSON
+before its elements are (so a million bad entries are refused by their count, not one by one),
+element validation stops at the first error, and types are strict (``"1.5"``, ``true`` and
+``"3"`` are not numbers). The schema declares the ceilings the settings may lower.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
-Vector = list[float]
+from streamxm.config import (
+    MAX_BATCH_CEILING,
+    MAX_DIM_CEILING,
+    MAX_K_CEILING,
+    MAX_LABELS_CEILING,
+    Settings,
+)
 
 
-class PairIn(BaseModel):
+@dataclass(frozen=True)
+class RequestLimits:
+    """The bounds a request is held to before its elements are validated."""
+
+    max_dim: int = MAX_DIM_CEILING
+    max_batch: int = 1024
+    max_values: int = 1 << 20
+    max_k: int = 1000
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RequestLimits:
+        return cls(max_dim=settings.max_dim, max_batch=settings.max_batch,
+                   max_values=settings.max_request_values, max_k=settings.max_k)
+
+
+#: The limits of the app serving the current request (set per request by the app).
+request_limits: ContextVar[RequestLimits] = ContextVar("request_limits",
+                                                       default=RequestLimits())
+
+Vector = Annotated[list[StrictFloat], Field(min_length=1, max_length=MAX_DIM_CEILING,
+                                            fail_fast=True)]
+Vectors = Annotated[list[Vector], Field(min_length=1, max_length=MAX_BATCH_CEILING,
+                                        fail_fast=True)]
+Label = Annotated[StrictInt, Field(ge=0)]
+
+
+def _too_large(message: str) -> PydanticCustomError:
+    return PydanticCustomError("too_large", message)
+
+
+def _check_batch(rows: list[Any], what: str) -> None:
+    limit = request_limits.get().max_batch
+    if len(rows) > limit:
+        raise _too_large(f"{len(rows)} {what} exceed the limit {limit}")
+
+
+def _check_values(vectors: list[Any]) -> None:
+    """Refuse too long a vector, or too many values in all; anything not shaped like a vector
+    is left to the element validation."""
+    limits = request_limits.get()
+    total = 0
+    for row in vectors:
+        if isinstance(row, list):
+            if len(row) > limits.max_dim:
+                raise _too_large(f"a vector of {len(row)} values exceeds the limit "
+                                 f"{limits.max_dim}")
+            total += len(row)
+    if total > limits.max_values:
+        raise _too_large(f"{total} vector values exceed the limit {limits.max_values} per "
+                         "request")
+
+
+def _check_k(k: int) -> int:
+    limit = request_limits.get().max_k
+    if k > limit:
+        raise _too_large(f"k must be <= {limit}")
+    return k
+
+
+class _Strict(BaseModel):
+    """Strict types: a string is never a number, nor a boolean an integer."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class PairIn(_Strict):
     id: str = Field(min_length=1, max_length=256, description="producer's pair id")
-    img: Vector = Field(min_length=1, description="image feature vector")
-    txt: Vector = Field(min_length=1, description="text feature vector")
-    labels: list[int] | None = Field(default=None, description="optional non-negative labels")
-    ts: float | None = Field(default=None, description="event time, unix seconds")
+    img: Vector = Field(description="image feature vector")
+    txt: Vector = Field(description="text feature vector")
+    labels: list[Label] | None = Field(default=None, max_length=MAX_LABELS_CEILING,
+                                       description="optional non-negative labels")
+    ts: StrictFloat | None = Field(default=None, allow_inf_nan=False,
+                                   description="event time, unix seconds")
 
 
-class PairsIn(BaseModel):
-    pairs: list[PairIn] = Field(min_length=1)
+class PairsIn(_Strict):
+    pairs: list[PairIn] = Field(min_length=1, max_length=MAX_BATCH_CEILING, fail_fast=True)
+
+    @field_validator("pairs", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            _check_batch(value, "pairs")
+            _check_values([p.get(k) for p in value if isinstance(p, dict)
+                           for k in ("img", "txt")])
+        return value
 
 
 class PairsOut(BaseModel):
@@ -26,12 +125,24 @@ class PairsOut(BaseModel):
     entry_ids: list[str]
 
 
-class SimilarityIn(BaseModel):
-    model: str | None = Field(default=None, description="model name; default from settings")
-    images: list[Vector] = Field(min_length=1)
-    texts: list[Vector] = Field(min_length=1)
+ModelName = Annotated[str, Field(min_length=1, max_length=256,
+                                 description="model name; default from settings")]
+
+
+class SimilarityIn(_Strict):
+    model: ModelName | None = None
+    images: Vectors
+    texts: Vectors
     mode: Literal["paired", "matrix"] = Field(
         default="paired", description="paired: score (images[i], texts[i]); matrix: all pairs")
+
+    @field_validator("images", "texts", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            _check_batch(value, "vectors")
+            _check_values(value)
+        return value
 
 
 class SimilarityOut(BaseModel):
@@ -40,15 +151,23 @@ class SimilarityOut(BaseModel):
     scores: list[float] | list[list[float]]
 
 
-class SearchIn(BaseModel):
-    model: str | None = None
+class SearchIn(_Strict):
+    model: ModelName | None = None
     modality: Literal["image", "text"] = Field(description="modality of the query vector")
     target: Literal["image", "text"] | None = Field(
         default=None, description="modality of the results; default the other one. The same "
         "modality as the query needs a model with a shared space (sdsrl, scsm, cca, "
         "pairwise:marginal)")
-    vector: Vector = Field(min_length=1)
-    k: int = Field(default=10, ge=1)
+    vector: Vector
+    k: StrictInt = Field(default=10, ge=1, le=MAX_K_CEILING)
+
+    @field_validator("vector", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        _check_values([value])
+        return value
+
+    _k = field_validator("k")(_check_k)
 
 
 class Hit(BaseModel):

@@ -49,10 +49,12 @@ def _cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from streamxm.config import get_settings
+    from streamxm.httpserver import server_options
 
-    settings = get_settings()
+    settings = get_settings()  # invalid settings stop here, with the setting named
     uvicorn.run("api.app:create_app", factory=True, host=args.host or settings.api_host,
-                port=args.port or settings.api_port, log_level="info")
+                port=args.port or settings.api_port, log_level="info",
+                **server_options(settings))
     return 0
 
 

@@ -10,8 +10,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Ceilings of the input bounds: the request schemas declare them, the settings may only lower.
+MAX_DIM_CEILING = 65_536
+MAX_BATCH_CEILING = 4096
+MAX_K_CEILING = 10_000
+MAX_LABELS_CEILING = 1024
+MAX_REQUEST_VALUES_CEILING = 1 << 24
+#: Bytes of JSON per vector value a legitimate client needs at most: a float32 printed with
+#: every digit of its float64 repr (``-0.00012345678901234567``) plus a separator.
+JSON_BYTES_PER_VALUE = 24
 
 
 class Settings(BaseSettings):
@@ -46,20 +56,54 @@ class Settings(BaseSettings):
     # API
     api_host: str = "127.0.0.1"
     api_port: int = 8000
-    api_token: SecretStr | None = None
+    api_token: SecretStr | None = Field(
+        default=None, description="bearer token for writes (and reads with "
+        "api_token_for_reads); unset: no token. Set but empty is refused")
     api_token_for_reads: bool = False
     default_model: str = "cmos"
     gallery_max: int = Field(default=100_000, ge=1)
     reload_interval_seconds: float = Field(default=0.25, gt=0)
+    redis_request_timeout_seconds: float = Field(
+        default=1.0, gt=0, le=60, description="socket timeout of Redis calls made while a "
+        "request waits (ingest, /v1/models, the metrics scrape): a stalled Redis gives a 503 "
+        "or redis_up 0 in this time, not a hung request")
+    metrics_timeout_seconds: float = Field(
+        default=0.5, gt=0, le=10, description="a scrape waits this long for fresh stream state, "
+        "then answers with the last known values and streamxm_redis_up 0")
+    request_read_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="a connection must deliver a request's headers and body "
+        "within this time (slow clients are disconnected)")
 
     # Input bounds: one request or message cannot exhaust memory.
-    max_dim: int = Field(default=65_536, ge=1)
-    max_labels: int = Field(default=64, ge=1)
+    max_dim: int = Field(default=65_536, ge=1, le=MAX_DIM_CEILING)
+    max_labels: int = Field(default=64, ge=1, le=MAX_LABELS_CEILING)
     max_label_value: int = Field(default=1_000_000, ge=1)
-    max_id_length: int = Field(default=256, ge=1)
-    max_batch: int = Field(default=1024, ge=1)
-    max_k: int = Field(default=1000, ge=1)
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    max_id_length: int = Field(default=256, ge=1, le=256)
+    max_batch: int = Field(default=1024, ge=1, le=MAX_BATCH_CEILING)
+    max_k: int = Field(default=1000, ge=1, le=MAX_K_CEILING)
+    max_request_values: int = Field(
+        default=1 << 20, ge=1, le=MAX_REQUEST_VALUES_CEILING,
+        description="vector values in one request body, all vectors together")
+    max_body_bytes: int = Field(
+        default=0, ge=0, description="request body cap; 0 (default) derives it from "
+        "max_request_values: 24 bytes of JSON per value, plus 64 KiB")
+
+    @field_validator("api_token")
+    @classmethod
+    def _token_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty token must not silently turn authentication off.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("STREAMXM_API_TOKEN is set but empty: set a token, or unset the "
+                             "variable to run without one")
+        return value
+
+    @model_validator(mode="after")
+    def _derive_body_limit(self) -> Settings:
+        if self.max_body_bytes == 0:
+            self.max_body_bytes = JSON_BYTES_PER_VALUE * self.max_request_values + (64 << 10)
+        elif self.max_body_bytes < 1024:
+            raise ValueError("STREAMXM_MAX_BODY_BYTES must be at least 1024 (or 0: derived)")
+        return self
 
 
 @lru_cache(maxsize=1)

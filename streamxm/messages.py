@@ -8,6 +8,7 @@ the same field name and reason.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -160,9 +161,24 @@ def _decode_vector(name: str, raw: bytes, dim: int | None, limits: Limits) -> ND
 
 
 def field_name(raw: bytes | str, limit: int = 64) -> str:
-    """A field name fit for a log line or a metric label, whatever bytes it came as."""
+    r"""A field name fit for a log line or a metric label, whatever bytes it came as: invalid
+    UTF-8 and every non-printable character escaped (a newline must not forge a log line),
+    long names cut.
+
+    >>> field_name(b"label\nFORGED \xff")
+    'label\\nFORGED \\xff'
+    """
     name = raw if isinstance(raw, str) else raw.decode("utf-8", errors="backslashreplace")
+    name = name[: limit + 1]
+    name = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in name)
     return name if len(name) <= limit else name[:limit] + "..."
+
+
+# Message v1's number fields, exactly as encode_pair writes them: no spaces, signs on labels,
+# underscores or other spellings Python's int() and float() would also accept.
+_LABELS = re.compile(rb"[0-9]{1,18}(?:,[0-9]{1,18})*")
+_TS = re.compile(rb"-?[0-9]{1,20}(?:\.[0-9]{1,20})?(?:e[-+]?[0-9]{1,3})?")
 
 
 def decode_pair(
@@ -194,16 +210,14 @@ def decode_pair(
     labels: list[int] | None = None
     raw_labels = fields.get(b"labels", b"")
     if raw_labels:
-        try:
-            labels = [int(x) for x in raw_labels.decode("ascii").split(",")]
-        except (UnicodeDecodeError, ValueError):
-            raise InvalidPair("labels", "bad_labels", "not comma-separated integers") from None
+        if not _LABELS.fullmatch(raw_labels):
+            raise InvalidPair("labels", "bad_labels", "not comma-separated decimal integers")
+        labels = [int(x) for x in raw_labels.split(b",")]
     ts: float | None = None
     if fields.get(b"ts"):
-        try:
-            ts = float(fields[b"ts"])
-        except ValueError:
-            raise InvalidPair("ts", "bad_ts", "not a number") from None
+        if not _TS.fullmatch(fields[b"ts"]):
+            raise InvalidPair("ts", "bad_ts", "not a decimal number")
+        ts = float(fields[b"ts"])
     return make_pair(
         pair_id,
         _decode_vector("img", fields[b"img"], img_dim, limits),

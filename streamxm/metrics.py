@@ -3,13 +3,20 @@
 Learning metrics live in Redis (each worker writes its statistics hash with every checkpoint);
 :class:`StreamCollector` reads them at scrape time, so one scrape target shows ingest, learning,
 serving and stream health. Names follow Prometheus conventions (``_total`` counters, base units).
+
+A scrape never waits on Redis for long: the reads run on a helper thread, and a scrape that does
+not get them within ``timeout`` (a stalled or unreachable Redis) answers with the last values it
+read and ``streamxm_redis_up 0``, well inside Prometheus's scrape timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,15 +34,27 @@ from streamxm.models import DIRECTIONS
 from streamxm.redis_conn import str_hash, str_set, text
 from streamxm.serving import ModelServer
 
-__all__ = ["ApiMetrics", "StreamCollector"]
+__all__ = ["ApiMetrics", "StreamCollector", "method_label"]
 
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    """The HTTP method as a metric label: any method outside the standard ones is ``other``, so
+    clients cannot grow the label set (a method name is whatever token a client sends).
+
+    >>> method_label("POST"), method_label("X" * 8000)
+    ('POST', 'other')
+    """
+    return method if method in _METHODS else "other"
 
 
 class ApiMetrics:
     """The API process's own metrics, in a registry of its own (one per app)."""
 
-    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys) -> None:
+    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys,
+                 timeout: float = 0.5) -> None:
         self.registry = CollectorRegistry()
         self.request_seconds = Histogram(
             "streamxm_request_duration_seconds", "HTTP request latency",
@@ -46,7 +65,7 @@ class ApiMetrics:
         self.pairs_accepted = Counter(
             "streamxm_api_pairs_accepted", "pairs accepted by POST /v1/pairs",
             registry=self.registry)
-        self.registry.register(StreamCollector(client, server, keys))
+        self.registry.register(StreamCollector(client, server, keys, timeout))
 
 
 def _float(raw: dict[str, str], key: str, default: float = 0.0) -> float:
@@ -55,22 +74,34 @@ def _float(raw: dict[str, str], key: str, default: float = 0.0) -> float:
 
 
 class StreamCollector(Collector):
-    """Reads stream and learner state from Redis on every scrape."""
+    """Reads stream and learner state from Redis on every scrape, within ``timeout`` seconds."""
 
-    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys) -> None:
+    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys,
+                 timeout: float = 0.5) -> None:
         self.r = client
         self.server = server
         self.keys = keys
+        self.timeout = timeout
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-read")
+        self._lock = threading.Lock()
+        self._inflight: Future[list[Metric]] | None = None
+        self._last: list[Metric] = []  # the last complete read: served while Redis is away
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("streamxm_redis_up",
                                "1 if the API could read stream state from Redis at this scrape")
+        with self._lock:
+            # One read at a time: scrapes during a stall share the read in flight rather than
+            # piling up threads blocked on Redis.
+            if self._inflight is None or self._inflight.done():
+                self._inflight = self._reader.submit(lambda: list(self._collect()))
+            inflight = self._inflight
         try:
-            # Gathered first: a Redis outage mid-scrape yields redis_up 0, not a failed scrape.
-            families = list(self._collect())
-        except redis.RedisError:
-            families = []
-        up.add_metric([], 1.0 if families else 0.0)
+            families = inflight.result(timeout=self.timeout)
+            self._last, fresh = families, True
+        except (FutureTimeout, redis.RedisError):
+            families, fresh = self._last, False
+        up.add_metric([], 1.0 if fresh else 0.0)
         yield up
         yield from families
 
@@ -100,8 +131,8 @@ class StreamCollector(Collector):
         served_version = GaugeMetricFamily("streamxm_model_version",
                                            "model version the API serves", labels=["model"])
         lag = GaugeMetricFamily("streamxm_stream_lag",
-                                "pairs ingested but not yet consumed by the model's group",
-                                labels=["model"])
+                                "stream entries, from any producer, the model's learner has not "
+                                "yet applied and checkpointed", labels=["model"])
         pending = GaugeMetricFamily("streamxm_stream_pending",
                                     "entries delivered to the group but not acknowledged",
                                     labels=["model"])
@@ -113,10 +144,18 @@ class StreamCollector(Collector):
             "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
             labels=["model"])
 
-        groups: dict[str, int] = {}
+        # The stream's own counts, not the project's ingest counter: entries written by other
+        # producers are lag too.
+        groups: dict[str, dict[str, object]] = {}
+        length = 0
         with contextlib.suppress(redis.ResponseError):  # no stream yet
+            length = int(self.r.xlen(self.keys.pairs))
             for info in self.r.xinfo_groups(self.keys.pairs):
-                groups[text(info["name"])] = int(info["pending"])
+                groups[text(info["name"])] = info
+        stream_length = GaugeMetricFamily("streamxm_stream_length",
+                                          "entries in the pairs stream", labels=["namespace"])
+        stream_length.add_metric([ns], length)
+        yield stream_length
         now = time.time()
         for model in str_set(self.r.smembers(self.keys.models)):
             raw = str_hash(self.r.hgetall(self.keys.stats(model)))
@@ -131,8 +170,14 @@ class StreamCollector(Collector):
             if "checkpoint_time" in raw:
                 age.add_metric([model], max(0.0, now - _float(raw, "checkpoint_time")))
                 ckpt_version.add_metric([model], _float(raw, "version"))
-            lag.add_metric([model], max(0.0, ingested - done))
-            pending.add_metric([model], groups.get(model, 0))
+            group = groups.get(model, {})
+            waiting = int(group.get("pending", 0))  # type: ignore[call-overload]
+            undelivered = group.get("lag")  # Redis >= 7; None where it cannot tell
+            if undelivered is not None:
+                lag.add_metric([model], int(undelivered) + waiting)  # type: ignore[call-overload]
+            else:  # exact while the stream keeps every entry
+                lag.add_metric([model], max(0.0, length - done))
+            pending.add_metric([model], waiting)
             buckets, cumulative = [], 0.0
             for bound in UPDATE_BUCKETS:
                 cumulative += _float(raw, f"update_bucket_{bound}")

@@ -135,22 +135,33 @@ def resolve_url(settings: Settings) -> str:
     return EmbeddedRedis(settings.data_dir / "redis").start()
 
 
-def connect(settings: Settings, url: str | None = None, retries: int = 20) -> redis.Redis:
+def connect(settings: Settings, url: str | None = None, retries: int = 20,
+            timeout: float | None = None) -> redis.Redis:
     """A client that retries commands on connection errors (the server may restart under us).
 
     ``retries=0`` surfaces every connection error instead: the learner worker wants that, since
     a blocking read retried behind its back may have delivered entries whose reply was lost; it
     reloads its checkpoint and replays instead (see :mod:`streamxm.worker`). Producers keep the
     retries, at the price that a push whose reply was lost may be added twice (at least once).
+
+    ``timeout`` bounds each command (and each connect) in seconds; a command that times out is
+    not retried, so a stalled server costs a caller one timeout (the API's request path uses
+    this). Unset, commands wait as long as the server takes.
     """
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
     target = url or resolve_url(settings)
+    retry_on: tuple[type[Exception], ...] = (redis.ConnectionError,)
+    if timeout is None:
+        retry_on = (redis.ConnectionError, redis.TimeoutError)
     return redis.Redis.from_url(
         target,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError] if retries else [],
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries,
+                    supported_errors=retry_on),
+        retry_on_error=list(retry_on) if retries else [],
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
         health_check_interval=30,
         client_name=f"streamxm-{os.getpid()}",
     )

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from streamxm.config import Settings
+from streamxm.httpserver import server_options
 from streamxm.messages import Pair, make_pair
 from streamxm.redis_conn import EmbeddedRedis, connect
 from streamxm.waiting import free_port, wait_for
@@ -73,7 +74,8 @@ class ApiServer:
 
         self.port = free_port()
         self.app = create_app(settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                **server_options(settings))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
