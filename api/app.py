@@ -6,8 +6,9 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
+import anyio
 import numpy as np
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -48,6 +49,9 @@ from streamxm.serving import (
     UnknownModel,
     other_modality,
 )
+
+Body = TypeVar("Body")
+Out = TypeVar("Out")
 
 _bearer = HTTPBearer(auto_error=False)
 Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -154,6 +158,14 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     write_errors = error_responses(400, 413, 503, *([401] if write_auth else []))
     read_errors = error_responses(400, 404, 413, 503, *([401] if read_auth else []))
 
+    # Queries run on threads of their own: routes waiting on a stalled Redis (ingest, models,
+    # metrics) hold the default pool's threads, and must not hold up a search, which reads
+    # only memory.
+    query_threads = anyio.CapacityLimiter(settings.query_threads)
+
+    async def compute(fn: Callable[[Body], Out], body: Body) -> Out:
+        return await anyio.to_thread.run_sync(fn, body, limiter=query_threads)
+
     def model_name(name: str | None) -> str:
         return name or settings.default_model
 
@@ -240,7 +252,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
 
     @app.post("/v1/similarity", response_model=SimilarityOut, dependencies=read_auth,
               responses=read_errors)
-    def similarity(body: SimilarityIn) -> SimilarityOut:
+    async def similarity(body: SimilarityIn) -> SimilarityOut:
+        return await compute(score, body)
+
+    def score(body: SimilarityIn) -> SimilarityOut:
         name = model_name(body.model)
         dims = server.get(name).model
         images = matrix(body.images, "images", dims.img_dim)
@@ -253,7 +268,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
 
     @app.post("/v1/search", response_model=SearchOut, dependencies=read_auth,
               responses=read_errors)
-    def search(body: SearchIn) -> SearchOut:
+    async def search(body: SearchIn) -> SearchOut:
+        return await compute(rank, body)
+
+    def rank(body: SearchIn) -> SearchOut:
         name = model_name(body.model)
         model = server.get(name).model
         dim = model.img_dim if body.modality == "image" else model.txt_dim

@@ -29,6 +29,17 @@ def _params(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _model_name(name: str) -> str:
+    """An argparse type: a known model name, checked before anything is started."""
+    from streamxm.models import split_name
+
+    try:
+        split_name(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from streamxm.demo import render, run_demo
 
@@ -98,10 +109,11 @@ def _cmd_push(args: argparse.Namespace) -> int:
     from streamxm.service import limits_from
 
     settings = get_settings()
-    client = StreamClient(connect(settings), settings.namespace, limits_from(settings))
+    # Arguments first: a wrong path must not start the embedded Redis.
     ds = load_dataset(args.dataset)
     pairs = list(iter_pairs(ds, limit=args.limit, unlabelled=args.unlabelled,
                             prefix=args.id_prefix))
+    client = StreamClient(connect(settings), settings.namespace, limits_from(settings))
     chunk = max(1, min(500, int(args.rate) if args.rate else 500))
     start = time.monotonic()
     with tqdm(total=len(pairs), unit="pair", desc="pushed") as bar:
@@ -201,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     worker = sub.add_parser("worker", help="run a learner worker")
-    worker.add_argument("--model", required=True, help="model name: " + ", ".join(MODEL_NAMES))
+    worker.add_argument("--model", required=True, type=_model_name,
+                        help="model name: " + ", ".join(MODEL_NAMES))
     worker.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="model parameter for a fresh model (JSON value)")
     worker.set_defaults(func=_cmd_worker)
@@ -305,7 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--gallery-max", type=int, default=20_000)
     sk.add_argument("--sample-seconds", type=float, default=60.0)
     sk.add_argument("--warmup-minutes", type=float, default=5.0)
-    for p in (ing, e2e, qry, sk):
+    ho = bench_sub.add_parser("hostile", help="junk bodies of growing size: answer size, API "
+                              "memory and /healthz latency meanwhile, beside it at rest")
+    ho.add_argument("--sizes", default="1,4,24,64", help="body sizes, MiB, comma-separated")
+    ho.add_argument("--repeats", type=int, default=3)
+    ho.add_argument("--probes", type=int, default=200, help="/healthz probes at rest")
+    for p in (ing, e2e, qry, sk, ho):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
         p.set_defaults(func=_cmd_bench_load)
@@ -322,10 +340,17 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    from pydantic import ValidationError
+
     from streamxm.messages import InvalidPair
 
     try:
         return int(args.func(args))
+    except ValidationError as exc:  # the settings: name each variable that is wrong
+        for error in exc.errors():
+            name = "STREAMXM_" + "_".join(str(x) for x in error["loc"]).upper()
+            print(f"streamxm {args.command}: error: {name}: {error['msg']}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, InvalidPair, ValueError, TimeoutError) as exc:
         print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
         return 2

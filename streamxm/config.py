@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     default_model: str = "cmos"
     gallery_max: int = Field(default=100_000, ge=1)
     reload_interval_seconds: float = Field(default=0.25, gt=0)
+    query_threads: int = Field(default=8, ge=1, le=256,
+                               description="threads for similarity and search, apart from "
+                               "those of routes that wait on Redis")
     redis_request_timeout_seconds: float = Field(
         default=1.0, gt=0, le=60, description="socket timeout of Redis calls made while a "
         "request waits (ingest, /v1/models, the metrics scrape): a stalled Redis gives a 503 "

@@ -13,6 +13,8 @@ measures its reference in the same run, so figures are ratios on the same noisy 
   gallery, while a worker learns and the API swaps new checkpoints in.
 - :func:`soak`: push, learn and query for a long time, resident memory of worker and API sampled
   every minute; the slope after warm-up.
+- :func:`hostile`: junk request bodies of growing size, the answer's size and the API's memory,
+  and ``/healthz`` latency meanwhile beside its latency at rest.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from streamxm.redis_conn import EmbeddedRedis, connect, str_hash
 from streamxm.throughput import synthetic_pairs
 from streamxm.waiting import free_port, wait_for
 
-__all__ = ["end_to_end", "ingest", "query", "rss_mb", "soak", "stack"]
+__all__ = ["end_to_end", "hostile", "ingest", "query", "rss_mb", "soak", "stack"]
 
 NAMESPACE = "load"
 
@@ -430,3 +432,76 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
             result[f"{proc}_slope_mb_per_min"] = round(slope, 3)
             result[f"{proc}_growth_pct_per_hour"] = round(100 * slope * 60 / y.mean(), 2)
     return result
+
+
+# -- hostile bodies ---------------------------------------------------------------------------
+def _junk_body(mib: float) -> bytes:
+    """The body issue 17 reported: one image "vector" of strings, ``mib`` MiB long."""
+    n = max(1, int(mib * (1 << 20)) // 4)
+    return b'{"images":[[' + b",".join([b'"a"'] * n) + b']],"texts":[[1]]}'
+
+
+def hostile(sizes: str = "1,4,24,64", repeats: int = 3, probes: int = 200,
+            seed: int = 0) -> dict[str, Any]:
+    """Junk bodies of each size (MiB) to ``POST /v1/similarity`` of a serving API, ``repeats``
+    times each, while one thread probes ``/healthz``; beside the probe latency at rest in the
+    same run. Reports the answer's status and size, the time to answer, the probe latency while
+    junk is being processed, and the API's resident memory (peak sampled every 10 ms)."""
+    mibs = [float(x) for x in sizes.split(",") if x.strip()]
+    data = synthetic_pairs(500, 64, 32, seed=seed)
+    with stack(checkpoint_every_seconds=0.5) as st, httpx.Client(timeout=120) as http:
+        StreamClient(st.r, NAMESPACE).push_pairs(data)
+        st.spawn("worker", "--model", "cmos")
+        url = st.api()
+        wait_for(lambda: http.get(f"{url}/readyz").status_code == 200, 120, "a model")
+        api_pid = st.procs[-1].pid
+
+        def probe_ms() -> float:
+            start = time.perf_counter()
+            http.get(f"{url}/healthz")
+            return (time.perf_counter() - start) * 1000
+
+        rest = [probe_ms() for _ in range(probes)]
+        rss_rest = rss_mb(api_pid)
+        results = []
+        for mib in tqdm(mibs, desc="junk bodies", file=sys.stderr):
+            body = _junk_body(mib)
+            during: list[float] = []
+            peak = [rss_mb(api_pid)]
+            done = threading.Event()
+
+            def watch(rss: list[float] = peak, lat: list[float] = during,
+                      stop: threading.Event = done) -> None:
+                with httpx.Client(timeout=120) as own:
+                    while not stop.is_set():
+                        start = time.perf_counter()
+                        own.get(f"{url}/healthz")
+                        lat.append((time.perf_counter() - start) * 1000)
+                        rss.append(rss_mb(api_pid))
+                        stop.wait(0.01)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            seconds, sizes_out, statuses = [], [], set()
+            try:
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    answer = httpx.post(f"{url}/v1/similarity", content=body, timeout=120,
+                                        headers={"content-type": "application/json"})
+                    seconds.append(time.perf_counter() - start)
+                    sizes_out.append(len(answer.content))
+                    statuses.add(answer.status_code)
+            finally:
+                done.set()
+                watcher.join()
+            results.append({
+                "body_mib": mib, "status": sorted(statuses), "answer_bytes_max": max(sizes_out),
+                "answer_seconds_p50": round(statistics.median(seconds), 4),
+                "healthz_during_p50_ms": round(_percentile(during, 50), 2),
+                "healthz_during_max_ms": round(max(during), 2) if during else None,
+                "api_rss_peak_mb": round(max(peak), 1), "api_rss_after_mb": round(
+                    rss_mb(api_pid), 1)})
+        return {"benchmark": "hostile", "max_body_bytes": st.settings.max_body_bytes,
+                "healthz_rest_p50_ms": round(_percentile(rest, 50), 2),
+                "healthz_rest_p99_ms": round(_percentile(rest, 99), 2),
+                "api_rss_rest_mb": round(rss_rest, 1), "bodies": results}

@@ -50,7 +50,7 @@ from streamxm.client import check_dims, ensure_schema, read_schema
 from streamxm.keys import Keys
 from streamxm.learner import UPDATE_BUCKETS, Learner, LearnFailed
 from streamxm.messages import InvalidPair, Limits, Pair, decode_pair, field_name
-from streamxm.models import DIRECTIONS
+from streamxm.models import DIRECTIONS, split_name
 from streamxm.redis_conn import StreamEntry, stream_entries, text
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
@@ -142,6 +142,7 @@ class LearnerWorker:
         limits: Limits = Limits(),
         max_learn_attempts: int = 3,
     ) -> None:
+        split_name(model)  # an unknown name fails here, before anything is registered
         self.r = client
         self.store = store
         self.model = model

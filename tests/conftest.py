@@ -3,7 +3,9 @@ test, and helpers to run the worker and the API for real."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
 import uuid
@@ -22,6 +24,33 @@ from streamxm.waiting import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_WIKI = ROOT.parent / "shared" / "datasets" / "wiki_sift128_lda10.npz"
+
+
+def _servers_under(root: Path) -> list[tuple[int, str]]:
+    """redis-server processes whose command line names a path under ``root``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "redis-server" in cmdline and str(root) in cmdline:
+            found.append((int(proc.name), cmdline))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_server_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test that starts a Redis server stops it: one left running fails the session."""
+    root = tmp_path_factory.getbasetemp()
+    yield
+    left = [(pid, cmd) for pid, cmd in _servers_under(root) if str(root / "redis") not in cmd]
+    for pid, _ in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    assert not left, f"tests left redis-server processes running: {left}"
 
 
 @pytest.fixture(scope="session")

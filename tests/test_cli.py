@@ -7,7 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
+from streamxm.config import Settings
+from streamxm.keys import Keys
+from streamxm.service import build_worker
 from tests.conftest import PY, SHARED_WIKI, free_port
 
 
@@ -62,7 +66,32 @@ def test_bench_throughput_reports_learner_limit_and_baseline(tmp_path: Path) -> 
 def test_push_rejects_a_missing_dataset(tmp_path: Path) -> None:
     out = subprocess.run([*PY, "push", "--dataset", str(tmp_path / "nope.npz")],
                          env=_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "nope.npz" in out.stderr
+    assert out.returncode == 2 and "nope.npz" in out.stderr
+    # Arguments are checked before anything starts: no embedded Redis was launched.
+    assert not (tmp_path / "d" / "redis").exists()
+
+
+def test_worker_rejects_an_unknown_model_before_registering_it(
+        tmp_path: Path, r: redis.Redis, settings: Settings) -> None:
+    out = subprocess.run([*PY, "worker", "--model", "bogus"], env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown model 'bogus'" in out.stderr
+    assert not (tmp_path / "d" / "redis").exists()
+    # Against a running Redis, the library refuses it before anything is written there either.
+    with pytest.raises(ValueError, match="unknown model 'bogus'"):
+        build_worker(settings, r, "bogus")
+    keys = Keys(settings.namespace)
+    assert r.smembers(keys.models) == set() and not r.exists(keys.pairs)
+
+
+@pytest.mark.parametrize("token", ["", "   "])
+def test_api_refuses_to_start_with_an_empty_token(tmp_path: Path, token: str) -> None:
+    env = {**_env(tmp_path), "STREAMXM_API_TOKEN": token}
+    out = subprocess.run([*PY, "api", "--port", str(free_port())], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "STREAMXM_API_TOKEN" in out.stderr and "empty" in out.stderr
+    assert "Uvicorn running" not in out.stderr
 
 
 def test_bench_database_pools_splits_and_scores_against_the_database(tmp_path: Path) -> None:

