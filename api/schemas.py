@@ -38,7 +38,7 @@ class RequestLimits:
 
     max_dim: int = MAX_DIM_CEILING
     max_batch: int = 1024
-    max_values: int = 1 << 20
+    max_values: int = 1 << 19
     max_k: int = 1000
 
     @classmethod

@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     max_batch: int = Field(default=1024, ge=1, le=MAX_BATCH_CEILING)
     max_k: int = Field(default=1000, ge=1, le=MAX_K_CEILING)
     max_request_values: int = Field(
-        default=1 << 20, ge=1, le=MAX_REQUEST_VALUES_CEILING,
+        default=1 << 19, ge=1, le=MAX_REQUEST_VALUES_CEILING,
         description="vector values in one request body, all vectors together")
     max_body_bytes: int = Field(
         default=0, ge=0, description="request body cap; 0 (default) derives it from "
