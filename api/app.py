@@ -162,6 +162,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     # metrics) hold the default pool's threads, and must not hold up a search, which reads
     # only memory.
     query_threads = anyio.CapacityLimiter(settings.query_threads)
+    scrape_threads = anyio.CapacityLimiter(2)
 
     async def compute(fn: Callable[[Body], Out], body: Body) -> Out:
         return await anyio.to_thread.run_sync(fn, body, limiter=query_threads)
@@ -304,7 +305,11 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {}},
                               "description": "Prometheus text exposition"}})
-    def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics() -> Response:
+        # Threads of its own, like queries: a scrape must not queue behind requests that wait on
+        # a stalled Redis (the collector itself waits at most metrics_timeout_seconds).
+        text = await anyio.to_thread.run_sync(generate_latest, metrics.registry,
+                                              limiter=scrape_threads)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
