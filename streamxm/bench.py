@@ -82,20 +82,30 @@ def quality(
     epochs: int = 5,
     params: dict[str, Any] | None = None,
     progress: bool = False,
+    order: str = "file",
+    label_noise: float = 0.0,
+    buffer_memory: int = 0,
 ) -> dict[str, Any]:
     """Train on the train split (see :func:`train` for the protocols) and score the test split
-    (:func:`evaluate_model`)."""
+    (:func:`evaluate_model`). The training pairs arrive in ``order`` (``file``, ``class``: one
+    topic at a time, ``shuffled``) with a fraction ``label_noise`` of their labels replaced by
+    another class (:func:`~streamxm.datasets.noisy_labels`); the test split is untouched."""
     ds = load_dataset(dataset)
-    learner = Learner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
+    learner = Learner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed,
+                      buffer_memory=buffer_memory)
+    pairs = list(iter_pairs(ds, unlabelled=unlabelled, order=order, label_noise=label_noise,
+                            seed=seed))
     start = time.perf_counter()
-    passes = train(learner, list(iter_pairs(ds, unlabelled=unlabelled)), protocol, epochs,
-                   progress, desc=f"{model} {protocol}")
+    passes = train(learner, pairs, protocol, epochs, progress, desc=f"{model} {protocol}")
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {
         "dataset": str(dataset),
         "model": model,
         "protocol": protocol,
         "unlabelled": unlabelled,
+        "order": order,
+        "label_noise": label_noise,
+        "buffer_memory": buffer_memory,
         "seed": seed,
         "passes": passes,
         "train_pairs": len(ds.img_train),
@@ -104,6 +114,7 @@ def quality(
         "mistakes": dict(learner.stats.mistakes),
         "triplets": dict(learner.stats.triplets),
         "rolling_map": learner.rolling_map(),
+        "drift_detections": learner.drift.detections,
         "params": learner.model.params(),
         "train_seconds": round(seconds, 3),
     }

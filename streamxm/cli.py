@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamxm.datasets import ORDERS
 from streamxm.models import MODEL_NAMES
 
 __all__ = ["main"]
@@ -27,6 +28,13 @@ def _params(items: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return value
 
 
 def _model_name(name: str) -> str:
@@ -133,7 +141,9 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
 
     result = quality(args.dataset, args.model, protocol=args.protocol,
                      unlabelled=args.unlabelled, seed=args.seed, epochs=args.epochs,
-                     params=_params(args.param) or None, progress=not args.json)
+                     params=_params(args.param) or None, progress=not args.json,
+                     order=args.order, label_noise=args.label_noise,
+                     buffer_memory=args.buffer_memory)
     if args.json:
         print(json.dumps(result))
     else:
@@ -254,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", required=True)
     q.add_argument("--protocol", choices=["stream", "offline"], default="stream")
     q.add_argument("--unlabelled", action="store_true", help="withhold every training label")
+    q.add_argument("--order", choices=ORDERS, default="file",
+                   help="training pairs in file order, sorted by class (bursts of one topic), "
+                        "or shuffled (seeded)")
+    q.add_argument("--label-noise", type=_fraction, default=0.0, metavar="P",
+                   help="replace a fraction P of training labels by another class (seeded)")
+    q.add_argument("--buffer-memory", type=int, default=0, metavar="SLOTS",
+                   help="slots of the replay buffer (500) kept as a class-balanced memory of the "
+                        "whole history instead of recent pairs")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")

@@ -13,7 +13,11 @@ from numpy.typing import NDArray
 
 from streamxm.messages import Pair, make_pair
 
-__all__ = ["PUBLISHED_WIKI", "Dataset", "bundled_wiki_path", "iter_pairs", "load_dataset"]
+__all__ = ["ORDERS", "PUBLISHED_WIKI", "Dataset", "bundled_wiki_path", "iter_pairs",
+           "load_dataset", "noisy_labels", "stream_order"]
+
+#: Orders a benchmark can stream the training rows in (``stream_order``).
+ORDERS = ("file", "class", "shuffled")
 
 #: Published figures on the Wikipedia SIFT128/LDA10 features (``../shared/datasets/README.md``):
 #: method -> (image->text, text->image, source).
@@ -76,13 +80,63 @@ def row_labels(y: NDArray[Any], i: int) -> list[int]:
     return [int(j) for j in np.flatnonzero(row)]
 
 
+def stream_order(y: NDArray[Any], order: str = "file", seed: int = 0) -> NDArray[np.intp]:
+    """Row indices in the order a stream delivers them.
+
+    ``file``: as stored. ``class``: sorted by each row's first (smallest) label, stable, rows
+    without a label last: a stream that arrives one topic at a time. ``shuffled``: a seeded
+    random permutation.
+
+    >>> stream_order(np.array([2, 0, 2, 1, 0]), "class").tolist()
+    [1, 4, 3, 0, 2]
+    """
+    n = len(y)
+    if order == "file":
+        return np.arange(n)
+    if order == "class":
+        first = np.array([min(row_labels(y, i), default=np.iinfo(np.int64).max)
+                          for i in range(n)])
+        return np.argsort(first, kind="stable")
+    if order == "shuffled":
+        return np.random.default_rng(seed).permutation(n)
+    raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+
+
+def noisy_labels(y: NDArray[Any], fraction: float, seed: int = 0) -> list[list[int]]:
+    """Every row's labels, with those of ``round(fraction * n)`` rows (chosen at random, seeded)
+    each replaced by a random *other* class among the classes of ``y``: wrong labels, as a
+    careless annotator or a mislabelled crawl gives them.
+
+    >>> y = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    >>> labels = noisy_labels(y, 0.3, seed=1)
+    >>> sum(a != [int(b)] for a, b in zip(labels, y))
+    3
+    """
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"label noise must be a fraction in [0, 1], got {fraction}")
+    n = len(y)
+    labels = [row_labels(y, i) for i in range(n)]
+    classes = sorted({c for row in labels for c in row})
+    if fraction == 0 or len(classes) < 2:
+        return labels
+    rng = np.random.default_rng([seed, 1])
+    for i in rng.choice(n, size=round(fraction * n), replace=False):
+        labels[i] = sorted({int(rng.choice([c for c in classes if c != old]))
+                            for old in labels[i]})
+    return labels
+
+
 def iter_pairs(
-    ds: Dataset, limit: int | None = None, unlabelled: bool = False, prefix: str = "train"
+    ds: Dataset, limit: int | None = None, unlabelled: bool = False, prefix: str = "train",
+    order: str = "file", label_noise: float = 0.0, seed: int = 0,
 ) -> Iterator[Pair]:
-    """Training rows as validated pairs in file order (labels withheld if ``unlabelled``)."""
-    n = len(ds.img_train) if limit is None else min(limit, len(ds.img_train))
-    for i in range(n):
+    """Training rows as validated pairs (ids ``<prefix>-<row>``), in ``order``
+    (:func:`stream_order`), with a fraction ``label_noise`` of the labels wrong
+    (:func:`noisy_labels`), or none if ``unlabelled``."""
+    rows = stream_order(ds.y_train, order, seed)
+    labels = noisy_labels(ds.y_train, label_noise, seed)
+    for i in rows[:limit]:
         yield make_pair(
             f"{prefix}-{i}", ds.img_train[i], ds.txt_train[i],
-            labels=None if unlabelled else row_labels(ds.y_train, i),
+            labels=None if unlabelled else labels[i],
         )

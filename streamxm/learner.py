@@ -67,7 +67,11 @@ class Learner:
     params
         Model constructor parameters.
     buffer_capacity
-        Pairs in the replay buffer.
+        Pairs in the replay buffer, recent and remembered together.
+    buffer_memory
+        Of those, slots of the class-balanced memory of the whole history
+        (:class:`~streamxm.replay.ReplayBuffer`); 0 (default): the buffer is a ring of the most
+        recent pairs only. ``docs/benchmarks.md`` ("Stream order") measures what it buys.
     seed
         Seed of the learner's RNG (triplet sampling); its state is checkpointed.
 
@@ -91,6 +95,7 @@ class Learner:
         params: dict[str, Any] | None = None,
         buffer_capacity: int = 500,
         seed: int = 0,
+        buffer_memory: int = 0,
         eval_every: int = 1,
         eval_gallery: int = 200,
         rolling_window: int = 500,
@@ -98,7 +103,8 @@ class Learner:
     ) -> None:
         self.model_name = model
         self.model: CrossModalModel = create_model(model, img_dim, txt_dim, params)
-        self.buffer = ReplayBuffer(buffer_capacity, img_dim, txt_dim, max_labels)
+        self.buffer = ReplayBuffer(buffer_capacity, img_dim, txt_dim, max_labels,
+                                   memory=buffer_memory, seed=seed)
         self.rng = np.random.default_rng(seed)
         self.seed = seed
         self.eval_every = eval_every
@@ -222,6 +228,7 @@ class Learner:
         learner = cls(
             meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), meta["params"],
             buffer_capacity=int(meta["buffer_meta"]["capacity"]), seed=int(meta["seed"]),
+            buffer_memory=int(meta["buffer_meta"].get("memory", 0)),
             eval_every=int(meta["eval_every"]), eval_gallery=int(meta["eval_gallery"]),
             rolling_window=int(meta["rolling_window"]),
             max_labels=buffer_arrays["labels"].shape[1],

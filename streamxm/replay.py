@@ -1,7 +1,24 @@
-"""A bounded replay buffer of recent pairs and the triplet sampler that draws from it.
+"""A bounded replay buffer of recent pairs *and* of the whole history, and the triplet sampler
+that draws from it.
 
-The buffer is a ring of the last ``capacity`` pairs. Labels are kept as a padded int matrix
-(-1 = no label) so that the whole buffer is plain arrays and checkpoints without pickle.
+Its slots hold two parts: a ring of the most recent pairs and a long-term memory that represents
+everything seen so far, filled by the pairs the ring evicts. A buffer of only the last few hundred
+pairs forgets: on a stream that arrives one topic at a time it holds one class, so negatives,
+replays and triplets all come from it, and the models forget the other classes. The memory is a
+*class-balanced reservoir* (Chrysakis and Moens, ICML 2020): while it has room every evicted pair
+enters; once full, a pair of a class that does not hold the most slots replaces a random pair of
+the class that does, and a pair of the largest class replaces a random pair of its own class with
+probability (slots of the class) / (pairs of the class seen), so each class keeps a uniform
+sample of its own history and the classes share the memory evenly however skewed their arrival.
+Pairs key on their first label; unlabelled pairs form one group of their own, so for an
+unlabelled stream the memory is a plain reservoir: a uniform sample of the whole history, which
+keeps the older parts of the feature space in proportion to how much of the stream they were.
+
+Slots ``0 .. recent-1`` are the ring, ``recent .. capacity-1`` the memory; the memory fills only
+once the ring is full, so the occupied slots are always ``0 .. size-1`` and every consumer draws
+uniformly over them. Labels are kept as a padded int matrix (-1 = no label) so that the whole
+buffer is plain arrays and checkpoints without pickle; the memory's RNG is its own (seeded), so
+the models' random streams do not depend on it.
 """
 
 from __future__ import annotations
@@ -27,16 +44,20 @@ def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float32]:
 
 
 class ReplayBuffer:
-    """Ring buffer of the most recent pairs.
+    """The most recent pairs plus a class-balanced memory of the whole history.
 
     Parameters
     ----------
     capacity
-        Number of pairs kept; the oldest leaves when a new one arrives.
+        Number of pairs kept in all.
     img_dim, txt_dim
         Vector sizes of the namespace.
     max_labels
         Labels kept per pair (the message limit).
+    memory
+        Slots of the long-term memory (the rest is the ring of recent pairs); 0: a plain ring.
+    seed
+        Seed of the memory's own RNG.
 
     Examples
     --------
@@ -47,12 +68,30 @@ class ReplayBuffer:
     ...     _ = buf.add(make_pair(str(i), [i, 1.0], [1.0], labels=[i]))
     >>> len(buf), buf.labels_list()
     (2, [(1,), (2,)])
+
+    Ten classes arriving one after the other: the ring holds the last class only, the memory
+    every class, evenly.
+
+    >>> buf = ReplayBuffer(60, img_dim=1, txt_dim=1, memory=40)
+    >>> for i in range(1000):
+    ...     _ = buf.add(make_pair(str(i), [0.0], [0.0], labels=[i // 100]))
+    >>> ring, memory = buf.labels[:20, 0], buf.labels[20:, 0]
+    >>> sorted(set(ring.tolist())), np.bincount(memory).tolist()
+    ([9], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4])
     """
 
-    def __init__(self, capacity: int, img_dim: int, txt_dim: int, max_labels: int = 64) -> None:
+    def __init__(self, capacity: int, img_dim: int, txt_dim: int, max_labels: int = 64,
+                 memory: int = 0, seed: int = 0) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
+        if not 0 <= memory < capacity:
+            raise ValueError("memory must be in [0, capacity)")
         self.capacity = capacity
+        self.memory = memory
+        self.recent = capacity - memory
+        self.rng = np.random.default_rng([seed, 2])
+        self.seen: dict[int, int] = {}  # pairs evicted into the memory's view, per group
+        self.stored = 0  # occupied memory slots
         self.img = np.zeros((capacity, img_dim), dtype=np.float32)
         self.txt = np.zeros((capacity, txt_dim), dtype=np.float32)
         self.labels = np.full((capacity, max_labels), -1, dtype=np.int64)
@@ -67,12 +106,45 @@ class ReplayBuffer:
         return self.size
 
     def add(self, pair: Pair) -> int:
-        """Store a pair, evicting the oldest when full; return its slot."""
+        """Store a pair in the ring (the oldest recent pair moves to the memory, which keeps or
+        drops it); return its slot."""
         slot = self.head
+        ring = self.size - self.stored
+        if self.memory and ring >= self.recent:
+            self._remember(slot)
         self.put(slot, pair)
-        self.head = (self.head + 1) % self.capacity
-        self.size = min(self.size + 1, self.capacity)
+        self.head = (self.head + 1) % self.recent
+        self.size = min(ring + 1, self.recent) + self.stored
         return slot
+
+    def _group(self, slot: int) -> int:
+        return int(self.labels[slot, 0])  # first label; -1: unlabelled
+
+    def _remember(self, slot: int) -> None:
+        """Offer the pair at ring ``slot`` (about to be overwritten) to the memory."""
+        group = self._group(slot)
+        self.seen[group] = self.seen.get(group, 0) + 1
+        if self.stored < self.memory:
+            target = self.recent + self.stored
+            self.stored += 1
+        else:
+            groups = self.labels[self.recent :, 0]
+            counts = dict(zip(*np.unique(groups, return_counts=True), strict=True))
+            largest = max(counts.values())
+            if counts.get(group, 0) < largest:
+                # Take a slot from a largest group (the first of them: deterministic).
+                victim = min(g for g, c in counts.items() if c == largest)
+                slots = np.flatnonzero(groups == victim)
+            elif self.rng.random() < counts[group] / self.seen[group]:
+                slots = np.flatnonzero(groups == group)
+            else:
+                return
+            target = self.recent + int(slots[self.rng.integers(len(slots))])
+        self._copy(slot, target)
+
+    def _copy(self, source: int, target: int) -> None:
+        for rows in (self.img, self.txt, self.labels, self.img_norm, self.txt_norm):
+            rows[target] = rows[source]
 
     def put(self, slot: int, pair: Pair) -> None:
         """Overwrite the pair at an occupied ``slot`` (a reservoir's replacement step)."""
@@ -85,10 +157,14 @@ class ReplayBuffer:
         self.txt_norm[slot] = _row_norms(pair.txt[None, :])[0]
 
     def order(self) -> NDArray[np.intp]:
-        """Slots from the oldest to the newest pair."""
-        if self.size < self.capacity:
-            return np.arange(self.size)
-        return (np.arange(self.capacity) + self.head) % self.capacity
+        """Slots from the oldest to the newest pair: the memory (slot order), then the ring."""
+        ring = min(self.size, self.recent)
+        if ring < self.recent:
+            ring_order = np.arange(ring)
+        else:
+            ring_order = (np.arange(self.recent) + self.head) % self.recent
+        return np.concatenate([np.arange(self.recent, self.recent + self.stored),
+                               ring_order]).astype(np.intp)
 
     def labels_list(self) -> list[tuple[int, ...]]:
         return [tuple(int(x) for x in row if x >= 0) for row in self.labels[self.order()]]
@@ -110,16 +186,23 @@ class ReplayBuffer:
     def state(self) -> tuple[dict[str, NDArray[Any]], dict[str, Any]]:
         arrays: dict[str, NDArray[Any]] = {"img": self.img, "txt": self.txt,
                                            "labels": self.labels}
-        return arrays, {"capacity": self.capacity, "size": self.size, "head": self.head}
+        return arrays, {"capacity": self.capacity, "size": self.size, "head": self.head,
+                        "memory": self.memory, "stored": self.stored,
+                        "seen": [[g, n] for g, n in sorted(self.seen.items())],
+                        "rng": self.rng.bit_generator.state}
 
     @classmethod
     def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> ReplayBuffer:
         buf = cls(int(meta["capacity"]), arrays["img"].shape[1], arrays["txt"].shape[1],
-                  arrays["labels"].shape[1])
+                  arrays["labels"].shape[1], memory=int(meta.get("memory", 0)))
         buf.img[:] = arrays["img"]
         buf.txt[:] = arrays["txt"]
         buf.labels[:] = arrays["labels"]
         buf.size, buf.head = int(meta["size"]), int(meta["head"])
+        buf.stored = int(meta.get("stored", 0))  # absent: a checkpoint of a plain ring
+        buf.seen = {int(g): int(n) for g, n in meta.get("seen", [])}
+        if "rng" in meta:
+            buf.rng.bit_generator.state = meta["rng"]
         buf.label_width = int((buf.labels >= 0).sum(axis=1).max(initial=0))
         buf.img_norm[:] = _row_norms(buf.img)
         buf.txt_norm[:] = _row_norms(buf.txt)

@@ -33,6 +33,7 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
                  params: dict[str, Any] | None = None,
                  learner_options: dict[str, Any] | None = None) -> LearnerWorker:
     learner_options = {"buffer_capacity": settings.buffer_capacity,
+                       "buffer_memory": settings.buffer_memory,
                        "eval_every": settings.eval_every, **(learner_options or {})}
     return LearnerWorker(
         client, open_store(settings, client), model, namespace=settings.namespace,

@@ -11,7 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.messages import Pair
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
 from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
 from streamxm.replay import ReplayBuffer
 
@@ -106,6 +106,10 @@ class CCA(CrossModalModel):
 
     def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
                   stats: LearnStats) -> None:
+        # CCA learns no triplets; once it has solved, one is scored before the update for the
+        # mistake metrics and the drift detector (the model itself never reads the RNG).
+        if self.solves:
+            observe_triplet(self, pair, slot, buffer, rng, stats)
         self.moments.add(power_normalize(pair.img, self.power),
                          power_normalize(pair.txt, self.power))
         if self.schedule.due(self.moments.n):

@@ -1,0 +1,99 @@
+"""Streams as they arrive: class-ordered and noisy benchmark streams, and the class-balanced
+memory of the replay buffer (bounded, balanced, checkpointed exactly)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamxm.checkpoint import Checkpoint, decode_blob, encode_blob
+from streamxm.datasets import load_dataset, noisy_labels, stream_order
+from streamxm.learner import Learner
+from streamxm.messages import make_pair
+from streamxm.replay import ReplayBuffer
+from tests.conftest import PY, class_stream
+from tests.test_faults import assert_same_learner
+
+
+def test_class_order_is_stable_and_noise_changes_exactly_the_asked_fraction() -> None:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 5, size=400)
+    rows = stream_order(y, "class")
+    assert (np.diff(y[rows]) >= 0).all()
+    for c in range(5):  # stable: file order within a class
+        assert (np.diff(rows[y[rows] == c]) > 0).all()
+    assert sorted(stream_order(y, "shuffled", seed=3).tolist()) == list(range(400))
+    noisy = noisy_labels(y, 0.2, seed=0)
+    changed = [i for i, labels in enumerate(noisy) if labels != [int(y[i])]]
+    assert len(changed) == 80 and all(noisy[i][0] != y[i] for i in changed)
+    assert noisy == noisy_labels(y, 0.2, seed=0) != noisy_labels(y, 0.2, seed=1)
+    with pytest.raises(ValueError, match="order"):
+        stream_order(y, "random")
+
+
+def test_memory_stays_balanced_and_bounded_over_a_long_class_ordered_stream() -> None:
+    buf = ReplayBuffer(100, 2, 1, memory=60, seed=0)
+    for i in range(20_000):
+        c = i // 2000  # ten classes, one after the other
+        buf.add(make_pair(str(i), [float(c), 1.0], [1.0], labels=[c]))
+    memory = buf.labels[buf.recent :, 0]
+    assert len(buf) == 100 and buf.stored == 60
+    assert np.bincount(memory, minlength=10).tolist() == [6] * 10
+    # Each class keeps a uniform sample of its own history, not its first or last pairs.
+    ring = buf.labels[: buf.recent, 0]
+    assert set(ring.tolist()) == {9}
+    # The rows moved with their labels (image feature 0 is the class).
+    assert np.array_equal(buf.img[buf.recent :, 0], memory.astype(np.float32))
+
+
+def test_unlabelled_pairs_keep_a_uniform_sample_of_the_whole_history() -> None:
+    buf = ReplayBuffer(300, 1, 1, memory=200, seed=1)
+    for i in range(10_000):
+        buf.add(make_pair(str(i), [float(i)], [0.0]))
+    kept = buf.img[buf.recent :, 0]
+    # A reservoir: spread over the history evicted from the ring (0 .. 9,899) in proportion.
+    counts = np.histogram(kept, bins=5, range=(0, 9900))[0]
+    assert counts.min() >= 25, counts
+
+
+def test_a_learner_with_memory_continues_exactly_after_a_checkpoint() -> None:
+    pairs = class_stream(1200, 8, 4, seed=5)
+    pairs.sort(key=lambda p: p.labels[0])  # class order: the memory does real work
+    for model in ("cmos", "pairwise:marginal"):
+        whole = Learner(model, 8, 4, seed=0, buffer_capacity=120, buffer_memory=80)
+        whole.learn(pairs)
+        first = Learner(model, 8, 4, seed=0, buffer_capacity=120, buffer_memory=80)
+        first.learn(pairs[:700])
+        arrays, meta = first.state()
+        ckpt = decode_blob(encode_blob(Checkpoint(1, arrays, meta)))
+        resumed = Learner.from_state(ckpt.arrays, ckpt.meta)
+        assert resumed.buffer.memory == 80 and resumed.buffer.stored == 80
+        resumed.learn(pairs[700:])
+        assert_same_learner(resumed, whole)
+
+
+def test_bench_quality_streams_in_the_asked_order_with_noise(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(3, 8))
+    y = rng.integers(3, size=150)
+    img, txt = centres[y] + 0.5 * rng.normal(size=(150, 8)), centres[y, :5] + 0.5 * rng.normal(
+        size=(150, 5))
+    path = tmp_path / "tiny.npz"
+    np.savez(path, img_train=img[:120], txt_train=txt[:120], y_train=y[:120],
+             img_test=img[120:], txt_test=txt[120:], y_test=y[120:])
+    assert len(load_dataset(path).y_train) == 120
+    out = subprocess.run([*PY, "bench", "quality", "--dataset", str(path), "--model", "cmos",
+                          "--order", "class", "--label-noise", "0.2", "--buffer-memory", "100",
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert (result["order"], result["label_noise"], result["buffer_memory"]) == ("class", 0.2,
+                                                                                 100)
+    assert isinstance(result["drift_detections"], int) and result["map_i2t"] > 0
+    bad = subprocess.run([*PY, "bench", "quality", "--dataset", str(path), "--model", "cmos",
+                          "--label-noise", "1.5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "fraction" in bad.stderr
