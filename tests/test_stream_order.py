@@ -63,10 +63,10 @@ def test_unlabelled_pairs_keep_a_uniform_sample_of_the_whole_history() -> None:
 def test_a_learner_with_memory_continues_exactly_after_a_checkpoint() -> None:
     pairs = class_stream(1200, 8, 4, seed=5)
     pairs.sort(key=lambda p: p.labels[0])  # class order: the memory does real work
-    for model in ("cmos", "pairwise:marginal"):
-        whole = Learner(model, 8, 4, seed=0, buffer_capacity=120, buffer_memory=80)
+    for model, params in (("cmos", {"replay": 2}), ("pairwise:marginal", None)):
+        whole = Learner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
         whole.learn(pairs)
-        first = Learner(model, 8, 4, seed=0, buffer_capacity=120, buffer_memory=80)
+        first = Learner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
         first.learn(pairs[:700])
         arrays, meta = first.state()
         ckpt = decode_blob(encode_blob(Checkpoint(1, arrays, meta)))
@@ -97,3 +97,19 @@ def test_bench_quality_streams_in_the_asked_order_with_noise(tmp_path: Path) -> 
     bad = subprocess.run([*PY, "bench", "quality", "--dataset", str(path), "--model", "cmos",
                           "--label-noise", "1.5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "fraction" in bad.stderr
+
+
+def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
+    pairs = sorted(class_stream(600, 8, 4, seed=6), key=lambda p: p.labels[0])
+    plain = Learner("cmos", 8, 4, {"triplets_per_pair": 2}, seed=0, buffer_capacity=120,
+                    buffer_memory=80)
+    plain.learn(pairs)
+    rehearsed = Learner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 2}, seed=0,
+                        buffer_capacity=120, buffer_memory=80)
+    rehearsed.learn(pairs)
+    # Up to two more triplets per pair once the memory holds pairs (after the first 40); fewer
+    # while it holds too few classes for a negative.
+    extra = sum(rehearsed.stats.triplets.values()) - sum(plain.stats.triplets.values())
+    assert 600 - 40 <= extra <= 2 * (600 - 40)
+    with pytest.raises(ValueError, match="replay"):
+        Learner("cmos", 8, 4, {"replay": -1})

@@ -46,6 +46,12 @@ class CMOS(CrossModalModel):
       drawn from the replay buffer by :func:`streamxm.replay.sample_triplet_slots` (uniform
       candidates from the learner's buffer of the last 500 pairs), the arriving pair being the
       query; directions alternate across all triplets.
+    - **Replay** (not in the paper, off by default): the paper learns only from triplets whose
+      query is the arriving pair, so on a stream that arrives one class at a time the classes
+      that stopped arriving are never queries again and slip. With ``replay = r`` and a learner
+      whose buffer keeps a class-balanced memory (``buffer_memory``), each pair adds ``r``
+      triplets whose query is a remembered pair (uniform over the memory), drawn and solved like
+      the others. ``docs/benchmarks.md`` ("Stream order") measures it.
     - A triplet whose ``||V||_F^2`` is 0 (identical positive and negative) is counted but never
       updates ``W``: PA's step is undefined there.
     - ``W`` is float32 by default (``dtype``): the two products per triplet are memory-bound, and
@@ -76,6 +82,8 @@ class CMOS(CrossModalModel):
         ``"blocked"`` (the above) or ``"paper"``: Eq. 6/7 transcribed literally, one triplet at a
         time with ``V`` formed explicitly; the baseline of ``streamxm bench throughput`` and the
         oracle of the tests.
+    replay
+        Extra triplets per pair whose query is a pair of the buffer's memory (0: the paper).
 
     Examples
     --------
@@ -106,10 +114,13 @@ class CMOS(CrossModalModel):
         dtype: Literal["float32", "float64"] = "float32",
         flush_every: int = 128,
         solver: Literal["blocked", "paper"] = "blocked",
+        replay: int = 0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if C <= 0 or margin <= 0 or triplets_per_pair < 1 or flush_every < 1:
             raise ValueError("C and margin must be > 0, triplets_per_pair and flush_every >= 1")
+        if replay < 0:
+            raise ValueError(f"replay must be >= 0, got {replay}")
         if normalize not in ("l2", "none"):
             raise ValueError(f"normalize must be 'l2' or 'none', got {normalize!r}")
         if solver not in ("blocked", "paper"):
@@ -124,6 +135,7 @@ class CMOS(CrossModalModel):
         self.dtype = dtype
         self.flush_every = int(flush_every)
         self.solver = solver
+        self.replay = int(replay)
         #: When a list, every flush appends the step sizes it took, in order (for tests).
         self.tau_log: list[float] | None = None
         self.W = np.zeros((img_dim, txt_dim), dtype=dtype)
@@ -132,7 +144,7 @@ class CMOS(CrossModalModel):
         self.n_seen = 0
         self.n_triplets = 0  # its parity picks the direction of the next triplet
         # The queue of triplets not yet applied: V_k = left[k] right[k]^T.
-        capacity = self.flush_every + self.triplets_per_pair
+        capacity = self.flush_every + self.triplets_per_pair + self.replay
         self._left = np.zeros((capacity, img_dim), dtype=dtype)
         self._right = np.zeros((capacity, txt_dim), dtype=dtype)
         self._is_text = np.zeros(capacity, dtype=bool)
@@ -142,7 +154,7 @@ class CMOS(CrossModalModel):
     def params(self) -> dict[str, Any]:
         return {"C": self.C, "margin": self.margin, "triplets_per_pair": self.triplets_per_pair,
                 "normalize": self.normalize, "center": self.center, "dtype": self.dtype,
-                "flush_every": self.flush_every, "solver": self.solver}
+                "flush_every": self.flush_every, "solver": self.solver, "replay": self.replay}
 
     # -- input map -------------------------------------------------------------------------
     def _norm(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
@@ -271,8 +283,28 @@ class CMOS(CrossModalModel):
                 self._enqueue(v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg),
                               is_text=False)
             self.n_triplets += 1
+        if self.replay and buffer.stored:
+            self._rehearse(buffer, rng)
         if self._queued >= self.flush_every:
             self.flush(stats)
+
+    def _rehearse(self, buffer: ReplayBuffer, rng: np.random.Generator) -> None:
+        """``replay`` triplets whose query is a remembered pair (the buffer's class-balanced
+        memory), so that classes no longer arriving keep being learned as queries too."""
+        for _ in range(self.replay):
+            q = buffer.recent + int(rng.integers(buffer.stored))
+            labels = tuple(int(x) for x in buffer.labels[q] if x >= 0)
+            sampler = TripletSampler(buffer, q, labels)
+            for is_text, pos, neg in sampler.directed(rng, 1, self.n_triplets):
+                if is_text:
+                    t = self.map_texts(buffer.txt[q])
+                    self._enqueue(self._row_diff(buffer.img, buffer.img_norm, pos, neg), t,
+                                  is_text=True)
+                else:
+                    v = self.map_images(buffer.img[q])
+                    self._enqueue(v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg),
+                                  is_text=False)
+                self.n_triplets += 1
 
     # -- serving ---------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
