@@ -4,7 +4,7 @@ regression per modality), over regularisation strengths and input power maps; pr
 Shows how high the marginal model itself can go on a benchmark file, independent of any online
 optimiser. Needs the dev extras (scikit-learn)::
 
-    python scripts/marginal_exact_optimum.py ../shared/datasets/wiki_sift128_lda10.npz
+    python scripts/marginal_exact_optimum.py wiki
 """
 
 from __future__ import annotations

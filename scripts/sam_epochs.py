@@ -1,6 +1,6 @@
 """Test-split mAP of SAM every few epochs of offline training (quoted in docs/benchmarks.md).
 
-    python scripts/sam_epochs.py ../shared/datasets/wiki_sift128_lda10.npz --seed 0 \
+    python scripts/sam_epochs.py wiki --seed 0 \
         [--every 10] [--param dropout=0.1 --param power_img=null]
 
 Prints one JSON object: the parameters and, per traced epoch, image->text and text->image mAP.

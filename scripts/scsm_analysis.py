@@ -2,7 +2,7 @@
 the alternation (the paper's Fig. 8), the purity of the groups Y against the withheld labels,
 and a sweep of alpha, beta, r and the age schedule (offline protocol). Prints JSON lines.
 
-    python scripts/scsm_analysis.py ../shared/datasets/wiki_sift128_lda10.npz [--sweep]
+    python scripts/scsm_analysis.py wiki [--sweep]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """MPL-CD on the Wikipedia training set: the loss after each outer loop, from a cold start and
 warm-started after 256 more pairs, with the time each solve takes. Prints JSON.
 
-    python scripts/sdsrl_descent.py ../shared/datasets/wiki_sift128_lda10.npz
+    python scripts/sdsrl_descent.py wiki
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ def _params(items: list[str]) -> dict[str, Any]:
     return out
 
 
+DATASET_HELP = "benchmark .npz (docs/design.md), or wiki: the bundled Wikipedia file"
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 <= value <= 1:
@@ -235,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.set_defaults(func=_cmd_api)
 
     rep = sub.add_parser("report", help="stream-protocol plots and a summary table for models")
-    rep.add_argument("--dataset", required=True, help="benchmark .npz (DESIGN.md)")
+    rep.add_argument("--dataset", required=True, help=DATASET_HELP)
     rep.add_argument("--models", required=True, help="comma-separated model names")
     rep.add_argument("--out", required=True, help="directory for the PNGs and the summary")
     rep.add_argument("--seed", type=int, default=0)
@@ -250,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.set_defaults(func=_cmd_top)
 
     push = sub.add_parser("push", help="push a dataset's training pairs into the stream")
-    push.add_argument("--dataset", required=True, help="benchmark .npz (DESIGN.md)")
+    push.add_argument("--dataset", required=True, help=DATASET_HELP)
     push.add_argument("--rate", type=float, default=None, help="pairs per second")
     push.add_argument("--limit", type=int, default=None, help="push only the first N pairs")
     push.add_argument("--unlabelled", action="store_true", help="withhold labels")
@@ -260,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (JSON output)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     q = bench_sub.add_parser("quality", help="test-split mAP on a benchmark file")
-    q.add_argument("--dataset", required=True)
+    q.add_argument("--dataset", required=True, help=DATASET_HELP)
     q.add_argument("--model", required=True)
     q.add_argument("--protocol", choices=["stream", "offline"], default="stream")
     q.add_argument("--unlabelled", action="store_true", help="withhold every training label")

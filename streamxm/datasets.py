@@ -1,4 +1,4 @@
-"""Benchmark files in the contract of ``DESIGN.md`` and the pairs they stream."""
+"""Benchmark files in the contract of ``docs/design.md`` and the pairs they stream."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ __all__ = ["ORDERS", "PUBLISHED_WIKI", "Dataset", "bundled_wiki_path", "iter_pai
 #: Orders a benchmark can stream the training rows in (``stream_order``).
 ORDERS = ("file", "class", "shuffled")
 
-#: Published figures on the Wikipedia SIFT128/LDA10 features (``../shared/datasets/README.md``):
+#: Published figures on the Wikipedia SIFT128/LDA10 features (``streamxm/data/README.md``):
 #: method -> (image->text, text->image, source).
 PUBLISHED_WIKI: dict[str, tuple[float, float, str]] = {
     "CCA": (0.2757, 0.2002, "Menon et al., SDM 2015, Table 1"),
@@ -50,8 +50,19 @@ def bundled_wiki_path() -> Path:
     return Path(str(resources.files("streamxm") / "data" / "wiki_sift128_lda10.npz"))
 
 
+#: Short dataset names: the files the package bundles.
+BUNDLED = {"wiki": bundled_wiki_path}
+
+
 def load_dataset(path: str | Path) -> Dataset:
-    """Load a benchmark ``.npz`` without unpickling anything."""
+    """Load a benchmark ``.npz`` without unpickling anything; ``"wiki"`` names the bundled
+    Wikipedia file (``streamxm/data/README.md``).
+
+    >>> load_dataset("wiki").img_train.shape
+    (2173, 128)
+    """
+    if str(path) in BUNDLED:
+        path = BUNDLED[str(path)]()
     with np.load(path, allow_pickle=False) as data:
         missing = [k for k in _REQUIRED if k not in data.files]
         if missing:

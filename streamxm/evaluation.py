@@ -1,6 +1,6 @@
 """Retrieval quality: average precision and mAP over a whole ranked gallery.
 
-Definitions follow ``DESIGN.md``: for each query the gallery of the other modality is ranked by
+Definitions follow ``docs/design.md``: for each query the gallery of the other modality is ranked by
 score (descending, ties broken by gallery order), precision is taken at the rank of every relevant
 item and averaged. A gallery item is relevant when it shares at least one label with the query;
 for unlabelled data the relevant item is the query's own partner (pass ``relevance`` directly).

@@ -1,4 +1,4 @@
-"""Redis key names, one place for all of them (``DESIGN.md``: ``sxm:<ns>:...``)."""
+"""Redis key names, one place for all of them (``docs/design.md``: ``sxm:<ns>:...``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pair message, version 1 (``DESIGN.md``): encoding, decoding and validation.
+"""Pair message, version 1 (``docs/design.md``): encoding, decoding and validation.
 
 One validator serves every entry point: the Python client and ``POST /v1/pairs`` reject a bad
 pair before it reaches the stream, and the worker dead-letters whatever reaches it anyway, with

@@ -269,8 +269,8 @@ def sample_triplet_slots(
 ) -> tuple[int, int] | None:
     """Draw (positive slot, negative slot) for the pair stored at ``query_slot``.
 
-    The three ways a triplet arises (CMOS paper, ``DESIGN.md``), candidates drawn uniformly from
-    the buffer:
+    The three ways a triplet arises (CMOS paper, ``docs/design.md``), candidates drawn
+    uniformly from the buffer:
 
     - **single label** (the query has one label): the positive is a buffered pair of the query's
       class (its own partner included), the negative a labelled pair of another class.

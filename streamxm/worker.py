@@ -1,6 +1,6 @@
 """The learner worker: read the stream with a consumer group, learn, checkpoint, acknowledge.
 
-Delivery guarantees (``DESIGN.md``):
+Delivery guarantees (``docs/design.md``):
 
 - One consumer group per model, so every model sees every pair.
 - One *active* learner per model at a time, chosen by a lease in Redis (``sxm:<ns>:lease:<m>``,
@@ -109,7 +109,7 @@ class LearnerWorker:
     store
         Checkpoint store.
     model
-        Model name (``DESIGN.md``).
+        Model name (``docs/design.md``).
     namespace
         Stream namespace.
     consumer

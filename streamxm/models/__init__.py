@@ -1,4 +1,4 @@
-"""Model registry: names used everywhere (CLI, API, metrics, checkpoints), per ``DESIGN.md``.
+"""Model registry: names used everywhere (CLI, API, metrics, checkpoints), per ``docs/design.md``.
 
 SAM is imported when first built: it needs PyTorch, whose import costs every other process
 (workers of other models, the CLI) over a second.
