@@ -34,21 +34,21 @@ from api.schemas import (
     error_responses,
     request_limits,
 )
-from streamxm.client import StreamClient
 from streamxm.config import Settings, get_settings
-from streamxm.keys import Keys
-from streamxm.messages import InvalidPair, make_pair
-from streamxm.metrics import ApiMetrics, method_label
 from streamxm.models import DIRECTIONS
-from streamxm.redis_conn import connect, resolve_url, str_hash, str_set
 from streamxm.service import limits_from, open_store
-from streamxm.serving import (
+from streamxm.serving.metrics import ApiMetrics, method_label
+from streamxm.serving.server import (
     ModelNotReady,
     ModelServer,
     SameModalityUnsupported,
     UnknownModel,
     other_modality,
 )
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import InvalidPair, make_pair
+from streamxm.stream.redis_conn import connect, resolve_url, str_hash, str_set
 
 Body = TypeVar("Body")
 Out = TypeVar("Out")

@@ -15,9 +15,9 @@ import warnings
 
 from sklearn.linear_model import LogisticRegression
 
-from streamxm.datasets import load_dataset
-from streamxm.evaluation import label_relevance, mean_average_precision
+from streamxm.learning.evaluation import label_relevance, mean_average_precision
 from streamxm.models.moments import power_normalize
+from streamxm.tools.datasets import load_dataset
 
 
 def main(path: str) -> None:

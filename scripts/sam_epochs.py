@@ -13,10 +13,10 @@ import json
 
 import numpy as np
 
-from streamxm.datasets import iter_pairs, load_dataset
-from streamxm.evaluation import label_relevance, mean_average_precision
+from streamxm.learning.evaluation import label_relevance, mean_average_precision
 from streamxm.models import LearnStats
 from streamxm.models.sam import SAM
+from streamxm.tools.datasets import iter_pairs, load_dataset
 
 
 def main() -> None:

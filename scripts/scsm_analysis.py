@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from streamxm.bench import evaluate_model
-from streamxm.datasets import iter_pairs, load_dataset
-from streamxm.learner import Learner
+from streamxm.learning.learner import Learner
 from streamxm.models.scsm import SCSM
+from streamxm.tools.bench import evaluate_model
+from streamxm.tools.datasets import iter_pairs, load_dataset
 
 
 def run(path: str, params: dict[str, Any], seed: int = 0) -> dict[str, Any]:

@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 
-from streamxm.datasets import iter_pairs, load_dataset
 from streamxm.models.base import LearnStats
 from streamxm.models.projections import mpl_cd, projection_loss
 from streamxm.models.sdsrl import SDSRL
+from streamxm.tools.datasets import iter_pairs, load_dataset
 
 
 def main(path: str) -> None:

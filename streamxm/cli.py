@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamxm.datasets import ORDERS
 from streamxm.models import MODEL_NAMES
+from streamxm.tools.datasets import ORDERS
 
 __all__ = ["main"]
 
@@ -52,7 +52,7 @@ def _model_name(name: str) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from streamxm.demo import render, run_demo
+    from streamxm.tools.demo import render, run_demo
 
     result = run_demo(pairs=args.pairs, as_json=args.json, port=args.port, rate=args.rate,
                       model=args.model)
@@ -62,7 +62,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
-    from workers.learner import run_worker
+    from streamxm.worker.process import run_worker
 
     return run_worker(get_settings(), args.model, _params(args.param) or None)
 
@@ -71,7 +71,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from streamxm.config import get_settings
-    from streamxm.httpserver import server_options
+    from streamxm.serving.httpserver import server_options
 
     settings = get_settings()  # invalid settings stop here, with the setting named
     uvicorn.run("api.app:create_app", factory=True, host=args.host or settings.api_host,
@@ -81,7 +81,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from streamxm.report import report
+    from streamxm.tools.report import report
 
     result = report(args.dataset, [m.strip() for m in args.models.split(",") if m.strip()],
                     args.out, seed=args.seed, every=args.every,
@@ -95,7 +95,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
-    from streamxm.top import watch
+    from streamxm.tools.top import watch
 
     settings = get_settings()
     url = args.url or f"http://{settings.api_host}:{settings.api_port}"
@@ -113,11 +113,11 @@ def _cmd_top(args: argparse.Namespace) -> int:
 def _cmd_push(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from streamxm.client import StreamClient
     from streamxm.config import get_settings
-    from streamxm.datasets import iter_pairs, load_dataset
-    from streamxm.redis_conn import connect
     from streamxm.service import limits_from
+    from streamxm.stream.client import StreamClient
+    from streamxm.stream.redis_conn import connect
+    from streamxm.tools.datasets import iter_pairs, load_dataset
 
     settings = get_settings()
     # Arguments first: a wrong path must not start the embedded Redis.
@@ -140,7 +140,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
-    from streamxm.bench import quality
+    from streamxm.tools.bench import quality
 
     result = quality(args.dataset, args.model, protocol=args.protocol,
                      unlabelled=args.unlabelled, seed=args.seed, epochs=args.epochs,
@@ -156,7 +156,7 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_database(args: argparse.Namespace) -> int:
-    from streamxm.bench import database_split
+    from streamxm.tools.bench import database_split
 
     seeds = [int(x) for x in args.seeds.split(",")]
     result = database_split(args.dataset, args.model, seeds, query_fraction=args.query_fraction,
@@ -171,7 +171,7 @@ def _cmd_bench_database(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from streamxm.throughput import throughput
+    from streamxm.tools.throughput import throughput
 
     result = throughput(args.model, img_dim=args.img_dim, txt_dim=args.txt_dim, pairs=args.pairs,
                         baseline_pairs=args.baseline_pairs, repeats=args.repeats,
@@ -189,7 +189,7 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_load(args: argparse.Namespace) -> int:
-    from streamxm import load
+    from streamxm.tools import load
 
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "bench", "func", "verbose", "json")}
@@ -200,7 +200,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
 
 def _cmd_redis(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
-    from streamxm.redis_conn import EmbeddedRedis
+    from streamxm.stream.redis_conn import EmbeddedRedis
 
     server = EmbeddedRedis(get_settings().data_dir / "redis")
     if args.action == "start":
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from pydantic import ValidationError
 
-    from streamxm.messages import InvalidPair
+    from streamxm.stream.messages import InvalidPair
 
     try:
         return int(args.func(args))

@@ -6,11 +6,15 @@ from typing import Any
 
 import redis
 
-from streamxm.checkpoint import CheckpointStore, DirectoryCheckpointStore, RedisCheckpointStore
 from streamxm.config import Settings
-from streamxm.keys import Keys
-from streamxm.messages import Limits
-from streamxm.worker import LearnerWorker
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Limits
+from streamxm.worker.checkpoint import (
+    CheckpointStore,
+    DirectoryCheckpointStore,
+    RedisCheckpointStore,
+)
+from streamxm.worker.loop import LearnerWorker
 
 __all__ = ["build_worker", "limits_from", "open_store"]
 

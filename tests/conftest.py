@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.httpserver import server_options
-from streamxm.messages import Pair, make_pair
-from streamxm.redis_conn import EmbeddedRedis, connect
-from streamxm.waiting import free_port, wait_for
+from streamxm.serving.httpserver import server_options
+from streamxm.stream.messages import Pair, make_pair
+from streamxm.stream.redis_conn import EmbeddedRedis, connect
+from streamxm.tools.waiting import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_WIKI = ROOT.parent / "shared" / "datasets" / "wiki_sift128_lda10.npz"

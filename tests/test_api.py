@@ -9,10 +9,10 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.datasets import bundled_wiki_path, iter_pairs, load_dataset
 from streamxm.service import build_worker
+from streamxm.stream.client import StreamClient
+from streamxm.tools.datasets import bundled_wiki_path, iter_pairs, load_dataset
 from tests.conftest import ApiServer, wait_for
 
 

@@ -19,12 +19,12 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.keys import Keys
-from streamxm.messages import encode_pair, make_pair
-from streamxm.redis_conn import EmbeddedRedis, connect
 from streamxm.service import build_worker
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import encode_pair, make_pair
+from streamxm.stream.redis_conn import EmbeddedRedis, connect
 from tests.conftest import ApiServer, class_stream, wait_for
 
 KB = 1024

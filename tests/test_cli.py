@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.keys import Keys
 from streamxm.service import build_worker
+from streamxm.stream.keys import Keys
 from tests.conftest import PY, SHARED_WIKI, free_port
 
 

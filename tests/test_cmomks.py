@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import redis
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.keys import Keys
-from streamxm.learner import Learner
-from streamxm.messages import make_pair
+from streamxm.learning.learner import Learner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmomks import CMOMKS
 from streamxm.service import build_worker, open_store
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import make_pair
 from tests.conftest import class_stream
 
 KERNELS = [{"img_gamma": 0.5, "txt_gamma": 0.5}, {"img_gamma": 4.0, "txt_gamma": 2.0}]

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from streamxm.datasets import iter_pairs, load_dataset
-from streamxm.learner import Learner
-from streamxm.messages import make_pair
+from streamxm.learning.learner import Learner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmos import CMOS
+from streamxm.stream.messages import make_pair
+from streamxm.tools.datasets import iter_pairs, load_dataset
 from tests.conftest import SHARED_WIKI, class_stream
 
 

@@ -5,10 +5,10 @@ survive a checkpoint."""
 import numpy as np
 import pytest
 
-from streamxm.checkpoint import Checkpoint, decode_blob, encode_blob
-from streamxm.learner import Learner
-from streamxm.messages import Pair, make_pair
+from streamxm.learning.learner import Learner
 from streamxm.models import MODEL_NAMES
+from streamxm.stream.messages import Pair, make_pair
+from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 from tests.conftest import class_stream
 
 # Small models where the defaults would dwarf a 16-d toy stream; the behaviour under test is the

@@ -1,7 +1,7 @@
 import numpy as np
 from sklearn.metrics import average_precision_score
 
-from streamxm.evaluation import average_precision, label_relevance, mean_average_precision
+from streamxm.learning.evaluation import average_precision, label_relevance, mean_average_precision
 
 
 def test_ap_matches_sklearn_per_query_on_random_scores() -> None:

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import redis
 
-from streamxm.checkpoint import RedisCheckpointStore
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.keys import Keys
-from streamxm.learner import Learner
-from streamxm.messages import Pair, decode_pair
-from streamxm.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.learning.learner import Learner
 from streamxm.service import build_worker, open_store
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Pair, decode_pair
+from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.worker.checkpoint import RedisCheckpointStore
 from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for, worker_env
 
 IMG, TXT = 32, 16
@@ -350,7 +350,7 @@ def test_corrupt_checkpoint_falls_back_replays_and_counts(
         assert 'streamxm_checkpoint_corrupt_total{model="cmos"}' in metrics
     # A worker falls back too, replays what the bad version had covered, and carries on.
     client.push_pairs(pairs[600:])
-    caplog.set_level(logging.ERROR, logger="streamxm.checkpoint")
+    caplog.set_level(logging.ERROR, logger="streamxm.worker.checkpoint")
     worker = build_worker(every, r, "cmos")
     worker.run(until_idle=True)
     assert any("checksum mismatch" in rec.getMessage() for rec in caplog.records)

@@ -21,9 +21,9 @@ from pydantic import SecretStr
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
 from streamxm.service import build_worker
+from streamxm.stream.client import StreamClient
 from tests.conftest import ApiServer, class_stream, wait_for
 
 TOKEN = "s3cret-token-for-tests"

@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as examples
 from hypothesis import strategies as st
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.keys import Keys
-from streamxm.messages import (
+from streamxm.service import build_worker
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import (
     KNOWN_FIELDS,
     InvalidPair,
     Pair,
@@ -24,8 +25,7 @@ from streamxm.messages import (
     field_name,
     make_pair,
 )
-from streamxm.redis_conn import str_hash
-from streamxm.service import build_worker
+from streamxm.stream.redis_conn import str_hash
 
 IMG, TXT = 8, 4
 Fields = dict[bytes, bytes]

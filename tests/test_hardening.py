@@ -11,11 +11,11 @@ from pathlib import Path
 
 import redis
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.keys import Keys
-from streamxm.redis_conn import str_hash
 from streamxm.service import open_store
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.redis_conn import str_hash
 from tests.conftest import class_stream, wait_for, worker_env
 from tests.test_faults import (
     IMG,

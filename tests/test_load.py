@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from streamxm import load
+from streamxm.tools import load
 
 
 def test_ingest_reports_client_http_and_redis_benchmark_rates() -> None:

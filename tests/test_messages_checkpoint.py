@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import redis
 
-from streamxm.checkpoint import (
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import InvalidPair, decode_pair, encode_pair, make_pair
+from streamxm.worker.checkpoint import (
     Checkpoint,
     DirectoryCheckpointStore,
     LeaseLost,
@@ -16,8 +18,6 @@ from streamxm.checkpoint import (
     decode_blob,
     encode_blob,
 )
-from streamxm.keys import Keys
-from streamxm.messages import InvalidPair, decode_pair, encode_pair, make_pair
 
 
 def test_message_round_trip() -> None:

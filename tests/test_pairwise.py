@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 import redis
 
-from streamxm.bench import quality
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.datasets import PUBLISHED_WIKI
-from streamxm.learner import Learner
-from streamxm.messages import make_pair
+from streamxm.learning.learner import Learner
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models import create_model
 from streamxm.models.cca import CCA
 from streamxm.models.marginal import MarginalMatching
 from streamxm.models.pairwise import PairwiseLogistic
-from streamxm.replay import ReplayBuffer
 from streamxm.service import build_worker, open_store
+from streamxm.stream.client import StreamClient
+from streamxm.stream.messages import make_pair
+from streamxm.tools.bench import quality
+from streamxm.tools.datasets import PUBLISHED_WIKI
 from tests.conftest import SHARED_WIKI, class_stream
 
 VARIANTS = ["pairwise", "pairwise:bipartite", "pairwise:marginal", "cca"]

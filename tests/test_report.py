@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from streamxm.cli import main
-from streamxm.evaluation import label_relevance
-from streamxm.report import interpolated_pr, report
+from streamxm.learning.evaluation import label_relevance
+from streamxm.tools.report import interpolated_pr, report
 
 
 def write_dataset(path: Path, seed: int = 0) -> Path:

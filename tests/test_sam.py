@@ -12,12 +12,8 @@ import pytest
 import redis
 import torch
 
-from streamxm.bench import quality
-from streamxm.checkpoint import Checkpoint, decode_blob, encode_blob
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.learner import Learner
-from streamxm.messages import Pair, make_pair
+from streamxm.learning.learner import Learner
 from streamxm.models import LearnStats, create_model
 from streamxm.models.sam import (
     SAM,
@@ -27,6 +23,10 @@ from streamxm.models.sam import (
     semantic_margin,
 )
 from streamxm.service import build_worker
+from streamxm.stream.client import StreamClient
+from streamxm.stream.messages import Pair, make_pair
+from streamxm.tools.bench import quality
+from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
 
 SMALL = {"dim": 8, "hidden": 32, "batch_size": 16, "replay": 64, "step_every": 3,

@@ -6,11 +6,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from streamxm.bench import quality
-from streamxm.learner import Learner
-from streamxm.messages import Pair, make_pair
+from streamxm.learning.learner import Learner
 from streamxm.models.scsm import SCSM
 from streamxm.models.scsm_solver import Problem, knn_graph
+from streamxm.stream.messages import Pair, make_pair
+from streamxm.tools.bench import quality
 from tests.conftest import SHARED_WIKI, class_stream
 
 

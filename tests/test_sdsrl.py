@@ -8,17 +8,17 @@ import pytest
 import redis
 from scipy.optimize import minimize
 
-from streamxm.bench import quality
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.learner import Learner
-from streamxm.messages import Pair, make_pair
+from streamxm.learning.learner import Learner
 from streamxm.models import create_model
 from streamxm.models.base import LearnStats
 from streamxm.models.moments import power_normalize
 from streamxm.models.projections import dense_targets, mpl_cd, projection_loss
 from streamxm.models.sdsrl import SDSRL, NystroemMap, rbf_kernel
 from streamxm.service import build_worker
+from streamxm.stream.client import StreamClient
+from streamxm.stream.messages import Pair, make_pair
+from streamxm.tools.bench import quality
 from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamxm.checkpoint import Checkpoint, decode_blob, encode_blob
-from streamxm.datasets import load_dataset, noisy_labels, stream_order
-from streamxm.learner import Learner
-from streamxm.messages import make_pair
-from streamxm.replay import ReplayBuffer
+from streamxm.learning.learner import Learner
+from streamxm.learning.replay import ReplayBuffer
+from streamxm.stream.messages import make_pair
+from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
+from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 from tests.conftest import PY, class_stream
 from tests.test_faults import assert_same_learner
 

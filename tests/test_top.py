@@ -6,10 +6,10 @@ import pytest
 import redis
 
 from streamxm.cli import main
-from streamxm.client import StreamClient
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.top import parse, render
+from streamxm.stream.client import StreamClient
+from streamxm.tools.top import parse, render
 from tests.conftest import ApiServer, class_stream, free_port, wait_for
 
 

@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import redis
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.datasets import bundled_wiki_path, iter_pairs, load_dataset
-from streamxm.keys import Keys
-from streamxm.learner import Learner
+from streamxm.learning.learner import Learner
 from streamxm.service import build_worker, open_store
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.tools.datasets import bundled_wiki_path, iter_pairs, load_dataset
 from tests.conftest import PY, wait_for, worker_env
 
 

@@ -1,1 +1,1 @@
-"""Learner worker processes (thin entry points; the loop is :mod:`streamxm.worker`)."""
+"""Learner worker processes (thin entry points; the loop is :mod:`streamxm.worker.loop`)."""

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
-from streamxm.replay import ReplayBuffer, TripletSampler
+from streamxm.learning.replay import ReplayBuffer, TripletSampler
+from streamxm.stream.messages import Pair
 
 __all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "observe_triplet"]
 
@@ -124,7 +124,7 @@ def observe_triplet(model: CrossModalModel, pair: Pair, slot: int, buffer: Repla
     """Score one triplet of the arriving pair with the current model and record it, without
     learning from it: the mistake metrics of models whose updates are not per triplet.
 
-    The triplet is drawn as the online models draw theirs (:class:`~streamxm.replay.
+    The triplet is drawn as the online models draw theirs (:class:`~streamxm.learning.replay.
     TripletSampler`, directions alternating over the stream); its loss is the zero-margin hinge
     ``max(0, s(q, n) - s(q, p))``, since such models have no margin of their own.
     """

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
 from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
-from streamxm.replay import ReplayBuffer
+from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
+from streamxm.learning.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
-from streamxm.replay import ReplayBuffer, TripletSampler
+from streamxm.stream.messages import Pair
 
 __all__ = ["CMOMKS", "KernelPair", "default_kernels"]
 
@@ -212,8 +212,8 @@ class CMOMKS(CrossModalModel):
     Examples
     --------
     >>> import numpy as np
-    >>> from streamxm.learner import Learner
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.learning.learner import Learner
+    >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> learner = Learner("cmomks", 6, 4, {"budget": 50, "landmarks": 20})
     >>> _ = learner.learn([make_pair(str(i), rng.random(6), rng.random(4), labels=[i % 3])

@@ -10,9 +10,9 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
+from streamxm.learning.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
-from streamxm.replay import ReplayBuffer, TripletSampler
+from streamxm.stream.messages import Pair
 
 __all__ = ["CMOS"]
 
@@ -43,7 +43,7 @@ class CMOS(CrossModalModel):
       the mean includes the arriving pair). Centring only moves the query vector: the
       difference ``t+ - t-`` is unchanged by it. The means are part of the state.
     - **Triplets per pair**: each arriving pair yields ``triplets_per_pair`` triplets (default 10),
-      drawn from the replay buffer by :func:`streamxm.replay.sample_triplet_slots` (uniform
+      drawn from the replay buffer by :func:`streamxm.learning.replay.sample_triplet_slots` (uniform
       candidates from the learner's buffer of the last 500 pairs), the arriving pair being the
       query; directions alternate across all triplets.
     - **Replay** (not in the paper, off by default): the paper learns only from triplets whose

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import append_constant, power_normalize
 from streamxm.models.optim import adagrad_step
-from streamxm.replay import ReplayBuffer
+from streamxm.stream.messages import Pair
 
 __all__ = ["MarginalMatching"]
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
 from streamxm.models.moments import (
     ResolveSchedule,
@@ -21,7 +21,7 @@ from streamxm.models.moments import (
     ridge_whitener,
 )
 from streamxm.models.optim import adagrad_step
-from streamxm.replay import ReplayBuffer
+from streamxm.stream.messages import Pair
 
 __all__ = ["PairwiseLogistic"]
 
@@ -98,8 +98,8 @@ class PairwiseLogistic(CrossModalModel):
 
     Examples
     --------
-    >>> from streamxm.learner import Learner
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.learning.learner import Learner
+    >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> z = rng.normal(size=(300, 3))
     >>> pairs = [make_pair(str(i), z[i], z[i] @ [[0, 1], [1, 0], [1, 1]]) for i in range(300)]

@@ -16,11 +16,11 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor, nn
 
-from streamxm.messages import Pair, make_pair
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler, power_normalize
-from streamxm.replay import ReplayBuffer
+from streamxm.stream.messages import Pair, make_pair
 
 __all__ = ["SAM", "Tower", "batch_loss", "centroid_margin", "schedule_alpha", "semantic_margin"]
 
@@ -204,7 +204,7 @@ class SAM(CrossModalModel):
 
     Examples
     --------
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> centres = rng.normal(size=(3, 8))
     >>> pairs = [make_pair(str(i), centres[i % 3] + 0.3 * rng.normal(size=8),

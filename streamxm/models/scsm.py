@@ -13,11 +13,11 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import linear_sum_assignment
 
-from streamxm.messages import Pair
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.scsm_solver import Problem
-from streamxm.replay import ReplayBuffer
+from streamxm.stream.messages import Pair
 
 __all__ = ["SCSM"]
 
@@ -94,7 +94,7 @@ class SCSM(CrossModalModel):
 
     Examples
     --------
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> centres = rng.random((3, 8)) * 4
     >>> pairs = [make_pair(str(i), centres[i % 3] + rng.random(8), centres[i % 3, :5]

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.projections import mpl_cd
-from streamxm.replay import ReplayBuffer
+from streamxm.stream.messages import Pair
 
 __all__ = ["SDSRL", "NystroemMap", "rbf_kernel"]
 
@@ -146,7 +146,7 @@ class SDSRL(CrossModalModel):
 
     Examples
     --------
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> centres = rng.normal(size=(3, 6))
     >>> pairs = [make_pair(str(i), centres[i % 3] + 0.3 * rng.normal(size=6),

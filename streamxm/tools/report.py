@@ -12,11 +12,11 @@ import numpy as np
 from numpy.typing import NDArray
 from tqdm import tqdm
 
-from streamxm.bench import evaluate_model
-from streamxm.datasets import PUBLISHED_WIKI, Dataset, iter_pairs, load_dataset
-from streamxm.evaluation import label_relevance
-from streamxm.learner import Learner
+from streamxm.learning.evaluation import label_relevance
+from streamxm.learning.learner import Learner
 from streamxm.models import DIRECTIONS
+from streamxm.tools.bench import evaluate_model
+from streamxm.tools.datasets import PUBLISHED_WIKI, Dataset, iter_pairs, load_dataset
 
 __all__ = ["PUBLISHED_FOR_MODEL", "interpolated_pr", "report"]
 

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from streamxm.learner import Learner
-from streamxm.messages import Pair, make_pair
+from streamxm.learning.learner import Learner
 from streamxm.models import create_model, split_name
+from streamxm.stream.messages import Pair, make_pair
 
 __all__ = ["synthetic_pairs", "throughput"]
 

@@ -122,7 +122,7 @@ def make_pair(
     >>> make_pair("p1", [float("nan")], [1.0])
     Traceback (most recent call last):
     ...
-    streamxm.messages.InvalidPair: img: contains NaN or Inf (after float32 conversion)
+    streamxm.stream.messages.InvalidPair: img: contains NaN or Inf (after float32 conversion)
     """
     if ts is not None and (not isinstance(ts, int | float) or not math.isfinite(ts)):
         raise InvalidPair("ts", "bad_ts", "must be a finite number of unix seconds")

@@ -16,12 +16,12 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.datasets import PUBLISHED_WIKI, bundled_wiki_path, iter_pairs, load_dataset
-from streamxm.evaluation import label_relevance, mean_average_precision
-from streamxm.redis_conn import EmbeddedRedis, connect
-from streamxm.waiting import wait_for
+from streamxm.learning.evaluation import label_relevance, mean_average_precision
+from streamxm.stream.client import StreamClient
+from streamxm.stream.redis_conn import EmbeddedRedis, connect
+from streamxm.tools.datasets import PUBLISHED_WIKI, bundled_wiki_path, iter_pairs, load_dataset
+from streamxm.tools.waiting import wait_for
 
 __all__ = ["run_demo", "served_scores"]
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair, make_pair
+from streamxm.stream.messages import Pair, make_pair
 
 __all__ = ["ORDERS", "PUBLISHED_WIKI", "Dataset", "bundled_wiki_path", "iter_pairs",
            "load_dataset", "noisy_labels", "stream_order"]

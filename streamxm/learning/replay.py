@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.messages import Pair
+from streamxm.stream.messages import Pair
 
 __all__ = ["ReplayBuffer", "TripletSampler", "sample_triplet_slots"]
 
@@ -62,7 +62,7 @@ class ReplayBuffer:
     Examples
     --------
     >>> import numpy as np
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.stream.messages import make_pair
     >>> buf = ReplayBuffer(2, img_dim=2, txt_dim=1)
     >>> for i in range(3):
     ...     _ = buf.add(make_pair(str(i), [i, 1.0], [1.0], labels=[i]))
@@ -285,7 +285,7 @@ def sample_triplet_slots(
     Examples
     --------
     >>> import numpy as np
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.stream.messages import make_pair
     >>> buf = ReplayBuffer(4, img_dim=1, txt_dim=1)
     >>> for i, labels in enumerate([[0, 1], [0, 1], [2], [0]]):
     ...     _ = buf.add(make_pair(str(i), [0.0], [0.0], labels=labels))

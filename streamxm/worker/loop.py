@@ -45,13 +45,13 @@ from typing import Any
 
 import redis
 
-from streamxm.checkpoint import Checkpoint, CheckpointStore, LeaseLost
-from streamxm.client import check_dims, ensure_schema, read_schema
-from streamxm.keys import Keys
-from streamxm.learner import UPDATE_BUCKETS, Learner, LearnFailed
-from streamxm.messages import InvalidPair, Limits, Pair, decode_pair, field_name
+from streamxm.learning.learner import UPDATE_BUCKETS, Learner, LearnFailed
 from streamxm.models import DIRECTIONS, split_name
-from streamxm.redis_conn import StreamEntry, stream_entries, text
+from streamxm.stream.client import check_dims, ensure_schema, read_schema
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
+from streamxm.stream.redis_conn import StreamEntry, stream_entries, text
+from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
 
@@ -117,7 +117,8 @@ class LearnerWorker:
     params
         Model parameters, used when no checkpoint exists yet.
     learner_options
-        Extra :class:`~streamxm.learner.Learner` options (buffer size, rolling-mAP schedule).
+        Extra :class:`~streamxm.learning.learner.Learner` options (buffer size, rolling-mAP
+        schedule).
     checkpoint_every_pairs, checkpoint_every_seconds
         Checkpoint after this many pairs or this long, whichever comes first.
     max_learn_attempts

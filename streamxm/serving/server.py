@@ -25,13 +25,13 @@ import numpy as np
 import redis
 from numpy.typing import NDArray
 
-from streamxm.checkpoint import CheckpointStore
-from streamxm.client import read_schema
-from streamxm.keys import Keys
-from streamxm.learner import Learner
-from streamxm.messages import InvalidPair, Limits, decode_pair
+from streamxm.learning.learner import Learner
 from streamxm.models import CrossModalModel, split_name
-from streamxm.redis_conn import str_set, stream_entries
+from streamxm.stream.client import read_schema
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import InvalidPair, Limits, decode_pair
+from streamxm.stream.redis_conn import str_set, stream_entries
+from streamxm.worker.checkpoint import CheckpointStore
 
 __all__ = ["GalleryChunk", "ModelNotReady", "ModelServer", "SameModalityUnsupported", "ServedModel",
            "UnknownModel", "other_modality"]

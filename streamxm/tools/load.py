@@ -4,9 +4,9 @@ Every benchmark starts its own stack in a temporary directory (a fresh embedded 
 ``streamxm api`` and ``streamxm worker`` as child processes, exactly as a user runs them) and
 measures its reference in the same run, so figures are ratios on the same noisy machine:
 
-- :func:`ingest`: pairs/s through :class:`~streamxm.client.StreamClient` (pipelined ``XADD``) and
-  through ``POST /v1/pairs``, beside ``redis-benchmark``'s ``XADD`` rate for entries of the same
-  size on the same server.
+- :func:`ingest`: pairs/s through :class:`~streamxm.stream.client.StreamClient` (pipelined
+  ``XADD``) and through ``POST /v1/pairs``, beside ``redis-benchmark``'s ``XADD`` rate for
+  entries of the same size on the same server.
 - :func:`end_to_end`: pairs/s one worker learns from the stream (a backlog drained), beside the
   same learner fed in-process; then the lag it keeps while pairs are pushed at a fixed rate.
 - :func:`query`: ``/v1/search`` latency and throughput from concurrent clients over a large
@@ -43,14 +43,14 @@ import redis
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from streamxm.client import StreamClient
 from streamxm.config import Settings
-from streamxm.keys import Keys
-from streamxm.learner import Learner
-from streamxm.messages import Pair
-from streamxm.redis_conn import EmbeddedRedis, connect, str_hash
-from streamxm.throughput import synthetic_pairs
-from streamxm.waiting import free_port, wait_for
+from streamxm.learning.learner import Learner
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Pair
+from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.tools.throughput import synthetic_pairs
+from streamxm.tools.waiting import free_port, wait_for
 
 __all__ = ["end_to_end", "hostile", "ingest", "query", "rss_mb", "soak", "stack"]
 

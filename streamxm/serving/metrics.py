@@ -28,11 +28,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from streamxm.keys import Keys
-from streamxm.learner import UPDATE_BUCKETS
+from streamxm.learning.learner import UPDATE_BUCKETS
 from streamxm.models import DIRECTIONS
-from streamxm.redis_conn import str_hash, str_set, text
-from streamxm.serving import ModelServer
+from streamxm.serving.server import ModelServer
+from streamxm.stream.keys import Keys
+from streamxm.stream.redis_conn import str_hash, str_set, text
 
 __all__ = ["ApiMetrics", "StreamCollector", "method_label"]
 

@@ -2,7 +2,7 @@
 
 Examples
 --------
->>> from streamxm.redis_conn import EmbeddedRedis
+>>> from streamxm.stream.redis_conn import EmbeddedRedis
 >>> import tempfile, redis
 >>> tmp = tempfile.TemporaryDirectory()
 >>> server = EmbeddedRedis(tmp.name); url = server.start()
@@ -11,7 +11,7 @@ Examples
 >>> client.push("p2", [0.1, 0.2], [1.0, 0.0])
 Traceback (most recent call last):
 ...
-streamxm.messages.InvalidPair: img: 2 values, the namespace expects 3
+streamxm.stream.messages.InvalidPair: img: 2 values, the namespace expects 3
 >>> server.stop(); tmp.cleanup()
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Iterable, Sequence
 import redis
 from numpy.typing import ArrayLike
 
-from streamxm.keys import Keys
-from streamxm.messages import InvalidPair, Limits, Pair, encode_pair, make_pair
-from streamxm.redis_conn import text
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import InvalidPair, Limits, Pair, encode_pair, make_pair
+from streamxm.stream.redis_conn import text
 
 __all__ = ["StreamClient", "ensure_schema", "read_schema"]
 

@@ -141,7 +141,7 @@ def connect(settings: Settings, url: str | None = None, retries: int = 20,
 
     ``retries=0`` surfaces every connection error instead: the learner worker wants that, since
     a blocking read retried behind its back may have delivered entries whose reply was lost; it
-    reloads its checkpoint and replays instead (see :mod:`streamxm.worker`). Producers keep the
+    reloads its checkpoint and replays instead (see :mod:`streamxm.worker.loop`). Producers keep the
     retries, at the price that a push whose reply was lost may be added twice (at least once).
 
     ``timeout`` bounds each command (and each connect) in seconds; a command that times out is

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.drift import DriftMonitor
-from streamxm.evaluation import average_precision
-from streamxm.faults import raise_point
-from streamxm.messages import Pair
+from streamxm.learning.drift import DriftMonitor
+from streamxm.learning.evaluation import average_precision
+from streamxm.learning.replay import ReplayBuffer
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model
-from streamxm.replay import ReplayBuffer
+from streamxm.stream.messages import Pair
+from streamxm.worker.faults import raise_point
 
 __all__ = ["UPDATE_BUCKETS", "LearnFailed", "Learner"]
 
@@ -48,8 +48,8 @@ class LearnFailed(RuntimeError):
 class Learner:
     """A model plus everything needed to keep learning it from a stream.
 
-    Every pair's triplets feed a :class:`~streamxm.drift.DriftMonitor` (ADWIN on the mistake
-    indicator), which counts changes in the mistake rate.
+    Every pair's triplets feed a :class:`~streamxm.learning.drift.DriftMonitor` (ADWIN on the
+    per-pair mistake rate), which counts rises in the mistake rate.
 
     Rolling mAP is test-then-train: every ``eval_every``-th pair, before the model learns from it,
     the pair's image is ranked against the texts of the last ``eval_gallery`` buffered pairs plus
@@ -70,15 +70,15 @@ class Learner:
         Pairs in the replay buffer, recent and remembered together.
     buffer_memory
         Of those, slots of the class-balanced memory of the whole history
-        (:class:`~streamxm.replay.ReplayBuffer`); 0 (default): the buffer is a ring of the most
-        recent pairs only. ``docs/benchmarks.md`` ("Stream order") measures what it buys.
+        (:class:`~streamxm.learning.replay.ReplayBuffer`); 0 (default): the buffer is a ring of
+        the most recent pairs only. ``docs/benchmarks.md`` ("Stream order") measures what it buys.
     seed
         Seed of the learner's RNG (triplet sampling); its state is checkpointed.
 
     Examples
     --------
     >>> import numpy as np
-    >>> from streamxm.messages import make_pair
+    >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> learner = Learner("cmos", img_dim=4, txt_dim=3)
     >>> pairs = [make_pair(str(i), rng.random(4), rng.random(3), labels=[i % 2]) for i in range(20)]

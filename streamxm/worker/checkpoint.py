@@ -41,9 +41,9 @@ import numpy as np
 import redis
 from numpy.typing import NDArray
 
-from streamxm.faults import pause_point
-from streamxm.keys import Keys
-from streamxm.redis_conn import str_hash, text
+from streamxm.stream.keys import Keys
+from streamxm.stream.redis_conn import str_hash, text
+from streamxm.worker.faults import pause_point
 
 __all__ = [
     "Checkpoint",

@@ -10,10 +10,10 @@ import numpy as np
 from numpy.typing import NDArray
 from tqdm import tqdm
 
-from streamxm.datasets import Dataset, iter_pairs, load_dataset, row_labels
-from streamxm.evaluation import label_relevance, mean_average_precision
-from streamxm.learner import Learner
-from streamxm.messages import Pair, make_pair
+from streamxm.learning.evaluation import label_relevance, mean_average_precision
+from streamxm.learning.learner import Learner
+from streamxm.stream.messages import Pair, make_pair
+from streamxm.tools.datasets import Dataset, iter_pairs, load_dataset, row_labels
 
 __all__ = ["database_split", "evaluate_model", "quality", "retrieval_maps", "train"]
 
@@ -89,7 +89,7 @@ def quality(
     """Train on the train split (see :func:`train` for the protocols) and score the test split
     (:func:`evaluate_model`). The training pairs arrive in ``order`` (``file``, ``class``: one
     topic at a time, ``shuffled``) with a fraction ``label_noise`` of their labels replaced by
-    another class (:func:`~streamxm.datasets.noisy_labels`); the test split is untouched."""
+    another class (:func:`~streamxm.tools.datasets.noisy_labels`); the test split is untouched."""
     ds = load_dataset(dataset)
     learner = Learner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed,
                       buffer_memory=buffer_memory)

@@ -1,0 +1,1 @@
+"""Learning from a stream: the learner loop, the replay buffer, drift, evaluation."""

@@ -1,0 +1,1 @@
+"""Serving: the model server with its gallery, metrics, the HTTP server settings."""

@@ -1,0 +1,1 @@
+"""Tools around the service: benchmarks, load tests, reports, the demo, datasets."""

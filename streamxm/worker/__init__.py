@@ -1,0 +1,1 @@
+"""The learner worker: consumer loop, lease, checkpoints, fail points."""
