@@ -39,6 +39,7 @@ from streamxm.models import DIRECTIONS
 from streamxm.service import limits_from, open_store
 from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import (
+    InvalidModelName,
     ModelNotReady,
     ModelServer,
     SameModalityUnsupported,
@@ -134,8 +135,6 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                   max_body_size=settings.max_body_bytes, redirect_slashes=False,
                   description="Streaming cross-modal retrieval: similarity and top-k search "
                               "from the newest online model.")
-    app.state.server = server
-    app.state.settings = settings
     app.add_middleware(_Limits, limits=RequestLimits.from_settings(settings))
 
     def check_token(credentials: HTTPAuthorizationCredentials | None) -> None:
@@ -211,9 +210,12 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         return JSONResponse({"detail": f"stream store unavailable: {type(exc).__name__}"},
                             status_code=503, headers={"Retry-After": "1"})
 
-    @app.exception_handler(ValueError)
-    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=400)
+    # No blanket ValueError handler: a bad request is refused where it is recognised, naming
+    # its field, and anything else is a bug that must surface as a 500 with its traceback logged.
+    @app.exception_handler(InvalidModelName)
+    async def invalid_model(request: Request, exc: InvalidModelName) -> JSONResponse:
+        return JSONResponse({"detail": [{"loc": ["body", "model"], "msg": str(exc),
+                                         "type": "unknown_model"}]}, status_code=422)
 
     # Probes are async and touch nothing but memory: they answer on the event loop even when
     # every worker thread waits on a stalled Redis.

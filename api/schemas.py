@@ -215,8 +215,7 @@ class ReadyOut(BaseModel):
 
 
 _ERRORS = {
-    400: "a body that is not JSON, or a value the model cannot take (e.g. a model name that "
-         "does not exist)",
+    400: "a body that cannot be parsed",
     401: "missing or invalid bearer token",
     404: "the model has no learner in this namespace",
     413: "request body larger than STREAMXM_MAX_BODY_BYTES",

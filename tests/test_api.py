@@ -113,8 +113,9 @@ def test_pairs_endpoint_validates_and_ingests(r: redis.Redis, settings: Settings
         assert r.xlen(f"sxm:{settings.namespace}:pairs") == 2  # nothing invalid got in
         assert http.post("/v1/search", json={"modality": "image", "vector": [1.0, 2.0, 3.0],
                                              "k": 5}).status_code == 404  # no model yet
-        assert http.post("/v1/search", json={"model": "nope", "modality": "image",
-                                             "vector": [1.0], "k": 5}).status_code == 400
+        nope = http.post("/v1/search", json={"model": "nope", "modality": "image",
+                                             "vector": [1.0], "k": 5})
+        assert nope.status_code == 422 and nope.json()["detail"][0]["loc"] == ["body", "model"]
 
 
 def test_write_endpoints_require_the_token(settings: Settings) -> None:

@@ -5,6 +5,7 @@ slow clients, a Host header fishing for a redirect, and stream entries from othe
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -297,3 +298,28 @@ def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path,
     assert max(timings["/healthz"]) < 0.5 and max(timings["/readyz"]) < 0.5, timings
     assert max(timings["/v1/search"]) < 1.0, timings["/v1/search"]
     assert max(timings["/metrics"]) < 1.5, timings["/metrics"]
+
+
+def test_an_internal_error_is_a_500_with_its_traceback_logged(
+        api: ApiServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No blanket ValueError -> 400: a bug inside a route must not pass for the client's fault."""
+    from streamxm.serving.server import ModelServer
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug, not a bad request")
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    server_log = logging.getLogger("uvicorn.error")  # where uvicorn logs unhandled errors
+    server_log.addHandler(handler)
+    monkeypatch.setattr(ModelServer, "search", broken)
+    try:
+        answer = httpx.post(f"{api.url}/v1/search",
+                            json={"modality": "image", "vector": [0.5] * 8, "k": 3})
+    finally:
+        server_log.removeHandler(handler)
+    assert answer.status_code == 500
+    assert "a bug, not a bad request" not in answer.text  # internals stay in the log
+    assert any(r.exc_info and "a bug, not a bad request" in str(r.exc_info[1])
+               for r in records)

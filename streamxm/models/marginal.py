@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from scipy.special import softmax
 
 from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
@@ -19,14 +20,6 @@ from streamxm.models.optim import adagrad_step
 from streamxm.stream.messages import Pair
 
 __all__ = ["MarginalMatching"]
-
-
-def softmax(logits: NDArray[np.floating]) -> NDArray[np.float64]:
-    """Row-wise softmax; ``-inf`` logits (classes not seen yet) get probability 0."""
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return np.asarray(e / e.sum(axis=-1, keepdims=True))
 
 
 class MarginalMatching(CrossModalModel):
@@ -153,7 +146,7 @@ class MarginalMatching(CrossModalModel):
     def _posteriors(f: NDArray[np.float64], w: NDArray[np.float64]) -> NDArray[np.float64]:
         if w.shape[1] == 0:
             return np.zeros((f.shape[0], 0))
-        return softmax(f @ w)
+        return np.asarray(softmax(f @ w, axis=-1), dtype=np.float64)
 
     def _add_classes(self, labels: tuple[int, ...], arriving: bool) -> list[int]:
         cols = self.class_index.columns(labels, arriving)
@@ -196,7 +189,7 @@ class MarginalMatching(CrossModalModel):
         for direction, x, w, g in (("i2t", imgs, self.Wx, self.Gx),
                                    ("t2i", txts, self.Wy, self.Gy)):
             f = self._features(np.asarray(x)[rows])
-            p = softmax(f @ w)
+            p = softmax(f @ w, axis=-1)
             if rows[0] == 0:
                 loss = float(-(target[0] * np.log(np.maximum(p[0], 1e-300))).sum())
                 stats.add(direction, int(np.argmax(p[0])) not in cols[0], loss, True)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
+from scipy.special import expit
 
 from streamxm.learning.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats
@@ -30,10 +31,6 @@ Variant = Literal["logistic", "bipartite"]
 
 def _log1pexp(x: NDArray[np.float64]) -> NDArray[np.float64]:
     return np.asarray(np.logaddexp(0.0, x))
-
-
-def _sigmoid(x: NDArray[np.float64]) -> NDArray[np.float64]:
-    return np.asarray(0.5 * (1.0 + np.tanh(0.5 * x)))
 
 
 class PairwiseLogistic(CrossModalModel):
@@ -222,14 +219,14 @@ class PairwiseLogistic(CrossModalModel):
             scores = np.concatenate([[positive], formed])
             signs = np.concatenate([[1.0], np.where(agree, 1.0, -1.0)])
             loss = float((weights * _log1pexp(-signs * scores)).sum() / weights.sum())
-            coef = -weights * signs * _sigmoid(-signs * scores) / weights.sum()
+            coef = -weights * signs * expit(-signs * scores) / weights.sum()
             left, right = np.vstack([fx[0], ax]), np.vstack([fy[0], by])
         else:
             keep = ~agree
             if not keep.any():
                 return 0.0, np.zeros_like(self.W), margins
             loss = float(_log1pexp(-margins[keep]).mean())
-            coef_k = -_sigmoid(-margins[keep]) / keep.sum()
+            coef_k = -expit(-margins[keep]) / keep.sum()
             # d/dW of log(1 + exp(-(s(a_0, b_0) - s(a, b)))) = coef (a_0 b_0^T - a b^T)
             coef = np.concatenate([[coef_k.sum()], -coef_k])
             left, right = np.vstack([fx[0], ax[keep]]), np.vstack([fy[0], by[keep]])

@@ -33,12 +33,16 @@ from streamxm.stream.messages import InvalidPair, Limits, decode_pair
 from streamxm.stream.redis_conn import str_set, stream_entries
 from streamxm.worker.checkpoint import CheckpointStore
 
-__all__ = ["GalleryChunk", "ModelNotReady", "ModelServer", "SameModalityUnsupported", "ServedModel",
-           "UnknownModel", "other_modality"]
+__all__ = ["GalleryChunk", "InvalidModelName", "ModelNotReady", "ModelServer",
+           "SameModalityUnsupported", "ServedModel", "UnknownModel", "other_modality"]
 
 log = logging.getLogger(__name__)
 
 _MERGE_BELOW = 4096  # rows: a trailing chunk smaller than this absorbs the next batch
+
+
+class InvalidModelName(ValueError):
+    """A name that is no model at all (not merely one without a learner here)."""
 
 
 class UnknownModel(LookupError):
@@ -238,7 +242,10 @@ class ModelServer:
         return bool(self.served)
 
     def get(self, name: str) -> ServedModel:
-        split_name(name)  # raises ValueError for names that are no model at all
+        try:
+            split_name(name)
+        except ValueError as exc:
+            raise InvalidModelName(str(exc)) from None
         served = self.served.get(name)
         if served is None:
             if name in self.known or not self.refreshed:

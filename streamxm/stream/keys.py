@@ -53,11 +53,6 @@ class Keys:
         """Set of model names with a learner in this namespace."""
         return f"{self.prefix}:models"
 
-    @property
-    def checkpoint_channel(self) -> str:
-        """Pub/sub channel announcing ``<model> <version>`` on each checkpoint."""
-        return f"{self.prefix}:ckpt"
-
     def group(self, model: str) -> str:
         """Consumer group of a model: every model sees every pair."""
         return model

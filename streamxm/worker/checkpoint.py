@@ -181,7 +181,6 @@ class CheckpointStore(ABC):
                       mapping=_head_fields(ckpt, kept, head_extra))  # type: ignore[arg-type]
             if hook:
                 hook(pipe)
-            pipe.publish(self.keys.checkpoint_channel, f"{model} {ckpt.version}")
             pause_point(self.before_exec_point)
             pipe.execute()
         self._after_commit(model, kept, dropped)
