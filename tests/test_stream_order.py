@@ -113,3 +113,4 @@ def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
     assert 600 - 40 <= extra <= 2 * (600 - 40)
     with pytest.raises(ValueError, match="replay"):
         Learner("cmos", 8, 4, {"replay": -1})
+

@@ -1,7 +1,9 @@
 """Model registry: names used everywhere (CLI, API, metrics, checkpoints), per ``docs/design.md``.
 
 SAM is imported when first built: it needs PyTorch, whose import costs every other process
-(workers of other models, the CLI) over a second.
+(workers of other models, the CLI) over a second, and which is an extra (``streamxm[sam]``) so
+that a service without SAM does not install a deep-learning stack; building SAM without it says
+which extra to install.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ MODELS: dict[str, type[CrossModalModel]] = {
 
 #: Models whose module is imported on first use: name -> (module, class).
 LAZY_MODELS: dict[str, tuple[str, str]] = {"sam": ("streamxm.models.sam", "SAM")}
+#: The package extra that installs what each lazy model imports.
+LAZY_EXTRAS: dict[str, str] = {"sam": "sam"}
 
 #: Variants implemented by a class of their own (the others go to the base class as ``variant``).
 VARIANT_CLASSES: dict[str, type[CrossModalModel]] = {"pairwise:marginal": MarginalMatching}
@@ -74,6 +78,12 @@ def model_class(name: str) -> type[CrossModalModel]:
         return VARIANT_CLASSES[name]
     if base in LAZY_MODELS:
         module, cls = LAZY_MODELS[base]
-        found: type[CrossModalModel] = getattr(importlib.import_module(module), cls)
+        try:
+            imported = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            extra = LAZY_EXTRAS[base]
+            raise ImportError(f"model {name!r} needs {exc.name}, which is not installed: "
+                              f"pip install 'streamxm[{extra}]'") from exc
+        found: type[CrossModalModel] = getattr(imported, cls)
         return found
     return MODELS[base]

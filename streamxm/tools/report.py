@@ -84,7 +84,11 @@ def _curves(model: str, ds: Dataset, seed: int, every: int, params: dict[str, An
 
 
 def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise ImportError("streamxm report draws with matplotlib, which is not installed: "
+                          "pip install 'streamxm[report]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
