@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models.scsm import SCSM
 from streamxm.tools.bench import evaluate_model
 from streamxm.tools.datasets import iter_pairs, load_dataset
@@ -21,7 +21,7 @@ from streamxm.tools.datasets import iter_pairs, load_dataset
 
 def run(path: str, params: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     ds = load_dataset(path)
-    learner = Learner("scsm", ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
+    learner = StreamLearner("scsm", ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
     learner.fit(list(iter_pairs(ds, unlabelled=True)))
     model = learner.model
     assert isinstance(model, SCSM)

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmomks import CMOMKS
 from streamxm.service import build_worker, open_store
@@ -21,7 +21,7 @@ KERNELS = [{"img_gamma": 0.5, "txt_gamma": 0.5}, {"img_gamma": 4.0, "txt_gamma":
 
 def _model_with_pool(dv: int = 6, dt: int = 4, **params: object) -> CMOMKS:
     model = CMOMKS(dv, dt, kernels=KERNELS, landmarks=8, **params)  # type: ignore[arg-type]
-    learner = Learner("cmomks", dv, dt, model.params(), seed=0)
+    learner = StreamLearner("cmomks", dv, dt, model.params(), seed=0)
     learner.learn(class_stream(30, dv, dt, seed=1))
     assert isinstance(learner.model, CMOMKS) and learner.model.pool_full
     return learner.model
@@ -57,7 +57,8 @@ def test_each_kernel_pair_takes_its_own_pa_step(is_text: bool) -> None:
 
 
 def test_hedge_weights_are_beta_to_the_mistakes() -> None:
-    learner = Learner("cmomks", 6, 4, {"kernels": KERNELS, "landmarks": 8, "beta": 0.9}, seed=0)
+    learner = StreamLearner("cmomks", 6, 4, {"kernels": KERNELS, "landmarks": 8, "beta": 0.9},
+                            seed=0)
     learner.learn(class_stream(120, 6, 4, seed=2))
     model = learner.model
     assert isinstance(model, CMOMKS)
@@ -71,7 +72,7 @@ def test_theorem_2_bound_on_a_testclass_stream() -> None:
     kernel pair: (ln(1/beta) min_j M_j + ln m) / ln(2/(1+beta)) <= 2 (...) / (1 - beta)."""
     kernels = [{"img_gamma": g, "txt_gamma": g} for g in (0.05, 1.0, 20.0)]
     beta = 0.95
-    learner = Learner("cmomks", 6, 4, {"kernels": kernels, "landmarks": 10, "beta": beta,
+    learner = StreamLearner("cmomks", 6, 4, {"kernels": kernels, "landmarks": 10, "beta": beta,
                                        "budget": 200, "triplets_per_pair": 2}, seed=0)
     learner.learn(class_stream(600, 6, 4, seed=3))
     model = learner.model
@@ -90,7 +91,7 @@ def _rss_bytes() -> int:
 
 def test_budget_keeps_memory_and_time_flat_over_100000_pairs() -> None:
     pairs = class_stream(2000, 8, 4, seed=4)
-    learner = Learner("cmomks", 8, 4, {"kernels": KERNELS, "landmarks": 10, "budget": 100,
+    learner = StreamLearner("cmomks", 8, 4, {"kernels": KERNELS, "landmarks": 10, "budget": 100,
                                        "triplets_per_pair": 1}, seed=0, eval_every=10**9)
     learner.learn(pairs[:300])  # the pool and the budget fill
     model = learner.model
@@ -121,10 +122,10 @@ def test_budget_keeps_memory_and_time_flat_over_100000_pairs() -> None:
 def test_state_round_trip_continues_identically_even_before_the_pool_is_full() -> None:
     pairs = class_stream(200, 6, 4, seed=6)
     params = {"kernels": KERNELS, "landmarks": 50, "budget": 40}
-    a = Learner("cmomks", 6, 4, params, seed=1, eval_every=3)
+    a = StreamLearner("cmomks", 6, 4, params, seed=1, eval_every=3)
     a.learn(pairs[:30])
     assert not a.model.pool_full  # type: ignore[attr-defined]  # triplets are waiting
-    b = Learner.from_state(*a.state())
+    b = StreamLearner.from_state(*a.state())
     a.learn(pairs[30:])
     b.learn(pairs[30:])
     probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(
@@ -148,8 +149,8 @@ def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
     worker.run(until_idle=True)
     ckpt = open_store(settings, r).load_latest("cmomks")
     assert ckpt is not None
-    restored = Learner.from_state(ckpt.arrays, ckpt.meta)
-    reference = Learner("cmomks", 6, 4, params, seed=settings.seed)
+    restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+    reference = StreamLearner("cmomks", 6, 4, params, seed=settings.seed)
     reference.learn(pairs)
     assert restored.pairs_seen == 300
     probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmos import CMOS
 from streamxm.stream.messages import make_pair
@@ -66,9 +66,9 @@ def test_learning_does_not_depend_on_batch_boundaries() -> None:
     rng = np.random.default_rng(3)
     pairs = [make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
              for i in range(300)]
-    one = Learner("cmos", 6, 4, seed=7)
+    one = StreamLearner("cmos", 6, 4, seed=7)
     one.learn(pairs)
-    many = Learner("cmos", 6, 4, seed=7)
+    many = StreamLearner("cmos", 6, 4, seed=7)
     for i in range(0, 300, 17):
         many.learn(pairs[i : i + 17])
     assert np.array_equal(one.model.W, many.model.W)  # type: ignore[attr-defined]
@@ -79,9 +79,9 @@ def test_state_round_trip_continues_identically() -> None:
     rng = np.random.default_rng(4)
     pairs = [make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
              for i in range(200)]
-    a = Learner("cmos", 6, 4, seed=1)
+    a = StreamLearner("cmos", 6, 4, seed=1)
     a.learn(pairs[:120])
-    b = Learner.from_state(*a.state())
+    b = StreamLearner.from_state(*a.state())
     a.learn(pairs[120:])
     b.learn(pairs[120:])
     assert np.array_equal(a.model.W, b.model.W)  # type: ignore[attr-defined]
@@ -90,7 +90,7 @@ def test_state_round_trip_continues_identically() -> None:
 
 def test_unlabelled_pairs_use_their_own_partner_as_positive() -> None:
     rng = np.random.default_rng(5)
-    learner = Learner("cmos", 5, 3, seed=0)
+    learner = StreamLearner("cmos", 5, 3, seed=0)
     learner.learn([make_pair(str(i), rng.random(5), rng.random(3)) for i in range(50)])
     assert learner.pairs_unlabelled == 50
     assert learner.stats.triplets["i2t"] > 0
@@ -99,7 +99,7 @@ def test_unlabelled_pairs_use_their_own_partner_as_positive() -> None:
 @pytest.mark.skipif(not SHARED_WIKI.exists(), reason="../shared/datasets not present")
 def test_one_pass_over_wikipedia_learns_something() -> None:
     ds = load_dataset(SHARED_WIKI)
-    learner = Learner("cmos", 128, 10)
+    learner = StreamLearner("cmos", 128, 10)
     learner.learn(list(iter_pairs(ds, limit=600)))
     rm = learner.rolling_map()
     # Chance level on 10 classes is about 0.1; the rolling mAP must be clearly above it.
@@ -113,8 +113,8 @@ def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str,
     pairs = class_stream(205, 48, 24, seed=11, n_classes=5)
     runs = {}
     for solver in ("blocked", "paper"):
-        learner = Learner("cmos", 48, 24, {"solver": solver, "dtype": dtype, "C": 1.0}, seed=3,
-                          eval_every=10_000)
+        learner = StreamLearner("cmos", 48, 24, {"solver": solver, "dtype": dtype, "C": 1.0},
+                                seed=3, eval_every=10_000)
         learner.model.tau_log = []  # type: ignore[attr-defined]
         learner.learn(pairs)
         learner.flush()
@@ -135,13 +135,13 @@ def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str,
 
 def test_deferred_learning_does_not_depend_on_cuts_or_restarts() -> None:
     pairs = class_stream(400, 10, 6, seed=2, n_classes=5)
-    one = Learner("cmos", 10, 6, seed=5, eval_every=7)
+    one = StreamLearner("cmos", 10, 6, seed=5, eval_every=7)
     one.learn(pairs)
-    cut = Learner("cmos", 10, 6, seed=5, eval_every=7)
+    cut = StreamLearner("cmos", 10, 6, seed=5, eval_every=7)
     for i in range(0, 250, 13):
         cut.learn(pairs[i : min(i + 13, 250)])
     assert cut.model._queued > 0  # type: ignore[attr-defined]  # state holds queued triplets
-    restored = Learner.from_state(*cut.state())
+    restored = StreamLearner.from_state(*cut.state())
     restored.learn(pairs[250:])
     one.flush()
     restored.flush()

@@ -5,7 +5,7 @@ survive a checkpoint."""
 import numpy as np
 import pytest
 
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models import MODEL_NAMES
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
@@ -33,8 +33,8 @@ def relation_switch_stream(seed: int, n: int, switch: int) -> list[Pair]:
     return pairs
 
 
-def _learner(model: str, seed: int = 0) -> Learner:
-    return Learner(model, 16, 8, FAST.get(model), seed=seed)
+def _learner(model: str, seed: int = 0) -> StreamLearner:
+    return StreamLearner(model, 16, 8, FAST.get(model), seed=seed)
 
 
 @pytest.mark.parametrize("model", MODEL_NAMES)
@@ -62,7 +62,7 @@ def switching_stream(seed: int, n: int = 3000) -> list[Pair]:
 
 def test_a_label_switch_is_detected_soon_after_it_happens() -> None:
     for seed in (0, 1):
-        learner = Learner("cmos", 16, 8, seed=seed)
+        learner = StreamLearner("cmos", 16, 8, seed=seed)
         learner.learn(switching_stream(seed))
         positions = np.array(learner.drift.positions)
         assert learner.drift.detections == len(positions)
@@ -71,17 +71,17 @@ def test_a_label_switch_is_detected_soon_after_it_happens() -> None:
 
 
 def test_a_steady_stream_raises_no_alarm_once_learned() -> None:
-    learner = Learner("cmos", 16, 8, seed=0)
+    learner = StreamLearner("cmos", 16, 8, seed=0)
     learner.learn(class_stream(3000, 16, 8, seed=0))
     assert all(p < 1500 for p in learner.drift.positions)  # only while the model improves
 
 
 def test_drift_counts_survive_a_checkpoint() -> None:
-    learner = Learner("cmos", 16, 8, seed=0)
+    learner = StreamLearner("cmos", 16, 8, seed=0)
     learner.learn(switching_stream(0, 2000))
     arrays, meta = learner.state()
     restored_ckpt = decode_blob(encode_blob(Checkpoint(1, arrays, meta)))
-    restored = Learner.from_state(restored_ckpt.arrays, restored_ckpt.meta)
+    restored = StreamLearner.from_state(restored_ckpt.arrays, restored_ckpt.meta)
     assert restored.drift.detections == learner.drift.detections > 0
     assert restored.drift.positions == learner.drift.positions
     assert restored.drift.fed == learner.drift.fed

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.service import build_worker, open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
@@ -34,7 +34,7 @@ IMG, TXT = 32, 16
 _NOT_STATE = {"update_seconds", "update_hist", "drift"}
 
 
-def assert_same_learner(got: Learner, want: Learner) -> None:
+def assert_same_learner(got: StreamLearner, want: StreamLearner) -> None:
     """Every state array bit for bit, and the JSON state apart from timing."""
     got.flush()
     want.flush()
@@ -47,8 +47,8 @@ def assert_same_learner(got: Learner, want: Learner) -> None:
     assert strip(meta_g) == strip(meta_w)
 
 
-def reference(pairs: list[Pair]) -> Learner:
-    learner = Learner("cmos", pairs[0].img.shape[0], pairs[0].txt.shape[0], seed=0)
+def reference(pairs: list[Pair]) -> StreamLearner:
+    learner = StreamLearner("cmos", pairs[0].img.shape[0], pairs[0].txt.shape[0], seed=0)
     learner.learn(pairs)
     return learner
 
@@ -61,10 +61,10 @@ def processed(r: redis.Redis, keys: Keys) -> int:
     return int(stats(r, keys).get("pairs_processed", 0))
 
 
-def latest(settings: Settings, r: redis.Redis) -> Learner:
+def latest(settings: Settings, r: redis.Redis) -> StreamLearner:
     ckpt = open_store(settings, r).load_latest("cmos")
     assert ckpt is not None
-    return Learner.from_state(ckpt.arrays, ckpt.meta)
+    return StreamLearner.from_state(ckpt.arrays, ckpt.meta)
 
 
 class WorkerProcess:

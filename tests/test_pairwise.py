@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.learning.replay import ReplayBuffer
 from streamxm.models import create_model
 from streamxm.models.cca import CCA
@@ -88,7 +88,8 @@ def test_labels_decide_the_formed_pairs_when_present() -> None:
         (8, 3))
     means = []
     for stream in (pairs, stripped):
-        learner = Learner("pairwise", 5, 3, {"whiten": False, "pos_weight": 1.0}, eval_every=10**9)
+        learner = StreamLearner("pairwise", 5, 3, {"whiten": False, "pos_weight": 1.0},
+                                eval_every=10**9)
         learner.learn(stream)
         means.append(learner.model.similarity(probe_i, probe_t).mean())
     assert means[0] > 0 > means[1]
@@ -106,7 +107,7 @@ def test_unlabelled_streams_never_read_a_label(
         monkeypatch.setattr(ReplayBuffer, method, forbidden)
     pairs = class_stream(400, 8, 4, seed=3)
     stripped = [make_pair(p.id, p.img, p.txt) for p in pairs]
-    learner = Learner(name, 8, 4, eval_every=10**9)
+    learner = StreamLearner(name, 8, 4, eval_every=10**9)
     learner.learn(stripped)
     s = learner.model.similarity(np.stack([p.img for p in pairs[:100]]),
                                  np.stack([p.txt for p in pairs[:100]]))
@@ -119,7 +120,7 @@ def test_unlabelled_streams_never_read_a_label(
 def test_marginal_score_is_the_inner_product_of_independent_posteriors() -> None:
     pairs = class_stream(300, 6, 4, seed=4, n_classes=3)
     unlabelled = [make_pair(f"u{i}", p.img, p.txt) for i, p in enumerate(pairs[:20])]
-    learner = Learner("pairwise:marginal", 6, 4, eval_every=10**9)
+    learner = StreamLearner("pairwise:marginal", 6, 4, eval_every=10**9)
     learner.learn(pairs + unlabelled)
     model = learner.model
     assert isinstance(model, MarginalMatching)
@@ -148,7 +149,7 @@ def test_marginal_score_is_the_inner_product_of_independent_posteriors() -> None
 
 
 def test_marginal_counts_and_skips_an_all_unlabelled_stream() -> None:
-    learner = Learner("pairwise:marginal", 6, 4, eval_every=10**9)
+    learner = StreamLearner("pairwise:marginal", 6, 4, eval_every=10**9)
     learner.learn([make_pair(str(i), np.ones(6), np.ones(4)) for i in range(5)])
     assert learner.model.skipped_unlabelled == 5  # type: ignore[attr-defined]
     assert learner.model.embed_images(np.ones((2, 6))).shape == (2, 0)
@@ -161,7 +162,7 @@ def test_streamed_cca_equals_the_batch_fit_and_its_directions_are_canonical() ->
     imgs = np.hstack([z, rng.normal(size=(400, 4))]) + 3.0
     txts = np.hstack([z @ [[1.0, 0.3], [0.2, 1.0]], rng.normal(size=(400, 3))]) + 3.0
     params = {"k": 3, "ridge": 0.0, "solve_first": 400}
-    streamed = Learner("cca", 6, 5, params, eval_every=10**9)
+    streamed = StreamLearner("cca", 6, 5, params, eval_every=10**9)
     streamed.learn([make_pair(str(i), imgs[i], txts[i]) for i in range(400)])
     batch = CCA(6, 5, **params)  # type: ignore[arg-type]
     batch.fit_arrays(imgs, txts)
@@ -185,9 +186,9 @@ def test_state_round_trip_continues_identically(name: str) -> None:
     pairs = class_stream(300, 6, 4, seed=8)
     params = {"solve_first": 16} if name == "cca" else (
         {} if name == "pairwise:marginal" else {"whiten_first": 16, "whiten_every": 50})
-    a = Learner(name, 6, 4, params, seed=1, eval_every=7)
+    a = StreamLearner(name, 6, 4, params, seed=1, eval_every=7)
     a.learn(pairs[:130])
-    b = Learner.from_state(*a.state())
+    b = StreamLearner.from_state(*a.state())
     a.learn(pairs[130:])
     b.learn(pairs[130:])
     probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(
@@ -210,8 +211,8 @@ def test_the_worker_learns_a_variant_and_resumes_from_its_checkpoint(
     build_worker(settings, r, name).run(until_idle=True)
     ckpt = open_store(settings, r).load_latest(name)
     assert ckpt is not None and ckpt.meta["model"] == name
-    restored = Learner.from_state(ckpt.arrays, ckpt.meta)
-    reference = Learner(name, 6, 4, seed=settings.seed)
+    restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+    reference = StreamLearner(name, 6, 4, seed=settings.seed)
     reference.learn(pairs)
     assert restored.pairs_seen == 240 and restored.stats.as_dict() == reference.stats.as_dict()
     probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(
@@ -243,7 +244,7 @@ def test_one_streaming_pass_reaches_95_percent_of_the_paper(name: str) -> None:
 
 
 def test_marginal_counts_labels_beyond_max_classes_once_per_arriving_pair() -> None:
-    learner = Learner("pairwise:marginal", 6, 4, {"max_classes": 2, "replay": 8},
+    learner = StreamLearner("pairwise:marginal", 6, 4, {"max_classes": 2, "replay": 8},
                       eval_every=10**9)
     learner.learn(class_stream(40, 6, 4, seed=10, n_classes=3))
     model = learner.model

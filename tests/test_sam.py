@@ -13,7 +13,7 @@ import redis
 import torch
 
 from streamxm.config import Settings
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models import LearnStats, create_model
 from streamxm.models.sam import (
     SAM,
@@ -149,7 +149,7 @@ def test_stream_clock_steps_and_reservoir() -> None:
     m = SAM(6, 5, **SMALL)
     pairs = class_stream(200, 6, 5, seed=3)
     rng, stats = np.random.default_rng(0), LearnStats()
-    buf = Learner("cmos", 6, 5).buffer
+    buf = StreamLearner("cmos", 6, 5).buffer
     for p in pairs:
         m.learn_one(p, buf.add(p), buf, rng, stats)
     assert m.steps == 200 // 3 and len(m.pending) == 200 % 3
@@ -164,7 +164,7 @@ def test_stream_clock_steps_and_reservoir() -> None:
 
 def test_learning_separates_classes() -> None:
     pairs = class_stream(300, 12, 6, seed=5, n_classes=3)
-    learner = Learner("sam", 12, 6, SMALL, seed=1)
+    learner = StreamLearner("sam", 12, 6, SMALL, seed=1)
     learner.learn(pairs)
     test = class_stream(60, 12, 6, seed=5, n_classes=3)  # same class centres, new noise
     zi = learner.model.embed_images(np.stack([p.img for p in test]))
@@ -175,20 +175,20 @@ def test_learning_separates_classes() -> None:
     assert learner.stats.mistakes["i2t"] > 0
 
 
-def learner_state(learner: Learner) -> dict[str, np.ndarray]:
+def learner_state(learner: StreamLearner) -> dict[str, np.ndarray]:
     arrays, _ = learner.state()
     return arrays
 
 
 def test_checkpoint_round_trip_continues_training_identically() -> None:
     pairs = class_stream(170, 7, 5, seed=11)
-    original = Learner("sam", 7, 5, SMALL, seed=4)
+    original = StreamLearner("sam", 7, 5, SMALL, seed=4)
     original.learn(pairs[:101])  # 101 = 33 steps + 2 pending pairs
     assert len(original.model.pending) == 2
     arrays, meta = original.state()
     blob = encode_blob(Checkpoint(version=1, arrays=arrays, meta=meta))
     restored_ckpt = decode_blob(blob)
-    restored = Learner.from_state(restored_ckpt.arrays, restored_ckpt.meta)
+    restored = StreamLearner.from_state(restored_ckpt.arrays, restored_ckpt.meta)
     assert torch.equal(restored.model.generator.get_state(), original.model.generator.get_state())
     original.learn(pairs[101:])
     restored.learn(pairs[101:])
@@ -201,7 +201,7 @@ def test_checkpoint_round_trip_continues_training_identically() -> None:
 
 
 def test_checkpoints_hold_plain_arrays_and_torch_load_is_safe() -> None:
-    learner = Learner("sam", 4, 3, SMALL)
+    learner = StreamLearner("sam", 4, 3, SMALL)
     learner.learn(class_stream(20, 4, 3, seed=0))
     arrays, _ = learner.state()
     assert all(not np.asarray(v).dtype.hasobject for v in arrays.values())

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models.scsm import SCSM
 from streamxm.models.scsm_solver import Problem, knn_graph
 from streamxm.stream.messages import Pair, make_pair
@@ -120,7 +120,7 @@ def test_no_label_is_read() -> None:
     params = {"groups": 4, "window": 200, "solve_first": 50, "solve_every": 70}
     states = []
     for stream in (pairs, garbage, bare):
-        learner = Learner("scsm", 8, 5, params, seed=0, eval_every=10**9)
+        learner = StreamLearner("scsm", 8, 5, params, seed=0, eval_every=10**9)
         learner.learn(stream)
         states.append(learner.model.state())
     for arrays, meta in states[1:]:
@@ -131,7 +131,7 @@ def test_no_label_is_read() -> None:
 
 def test_memory_is_bounded_and_groups_keep_their_identity() -> None:
     pairs = clustered_stream(900, seed=3)
-    learner = Learner("scsm", 8, 5, {"groups": 4, "window": 150, "solve_first": 50,
+    learner = StreamLearner("scsm", 8, 5, {"groups": 4, "window": 150, "solve_first": 50,
                                      "solve_every": 50, "power_img": 1.0}, seed=0,
                       eval_every=10**9)
     model = learner.model
@@ -159,11 +159,11 @@ def test_memory_is_bounded_and_groups_keep_their_identity() -> None:
 def test_checkpoint_round_trip_continues_identically() -> None:
     pairs = class_stream(400, 8, 5, seed=4)
     params = {"groups": 4, "window": 150, "solve_first": 40, "solve_every": 60}
-    whole = Learner("scsm", 8, 5, params, seed=1)
+    whole = StreamLearner("scsm", 8, 5, params, seed=1)
     whole.learn(pairs)
-    first = Learner("scsm", 8, 5, params, seed=1)
+    first = StreamLearner("scsm", 8, 5, params, seed=1)
     first.learn(pairs[:170])
-    resumed = Learner.from_state(*first.state())
+    resumed = StreamLearner.from_state(*first.state())
     resumed.learn(pairs[170:])
     probe = np.random.default_rng(8).random((9, 8)), np.random.default_rng(9).random((9, 5))
     np.testing.assert_array_equal(resumed.model.similarity(*probe),
@@ -172,7 +172,7 @@ def test_checkpoint_round_trip_continues_identically() -> None:
 
 def test_groups_find_the_classes_of_a_clustered_stream() -> None:
     pairs = clustered_stream(400, seed=5)
-    learner = Learner("scsm", 8, 5, {"groups": 4, "window": 400, "power_img": 1.0}, seed=0)
+    learner = StreamLearner("scsm", 8, 5, {"groups": 4, "window": 400, "power_img": 1.0}, seed=0)
     learner.learn(pairs)
     model = learner.model
     assert isinstance(model, SCSM)

@@ -9,7 +9,7 @@ import redis
 from scipy.optimize import minimize
 
 from streamxm.config import Settings
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models import create_model
 from streamxm.models.base import LearnStats
 from streamxm.models.moments import power_normalize
@@ -47,7 +47,7 @@ def test_streamed_statistics_equal_the_batch_matrices(forget: float) -> None:
     pairs = mixed_stream(150, seed=0)
     model = SDSRL(6, 4, q=3, m_img=12, m_txt=5, landmark_pool=40, batch=7, forget=forget,
                   power_img=1.0, solve_first=10**6, solve_every=10**6)
-    learner = Learner("sdsrl", 6, 4)
+    learner = StreamLearner("sdsrl", 6, 4)
     learner.model = model
     learner.learn(pairs)
     model.solve(learner.rng)  # folds the pending batch
@@ -161,7 +161,7 @@ def test_unlabelled_pairs_feed_only_the_grams_and_are_counted() -> None:
 
 def test_serves_before_landmarks_freeze_and_learns_classes() -> None:
     pairs = class_stream(400, 8, 5, seed=5)
-    learner = Learner("sdsrl", 8, 5, {"q": 4, "m_img": 100, "landmark_pool": 200,
+    learner = StreamLearner("sdsrl", 8, 5, {"q": 4, "m_img": 100, "landmark_pool": 200,
                                       "solve_first": 16, "solve_every": 64}, seed=0)
     learner.learn(pairs[:50])
     model = learner.model
@@ -182,11 +182,11 @@ def test_checkpoint_round_trip_continues_identically(cut: int) -> None:
     pairs = mixed_stream(400, seed=7)
     params = {"q": 3, "m_img": 50, "m_txt": 6, "landmark_pool": 120, "batch": 16,
               "solve_first": 8, "solve_every": 50}
-    whole = Learner("sdsrl", 6, 4, params, seed=3)
+    whole = StreamLearner("sdsrl", 6, 4, params, seed=3)
     whole.learn(pairs)
-    first = Learner("sdsrl", 6, 4, params, seed=3)
+    first = StreamLearner("sdsrl", 6, 4, params, seed=3)
     first.learn(pairs[:cut])
-    resumed = Learner.from_state(*first.state())
+    resumed = StreamLearner.from_state(*first.state())
     resumed.learn(pairs[cut:])
     probe = np.random.default_rng(8).random((9, 6)), np.random.default_rng(9).random((9, 4))
     np.testing.assert_array_equal(resumed.model.similarity(*probe),

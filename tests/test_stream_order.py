@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.learning.replay import ReplayBuffer
 from streamxm.stream.messages import make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
@@ -64,13 +64,13 @@ def test_a_learner_with_memory_continues_exactly_after_a_checkpoint() -> None:
     pairs = class_stream(1200, 8, 4, seed=5)
     pairs.sort(key=lambda p: p.labels[0])  # class order: the memory does real work
     for model, params in (("cmos", {"replay": 2}), ("pairwise:marginal", None)):
-        whole = Learner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
+        whole = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
         whole.learn(pairs)
-        first = Learner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
+        first = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
         first.learn(pairs[:700])
         arrays, meta = first.state()
         ckpt = decode_blob(encode_blob(Checkpoint(1, arrays, meta)))
-        resumed = Learner.from_state(ckpt.arrays, ckpt.meta)
+        resumed = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
         assert resumed.buffer.memory == 80 and resumed.buffer.stored == 80
         resumed.learn(pairs[700:])
         assert_same_learner(resumed, whole)
@@ -101,10 +101,10 @@ def test_bench_quality_streams_in_the_asked_order_with_noise(tmp_path: Path) -> 
 
 def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
     pairs = sorted(class_stream(600, 8, 4, seed=6), key=lambda p: p.labels[0])
-    plain = Learner("cmos", 8, 4, {"triplets_per_pair": 2}, seed=0, buffer_capacity=120,
+    plain = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2}, seed=0, buffer_capacity=120,
                     buffer_memory=80)
     plain.learn(pairs)
-    rehearsed = Learner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 2}, seed=0,
+    rehearsed = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 2}, seed=0,
                         buffer_capacity=120, buffer_memory=80)
     rehearsed.learn(pairs)
     # Up to two more triplets per pair once the memory holds pairs (after the first 40); fewer
@@ -112,5 +112,5 @@ def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
     extra = sum(rehearsed.stats.triplets.values()) - sum(plain.stats.triplets.values())
     assert 600 - 40 <= extra <= 2 * (600 - 40)
     with pytest.raises(ValueError, match="replay"):
-        Learner("cmos", 8, 4, {"replay": -1})
+        StreamLearner("cmos", 8, 4, {"replay": -1})
 

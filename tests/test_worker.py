@@ -8,7 +8,7 @@ import numpy as np
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.service import build_worker, open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
@@ -49,8 +49,8 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_going(
     assert counts[b"cmos|missing_field"] == b"2"
 
 
-def _reference(pairs: list, seed: int = 0) -> Learner:  # type: ignore[type-arg]
-    learner = Learner("cmos", 128, 10, seed=seed)
+def _reference(pairs: list, seed: int = 0) -> StreamLearner:  # type: ignore[type-arg]
+    learner = StreamLearner("cmos", 128, 10, seed=seed)
     learner.learn(pairs)
     return learner
 
@@ -82,7 +82,7 @@ def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
     assert kills == 3
     ckpt = open_store(settings, r).load_latest("cmos")
     assert ckpt is not None
-    restored = Learner.from_state(ckpt.arrays, ckpt.meta)
+    restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
     reference = _reference(pairs)
     assert restored.pairs_seen == 1500
     # Bit for bit the model of an uninterrupted run over the same stream.

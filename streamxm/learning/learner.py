@@ -2,8 +2,9 @@
 rolling mAP, counters, and the whole state as arrays plus JSON.
 
 The worker feeds it pairs read from Redis; ``streamxm bench quality --protocol stream`` feeds it
-the training rows of a file. Both go through :meth:`Learner.learn`, so the benchmark measures the
-code the service runs.
+the training rows of a file. Both go through :meth:`StreamLearner.learn`, so the benchmark
+measures the code the service runs. :class:`streamxm.Learner` wraps it for use in your own
+process.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_mode
 from streamxm.stream.messages import Pair
 from streamxm.worker.faults import raise_point
 
-__all__ = ["UPDATE_BUCKETS", "LearnFailed", "Learner"]
+__all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner"]
 
 #: Upper bounds (seconds) of the per-pair update latency histogram.
 UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
 
 
 class LearnFailed(RuntimeError):
-    """Learning raised at the ``index``-th pair of a :meth:`Learner.learn` call.
+    """Learning raised at the ``index``-th pair of a :meth:`StreamLearner.learn` call.
 
     The pairs before it were applied and the failing one may be half applied, so the learner's
     state is no longer that of any prefix of the stream: discard it and reload a checkpoint.
@@ -45,7 +46,7 @@ class LearnFailed(RuntimeError):
         self.pair_id = pair_id
 
 
-class Learner:
+class StreamLearner:
     """A model plus everything needed to keep learning it from a stream.
 
     Every pair's triplets feed a :class:`~streamxm.learning.drift.DriftMonitor` (ADWIN on the
@@ -80,7 +81,7 @@ class Learner:
     >>> import numpy as np
     >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
-    >>> learner = Learner("cmos", img_dim=4, txt_dim=3)
+    >>> learner = StreamLearner("cmos", img_dim=4, txt_dim=3)
     >>> pairs = [make_pair(str(i), rng.random(4), rng.random(3), labels=[i % 2]) for i in range(20)]
     >>> report = learner.learn(pairs)
     >>> learner.pairs_seen, report["pairs"]
@@ -223,7 +224,7 @@ class Learner:
         return arrays, meta
 
     @classmethod
-    def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> Learner:
+    def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> StreamLearner:
         buffer_arrays = {k[7:]: v for k, v in arrays.items() if k.startswith("buffer.")}
         learner = cls(
             meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), meta["params"],

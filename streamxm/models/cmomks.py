@@ -212,10 +212,10 @@ class CMOMKS(CrossModalModel):
     Examples
     --------
     >>> import numpy as np
-    >>> from streamxm.learning.learner import Learner
+    >>> from streamxm.learning.learner import StreamLearner
     >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
-    >>> learner = Learner("cmomks", 6, 4, {"budget": 50, "landmarks": 20})
+    >>> learner = StreamLearner("cmomks", 6, 4, {"budget": 50, "landmarks": 20})
     >>> _ = learner.learn([make_pair(str(i), rng.random(6), rng.random(4), labels=[i % 3])
     ...                    for i in range(100)])
     >>> model = learner.model

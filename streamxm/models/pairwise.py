@@ -95,12 +95,12 @@ class PairwiseLogistic(CrossModalModel):
 
     Examples
     --------
-    >>> from streamxm.learning.learner import Learner
+    >>> from streamxm.learning.learner import StreamLearner
     >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> z = rng.normal(size=(300, 3))
     >>> pairs = [make_pair(str(i), z[i], z[i] @ [[0, 1], [1, 0], [1, 1]]) for i in range(300)]
-    >>> learner = Learner("pairwise", 3, 2, eval_every=10**9)
+    >>> learner = StreamLearner("pairwise", 3, 2, eval_every=10**9)
     >>> _ = learner.learn(pairs)
     >>> s = learner.model.similarity(z[:50], z[:50] @ [[0, 1], [1, 0], [1, 1]])
     >>> top1 = (np.argmax(s, axis=1) == np.arange(50)).mean()  # chance: 0.02

@@ -25,7 +25,7 @@ import numpy as np
 import redis
 from numpy.typing import NDArray
 
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel, split_name
 from streamxm.stream.client import read_schema
 from streamxm.stream.keys import Keys
@@ -218,7 +218,7 @@ class ModelServer:
         ckpt = self.store.load_latest(name)
         if ckpt is None:
             return
-        learner = Learner.from_state(ckpt.arrays, ckpt.meta)
+        learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
         learner.flush()  # before publishing: queries then only read the model
         head = dict(self.store.head(name) or {})
         head["pairs_seen"] = learner.pairs_seen

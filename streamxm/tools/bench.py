@@ -11,14 +11,14 @@ from numpy.typing import NDArray
 from tqdm import tqdm
 
 from streamxm.learning.evaluation import label_relevance, mean_average_precision
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import Dataset, iter_pairs, load_dataset, row_labels
 
 __all__ = ["database_split", "evaluate_model", "quality", "retrieval_maps", "train"]
 
 
-def evaluate_model(learner: Learner, ds: Dataset) -> dict[str, float]:
+def evaluate_model(learner: StreamLearner, ds: Dataset) -> dict[str, float]:
     """Test-split mAP, whole gallery, relevant = shares a label; for models with a shared space
     also the same-modality directions (``map_i2i``, ``map_t2t``: the query itself stays in the
     gallery, as in the papers that report them)."""
@@ -29,7 +29,7 @@ def evaluate_model(learner: Learner, ds: Dataset) -> dict[str, float]:
 Split = tuple[NDArray[np.floating], NDArray[np.floating], NDArray[Any]]
 
 
-def retrieval_maps(learner: Learner, queries: Split, gallery: Split) -> dict[str, float]:
+def retrieval_maps(learner: StreamLearner, queries: Split, gallery: Split) -> dict[str, float]:
     """mAP of each direction, ``queries`` (images, texts, labels) ranked against the whole
     ``gallery``; relevant = shares a label."""
     learner.flush()
@@ -49,7 +49,7 @@ def retrieval_maps(learner: Learner, queries: Split, gallery: Split) -> dict[str
     return out
 
 
-def train(learner: Learner, pairs: list[Pair], protocol: str, epochs: int = 5,
+def train(learner: StreamLearner, pairs: list[Pair], protocol: str, epochs: int = 5,
           progress: bool = False, desc: str = "") -> int:
     """Feed ``pairs`` to ``learner`` by ``protocol``; returns the number of passes.
 
@@ -91,7 +91,7 @@ def quality(
     topic at a time, ``shuffled``) with a fraction ``label_noise`` of their labels replaced by
     another class (:func:`~streamxm.tools.datasets.noisy_labels`); the test split is untouched."""
     ds = load_dataset(dataset)
-    learner = Learner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed,
+    learner = StreamLearner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed,
                       buffer_memory=buffer_memory)
     pairs = list(iter_pairs(ds, unlabelled=unlabelled, order=order, label_noise=label_noise,
                             seed=seed))
@@ -152,7 +152,7 @@ def database_split(
     for seed in seeds:
         order = np.random.default_rng(seed).permutation(len(img))
         query, base = order[:n_query], order[n_query:]
-        learner = Learner(model, img.shape[1], txt.shape[1], params, seed=seed)
+        learner = StreamLearner(model, img.shape[1], txt.shape[1], params, seed=seed)
         pairs = [make_pair(f"db-{i}", img[i], txt[i], labels=row_labels(y, int(i)))
                  for i in base]
         train(learner, pairs, protocol, epochs, progress, desc=f"{model} seed {seed}")

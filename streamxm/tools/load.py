@@ -44,7 +44,7 @@ from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from streamxm.config import Settings
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
@@ -211,7 +211,7 @@ def _in_process_rate(model: str, data: list[Pair], eval_every: int, seed: int) -
     """The reference: the same learner, options and pairs, fed in-process on one thread."""
     img_dim, txt_dim = data[0].img.shape[0], data[0].txt.shape[0]
     with threadpool_limits(limits=1):
-        learner = Learner(model, img_dim, txt_dim, seed=seed, eval_every=eval_every)
+        learner = StreamLearner(model, img_dim, txt_dim, seed=seed, eval_every=eval_every)
         start = time.perf_counter()
         for i in range(0, len(data), 256):
             learner.learn(data[i : i + 256])

@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from tqdm import tqdm
 
 from streamxm.learning.evaluation import label_relevance
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models import DIRECTIONS
 from streamxm.tools.bench import evaluate_model
 from streamxm.tools.datasets import PUBLISHED_WIKI, Dataset, iter_pairs, load_dataset
@@ -58,7 +58,7 @@ def interpolated_pr(scores: NDArray[np.floating], relevant: NDArray[np.bool_]) -
 
 def _curves(model: str, ds: Dataset, seed: int, every: int, params: dict[str, Any] | None,
             progress: bool) -> dict[str, Any]:
-    learner = Learner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
+    learner = StreamLearner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
     pairs = list(iter_pairs(ds))
     points: list[dict[str, float]] = []
     with tqdm(total=len(pairs), disable=not progress, unit="pair", desc=model) as bar:

@@ -1,7 +1,8 @@
 """``streamxm bench throughput``: pairs learned per second on one core, beside the machine's limit.
 
-The learner is timed on synthetic pairs of the requested sizes through :meth:`Learner.learn`, the
-code the worker runs (replay buffer, triplet sampling, updates), with the rolling evaluation off.
+The learner is timed on synthetic pairs of the requested sizes through
+:meth:`StreamLearner.learn`, the code the worker runs (replay buffer, triplet sampling,
+updates), with the rolling evaluation off.
 For a bilinear model the work per triplet that no implementation can avoid is one
 matrix-vector product with ``W`` (the margin ``a^T W b``); the *limit* is the time BLAS takes for
 those products, one per triplet, measured on the same ``W`` in the same run. The *baseline* is the
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from streamxm.learning.learner import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models import create_model, split_name
 from streamxm.stream.messages import Pair, make_pair
 
@@ -43,10 +44,10 @@ def _median_seconds(run: Callable[[], float], repeats: int) -> float:
 
 
 def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
-                   seed: int) -> tuple[float, Learner]:
+                   seed: int) -> tuple[float, StreamLearner]:
     """Seconds per pair over ``pairs[warmup:]`` (the buffer fills during the warm-up)."""
     img_dim, txt_dim = pairs[0].img.shape[0], pairs[0].txt.shape[0]
-    learner = Learner(model, img_dim, txt_dim, params, seed=seed, eval_every=len(pairs) + 1)
+    learner = StreamLearner(model, img_dim, txt_dim, params, seed=seed, eval_every=len(pairs) + 1)
     learner.learn(pairs[:warmup])
     learner.flush()
     start = time.perf_counter()
@@ -100,7 +101,7 @@ def throughput(
                               "pairs": pairs, "warmup_pairs": warmup, "repeats": repeats,
                               "threads": 1}
     with threadpool_limits(limits=1):
-        learned: list[Learner] = []
+        learned: list[StreamLearner] = []
 
         def run_learner() -> float:
             seconds, learner = _time_learning(model, data, warmup, params, seed)

@@ -45,7 +45,7 @@ from typing import Any
 
 import redis
 
-from streamxm.learning.learner import UPDATE_BUCKETS, Learner, LearnFailed
+from streamxm.learning.learner import UPDATE_BUCKETS, LearnFailed, StreamLearner
 from streamxm.models import DIRECTIONS, split_name
 from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
@@ -117,7 +117,7 @@ class LearnerWorker:
     params
         Model parameters, used when no checkpoint exists yet.
     learner_options
-        Extra :class:`~streamxm.learning.learner.Learner` options (buffer size, rolling-mAP
+        Extra :class:`~streamxm.learning.learner.StreamLearner` options (buffer size, rolling-mAP
         schedule).
     checkpoint_every_pairs, checkpoint_every_seconds
         Checkpoint after this many pairs or this long, whichever comes first.
@@ -160,7 +160,7 @@ class LearnerWorker:
         self.lease_ttl_ms = lease_ttl_ms
         self.limits = limits
         self.max_learn_attempts = max_learn_attempts
-        self.learner: Learner | None = None
+        self.learner: StreamLearner | None = None
         self.version = 0
         self.last_id = "0-0"
         self.dead_letters = 0
@@ -304,7 +304,7 @@ class LearnerWorker:
         if ckpt is None:
             self.learner, self.version, self.last_id, self.dead_letters = None, 0, "0-0", 0
         else:
-            self.learner = Learner.from_state(ckpt.arrays, ckpt.meta)
+            self.learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
             self.version, self.last_id = ckpt.version, ckpt.last_id
             self.dead_letters = int(ckpt.meta.get("worker", {}).get("dead_letters", 0))
         self._pending = _Pending()
@@ -398,8 +398,9 @@ class LearnerWorker:
             self.r.xack(self.keys.pairs, self.group, *already)
         if pairs:
             if self.learner is None:
-                self.learner = Learner(self.model, pairs[0].img.shape[0], pairs[0].txt.shape[0],
-                                       self.params, seed=self.seed, **self.learner_options)
+                self.learner = StreamLearner(self.model, pairs[0].img.shape[0],
+                                             pairs[0].txt.shape[0], self.params, seed=self.seed,
+                                             **self.learner_options)
             # A slow model (or a large batch) must not outlive the lease, or every commit would
             # be fenced off and the same batch retried forever: a heartbeat holds it meanwhile.
             try:
