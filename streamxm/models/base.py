@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -12,7 +13,7 @@ from numpy.typing import NDArray
 from streamxm.learning.replay import ReplayBuffer, TripletSampler
 from streamxm.stream.messages import Pair
 
-__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "observe_triplet"]
+__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "observe_triplet", "require"]
 
 #: Query directions: an image query ranks texts (i2t), a text query ranks images (t2i).
 DIRECTIONS = ("i2t", "t2i")
@@ -117,6 +118,37 @@ class CrossModalModel(ABC):
     def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
         """Learn from a whole training set at once (models with ``batch_fit`` only)."""
         raise NotImplementedError(f"{self.name} learns from the stream only")
+
+
+_INTERVAL = re.compile(r"in ([\[(])\s*(\S+),\s*(\S+)\s*([\])])")
+
+
+def require(values: dict[str, Any], **rules: str) -> None:
+    """Check constructor parameters declaratively; the first that breaks its rule raises a
+    ``ValueError`` naming it, the rule and the value given.
+
+    A rule is ``"> 0"``, ``">= 1"``, ``"< 1"``, ``"<= 1"`` or an interval ``"in (0, 1]"``.
+
+    >>> require({"C": 0.5, "beta": 1.0}, C="> 0", beta="in (0, 1)")
+    Traceback (most recent call last):
+    ...
+    ValueError: beta must be in (0, 1), got 1.0
+    """
+    for name, rule in rules.items():
+        value = values[name]
+        interval = _INTERVAL.fullmatch(rule)
+        if interval:
+            left, low, high, right = interval.groups()
+            lo, hi = float(low), float(high)
+            ok = (value > lo if left == "(" else value >= lo) and (
+                value < hi if right == ")" else value <= hi)
+        else:
+            op, _, bound = rule.partition(" ")
+            limit = float(bound)
+            ok = {">": value > limit, ">=": value >= limit, "<": value < limit,
+                  "<=": value <= limit}[op]
+        if not ok:
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 def observe_triplet(model: CrossModalModel, pair: Pair, slot: int, buffer: ReplayBuffer,

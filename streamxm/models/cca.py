@@ -11,7 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
 from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
 from streamxm.stream.messages import Pair
 
@@ -84,8 +84,7 @@ class CCA(CrossModalModel):
         solve_every: int = 256,
     ) -> None:
         super().__init__(img_dim, txt_dim)
-        if k < 1 or ridge < 0 or power <= 0:
-            raise ValueError("k must be >= 1, ridge >= 0 and power > 0")
+        require(locals(), k=">= 1", ridge=">= 0", power="> 0")
         self.k = min(int(k), img_dim, txt_dim)
         self.ridge = float(ridge)
         self.power = float(power)

@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.learning.replay import ReplayBuffer, TripletSampler
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOMKS", "KernelPair", "default_kernels"]
@@ -243,10 +243,8 @@ class CMOMKS(CrossModalModel):
         specs = [KernelPair.from_json(k) for k in (kernels or default_kernels())]
         if not specs:
             raise ValueError("kernels must name at least one kernel pair")
-        if C <= 0 or margin <= 0 or not 0 < beta < 1 or power <= 0:
-            raise ValueError("need C, margin, power > 0 and 0 < beta < 1")
-        if budget < 1 or landmarks < 2 or triplets_per_pair < 1:
-            raise ValueError("need budget >= 1, landmarks >= 2, triplets_per_pair >= 1")
+        require(locals(), C="> 0", margin="> 0", beta="in (0, 1)", power="> 0", budget=">= 1",
+                landmarks=">= 2", triplets_per_pair=">= 1")
         for k in specs:
             for block, dim in ((k.img_block, img_dim), (k.txt_block, txt_dim)):
                 if block is not None and not 0 <= block[0] < block[1] <= dim:

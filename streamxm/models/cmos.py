@@ -11,7 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.learning.replay import ReplayBuffer, TripletSampler
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOS"]
@@ -117,10 +117,8 @@ class CMOS(CrossModalModel):
         replay: int = 0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
-        if C <= 0 or margin <= 0 or triplets_per_pair < 1 or flush_every < 1:
-            raise ValueError("C and margin must be > 0, triplets_per_pair and flush_every >= 1")
-        if replay < 0:
-            raise ValueError(f"replay must be >= 0, got {replay}")
+        require(locals(), C="> 0", margin="> 0", triplets_per_pair=">= 1", flush_every=">= 1",
+                replay=">= 0")
         if normalize not in ("l2", "none"):
             raise ValueError(f"normalize must be 'l2' or 'none', got {normalize!r}")
         if solver not in ("blocked", "paper"):

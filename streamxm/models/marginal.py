@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from scipy.special import softmax
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import append_constant, power_normalize
 from streamxm.models.optim import adagrad_step
@@ -105,8 +105,7 @@ class MarginalMatching(CrossModalModel):
         super().__init__(img_dim, txt_dim)
         if variant != "marginal":
             raise ValueError(f"MarginalMatching is the 'marginal' variant, got {variant!r}")
-        if lam < 0 or lr <= 0 or power <= 0 or max_classes < 1 or replay < 0:
-            raise ValueError("lam >= 0, lr > 0, power > 0, max_classes >= 1, replay >= 0 required")
+        require(locals(), lam=">= 0", lr="> 0", power="> 0", max_classes=">= 1", replay=">= 0")
         self.lam = float(lam)
         self.lr = float(lr)
         self.power = float(power)

@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from scipy.special import expit
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.models.moments import (
     ResolveSchedule,
     RunningMoments,
@@ -130,8 +130,8 @@ class PairwiseLogistic(CrossModalModel):
         if variant not in ("logistic", "bipartite"):
             raise ValueError(f"pairwise variant must be 'logistic', 'bipartite' or 'marginal', "
                              f"got {variant!r}")
-        if negatives < 1 or lam < 0 or lr <= 0 or pos_weight <= 0 or ridge < 0 or power <= 0:
-            raise ValueError("negatives >= 1, lam >= 0, ridge >= 0 and lr, pos_weight, power > 0")
+        require(locals(), negatives=">= 1", lam=">= 0", lr="> 0", pos_weight="> 0", ridge=">= 0",
+                power="> 0")
         self.variant = variant
         self.negatives = int(negatives)
         self.lam = float(lam)

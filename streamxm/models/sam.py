@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from torch import Tensor, nn
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler, power_normalize
 from streamxm.stream.messages import Pair, make_pair
@@ -249,14 +249,15 @@ class SAM(CrossModalModel):
         power_txt: float | None = None,
     ) -> None:
         super().__init__(img_dim, txt_dim)
-        if dim < 1 or hidden < 1 or batch_size < 2 or epochs < 0 or epoch_pairs < 1:
-            raise ValueError("dim, hidden >= 1, batch_size >= 2, epochs >= 0, epoch_pairs >= 1")
-        if not 0 <= dropout < 1 or lr <= 0 or not 0 <= momentum < 1 or decay < 0:
-            raise ValueError("0 <= dropout < 1, lr > 0, 0 <= momentum < 1, decay >= 0 required")
-        if not 0 <= lam <= 1 or (alpha is not None and not 0 <= alpha <= 1):
-            raise ValueError("lam and alpha must be in [0, 1]")
-        if not 1 <= step_every <= batch_size or replay < batch_size or not 0 < centroid_rate <= 1:
-            raise ValueError("1 <= step_every <= batch_size <= replay, 0 < centroid_rate <= 1")
+        require(locals(), dim=">= 1", hidden=">= 1", batch_size=">= 2", epochs=">= 0",
+                epoch_pairs=">= 1", dropout="in [0, 1)", lr="> 0", momentum="in [0, 1)",
+                decay=">= 0", lam="in [0, 1]", step_every=">= 1", centroid_rate="in (0, 1]")
+        if alpha is not None:
+            require(locals(), alpha="in [0, 1]")
+        if step_every > batch_size:
+            raise ValueError(f"step_every must be <= batch_size ({batch_size}), got {step_every}")
+        if replay < batch_size:
+            raise ValueError(f"replay must be >= batch_size ({batch_size}), got {replay}")
         self.dim, self.hidden, self.dropout = int(dim), int(hidden), float(dropout)
         self.lr, self.momentum, self.decay = float(lr), float(momentum), float(decay)
         self.batch_size = int(batch_size)

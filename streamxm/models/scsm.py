@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 from scipy.optimize import linear_sum_assignment
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.scsm_solver import Problem
 from streamxm.stream.messages import Pair
@@ -132,10 +132,10 @@ class SCSM(CrossModalModel):
         center: bool = True,
     ) -> None:
         super().__init__(img_dim, txt_dim)
-        if groups < 2 or r < 1 or iterations < 0 or window < groups:
-            raise ValueError("groups >= 2, r >= 1, iterations >= 0 and window >= groups required")
-        if alpha < 0 or gamma < 0 or beta <= 0 or growth < 1 or power_img <= 0 or power_txt <= 0:
-            raise ValueError("alpha, gamma >= 0, beta > 0, growth >= 1, powers > 0 required")
+        require(locals(), groups=">= 2", r=">= 1", iterations=">= 0", alpha=">= 0",
+                gamma=">= 0", beta="> 0", growth=">= 1", power_img="> 0", power_txt="> 0")
+        if window < groups:
+            raise ValueError(f"window must be >= groups ({groups}), got {window}")
         self.groups, self.r = int(groups), int(r)
         self.alpha, self.gamma, self.beta = float(alpha), float(gamma), float(beta)
         self.iterations, self.growth = int(iterations), float(growth)

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.projections import mpl_cd
@@ -188,12 +188,9 @@ class SDSRL(CrossModalModel):
     ) -> None:
         super().__init__(img_dim, txt_dim)
         m_txt = min(2 * txt_dim, 1000) if m_txt is None else m_txt
-        if q < 1 or mu <= 0 or m_img < 1 or m_txt < 1 or landmark_pool < 1:
-            raise ValueError("q, m_img, m_txt, landmark_pool must be >= 1 and mu > 0")
-        if sigma_img <= 0 or sigma_txt <= 0 or power_img <= 0 or power_txt <= 0:
-            raise ValueError("sigma and power must be > 0")
-        if not 0 < forget <= 1 or batch < 1 or outer < 1 or inner < 1 or tol < 0:
-            raise ValueError("0 < forget <= 1, batch, outer, inner >= 1 and tol >= 0 required")
+        require(locals(), q=">= 1", mu="> 0", m_img=">= 1", m_txt=">= 1", landmark_pool=">= 1",
+                sigma_img="> 0", sigma_txt="> 0", power_img="> 0", power_txt="> 0",
+                forget="in (0, 1]", batch=">= 1", outer=">= 1", inner=">= 1", tol=">= 0")
         self.q, self.mu = int(q), float(mu)
         self.m_img, self.m_txt = int(m_img), int(m_txt)
         self.sigma_img, self.sigma_txt = float(sigma_img), float(sigma_txt)

@@ -1,0 +1,126 @@
+"""One contract, every model: through the public :class:`streamxm.Learner`, a saved and loaded
+model continues exactly like the original, results do not depend on how the stream is cut into
+calls, ``get_params`` matches the constructor, embeddings' inner products are the similarity, and
+a bad parameter raises an error that names it."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from streamxm import Learner
+from streamxm.models import MODEL_NAMES, model_class
+from tests.conftest import class_stream
+
+IMG, TXT = 16, 8
+# Sizes that keep the slow models quick on a toy stream; the contract is the same.
+SMALL: dict[str, dict[str, Any]] = {
+    "cmomks": {"budget": 60, "landmarks": 40, "triplets_per_pair": 2},
+    "sam": {"hidden": 32, "dim": 8, "batch_size": 20, "replay": 100, "epoch_pairs": 100},
+    "sdsrl": {"m_img": 30, "m_txt": 16, "landmark_pool": 60, "solve_every": 50},
+    "scsm": {"window": 120, "solve_every": 50},
+    "cca": {"solve_every": 50},
+}
+# One parameter per model set out of range: the error must name it.
+BAD = {"cmos": ("C", -1.0), "cmomks": ("beta", 1.5), "pairwise": ("lr", 0.0),
+       "pairwise:bipartite": ("negatives", 0), "pairwise:marginal": ("max_classes", 0),
+       "cca": ("k", 0), "sdsrl": ("forget", 2.0), "scsm": ("groups", 1), "sam": ("dropout", 1.0)}
+
+
+def _stream(n: int = 240, seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    pairs = class_stream(n, IMG, TXT, seed=seed)
+    return (np.stack([p.img for p in pairs]), np.stack([p.txt for p in pairs]),
+            [list(p.labels) for p in pairs])
+
+
+def _learner(model: str) -> Learner:
+    return Learner(model, IMG, TXT, seed=0, **SMALL.get(model, {}))
+
+
+def _state(learner: Learner) -> dict[str, np.ndarray]:
+    learner._learner.flush()
+    arrays, _ = learner._learner.state()
+    return arrays
+
+
+def _assert_same(a: Learner, b: Learner) -> None:
+    sa, sb = _state(a), _state(b)
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        assert np.array_equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_a_saved_and_loaded_model_continues_exactly(model: str, tmp_path: Path) -> None:
+    imgs, txts, labels = _stream()
+    whole = _learner(model)
+    whole.learn_many(imgs, txts, labels)
+    first = _learner(model)
+    first.learn_many(imgs[:150], txts[:150], labels[:150])
+    first.save(tmp_path / "m.npz")
+    resumed = Learner.load(tmp_path / "m.npz")
+    assert resumed.model == model and resumed.pairs_seen == 150
+    resumed.learn_many(imgs[150:], txts[150:], labels[150:])
+    _assert_same(resumed, whole)
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_results_do_not_depend_on_where_the_stream_is_cut(model: str) -> None:
+    imgs, txts, labels = _stream(160)
+    at_once = _learner(model)
+    at_once.learn_many(imgs, txts, labels)
+    one_by_one = _learner(model)
+    for i in range(len(imgs)):
+        one_by_one.learn_one(imgs[i], txts[i], labels[i])
+    ragged = _learner(model)
+    for start, stop in ((0, 7), (7, 64), (64, 65), (65, 160)):
+        ragged.learn_many(imgs[start:stop], txts[start:stop], labels[start:stop])
+    _assert_same(one_by_one, at_once)
+    _assert_same(ragged, at_once)
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_get_params_matches_the_constructor(model: str) -> None:
+    learner = _learner(model)
+    params = learner.get_params()
+    signature = [p for p in inspect.signature(model_class(model).__init__).parameters
+                 if p not in ("self", "img_dim", "txt_dim")]
+    assert sorted(params) == sorted(signature)
+    for name, value in SMALL.get(model, {}).items():
+        assert params[name] == value
+    json.dumps(params)  # checkpoints carry them as JSON
+    # The same parameters build the same model.
+    again = Learner(model, IMG, TXT, seed=0, **{k: v for k, v in params.items()
+                                                  if k != "variant"})
+    assert again.get_params() == params
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_embeddings_inner_products_are_the_similarity(model: str) -> None:
+    imgs, txts, labels = _stream()
+    learner = _learner(model)
+    learner.learn_many(imgs, txts, labels)
+    probe_i, probe_t = imgs[:7] + 0.01, txts[:9] + 0.01
+    inner = learner.embed_images(probe_i).astype(np.float64) @ learner.embed_texts(
+        probe_t).astype(np.float64).T
+    assert np.allclose(inner, learner.similarity(probe_i, probe_t), rtol=1e-4, atol=1e-5)
+    hits = learner.search(probe_i[0], probe_t, k=4)
+    assert [h.index for h in hits] == list(np.argsort(-inner[0], kind="stable")[:4])
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_a_bad_parameter_raises_an_error_naming_it(model: str) -> None:
+    name, value = BAD[model]
+    with pytest.raises(ValueError, match=rf"^{name} must be "):
+        Learner(model, IMG, TXT, **{name: value})
+    with pytest.raises(TypeError, match="no_such_parameter"):
+        Learner(model, IMG, TXT, no_such_parameter=1)
+    with pytest.raises(ValueError, match=r"^model: unknown model"):
+        Learner(model + "x", IMG, TXT)
+    with pytest.raises(ValueError, match="img_dim"):
+        Learner(model, 0, TXT)
