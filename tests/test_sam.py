@@ -151,7 +151,7 @@ def test_stream_clock_steps_and_reservoir() -> None:
     rng, stats = np.random.default_rng(0), LearnStats()
     buf = StreamLearner("cmos", 6, 5).buffer
     for p in pairs:
-        m.learn_one(p, buf.add(p), buf, rng, stats)
+        m.update(p, buf.add(p), buf, rng, stats)
     assert m.steps == 200 // 3 and len(m.pending) == 200 % 3
     # Batches grow with the reservoir up to batch_size; the clock counts rows / epoch_pairs.
     rows = sum(min(3 + min(3 * i, 64), 16) for i in range(m.steps))

@@ -168,7 +168,7 @@ class StreamLearner:
                 if self.pairs_seen % self.eval_every == 0 and len(self.buffer) > 0:
                     self._evaluate_before_learning(pair)
                 slot = self.buffer.add(pair)
-                self.model.learn_one(pair, slot, self.buffer, self.rng, self.stats)
+                self.model.update(pair, slot, self.buffer, self.rng, self.stats)
             except Exception as exc:  # any bug or MemoryError: the caller must know where
                 raise LearnFailed(index, pair.id, exc) from exc
             self.drift.follow(sum(self.stats.mistakes.values()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ class LearnStats:
 class CrossModalModel(ABC):
     """Base class of the models. Subclasses set ``name`` and implement the abstract methods.
 
-    Online models (``online = True``) learn pair by pair through :meth:`learn_one`; the learner
+    Online models (``online = True``) learn pair by pair through :meth:`update`; the learner
     stores the pair in the replay buffer first, so the model can draw triplets from it.
     """
 
@@ -66,12 +67,23 @@ class CrossModalModel(ABC):
         self.img_dim = img_dim
         self.txt_dim = txt_dim
 
-    @abstractmethod
     def params(self) -> dict[str, Any]:
-        """Constructor parameters (JSON-serialisable), so a checkpoint can rebuild the model."""
+        """Constructor parameters (JSON-serialisable), so a checkpoint can rebuild the model.
+
+        Derived from the constructor's signature: every model keeps each argument under its own
+        name (scikit-learn's rule), so adding a parameter cannot leave it out of checkpoints.
+        Values with a ``to_json`` (CMOMKS's kernel pairs) are stored through it.
+        """
+        names = [p for p in inspect.signature(type(self).__init__).parameters
+                 if p not in ("self", "img_dim", "txt_dim")]
+        return {name: _jsonable(getattr(self, name)) for name in names}
+
+    def get_params(self) -> dict[str, Any]:
+        """scikit-learn's name for :meth:`params`."""
+        return self.params()
 
     @abstractmethod
-    def learn_one(
+    def update(
         self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:
@@ -118,6 +130,14 @@ class CrossModalModel(ABC):
     def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
         """Learn from a whole training set at once (models with ``batch_fit`` only)."""
         raise NotImplementedError(f"{self.name} learns from the stream only")
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 _INTERVAL = re.compile(r"in ([\[(])\s*(\S+),\s*(\S+)\s*([\])])")

@@ -89,6 +89,7 @@ class CCA(CrossModalModel):
         self.ridge = float(ridge)
         self.power = float(power)
         self.scale_by_correlation = bool(scale_by_correlation)
+        self.solve_first, self.solve_every = solve_first, solve_every
         self.schedule = ResolveSchedule(solve_first, solve_every)
         self.moments = RunningMoments(img_dim, txt_dim)
         self.proj_x = np.zeros((img_dim, self.k))
@@ -98,12 +99,7 @@ class CCA(CrossModalModel):
         self.correlations = np.zeros(self.k)
         self.solves = 0
 
-    def params(self) -> dict[str, Any]:
-        return {"k": self.k, "ridge": self.ridge, "power": self.power,
-                "scale_by_correlation": self.scale_by_correlation,
-                "solve_first": self.schedule.first, "solve_every": self.schedule.every}
-
-    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
                   stats: LearnStats) -> None:
         # CCA learns no triplets; once it has solved, one is scored before the update for the
         # mistake metrics and the drift detector (the model itself never reads the RNG).

@@ -278,12 +278,6 @@ class CMOMKS(CrossModalModel):
         return _Side(dim, distinct, [distinct.index(b) for b in full], np.array(gammas),
                      self.power, self.landmarks, self.budget)
 
-    def params(self) -> dict[str, Any]:
-        return {"kernels": [k.to_json() for k in self.kernels], "C": self.C,
-                "margin": self.margin, "beta": self.beta, "budget": self.budget,
-                "landmarks": self.landmarks, "triplets_per_pair": self.triplets_per_pair,
-                "power": self.power}
-
     @property
     def theta(self) -> F64:
         """Hedge weights, normalised to sum to 1."""
@@ -383,7 +377,7 @@ class CMOMKS(CrossModalModel):
         self.A += self.tau[:, slot, None, None] * coords[0][:, :, None] * coords[1][:, None, :]
         self.projected += 1
 
-    def learn_one(
+    def update(
         self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:

@@ -147,12 +147,8 @@ class CMOS(CrossModalModel):
         self._right = np.zeros((capacity, txt_dim), dtype=dtype)
         self._is_text = np.zeros(capacity, dtype=bool)
         self._queued = 0
-        self._stats = LearnStats()  # where reads record a flush; learn_one points it at its own
+        self._stats = LearnStats()  # where reads record a flush; update points it at its own
 
-    def params(self) -> dict[str, Any]:
-        return {"C": self.C, "margin": self.margin, "triplets_per_pair": self.triplets_per_pair,
-                "normalize": self.normalize, "center": self.center, "dtype": self.dtype,
-                "flush_every": self.flush_every, "solver": self.solver, "replay": self.replay}
 
     # -- input map -------------------------------------------------------------------------
     def _norm(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
@@ -261,7 +257,7 @@ class CMOS(CrossModalModel):
             self.W += (left.T * tau.astype(self.W.dtype)) @ right
         return tau
 
-    def learn_one(
+    def update(
         self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:

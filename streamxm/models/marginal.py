@@ -110,6 +110,7 @@ class MarginalMatching(CrossModalModel):
         self.lr = float(lr)
         self.power = float(power)
         self.replay = int(replay)
+        self.variant, self.max_classes = variant, max_classes
         self.class_index = ClassIndex(max_classes)
         self.Wx = np.zeros((img_dim + 1, 0))
         self.Wy = np.zeros((txt_dim + 1, 0))
@@ -125,10 +126,6 @@ class MarginalMatching(CrossModalModel):
     @property
     def ignored_labels(self) -> int:
         return self.class_index.ignored_labels
-
-    def params(self) -> dict[str, Any]:
-        return {"variant": "marginal", "lam": self.lam, "lr": self.lr, "power": self.power,
-                "max_classes": self.class_index.max_classes, "replay": self.replay}
 
     def _features(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
         return append_constant(power_normalize(np.atleast_2d(x), self.power))
@@ -156,7 +153,7 @@ class MarginalMatching(CrossModalModel):
                 setattr(self, key, np.hstack([w, np.zeros((w.shape[0], grow))]))
         return cols
 
-    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
                   stats: LearnStats) -> None:
         if not pair.labels:
             self.skipped_unlabelled += 1

@@ -140,6 +140,7 @@ class PairwiseLogistic(CrossModalModel):
         self.ridge = float(ridge)
         self.whiten = bool(whiten)
         self.power = float(power)
+        self.whiten_first, self.whiten_every = whiten_first, whiten_every
         self.schedule = ResolveSchedule(whiten_first, whiten_every)
         self.moments = RunningMoments(img_dim, txt_dim, cross=False)
         self.W = np.zeros((img_dim + 1, txt_dim + 1), dtype=np.float32)
@@ -149,11 +150,6 @@ class PairwiseLogistic(CrossModalModel):
         self.white_x = np.eye(img_dim)
         self.white_y = np.eye(txt_dim)
 
-    def params(self) -> dict[str, Any]:
-        return {"variant": self.variant, "negatives": self.negatives, "lam": self.lam,
-                "lr": self.lr, "pos_weight": self.pos_weight, "ridge": self.ridge,
-                "whiten": self.whiten, "power": self.power,
-                "whiten_first": self.schedule.first, "whiten_every": self.schedule.every}
 
     # -- features ----------------------------------------------------------------------------
     def _features(self, x: NDArray[np.floating], mean: NDArray[np.float64],
@@ -175,7 +171,7 @@ class PairwiseLogistic(CrossModalModel):
             self.white_y = ridge_whitener(m.cov_yy(), self.ridge)
 
     # -- learning ----------------------------------------------------------------------------
-    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
                   stats: LearnStats) -> None:
         self.moments.add(power_normalize(pair.img, self.power),
                          power_normalize(pair.txt, self.power))

@@ -267,6 +267,7 @@ class SAM(CrossModalModel):
         self.epochs, self.epoch_pairs = int(epochs), int(epoch_pairs)
         self.step_every, self.replay = int(step_every), int(replay)
         self.centroid_rate = float(centroid_rate)
+        self.max_classes = max_classes
         self.classes = ClassIndex(max_classes)
         self.power_img = None if power_img is None else float(power_img)
         self.power_txt = None if power_txt is None else float(power_txt)
@@ -288,16 +289,6 @@ class SAM(CrossModalModel):
         self.pending: list[Pair] = []
         self.steps = 0
         self.clock = 0.0  # epochs (offline) or epoch-equivalents (stream) learned
-
-    def params(self) -> dict[str, Any]:
-        return {"dim": self.dim, "hidden": self.hidden, "dropout": self.dropout, "lr": self.lr,
-                "momentum": self.momentum, "decay": self.decay, "batch_size": self.batch_size,
-                "lam": self.lam, "f_a": self.f_a, "k": self.k, "n_e": self.n_e,
-                "margin": self.margin, "alpha": self.alpha, "epochs": self.epochs,
-                "epoch_pairs": self.epoch_pairs, "step_every": self.step_every,
-                "replay": self.replay, "centroid_rate": self.centroid_rate,
-                "max_classes": self.classes.max_classes, "power_img": self.power_img,
-                "power_txt": self.power_txt}
 
     def _parameters(self) -> list[nn.Parameter]:
         return [*self.img_tower.parameters(), *self.txt_tower.parameters()]
@@ -333,7 +324,7 @@ class SAM(CrossModalModel):
                 self.reservoir.put(j, pair)
         self.reservoir_seen += 1
 
-    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
                   stats: LearnStats) -> None:
         self._start(rng)
         self._arrive([pair])

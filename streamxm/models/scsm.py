@@ -31,7 +31,7 @@ class SCSM(CrossModalModel):
     ``Y`` column by column, ``Y`` initialised by k-means on the texts), the joint graph of Eq. 10
     (``gamma`` times r-nearest-neighbour Gaussian graphs within each modality, ``Y'Y`` between
     them), retrieval by cosine in the ``c``-dimensional space, same-modality queries included.
-    The model never reads a label: :meth:`learn_one` ignores ``pair.labels``.
+    The model never reads a label: :meth:`update` ignores ``pair.labels``.
 
     Streaming and the choices where the paper is silent (each a parameter; the sweep is in
     ``docs/benchmarks.md``):
@@ -102,7 +102,7 @@ class SCSM(CrossModalModel):
     >>> m = SCSM(8, 5, groups=3, window=120, solve_first=120, power_img=1.0)
     >>> buf = ReplayBuffer(200, 8, 5)
     >>> for p in pairs:
-    ...     m.learn_one(p, buf.add(p), buf, rng, LearnStats())
+    ...     m.update(p, buf.add(p), buf, rng, LearnStats())
     >>> zi = m.embed_images(np.stack([p.img for p in pairs[:3]]))
     >>> zt = m.embed_texts(np.stack([p.txt for p in pairs[:3]]))
     >>> [int(i) for i in np.argmax(zi @ zt.T, axis=1)]
@@ -140,6 +140,7 @@ class SCSM(CrossModalModel):
         self.alpha, self.gamma, self.beta = float(alpha), float(gamma), float(beta)
         self.iterations, self.growth = int(iterations), float(growth)
         self.window = int(window)
+        self.solve_first, self.solve_every = solve_first, solve_every
         self.schedule = ResolveSchedule(solve_first, solve_every)
         self.power_img, self.power_txt = float(power_img), float(power_txt)
         self.center = bool(center)
@@ -156,18 +157,11 @@ class SCSM(CrossModalModel):
         self.solves = 0
         self.trace: list[dict[str, float]] = []
 
-    def params(self) -> dict[str, Any]:
-        return {"groups": self.groups, "alpha": self.alpha, "gamma": self.gamma,
-                "beta": self.beta, "r": self.r, "iterations": self.iterations,
-                "growth": self.growth, "window": self.window,
-                "solve_first": self.schedule.first, "solve_every": self.schedule.every,
-                "power_img": self.power_img, "power_txt": self.power_txt, "center": self.center}
-
     def _features(self, x: NDArray[np.floating], power: float) -> F64:
         return append_constant(power_normalize(np.atleast_2d(x), power))
 
     # -- learning ----------------------------------------------------------------------------
-    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
                   stats: LearnStats) -> None:
         if self.solves:
             observe_triplet(self, dataclasses.replace(pair, labels=()), slot, buffer, rng, stats)

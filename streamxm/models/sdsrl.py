@@ -196,10 +196,12 @@ class SDSRL(CrossModalModel):
         self.sigma_img, self.sigma_txt = float(sigma_img), float(sigma_txt)
         self.power_img, self.power_txt = float(power_img), float(power_txt)
         self.landmark_pool = int(landmark_pool)
+        self.solve_first, self.solve_every = solve_first, solve_every
         self.schedule = ResolveSchedule(solve_first, solve_every)
         self.outer, self.inner, self.tol = int(outer), int(inner), float(tol)
         self.forget = float(forget)
         self.batch = int(batch)
+        self.max_classes = max_classes
         self.class_index = ClassIndex(max_classes)
         # Pairs not yet folded into the statistics: the landmark pool, then a batch.
         self.pending_img: list[NDArray[np.float64]] = []
@@ -225,21 +227,12 @@ class SDSRL(CrossModalModel):
         self.solves = 0
         self.cd_losses: list[float] = []
 
-    def params(self) -> dict[str, Any]:
-        return {"q": self.q, "mu": self.mu, "m_img": self.m_img, "m_txt": self.m_txt,
-                "sigma_img": self.sigma_img, "sigma_txt": self.sigma_txt,
-                "power_img": self.power_img, "power_txt": self.power_txt,
-                "landmark_pool": self.landmark_pool, "solve_first": self.schedule.first,
-                "solve_every": self.schedule.every, "outer": self.outer, "inner": self.inner,
-                "tol": self.tol, "forget": self.forget, "batch": self.batch,
-                "max_classes": self.class_index.max_classes}
-
     @property
     def ignored_labels(self) -> int:
         return self.class_index.ignored_labels
 
     # -- learning ----------------------------------------------------------------------------
-    def learn_one(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
                   stats: LearnStats) -> None:
         if self.serve_img is not None:
             observe_triplet(self, pair, slot, buffer, rng, stats)
