@@ -35,7 +35,6 @@ from api.schemas import (
     request_limits,
 )
 from streamxm.config import Settings, get_settings
-from streamxm.models import DIRECTIONS
 from streamxm.service import limits_from, open_store
 from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import (
@@ -50,6 +49,7 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, make_pair
 from streamxm.stream.redis_conn import connect, resolve_url, str_hash, str_set
+from streamxm.worker.stats import WorkerStats
 
 Body = TypeVar("Body")
 Out = TypeVar("Out")
@@ -236,19 +236,14 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     def models() -> ModelsOut:
         out = []
         for name in str_set(r.smembers(keys.models)):
-            raw = str_hash(r.hgetall(keys.stats(name)))
+            stats = WorkerStats.from_hash(str_hash(r.hgetall(keys.stats(name))))
             served = server.served.get(name)
             out.append(ModelInfo(
                 name=name, loaded=served is not None,
                 version=served.version if served else None,
-                checkpoint_version=int(raw["version"]) if raw.get("version") else None,
-                pairs_seen=int(raw.get("pairs_processed", 0)),
-                mistakes={d: int(raw.get(f"mistakes_{d}", 0)) for d in DIRECTIONS},
-                triplets={d: int(raw.get(f"triplets_{d}", 0)) for d in DIRECTIONS},
-                rolling_map={d: float(raw[f"rolling_map_{d}"]) if raw.get(f"rolling_map_{d}")
-                             else None for d in DIRECTIONS},
-                checkpoint_time=float(raw["checkpoint_time"]) if "checkpoint_time" in raw
-                else None,
+                checkpoint_version=stats.version, pairs_seen=stats.pairs_processed,
+                mistakes=stats.mistakes, triplets=stats.triplets, rolling_map=stats.rolling_map,
+                checkpoint_time=stats.checkpoint_time,
                 gallery_items=served.gallery_size if served else 0,
             ))
         return ModelsOut(models=out)

@@ -233,6 +233,7 @@ def _families(text: str) -> dict[str, float]:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+@pytest.mark.slow
 def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path,
                                                         namespace: str) -> None:
     """Redis frozen (SIGSTOP) for 8 s while 48 clients call routes that need it: the probes and

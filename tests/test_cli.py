@@ -21,6 +21,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_demo_json_runs_the_whole_spine_on_the_embedded_redis(tmp_path: Path) -> None:
     out = subprocess.run([*PY, "demo", "--pairs", "300", "--json", "--port", str(free_port())],
                          env=_env(tmp_path), capture_output=True, text=True, timeout=240,
@@ -36,6 +37,7 @@ def test_demo_json_runs_the_whole_spine_on_the_embedded_redis(tmp_path: Path) ->
         cwd=tmp_path).stdout.startswith("stopped")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SHARED_WIKI.exists(), reason="../shared/datasets not present")
 def test_bench_quality_prints_json(tmp_path: Path) -> None:
     out = subprocess.run([*PY, "bench", "quality", "--dataset", str(SHARED_WIKI), "--model",

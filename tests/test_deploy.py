@@ -68,6 +68,7 @@ def promtool(binary: str, *args: str) -> str:
     return result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_promtool_checks_config_rules_and_rule_unit_tests(prometheus_bin: tuple[str, str]) -> None:
     tool = prometheus_bin[0]
     assert "SUCCESS" in promtool(tool, "check", "config", "prometheus.yml")
@@ -274,6 +275,7 @@ def _answers(url: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_learning_metrics_from_the_api(
         r: redis.Redis, settings: Settings, prometheus_bin: tuple[str, str]) -> None:
     # The label-to-feature mapping switches halfway: ADWIN sees the mistake rate jump.

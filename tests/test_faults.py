@@ -28,6 +28,8 @@ from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
 from streamxm.worker.checkpoint import RedisCheckpointStore
 from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for, worker_env
 
+pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
+
 IMG, TXT = 32, 16
 # Timing and the drift detector's window are not model state (ADWIN's window is not
 # checkpointed: no pickles); everything else must match bit for bit.

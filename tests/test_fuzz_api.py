@@ -73,6 +73,7 @@ def fuzz(operation: Any, mode: GenerationMode, base_url: str, problems: list[str
     return calls
 
 
+@pytest.mark.slow
 def test_no_request_from_the_schema_gets_a_500_and_every_rejection_says_why(
         api: ApiServer) -> None:
     schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json")

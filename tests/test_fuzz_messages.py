@@ -192,6 +192,7 @@ def _good(i: int) -> Pair:
 @examples(max_examples=15, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(cases=st.lists(mutation(), min_size=1, max_size=6))
+@pytest.mark.slow
 def test_worker_dead_letters_each_bad_entry_and_learns_the_good_ones(
         cases: list[Case], r: redis.Redis, settings: Settings) -> None:
     ns = "f" + uuid.uuid4().hex[:10]

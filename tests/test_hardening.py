@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from streamxm.config import Settings
@@ -27,6 +28,8 @@ from tests.test_faults import (
     reference,
     stats,
 )
+
+pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
 
 
 def _dead_letters(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 from streamxm.tools import load
+
+pytestmark = pytest.mark.slow  # whole stacks of processes: a minute or more
 
 
 def test_ingest_reports_client_http_and_redis_benchmark_rates() -> None:

@@ -33,6 +33,7 @@ from streamxm.models import DIRECTIONS
 from streamxm.serving.server import ModelServer
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash, str_set, text
+from streamxm.worker.stats import WorkerStats
 
 __all__ = ["ApiMetrics", "StreamCollector", "method_label"]
 
@@ -66,11 +67,6 @@ class ApiMetrics:
             "streamxm_api_pairs_accepted", "pairs accepted by POST /v1/pairs",
             registry=self.registry)
         self.registry.register(StreamCollector(client, server, keys, timeout))
-
-
-def _float(raw: dict[str, str], key: str, default: float = 0.0) -> float:
-    value = raw.get(key, "")
-    return float(value) if value not in ("", None) else default
 
 
 class StreamCollector(Collector):
@@ -158,18 +154,19 @@ class StreamCollector(Collector):
         yield stream_length
         now = time.time()
         for model in str_set(self.r.smembers(self.keys.models)):
-            raw = str_hash(self.r.hgetall(self.keys.stats(model)))
-            done = _float(raw, "pairs_processed") + _float(raw, "dead_letters")
-            processed.add_metric([model], _float(raw, "pairs_processed"))
-            drifts.add_metric([model], _float(raw, "drift_detected"))
+            stats = WorkerStats.from_hash(str_hash(self.r.hgetall(self.keys.stats(model))))
+            done = stats.pairs_processed + stats.dead_letters
+            processed.add_metric([model], stats.pairs_processed)
+            drifts.add_metric([model], stats.drift_detected)
             for d in DIRECTIONS:
-                triplets.add_metric([model, d], _float(raw, f"triplets_{d}"))
-                mistakes.add_metric([model, d], _float(raw, f"mistakes_{d}"))
-                if raw.get(f"rolling_map_{d}"):
-                    rolling.add_metric([model, d], _float(raw, f"rolling_map_{d}"))
-            if "checkpoint_time" in raw:
-                age.add_metric([model], max(0.0, now - _float(raw, "checkpoint_time")))
-                ckpt_version.add_metric([model], _float(raw, "version"))
+                triplets.add_metric([model, d], stats.triplets[d])
+                mistakes.add_metric([model, d], stats.mistakes[d])
+                value = stats.rolling_map[d]
+                if value is not None:
+                    rolling.add_metric([model, d], value)
+            if stats.checkpoint_time is not None:
+                age.add_metric([model], max(0.0, now - stats.checkpoint_time))
+                ckpt_version.add_metric([model], stats.version or 0)
             group = groups.get(model, {})
             waiting = int(group.get("pending", 0))  # type: ignore[call-overload]
             undelivered = group.get("lag")  # Redis >= 7; None where it cannot tell
@@ -179,10 +176,10 @@ class StreamCollector(Collector):
                 lag.add_metric([model], max(0.0, length - done))
             pending.add_metric([model], waiting)
             buckets, cumulative = [], 0.0
-            for bound in UPDATE_BUCKETS:
-                cumulative += _float(raw, f"update_bucket_{bound}")
+            for bound, in_bucket in zip(UPDATE_BUCKETS, stats.update_buckets, strict=True):
+                cumulative += in_bucket
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            update.add_metric([model], buckets, _float(raw, "update_seconds_sum"))
+            update.add_metric([model], buckets, stats.update_seconds_sum)
             served = self.server.served.get(model)
             if served is not None:
                 served_version.add_metric([model], served.version)

@@ -40,18 +40,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
 
-from streamxm.learning.learner import UPDATE_BUCKETS, LearnFailed, StreamLearner
-from streamxm.models import DIRECTIONS, split_name
+from streamxm.learning.learner import LearnFailed, StreamLearner
+from streamxm.models import split_name
 from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
 from streamxm.stream.redis_conn import StreamEntry, stream_entries, text
 from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, LeaseLost
+from streamxm.worker.stats import WorkerStats
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
 
@@ -497,23 +498,16 @@ class LearnerWorker:
         log.debug("checkpoint %s v%d at %s", self.model, self.version, self.last_id)
 
     def _stats_fields(self) -> dict[str, str]:
-        fields = {"version": str(self.version), "last_id": self.last_id,
-                  "checkpoint_time": repr(time.time()), "dead_letters": str(self.dead_letters),
-                  "consumer": self.consumer}
         learner = self.learner
+        base = WorkerStats(version=self.version, last_id=self.last_id,
+                           checkpoint_time=time.time(), dead_letters=self.dead_letters,
+                           consumer=self.consumer)
         if learner is None:
-            return fields
-        rolling = learner.rolling_map()
-        fields.update(pairs_processed=str(learner.pairs_seen),
-                      pairs_unlabelled=str(learner.pairs_unlabelled),
-                      update_seconds_sum=repr(learner.update_seconds),
-                      drift_detected=str(learner.drift.detections))
-        for d in DIRECTIONS:
-            fields[f"triplets_{d}"] = str(learner.stats.triplets[d])
-            fields[f"mistakes_{d}"] = str(learner.stats.mistakes[d])
-            fields[f"loss_{d}"] = repr(learner.stats.loss[d])
-            fields[f"rolling_map_{d}"] = "" if rolling[d] is None else repr(rolling[d])
-        for bound, count in zip(UPDATE_BUCKETS, learner.update_hist, strict=True):
-            fields[f"update_bucket_{bound}"] = str(count)
-        return fields
+            return base.to_hash()
+        return replace(
+            base, pairs_processed=learner.pairs_seen, pairs_unlabelled=learner.pairs_unlabelled,
+            update_seconds_sum=learner.update_seconds, drift_detected=learner.drift.detections,
+            triplets=dict(learner.stats.triplets), mistakes=dict(learner.stats.mistakes),
+            loss=dict(learner.stats.loss), rolling_map=learner.rolling_map(),
+            update_buckets=tuple(learner.update_hist)).to_hash()
 
