@@ -25,6 +25,7 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair, decode_pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.tools.processes import Child
 from streamxm.worker.checkpoint import RedisCheckpointStore
 from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for, worker_env
 
@@ -69,30 +70,9 @@ def latest(settings: Settings, r: redis.Redis) -> StreamLearner:
     return StreamLearner.from_state(ckpt.arrays, ckpt.meta)
 
 
-class WorkerProcess:
-    """``streamxm worker`` as a child process; its log is watched for fail points."""
-
-    def __init__(self, env: dict[str, str], model: str = "cmos") -> None:
-        self.proc = subprocess.Popen([*PY, "worker", "--model", model], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.log: list[str] = []
-        self.paused = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if "fail point" in line:
-                self.paused.set()
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
+def WorkerProcess(env: dict[str, str], model: str = "cmos") -> Child:
+    """``streamxm worker`` as a child process whose output is watched (fail points, leases)."""
+    return Child("worker", "--model", model, env=env, watch=True)
 
 
 def push_slowly(client: StreamClient, pairs: list[Pair], chunk: int = 100,
@@ -135,7 +115,7 @@ def test_sigkill_at_random_points_applies_every_pair_exactly_once(
     for what, arg in plan:
         if what == "fail":
             worker = WorkerProcess({**env, "STREAMXM_FAULT_PAUSE": f"{arg}:30"})
-            wait_for(worker.paused.is_set, 60, f"fail point {arg}")
+            wait_for(lambda w=worker: w.saw("fail point"), 60, f"fail point {arg}")
             if arg == "checkpoint.partial_write":
                 assert list(ckpt_dir.rglob("*.tmp")), "no half-written checkpoint on disk"
         else:
@@ -150,7 +130,7 @@ def test_sigkill_at_random_points_applies_every_pair_exactly_once(
         wait_for(lambda: processed(r, keys) == n, 120, "all pairs")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
     finally:
-        assert final.stop() == 0, "".join(final.log[-20:])
+        assert final.stop() == 0, final.tail()
     assert kills >= 6
     settings_kind = settings.model_copy(update={"checkpoint_store": kind,
                                                 "checkpoint_dir": ckpt_dir})
@@ -186,10 +166,10 @@ def test_survivor_reclaims_the_pending_entries_of_a_killed_worker(
         wait_for(lambda: processed(r, keys) == n, 120, "all pairs by the survivor")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
         assert r.get(keys.lease("cmos")) == survivor.encode()
-        assert workers[survivor].proc.poll() is None
+        assert workers[survivor].alive()
     finally:
         for w in workers.values():
-            if w.proc.poll() is None:
+            if w.alive():
                 w.stop()
     assert stats(r, keys)["consumer"] == survivor
     assert_same_learner(latest(settings, r), reference(pairs))
@@ -243,7 +223,7 @@ def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
             xlen = wait_for(lambda: r.xlen(keys.pairs), 10, "the stream")
             wait_for(lambda: processed(r, keys) == xlen, 120, "every stream entry learned")
             wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
-            assert worker.proc.poll() is None, "the worker died"
+            assert worker.alive(), "the worker died"
             # The API reconnected too: it serves the newest version.
             version = int(stats(r, keys)["version"])
             wait_for(lambda: httpx.get(f"{api.url}/v1/models").json()["models"][0]["version"]
@@ -255,11 +235,11 @@ def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
         # Every acknowledged pair is in the stream (a retried push may add one twice).
         assert set(acknowledged) <= {p.id for p in stream}
         assert worker.stop() == 0
-        assert any("Redis unavailable" in line for line in worker.log)
+        assert any("Redis unavailable" in line for line in worker.lines)
         # Learned exactly once per stream entry: the uninterrupted run over the same stream.
         assert_same_learner(latest(settings, r), reference(stream))
     finally:
-        if worker.proc.poll() is None:
+        if worker.alive():
             worker.kill()
         server.stop()
 

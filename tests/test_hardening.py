@@ -5,7 +5,6 @@ checkpoint write must not damage its successor's checkpoint."""
 from __future__ import annotations
 
 import hashlib
-import signal
 import time
 from pathlib import Path
 
@@ -48,13 +47,13 @@ def test_a_transient_learning_failure_mid_batch_loses_nothing(
     env = worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100*1")
     worker = WorkerProcess(env)
     try:
-        wait_for(lambda: processed(r, keys) == 300 and worker.proc.poll() is None, 60,
+        wait_for(lambda: processed(r, keys) == 300 and worker.alive(), 60,
                  "every pair learned by a living worker")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
     finally:
-        code = worker.stop() if worker.proc.poll() is None else worker.proc.returncode
-    assert code == 0, "".join(worker.log[-20:])
-    assert any("learning entry" in line and "attempt 1 of 3" in line for line in worker.log)
+        code = worker.stop() if worker.alive() else worker.proc.returncode
+    assert code == 0, worker.tail()
+    assert any("learning entry" in line and "attempt 1 of 3" in line for line in worker.lines)
     assert r.xlen(keys.dead) == 0
     assert_same_learner(latest(settings, r), reference(pairs))
 
@@ -69,7 +68,7 @@ def test_an_entry_that_always_fails_is_dead_lettered_after_three_attempts(
     try:
         wait_for(lambda: processed(r, keys) == 299, 60, "every other pair learned")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
-        assert worker.proc.poll() is None, "".join(worker.log[-20:])
+        assert worker.alive(), worker.tail()
     finally:
         worker.stop()
     letters = _dead_letters(r, keys)
@@ -78,7 +77,7 @@ def test_an_entry_that_always_fails_is_dead_lettered_after_three_attempts(
     assert letter["entry_id"] == ids[100] and letter["reason"] == "learn_error"
     assert "InjectedFault" in letter["detail"] or "fail point" in letter["detail"]
     assert letter["orig.id"] == "100"
-    assert sum("learning entry" in line for line in worker.log) == 3
+    assert sum("learning entry" in line for line in worker.lines) == 3
     assert str_hash(r.hgetall(keys.dead_counts)) == {"cmos|learn_error": "1"}
     assert_same_learner(latest(settings, r), reference(pairs[:100] + pairs[101:]))
 
@@ -99,23 +98,22 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
                            "STREAMXM_FAULT_PAUSE": "checkpoint.partial_write:8"})
     successor = None
     try:
-        wait_for(stale.paused.is_set, 60, "worker a to freeze mid-write")
+        wait_for(lambda: stale.saw("fail point"), 60, "worker a to freeze mid-write")
         successor = WorkerProcess({**env, "STREAMXM_CONSUMER": "b"})
         wait_for(lambda: stats(r, keys).get("consumer") == "b", 30, "b to commit")
         client.push_pairs(pairs[500:])
         wait_for(lambda: processed(r, keys) == 1500, 60, "b to learn every pair")
         # a wakes up (8 s after freezing), finds the lease gone and stands by.
-        wait_for(lambda: any("lost the lease" in line for line in stale.log), 30,
+        wait_for(lambda: stale.saw("lost the lease"), 30,
                  "a to notice it lost the lease")
         time.sleep(0.5)
-        assert stale.proc.poll() is None, "".join(stale.log[-20:])
+        assert stale.alive(), stale.tail()
         assert r.get(keys.lease("cmos")) == b"b"
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
     finally:
         for w in (stale, successor):
-            if w is not None and w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGTERM)
-                w.proc.wait(timeout=60)
+            if w is not None:
+                w.stop()
     dir_settings = settings.model_copy(update={"checkpoint_store": "dir",
                                                "checkpoint_dir": ckpt_dir})
     store = open_store(dir_settings, r)

@@ -4,11 +4,8 @@ the stream, a live progress line, and the served model's test-split mAP at the e
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +18,10 @@ from streamxm.learning.evaluation import label_relevance, mean_average_precision
 from streamxm.stream.client import StreamClient
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
 from streamxm.tools.datasets import PUBLISHED_WIKI, bundled_wiki_path, iter_pairs, load_dataset
+from streamxm.tools.processes import Child
 from streamxm.tools.waiting import wait_for
 
 __all__ = ["run_demo", "served_scores"]
-
-
-@contextmanager
-def _process(args: list[str], env: dict[str, str], log_path: Path) -> Iterator[
-        subprocess.Popen[bytes]]:
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # SIGTERM: the worker checkpoints before it exits
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def served_scores(http: httpx.Client, model: str, imgs: np.ndarray[Any, Any],
@@ -86,15 +66,14 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
     env = {**os.environ, "STREAMXM_REDIS_URL": url, "STREAMXM_NAMESPACE": namespace,
            "STREAMXM_API_PORT": str(port), "STREAMXM_DEFAULT_MODEL": model}
     env.pop("STREAMXM_API_TOKEN", None)
-    py = [sys.executable, "-m", "streamxm"]
     base = f"http://127.0.0.1:{port}"
     out = sys.stderr
     try:
-        with (_process([*py, "worker", "--model", model], env, log_dir / "worker.log"),
-              _process([*py, "api", "--host", "127.0.0.1", "--port", str(port)], env,
-                       log_dir / "api.log") as api,
+        with (Child("worker", "--model", model, env=env, log=log_dir / "worker.log"),
+              Child("api", "--host", "127.0.0.1", "--port", str(port), env=env,
+                    log=log_dir / "api.log") as api,
               httpx.Client(base_url=base, timeout=60) as http):
-            wait_for(lambda: api.poll() is None and http.get("/healthz").status_code == 200,
+            wait_for(lambda: api.alive() and http.get("/healthz").status_code == 200,
                      60, "the API to start", interval=0.1, tolerate=(httpx.HTTPError,))
             client = StreamClient(r, namespace)
             train = list(iter_pairs(ds, limit=n))

@@ -49,6 +49,7 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.tools.processes import Child
 from streamxm.tools.throughput import synthetic_pairs
 from streamxm.tools.waiting import free_port, wait_for
 
@@ -74,18 +75,17 @@ class Stack:
     settings: Settings
     r: redis.Redis
     env: dict[str, str]
-    procs: list[subprocess.Popen[bytes]]
+    procs: list[Child]
 
     @property
     def keys(self) -> Keys:
         return Keys(self.settings.namespace)
 
-    def spawn(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
-        log = open(self.root / f"{args[0]}-{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, "-m", "streamxm", *args],
-                                env={**self.env, **env}, stdout=log, stderr=log)
-        self.procs.append(proc)
-        return proc
+    def spawn(self, *args: str, **env: str) -> Child:
+        child = Child(*args, env={**self.env, **env},
+                      log=self.root / f"{args[0]}-{len(self.procs)}.log")
+        self.procs.append(child)
+        return child
 
     def api(self, **env: str) -> str:
         port = free_port()
@@ -119,14 +119,11 @@ def stack(**settings: Any) -> Iterator[Stack]:
     try:
         yield st
     finally:
-        for proc in st.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in st.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for child in st.procs:
+            if child.alive():
+                child.proc.send_signal(signal.SIGTERM)  # all at once, then wait for each
+        for child in st.procs:
+            child.stop(timeout=30)
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
@@ -417,7 +414,7 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
         stop.set()
         for t in threads:
             t.join(timeout=30)
-        alive = {"worker": worker.poll() is None, "api": api.poll() is None}
+        alive = {"worker": worker.alive(), "api": api.alive()}
     result: dict[str, Any] = {
         "benchmark": "soak", "minutes": minutes, "push_rate": rate, "qps": qps,
         "img_dim": img_dim, "txt_dim": txt_dim, "gallery_max": gallery_max,
