@@ -122,6 +122,19 @@ class ApiServer:
         self.thread.join(timeout=10)
 
 
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in a Prometheus exposition (prometheus_client's own parser), or
+    None if no sample of ``name`` carries ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
 def class_stream(n: int, img_dim: int, txt_dim: int, seed: int, n_classes: int = 4) -> list[Pair]:
     """Labelled pairs whose two vectors both lean towards a per-class direction, plus noise."""
     rng = np.random.default_rng(seed)

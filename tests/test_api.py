@@ -1,6 +1,5 @@
 """End to end over real HTTP: client -> stream -> worker -> checkpoint -> API."""
 
-import re
 import threading
 
 import httpx
@@ -13,17 +12,7 @@ from streamxm.config import Settings
 from streamxm.service import build_worker
 from streamxm.stream.client import StreamClient
 from streamxm.tools.datasets import bundled_wiki_path, iter_pairs, load_dataset
-from tests.conftest import ApiServer, wait_for
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+from tests.conftest import ApiServer, metric, wait_for
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import encode_pair, make_pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
-from tests.conftest import ApiServer, class_stream, wait_for
+from tests.conftest import ApiServer, class_stream, metric, wait_for
 
 KB = 1024
 
@@ -218,10 +218,8 @@ def test_lag_counts_entries_of_every_producer(r: redis.Redis, settings: Settings
         r.xadd(keys.pairs, encode_pair(make_pair(f"other-{i}", rng.random(8),  # type: ignore[arg-type]
                                                  rng.random(4))))
 
-    def lag() -> float:
-        text = httpx.get(f"{api.url}/metrics").text
-        return next(s.value for f in text_string_to_metric_families(text)
-                    for s in f.samples if s.name == "streamxm_stream_lag")
+    def lag() -> float | None:
+        return metric(httpx.get(f"{api.url}/metrics").text, "streamxm_stream_lag", model="cmos")
 
     wait_for(lambda: lag() == 25, 10, "the lag to show the foreign entries")
     build_worker(settings, r, "cmos").run(until_idle=True)
