@@ -1,66 +1,30 @@
-"""HTTP API: health, models, similarity, search, ingest and metrics. Logic lives in streamxm."""
+"""The FastAPI app: builds the parts from the settings, includes the routers of ``api/routes``
+and maps the library's exceptions to HTTP answers. Logic lives in streamxm."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, TypeVar
+from typing import Any
 
 import anyio
-import numpy as np
 import redis
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.schemas import (
-    HealthOut,
-    Hit,
-    ModelInfo,
-    ModelsOut,
-    PairsIn,
-    PairsOut,
-    ReadyOut,
-    RequestLimits,
-    SearchIn,
-    SearchOut,
-    SimilarityIn,
-    SimilarityOut,
-    error_responses,
-    request_limits,
-)
+from api.deps import ApiContext, require_token
+from api.routes import ingest, probes, queries
+from api.schemas import RequestLimits, error_responses, request_limits
 from streamxm.config import Settings, get_settings
 from streamxm.service import limits_from, open_store
 from streamxm.serving.metrics import ApiMetrics, method_label
-from streamxm.serving.server import (
-    InvalidModelName,
-    ModelNotReady,
-    ModelServer,
-    SameModalityUnsupported,
-    UnknownModel,
-    other_modality,
-)
+from streamxm.serving.server import InvalidModelName, ModelNotReady, ModelServer, UnknownModel
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import InvalidPair, make_pair
-from streamxm.stream.redis_conn import connect, resolve_url, str_hash, str_set
-from streamxm.worker.stats import WorkerStats
-
-Body = TypeVar("Body")
-Out = TypeVar("Out")
-
-_bearer = HTTPBearer(auto_error=False)
-Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-
-
-def _unprocessable(field: list[str | int], reason: str, message: str) -> HTTPException:
-    return HTTPException(422, detail=[{"loc": ["body", *field], "msg": message, "type": reason}])
-
+from streamxm.stream.redis_conn import connect, resolve_url
 
 _MAX_ERRORS = 10
 _MAX_ECHO = 80
@@ -122,7 +86,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     server = ModelServer(background, open_store(settings, background), settings.namespace,
                          gallery_max=settings.gallery_max, limits=limits)
     metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
-    producer = StreamClient(r, settings.namespace, limits)
+    context = ApiContext(settings=settings, r=r, keys=keys, limits=limits, server=server,
+                         metrics=metrics, producer=StreamClient(r, settings.namespace, limits),
+                         query_threads=anyio.CapacityLimiter(settings.query_threads),
+                         scrape_threads=anyio.CapacityLimiter(2))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,50 +102,17 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                   max_body_size=settings.max_body_bytes, redirect_slashes=False,
                   description="Streaming cross-modal retrieval: similarity and top-k search "
                               "from the newest online model.")
+    app.state.context = context
     app.add_middleware(_Limits, limits=RequestLimits.from_settings(settings))
 
-    def check_token(credentials: HTTPAuthorizationCredentials | None) -> None:
-        token = settings.api_token
-        if token is None:
-            return
-        given = credentials.credentials if credentials else ""
-        # Constant-time comparison; the token itself is never logged.
-        if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
-            raise HTTPException(401, detail="missing or invalid bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
-
-    def bearer(credentials: Creds) -> None:
-        check_token(credentials)
-
-    # Only routes that do check a token declare the bearer scheme, so the OpenAPI schema tells
-    # clients the truth about which calls need one.
-    write_auth = [Depends(bearer)] if settings.api_token else []
-    read_auth = write_auth if settings.api_token_for_reads else []
-    write_errors = error_responses(400, 413, 503, *([401] if write_auth else []))
-    read_errors = error_responses(400, 404, 413, 503, *([401] if read_auth else []))
-
-    # Queries run on threads of their own: routes waiting on a stalled Redis (ingest, models,
-    # metrics) hold the default pool's threads, and must not hold up a search, which reads
-    # only memory.
-    query_threads = anyio.CapacityLimiter(settings.query_threads)
-    scrape_threads = anyio.CapacityLimiter(2)
-
-    async def compute(fn: Callable[[Body], Out], body: Body) -> Out:
-        return await anyio.to_thread.run_sync(fn, body, limiter=query_threads)
-
-    def model_name(name: str | None) -> str:
-        return name or settings.default_model
-
-    def matrix(rows: list[list[float]], field: str, dim: int | None) -> np.ndarray[Any, Any]:
-        lengths = {len(row) for row in rows}
-        if len(lengths) != 1 or (dim is not None and lengths != {dim}):
-            raise _unprocessable([field], "dim_mismatch",
-                                 f"every vector must have {dim or 'the same'} values")
-        with np.errstate(over="ignore"):  # overflow to Inf is refused just below
-            arr = np.asarray(rows, dtype=np.float32)
-        if not np.isfinite(arr).all():
-            raise _unprocessable([field], "non_finite", "contains NaN or Inf")
-        return arr
+    # Only routers that do check a token declare the bearer scheme and its 401, so the OpenAPI
+    # schema tells clients the truth about which calls need one.
+    guarded: dict[str, Any] = {"dependencies": [Depends(require_token)],
+                               "responses": error_responses(401)}
+    app.include_router(probes.router)
+    app.include_router(queries.router,
+                       **(guarded if settings.api_token and settings.api_token_for_reads else {}))
+    app.include_router(ingest.router, **(guarded if settings.api_token else {}))
 
     @app.middleware("http")
     async def observe(request: Request,
@@ -216,97 +150,5 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     async def invalid_model(request: Request, exc: InvalidModelName) -> JSONResponse:
         return JSONResponse({"detail": [{"loc": ["body", "model"], "msg": str(exc),
                                          "type": "unknown_model"}]}, status_code=422)
-
-    # Probes are async and touch nothing but memory: they answer on the event loop even when
-    # every worker thread waits on a stalled Redis.
-    @app.get("/healthz", response_model=HealthOut)
-    async def healthz() -> HealthOut:
-        return HealthOut(status="ok")
-
-    @app.get("/readyz", response_model=ReadyOut,
-             responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}})
-    async def readyz() -> JSONResponse:
-        if server.ready:
-            return JSONResponse({"status": "ready", "models": sorted(server.served)})
-        return JSONResponse({"status": "waiting for a model checkpoint", "models": []},
-                            status_code=503)
-
-    @app.get("/v1/models", response_model=ModelsOut, dependencies=read_auth,
-             responses=error_responses(503, *([401] if read_auth else [])))
-    def models() -> ModelsOut:
-        out = []
-        for name in str_set(r.smembers(keys.models)):
-            stats = WorkerStats.from_hash(str_hash(r.hgetall(keys.stats(name))))
-            served = server.served.get(name)
-            out.append(ModelInfo(
-                name=name, loaded=served is not None,
-                version=served.version if served else None,
-                checkpoint_version=stats.version, pairs_seen=stats.pairs_processed,
-                mistakes=stats.mistakes, triplets=stats.triplets, rolling_map=stats.rolling_map,
-                checkpoint_time=stats.checkpoint_time,
-                gallery_items=served.gallery_size if served else 0,
-            ))
-        return ModelsOut(models=out)
-
-    @app.post("/v1/similarity", response_model=SimilarityOut, dependencies=read_auth,
-              responses=read_errors)
-    async def similarity(body: SimilarityIn) -> SimilarityOut:
-        return await compute(score, body)
-
-    def score(body: SimilarityIn) -> SimilarityOut:
-        name = model_name(body.model)
-        dims = server.get(name).model
-        images = matrix(body.images, "images", dims.img_dim)
-        texts = matrix(body.texts, "texts", dims.txt_dim)
-        if body.mode == "paired" and len(images) != len(texts):
-            raise _unprocessable(["texts"], "length_mismatch",
-                                 "paired mode needs as many texts as images")
-        served, scores = server.similarity(name, images, texts, body.mode == "matrix")
-        return SimilarityOut(model=name, version=served.version, scores=scores.tolist())
-
-    @app.post("/v1/search", response_model=SearchOut, dependencies=read_auth,
-              responses=read_errors)
-    async def search(body: SearchIn) -> SearchOut:
-        return await compute(rank, body)
-
-    def rank(body: SearchIn) -> SearchOut:
-        name = model_name(body.model)
-        model = server.get(name).model
-        dim = model.img_dim if body.modality == "image" else model.txt_dim
-        vector = matrix([body.vector], "vector", dim)[0]
-        target = body.target or other_modality(body.modality)
-        try:
-            served, hits = server.search(name, body.modality, vector, body.k, target)
-        except SameModalityUnsupported as exc:
-            raise _unprocessable(["target"], "not_shared_space", str(exc)) from None
-        return SearchOut(model=name, version=served.version, target=target,
-                         results=[Hit(id=i, score=s) for i, s in hits])
-
-    @app.post("/v1/pairs", response_model=PairsOut, status_code=202,
-              dependencies=write_auth, responses=write_errors)
-    def pairs(body: PairsIn) -> PairsOut:
-        validated = []
-        for i, p in enumerate(body.pairs):
-            try:
-                validated.append(make_pair(p.id, p.img, p.txt, p.labels, p.ts, limits))
-            except InvalidPair as exc:
-                raise _unprocessable(["pairs", i, exc.field], exc.reason, exc.detail) from None
-        try:
-            ids = producer.push_pairs(validated)
-        except InvalidPair as exc:
-            index = 0 if exc.index is None else exc.index
-            raise _unprocessable(["pairs", index, exc.field], exc.reason, exc.detail) from None
-        metrics.pairs_accepted.inc(len(ids))
-        return PairsOut(accepted=len(ids), entry_ids=ids)
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"content": {"text/plain": {}},
-                              "description": "Prometheus text exposition"}})
-    async def prometheus_metrics() -> Response:
-        # Threads of its own, like queries: a scrape must not queue behind requests that wait on
-        # a stalled Redis (the collector itself waits at most metrics_timeout_seconds).
-        text = await anyio.to_thread.run_sync(generate_latest, metrics.registry,
-                                              limiter=scrape_threads)
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app

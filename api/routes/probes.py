@@ -1,0 +1,39 @@
+"""Liveness, readiness and the Prometheus scrape: open to every prober, never waiting on Redis."""
+
+from __future__ import annotations
+
+import anyio
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.deps import Context
+from api.schemas import HealthOut, ReadyOut
+
+router = APIRouter()
+
+
+# Probes are async and touch nothing but memory: they answer on the event loop even when every
+# worker thread waits on a stalled Redis.
+@router.get("/healthz", response_model=HealthOut)
+async def healthz() -> HealthOut:
+    return HealthOut(status="ok")
+
+
+@router.get("/readyz", response_model=ReadyOut,
+            responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}})
+async def readyz(context: Context) -> JSONResponse:
+    server = context.server
+    if server.ready:
+        return JSONResponse({"status": "ready", "models": sorted(server.served)})
+    return JSONResponse({"status": "waiting for a model checkpoint", "models": []},
+                        status_code=503)
+
+
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {}},
+                             "description": "Prometheus text exposition"}})
+async def prometheus_metrics(context: Context) -> Response:
+    text = await anyio.to_thread.run_sync(generate_latest, context.metrics.registry,
+                                          limiter=context.scrape_threads)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)

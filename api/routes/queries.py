@@ -1,0 +1,78 @@
+"""Reads: the models and their state, similarity scores and top-k search."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import Context, matrix, unprocessable
+from api.schemas import (
+    Hit,
+    ModelInfo,
+    ModelsOut,
+    SearchIn,
+    SearchOut,
+    SimilarityIn,
+    SimilarityOut,
+    error_responses,
+)
+from streamxm.serving.server import SameModalityUnsupported, other_modality
+from streamxm.stream.redis_conn import str_hash, str_set
+from streamxm.worker.stats import WorkerStats
+
+router = APIRouter()
+
+_QUERY_ERRORS = error_responses(400, 404, 413, 503)
+
+
+@router.get("/v1/models", response_model=ModelsOut, responses=error_responses(503))
+def models(context: Context) -> ModelsOut:
+    r, keys, server = context.r, context.keys, context.server
+    out = []
+    for name in str_set(r.smembers(keys.models)):
+        stats = WorkerStats.from_hash(str_hash(r.hgetall(keys.stats(name))))
+        served = server.served.get(name)
+        out.append(ModelInfo(
+            name=name, loaded=served is not None,
+            version=served.version if served else None,
+            checkpoint_version=stats.version, pairs_seen=stats.pairs_processed,
+            mistakes=stats.mistakes, triplets=stats.triplets, rolling_map=stats.rolling_map,
+            checkpoint_time=stats.checkpoint_time,
+            gallery_items=served.gallery_size if served else 0,
+        ))
+    return ModelsOut(models=out)
+
+
+@router.post("/v1/similarity", response_model=SimilarityOut, responses=_QUERY_ERRORS)
+async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
+    def score(body: SimilarityIn) -> SimilarityOut:
+        server = context.server
+        name = body.model or context.settings.default_model
+        dims = server.get(name).model
+        images = matrix(body.images, "images", dims.img_dim)
+        texts = matrix(body.texts, "texts", dims.txt_dim)
+        if body.mode == "paired" and len(images) != len(texts):
+            raise unprocessable(["texts"], "length_mismatch",
+                                "paired mode needs as many texts as images")
+        served, scores = server.similarity(name, images, texts, body.mode == "matrix")
+        return SimilarityOut(model=name, version=served.version, scores=scores.tolist())
+
+    return await context.compute(score, body)
+
+
+@router.post("/v1/search", response_model=SearchOut, responses=_QUERY_ERRORS)
+async def search(body: SearchIn, context: Context) -> SearchOut:
+    def rank(body: SearchIn) -> SearchOut:
+        server = context.server
+        name = body.model or context.settings.default_model
+        model = server.get(name).model
+        dim = model.img_dim if body.modality == "image" else model.txt_dim
+        vector = matrix([body.vector], "vector", dim)[0]
+        target = body.target or other_modality(body.modality)
+        try:
+            served, hits = server.search(name, body.modality, vector, body.k, target)
+        except SameModalityUnsupported as exc:
+            raise unprocessable(["target"], "not_shared_space", str(exc)) from None
+        return SearchOut(model=name, version=served.version, target=target,
+                         results=[Hit(id=i, score=s) for i, s in hits])
+
+    return await context.compute(rank, body)
