@@ -19,61 +19,30 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
-from streamxm.service import build_worker, open_store
+from streamxm.service import build_worker
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair, decode_pair
-from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
-from streamxm.tools.processes import Child
+from streamxm.stream.redis_conn import EmbeddedRedis, connect
 from streamxm.worker.checkpoint import RedisCheckpointStore
-from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for, worker_env
+from tests.conftest import (
+    IMG,
+    PY,
+    TXT,
+    ApiServer,
+    WorkerProcess,
+    assert_same_learner,
+    class_stream,
+    free_port,
+    latest,
+    processed,
+    reference,
+    stats,
+    wait_for,
+    worker_env,
+)
 
 pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
-
-IMG, TXT = 32, 16
-# Timing and the drift detector's window are not model state (ADWIN's window is not
-# checkpointed: no pickles); everything else must match bit for bit.
-_NOT_STATE = {"update_seconds", "update_hist", "drift"}
-
-
-def assert_same_learner(got: StreamLearner, want: StreamLearner) -> None:
-    """Every state array bit for bit, and the JSON state apart from timing."""
-    got.flush()
-    want.flush()
-    arrays_g, meta_g = got.state()
-    arrays_w, meta_w = want.state()
-    assert sorted(arrays_g) == sorted(arrays_w)
-    for name in arrays_w:
-        assert np.array_equal(arrays_g[name], arrays_w[name]), name
-    strip = lambda m: {k: v for k, v in m.items() if k not in _NOT_STATE}  # noqa: E731
-    assert strip(meta_g) == strip(meta_w)
-
-
-def reference(pairs: list[Pair]) -> StreamLearner:
-    learner = StreamLearner("cmos", pairs[0].img.shape[0], pairs[0].txt.shape[0], seed=0)
-    learner.learn(pairs)
-    return learner
-
-
-def stats(r: redis.Redis, keys: Keys, model: str = "cmos") -> dict[str, str]:
-    return str_hash(r.hgetall(keys.stats(model)))
-
-
-def processed(r: redis.Redis, keys: Keys) -> int:
-    return int(stats(r, keys).get("pairs_processed", 0))
-
-
-def latest(settings: Settings, r: redis.Redis) -> StreamLearner:
-    ckpt = open_store(settings, r).load_latest("cmos")
-    assert ckpt is not None
-    return StreamLearner.from_state(ckpt.arrays, ckpt.meta)
-
-
-def WorkerProcess(env: dict[str, str], model: str = "cmos") -> Child:
-    """``streamxm worker`` as a child process whose output is watched (fail points, leases)."""
-    return Child("worker", "--model", model, env=env, watch=True)
-
 
 def push_slowly(client: StreamClient, pairs: list[Pair], chunk: int = 100,
                 pause: float = 0.02) -> threading.Thread:

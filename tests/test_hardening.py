@@ -16,16 +16,18 @@ from streamxm.service import open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash
-from tests.conftest import class_stream, wait_for, worker_env
-from tests.test_faults import (
+from tests.conftest import (
     IMG,
     TXT,
     WorkerProcess,
     assert_same_learner,
+    class_stream,
     latest,
     processed,
     reference,
     stats,
+    wait_for,
+    worker_env,
 )
 
 pytestmark = pytest.mark.slow  # real processes and fault windows: minutes

@@ -15,8 +15,7 @@ from streamxm.learning.replay import ReplayBuffer
 from streamxm.stream.messages import make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
-from tests.conftest import PY, class_stream
-from tests.test_faults import assert_same_learner
+from tests.conftest import PY, assert_same_learner, class_stream
 
 
 def test_class_order_is_stable_and_noise_changes_exactly_the_asked_fraction() -> None:
