@@ -20,7 +20,6 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 
-Body = TypeVar("Body")
 Out = TypeVar("Out")
 
 
@@ -41,8 +40,9 @@ class ApiContext:
     query_threads: anyio.CapacityLimiter
     scrape_threads: anyio.CapacityLimiter
 
-    async def compute(self, fn: Callable[[Body], Out], body: Body) -> Out:
-        return await anyio.to_thread.run_sync(fn, body, limiter=self.query_threads)
+    async def compute(self, fn: Callable[[], Out]) -> Out:
+        """Run a query's work on the query threads."""
+        return await anyio.to_thread.run_sync(fn, limiter=self.query_threads)
 
 
 async def get_context(request: Request) -> ApiContext:

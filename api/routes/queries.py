@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import Context, matrix, unprocessable
+from api.deps import ApiContext, Context, matrix, unprocessable
 from api.schemas import (
     Hit,
     ModelInfo,
@@ -42,37 +42,39 @@ def models(context: Context) -> ModelsOut:
     return ModelsOut(models=out)
 
 
+def _model_name(context: ApiContext, name: str | None) -> str:
+    return name or context.settings.default_model
+
+
 @router.post("/v1/similarity", response_model=SimilarityOut, responses=_QUERY_ERRORS)
 async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
-    def score(body: SimilarityIn) -> SimilarityOut:
-        server = context.server
-        name = body.model or context.settings.default_model
-        dims = server.get(name).model
-        images = matrix(body.images, "images", dims.img_dim)
-        texts = matrix(body.texts, "texts", dims.txt_dim)
+    def score() -> SimilarityOut:
+        name = _model_name(context, body.model)
+        model = context.server.get(name).model
+        images = matrix(body.images, "images", model.img_dim)
+        texts = matrix(body.texts, "texts", model.txt_dim)
         if body.mode == "paired" and len(images) != len(texts):
             raise unprocessable(["texts"], "length_mismatch",
                                 "paired mode needs as many texts as images")
-        served, scores = server.similarity(name, images, texts, body.mode == "matrix")
+        served, scores = context.server.similarity(name, images, texts, body.mode == "matrix")
         return SimilarityOut(model=name, version=served.version, scores=scores.tolist())
 
-    return await context.compute(score, body)
+    return await context.compute(score)
 
 
 @router.post("/v1/search", response_model=SearchOut, responses=_QUERY_ERRORS)
 async def search(body: SearchIn, context: Context) -> SearchOut:
-    def rank(body: SearchIn) -> SearchOut:
-        server = context.server
-        name = body.model or context.settings.default_model
-        model = server.get(name).model
+    def rank() -> SearchOut:
+        name = _model_name(context, body.model)
+        model = context.server.get(name).model
         dim = model.img_dim if body.modality == "image" else model.txt_dim
         vector = matrix([body.vector], "vector", dim)[0]
         target = body.target or other_modality(body.modality)
         try:
-            served, hits = server.search(name, body.modality, vector, body.k, target)
+            served, hits = context.server.search(name, body.modality, vector, body.k, target)
         except SameModalityUnsupported as exc:
             raise unprocessable(["target"], "not_shared_space", str(exc)) from None
         return SearchOut(model=name, version=served.version, target=target,
                          results=[Hit(id=i, score=s) for i, s in hits])
 
-    return await context.compute(rank, body)
+    return await context.compute(rank)
