@@ -118,14 +118,17 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     async def observe(request: Request,
                       call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         start = time.perf_counter()
-        response = await call_next(request)
-        # The route template, not the raw path: arbitrary paths must not grow the label set.
-        matched = request.scope.get("route")
-        route = getattr(matched, "path", "unmatched")
-        method = method_label(request.method)
-        metrics.request_seconds.labels(route, method).observe(time.perf_counter() - start)
-        metrics.requests.labels(route, method, str(response.status_code)).inc()
-        return response
+        status = 500  # an exception escaping the app becomes a 500: it must be counted too
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            # The route template, not the raw path: arbitrary paths must not grow the label set.
+            route = getattr(request.scope.get("route"), "path", "unmatched")
+            method = method_label(request.method)
+            metrics.request_seconds.labels(route, method).observe(time.perf_counter() - start)
+            metrics.requests.labels(route, method, str(status)).inc()
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
