@@ -52,7 +52,9 @@ class LearnStats:
 
 
 class CrossModalModel(ABC):
-    """Base class of the models. Subclasses set ``name`` and implement the abstract methods.
+    """Base class of the models. Subclasses name themselves in the class statement
+    (``class CMOS(CrossModalModel, name="cmos")``, with ``online``, ``shared_space`` and
+    ``batch_fit`` when they differ from the defaults) and implement the abstract methods.
 
     Online models (``online = True``) learn pair by pair through :meth:`update`; the learner
     stores the pair in the replay buffer first, so the model can draw triplets from it.
@@ -62,6 +64,15 @@ class CrossModalModel(ABC):
     online: ClassVar[bool] = True
     #: Whether image and text embeddings live in one space (same-modality search makes sense).
     shared_space: ClassVar[bool] = False
+
+    def __init_subclass__(cls, *, name: str | None = None, online: bool | None = None,
+                          shared_space: bool | None = None, batch_fit: bool | None = None,
+                          **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for attr, value in (("name", name), ("online", online), ("shared_space", shared_space),
+                            ("batch_fit", batch_fit)):
+            if value is not None:
+                setattr(cls, attr, value)
 
     def __init__(self, img_dim: int, txt_dim: int) -> None:
         self.img_dim = img_dim

@@ -18,7 +18,7 @@ from streamxm.stream.messages import Pair
 __all__ = ["CCA"]
 
 
-class CCA(CrossModalModel):
+class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
     """Regularised CCA, re-solved from running moments; cosine similarity in ``k`` dimensions.
 
     Each arriving pair adds its (normalised) vectors to running sums of ``x``, ``y``, ``x x^T``,
@@ -68,20 +68,13 @@ class CCA(CrossModalModel):
     True
     """
 
-    name = "cca"
-    online = False
-    shared_space = True
-
     def __init__(
-        self,
-        img_dim: int,
-        txt_dim: int,
+        self, img_dim: int, txt_dim: int,
         k: int = 10,
         ridge: float = 0.3,
         power: float = 1.0,
         scale_by_correlation: bool = True,
-        solve_first: int = 32,
-        solve_every: int = 256,
+        solve_first: int = 32, solve_every: int = 256,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         require(locals(), k=">= 1", ridge=">= 0", power="> 0")

@@ -140,7 +140,7 @@ class _Side:
         self.coef[slot] = coef
 
 
-class CMOMKS(CrossModalModel):
+class CMOMKS(CrossModalModel, name="cmomks"):
     """Cross-modal online multiple kernel similarity.
 
     For kernel pair ``j`` the similarity is the kernelised CMOS score
@@ -223,13 +223,8 @@ class CMOMKS(CrossModalModel):
     (50, (2, 210))
     """
 
-    name = "cmomks"
-    online = True
-
     def __init__(
-        self,
-        img_dim: int,
-        txt_dim: int,
+        self, img_dim: int, txt_dim: int,
         kernels: list[dict[str, Any]] | None = None,
         C: float = 0.5,
         margin: float = 1.0,

@@ -17,7 +17,7 @@ from streamxm.stream.messages import Pair
 __all__ = ["CMOS"]
 
 
-class CMOS(CrossModalModel):
+class CMOS(CrossModalModel, name="cmos"):
     """Bilinear similarity ``s(v, t) = phi(v)^T W psi(t)`` learned online by PA-I updates.
 
     From the paper, exactly: ``W0 = 0``. For an image triplet ``(v, t+, t-)`` the loss is
@@ -99,13 +99,8 @@ class CMOS(CrossModalModel):
     (1, 1.0)
     """
 
-    name = "cmos"
-    online = True
-
     def __init__(
-        self,
-        img_dim: int,
-        txt_dim: int,
+        self, img_dim: int, txt_dim: int,
         C: float = 0.1,
         margin: float = 1.0,
         triplets_per_pair: int = 10,

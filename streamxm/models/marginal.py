@@ -22,7 +22,7 @@ from streamxm.stream.messages import Pair
 __all__ = ["MarginalMatching"]
 
 
-class MarginalMatching(CrossModalModel):
+class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
     """``s(a, b) = eta_A(a)^T eta_B(b)``, with ``eta`` the class posteriors of one multinomial
     logistic model per modality.
 
@@ -87,14 +87,8 @@ class MarginalMatching(CrossModalModel):
     True
     """
 
-    name = "pairwise"
-    online = True
-    shared_space = True
-
     def __init__(
-        self,
-        img_dim: int,
-        txt_dim: int,
+        self, img_dim: int, txt_dim: int,
         variant: str = "marginal",
         lam: float = 1e-4,
         lr: float = 0.1,

@@ -33,7 +33,7 @@ def _log1pexp(x: NDArray[np.float64]) -> NDArray[np.float64]:
     return np.asarray(np.logaddexp(0.0, x))
 
 
-class PairwiseLogistic(CrossModalModel):
+class PairwiseLogistic(CrossModalModel, name="pairwise"):
     """``s(a, b) = <a, W b>``: a linear classifier over the cross-product features ``a b^T``.
 
     From the paper: the score is linear in ``Phi(a, b) = vec(a b^T)``, learned with an
@@ -108,13 +108,8 @@ class PairwiseLogistic(CrossModalModel):
     True
     """
 
-    name = "pairwise"
-    online = True
-
     def __init__(
-        self,
-        img_dim: int,
-        txt_dim: int,
+        self, img_dim: int, txt_dim: int,
         variant: Variant = "logistic",
         negatives: int = 10,
         lam: float = 0.02,
@@ -123,8 +118,7 @@ class PairwiseLogistic(CrossModalModel):
         ridge: float = 3.0,
         whiten: bool = True,
         power: float = 1.0,
-        whiten_first: int = 64,
-        whiten_every: int = 1024,
+        whiten_first: int = 64, whiten_every: int = 1024,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant not in ("logistic", "bipartite"):

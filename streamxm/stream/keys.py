@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 __all__ = ["Keys"]
+
+
+class _Key:
+    """A namespace-wide key: ``<prefix>:<suffix>``, read as a string attribute of :class:`Keys`."""
+
+    def __init__(self, suffix: str, doc: str) -> None:
+        self.suffix = suffix
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, keys: None, owner: type) -> _Key: ...
+    @overload
+    def __get__(self, keys: Keys, owner: type) -> str: ...
+    def __get__(self, keys: Keys | None, owner: type) -> _Key | str:
+        return self if keys is None else f"{keys.prefix}:{self.suffix}"
 
 
 @dataclass(frozen=True)
@@ -23,35 +39,14 @@ class Keys:
     def prefix(self) -> str:
         return f"sxm:{self.namespace}"
 
-    @property
-    def pairs(self) -> str:
-        """The pairs stream (message v1)."""
-        return f"{self.prefix}:pairs"
-
-    @property
-    def dead(self) -> str:
-        """Dead-letter stream: undecodable or invalid entries with their reason."""
-        return f"{self.prefix}:dead"
-
-    @property
-    def dead_counts(self) -> str:
-        """Hash: dead letters per reason."""
-        return f"{self.prefix}:dead:counts"
-
-    @property
-    def schema(self) -> str:
-        """The namespace's dimensions, fixed on first use (JSON)."""
-        return f"{self.prefix}:schema"
-
-    @property
-    def ingested(self) -> str:
-        """Counter of pairs added to the stream by the project's producers."""
-        return f"{self.prefix}:ingested"
-
-    @property
-    def models(self) -> str:
-        """Set of model names with a learner in this namespace."""
-        return f"{self.prefix}:models"
+    pairs = _Key("pairs", "The pairs stream (message v1).")
+    dead = _Key("dead", "Dead-letter stream: undecodable or invalid entries with their reason.")
+    dead_counts = _Key("dead:counts", "Hash: dead letters per reason.")
+    schema = _Key("schema", "The namespace's dimensions, fixed on first use (JSON).")
+    ingested = _Key("ingested", "Counter of pairs added to the stream by the project's producers.")
+    models = _Key("models", "Set of model names with a learner in this namespace.")
+    checkpoint_corrupt = _Key(
+        "ckpt:corrupt", "Hash: checkpoint versions found corrupt (checksum or parse) per model.")
 
     def group(self, model: str) -> str:
         """Consumer group of a model: every model sees every pair."""
@@ -64,11 +59,6 @@ class Keys:
     def stats(self, model: str) -> str:
         """Hash of learning statistics, written with each checkpoint, read by the API."""
         return f"{self.prefix}:stats:{model}"
-
-    @property
-    def checkpoint_corrupt(self) -> str:
-        """Hash: checkpoint versions found corrupt (checksum or parse) per model."""
-        return f"{self.prefix}:ckpt:corrupt"
 
     def checkpoint_head(self, model: str) -> str:
         return f"{self.prefix}:ckpt:{model}:head"

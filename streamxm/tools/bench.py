@@ -7,46 +7,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 from tqdm import tqdm
 
-from streamxm.learning.evaluation import label_relevance, mean_average_precision
+from streamxm.learning.evaluation import retrieval_maps
 from streamxm.learning.learner import StreamLearner
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import Dataset, iter_pairs, load_dataset, row_labels
 
-__all__ = ["database_split", "evaluate_model", "quality", "retrieval_maps", "train"]
+__all__ = ["database_split", "evaluate_model", "quality", "train"]
 
 
 def evaluate_model(learner: StreamLearner, ds: Dataset) -> dict[str, float]:
     """Test-split mAP, whole gallery, relevant = shares a label; for models with a shared space
     also the same-modality directions (``map_i2i``, ``map_t2t``: the query itself stays in the
     gallery, as in the papers that report them)."""
-    return retrieval_maps(learner, (ds.img_test, ds.txt_test, ds.y_test),
-                          (ds.img_test, ds.txt_test, ds.y_test))
-
-
-Split = tuple[NDArray[np.floating], NDArray[np.floating], NDArray[Any]]
-
-
-def retrieval_maps(learner: StreamLearner, queries: Split, gallery: Split) -> dict[str, float]:
-    """mAP of each direction, ``queries`` (images, texts, labels) ranked against the whole
-    ``gallery``; relevant = shares a label."""
     learner.flush()
-    model = learner.model
-    q_img, q_txt, q_y = queries
-    g_img, g_txt, g_y = gallery
-    rel = label_relevance(q_y, g_y)
-    e_qi, e_qt = (model.embed_images(q_img).astype(np.float64),
-                  model.embed_texts(q_txt).astype(np.float64))
-    e_gi, e_gt = (model.embed_images(g_img).astype(np.float64),
-                  model.embed_texts(g_txt).astype(np.float64))
-    out = {"map_i2t": mean_average_precision(e_qi @ e_gt.T, rel),
-           "map_t2i": mean_average_precision(e_qt @ e_gi.T, rel)}
-    if model.shared_space:
-        out["map_i2i"] = mean_average_precision(e_qi @ e_gi.T, rel)
-        out["map_t2t"] = mean_average_precision(e_qt @ e_gt.T, rel)
-    return out
+    return retrieval_maps(learner.model, (ds.img_test, ds.txt_test, ds.y_test))
 
 
 def train(learner: StreamLearner, pairs: list[Pair], protocol: str, epochs: int = 5,
@@ -156,7 +132,8 @@ def database_split(
         pairs = [make_pair(f"db-{i}", img[i], txt[i], labels=row_labels(y, int(i)))
                  for i in base]
         train(learner, pairs, protocol, epochs, progress, desc=f"{model} seed {seed}")
-        maps = retrieval_maps(learner, (img[query], txt[query], y[query]),
+        learner.flush()
+        maps = retrieval_maps(learner.model, (img[query], txt[query], y[query]),
                               (img[base], txt[base], y[base]))
         runs.append({"seed": seed, **maps})
         params_used = learner.model.params()

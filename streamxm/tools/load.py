@@ -49,8 +49,8 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.tools.datasets import synthetic_pairs
 from streamxm.tools.processes import Child
-from streamxm.tools.throughput import synthetic_pairs
 from streamxm.tools.waiting import free_port, wait_for
 
 __all__ = ["end_to_end", "hostile", "ingest", "query", "rss_mb", "soak", "stack"]

@@ -22,21 +22,10 @@ from threadpoolctl import threadpool_limits
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import create_model, split_name
-from streamxm.stream.messages import Pair, make_pair
+from streamxm.stream.messages import Pair
+from streamxm.tools.datasets import synthetic_pairs
 
-__all__ = ["synthetic_pairs", "throughput"]
-
-
-def synthetic_pairs(n: int, img_dim: int, txt_dim: int, n_classes: int = 10,
-                    seed: int = 0) -> list[Pair]:
-    """Non-negative pairs leaning towards a per-class direction (like histogram features)."""
-    rng = np.random.default_rng(seed)
-    centers_v = rng.random((n_classes, img_dim), dtype=np.float32)
-    centers_t = rng.random((n_classes, txt_dim), dtype=np.float32)
-    classes = rng.integers(n_classes, size=n)
-    imgs = centers_v[classes] + rng.random((n, img_dim), dtype=np.float32)
-    txts = centers_t[classes] + rng.random((n, txt_dim), dtype=np.float32)
-    return [make_pair(f"s{i}", imgs[i], txts[i], labels=[int(classes[i])]) for i in range(n)]
+__all__ = ["throughput"]
 
 
 def _median_seconds(run: Callable[[], float], repeats: int) -> float:
