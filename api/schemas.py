@@ -177,8 +177,14 @@ class Hit(BaseModel):
 
 class SearchOut(BaseModel):
     model: str
-    version: int
+    version: int = Field(description="model version that scored the results")
     target: Literal["image", "text"]
+    version_lag_s: float = Field(
+        description="seconds since a checkpoint newer than `version` was written (0: none is)")
+    index_version: int = Field(
+        description="version whose gallery index proposed the candidates: `version` for models "
+        "with a fixed space, else the last background re-embedding (the results are re-ranked "
+        "by `version` either way)")
     results: list[Hit]
 
 

@@ -71,10 +71,13 @@ async def search(body: SearchIn, context: Context) -> SearchOut:
         vector = matrix([body.vector], "vector", dim)[0]
         target = body.target or other_modality(body.modality)
         try:
-            served, hits = context.server.search(name, body.modality, vector, body.k, target)
+            answer = context.server.search(name, body.modality, vector, body.k, target)
         except SameModalityUnsupported as exc:
             raise unprocessable(["target"], "not_shared_space", str(exc)) from None
-        return SearchOut(model=name, version=served.version, target=target,
-                         results=[Hit(id=i, score=s) for i, s in hits])
+        context.metrics.version_lag.labels(name).observe(answer.version_lag_s)
+        return SearchOut(model=name, version=answer.served.version, target=target,
+                         version_lag_s=round(answer.version_lag_s, 3),
+                         index_version=answer.index_version,
+                         results=[Hit(id=i, score=s) for i, s in answer.hits])
 
     return await context.compute(rank)

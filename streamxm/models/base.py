@@ -127,6 +127,25 @@ class CrossModalModel(ABC):
         b = self.embed_texts(txts).astype(np.float64)
         return a @ b.T
 
+    # -- search without re-embedding the gallery ------------------------------------------------
+    #: Whether the score is bilinear in the L2-normalised inputs: then :meth:`queries_for_texts`
+    #: and :meth:`queries_for_images` move a query into the other modality's *fixed* space (the
+    #: unit rows, the same for every version), so a new version costs O(model) to serve search,
+    #: not O(gallery). Models whose embeddings are normalised or squashed after a learned
+    #: projection (cca, scsm, sdsrl, marginal, sam, cmomks) have no such space.
+    fixed_space: ClassVar[bool] = False
+
+    def queries_for_texts(self, imgs: NDArray[np.floating]
+                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """Image queries as ``(q, c)`` with ``similarity(imgs, txts) = q @ unit(txts).T + c``
+        (``unit``: rows divided by their L2 norm; ``c`` is constant per query)."""
+        raise NotImplementedError(f"{self.name} has no fixed space")
+
+    def queries_for_images(self, txts: NDArray[np.floating]
+                           ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """Text queries as ``(q, c)`` with ``similarity(imgs, txts).T = q @ unit(imgs).T + c``."""
+        raise NotImplementedError(f"{self.name} has no fixed space")
+
     @abstractmethod
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         """Learned state as named arrays plus JSON-serialisable metadata."""

@@ -313,6 +313,23 @@ class CMOS(CrossModalModel, name="cmos"):
             return np.asarray((a @ self.W) @ b.T)
         return np.asarray(a @ (self.W @ b.T))
 
+    @property
+    def fixed_space(self) -> bool:  # type: ignore[override]
+        # phi(x) = unit(x) - mean: bilinear in the unit rows, the mean folding into a constant.
+        return self.normalize == "l2"
+
+    def queries_for_texts(self, imgs: NDArray[np.floating]
+                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        self.flush(self._stats)
+        q = self.map_images(np.atleast_2d(imgs)) @ self.W.astype(np.float64)
+        return q, -(q @ self._mean(self.txt_sum))
+
+    def queries_for_images(self, txts: NDArray[np.floating]
+                           ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        self.flush(self._stats)
+        q = self.map_texts(np.atleast_2d(txts)) @ self.W.T.astype(np.float64)
+        return q, -(q @ self._mean(self.img_sum))
+
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         n = self._queued
         arrays = {"W": self.W, "img_sum": self.img_sum, "txt_sum": self.txt_sum,

@@ -63,6 +63,11 @@ class ApiMetrics:
         self.requests = Counter(
             "streamxm_requests", "HTTP requests by status", ["route", "method", "status"],
             registry=self.registry)
+        self.version_lag = Histogram(
+            "streamxm_served_version_lag_seconds", "per query: seconds since a checkpoint "
+            "newer than the version that answered was written (0: the newest answered)",
+            ["model"], buckets=(0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
+            registry=self.registry)
         self.pairs_accepted = Counter(
             "streamxm_api_pairs_accepted", "pairs accepted by POST /v1/pairs",
             registry=self.registry)

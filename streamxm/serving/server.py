@@ -1,16 +1,19 @@
 """Serving: the newest checkpoint of every model, hot-swapped, and a search gallery kept from
 the pairs stream.
 
-One background thread (:meth:`ModelServer.refresh`) does all the writing: it reads new pairs into
-the gallery and loads new checkpoint versions. Readers take a reference to an immutable
-:class:`ServedModel` and never lock, so a query sees one model version and the gallery
-embeddings computed with it, never half of a swap.
+Two background threads do all the writing: :meth:`ModelServer.refresh` reads new pairs into
+the gallery and loads new checkpoint versions, :meth:`ModelServer.reembed` rebuilds the gallery
+index of models without a fixed space at a bounded rate. Readers take a reference to an
+immutable :class:`ServedModel` and :class:`Gallery` and never lock, so a query sees one model
+version, never half of a swap.
 
-The gallery is a tuple of immutable chunks (ids, images, texts); a new chunk is added for each
-batch read, small trailing chunks are merged, and the oldest chunks leave once the total passes
-``gallery_max`` (so the cap holds to within one chunk). Each served model keeps one embedding
-array per chunk; unchanged chunks keep theirs when the gallery grows, and a new model version
-re-embeds all of them before it is swapped in.
+Search never re-embeds the gallery per version. The gallery keeps its vectors once, as unit
+rows plus norms (:class:`GalleryChunk`). A model whose score is bilinear in the unit rows
+(``fixed_space``: cmos, pairwise, pairwise:bipartite) moves the *query* into the target
+modality's unit rows with the served version, O(model), and the rows are the index. The other
+models search an index of embeddings made by some version (:class:`EmbeddedGallery`), rebuilt
+in the background; either way the candidates are re-ranked by the served version exactly, so
+scores are :meth:`ModelServer.similarity`'s and ties keep gallery order.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -27,18 +31,18 @@ from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel, split_name
+from streamxm.serving.index import QueryCoalescer
 from streamxm.stream.client import read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, decode_pair
 from streamxm.stream.redis_conn import str_set, stream_entries
 from streamxm.worker.checkpoint import CheckpointStore
 
-__all__ = ["GalleryChunk", "InvalidModelName", "ModelNotReady", "ModelServer",
-           "SameModalityUnsupported", "ServedModel", "UnknownModel", "other_modality"]
+__all__ = ["EmbeddedGallery", "Gallery", "GalleryChunk", "InvalidModelName", "ModelNotReady",
+           "ModelServer", "SameModalityUnsupported", "SearchAnswer", "ServedModel",
+           "UnknownModel", "other_modality"]
 
 log = logging.getLogger(__name__)
-
-_MERGE_BELOW = 4096  # rows: a trailing chunk smaller than this absorbs the next batch
 
 
 class InvalidModelName(ValueError):
@@ -64,40 +68,198 @@ class SameModalityUnsupported(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class GalleryChunk:
-    """Immutable rows of the gallery, identified by object identity."""
+    """Immutable rows of the gallery, identified by object identity.
+
+    Vectors are kept as unit rows (L2-normalised, float32) plus their norms: the unit rows are
+    the fixed space that the bilinear models' transformed queries are scored against, and a raw
+    vector is ``unit * norm`` (equal to what was pushed to float32 rounding), so the gallery
+    holds each vector once.
+    """
 
     ids: NDArray[np.str_]
-    img: NDArray[np.float32]
-    txt: NDArray[np.float32]
+    unit_img: NDArray[np.float32]
+    unit_txt: NDArray[np.float32]
+    norm_img: NDArray[np.float32]
+    norm_txt: NDArray[np.float32]
+
+    @classmethod
+    def of(cls, ids: NDArray[np.str_], img: NDArray[np.float32], txt: NDArray[np.float32]
+           ) -> GalleryChunk:
+        ui, ni = _unit_rows(img)
+        ut, nt = _unit_rows(txt)
+        return cls(ids, ui, ut, ni, nt)
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def unit(self, modality: str) -> NDArray[np.float32]:
+        return self.unit_img if modality == "image" else self.unit_txt
+
+    def raw(self, modality: str, rows: NDArray[np.intp] | slice = slice(None)
+            ) -> NDArray[np.float32]:
+        unit, norm = ((self.unit_img, self.norm_img) if modality == "image"
+                      else (self.unit_txt, self.norm_txt))
+        return unit[rows] * norm[rows, None]
+
+    def sliced(self, rows: slice) -> GalleryChunk:
+        return GalleryChunk(self.ids[rows], self.unit_img[rows], self.unit_txt[rows],
+                            self.norm_img[rows], self.norm_txt[rows])
+
+    @staticmethod
+    def joined(chunks: list[GalleryChunk]) -> GalleryChunk:
+        return GalleryChunk(*(np.concatenate([getattr(c, f) for c in chunks])
+                              for f in ("ids", "unit_img", "unit_txt", "norm_img", "norm_txt")))
+
+
+def _unit_rows(x: NDArray[np.float32]) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    norms = np.linalg.norm(x.astype(np.float64), axis=1)
+    unit = x / np.where(norms > 0, norms, 1.0)[:, None]
+    return unit.astype(np.float32), norms.astype(np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Gallery:
+    """An immutable snapshot of the gallery: its chunks, oldest first."""
+
+    chunks: tuple[GalleryChunk, ...] = ()
+
+    def __post_init__(self) -> None:
+        sizes = [len(c) for c in self.chunks]
+        object.__setattr__(self, "starts", np.cumsum([0, *sizes]))
+        object.__setattr__(self, "_blocks", {m: tuple(c.unit(m) for c in self.chunks)
+                                             for m in ("image", "text")})
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])  # type: ignore[attr-defined]
+
+    def blocks(self, modality: str) -> tuple[NDArray[np.float32], ...]:
+        """The unit rows of ``modality``, one block per chunk (one tuple object per snapshot,
+        so concurrent queries against it coalesce)."""
+        return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
+
+    def locate(self, rows: NDArray[np.int64], modality: str
+               ) -> tuple[NDArray[np.str_], NDArray[np.float32]]:
+        """Ids and raw vectors of ``modality`` at global row positions."""
+        starts = self.starts  # type: ignore[attr-defined]
+        which = np.searchsorted(starts, rows, side="right") - 1
+        ids = np.empty(len(rows), dtype=object)
+        dim = self.chunks[0].unit(modality).shape[1] if self.chunks else 0
+        vectors = np.empty((len(rows), dim), dtype=np.float32)
+        for c in np.unique(which):
+            at = which == c
+            local = rows[at] - starts[c]
+            ids[at] = self.chunks[c].ids[local]
+            vectors[at] = self.chunks[c].raw(modality, local)
+        return ids.astype(str), vectors
+
+    def appended(self, chunk: GalleryChunk, max_items: int) -> Gallery:
+        """This gallery with ``chunk`` added and the oldest rows past ``max_items`` removed.
+
+        Chunks merge tier by tier (the newest two while the older is at most twice the newer,
+        up to :data:`_CHUNK_MAX` rows), so a long gallery is a few dozen blocks and each row is
+        copied O(log n) times over its life.
+        """
+        chunks = [*self.chunks, chunk]
+        while (len(chunks) >= 2 and len(chunks[-2]) <= 2 * len(chunks[-1])
+               and len(chunks[-2]) + len(chunks[-1]) <= _CHUNK_MAX):
+            last = chunks.pop()
+            chunks[-1] = GalleryChunk.joined([chunks[-1], last])
+        total = sum(len(c) for c in chunks)
+        while total > max_items and chunks:
+            excess = total - max_items
+            if excess >= len(chunks[0]):
+                total -= len(chunks.pop(0))
+            else:
+                chunks[0] = chunks[0].sliced(slice(excess, None))
+                total -= excess
+        return Gallery(tuple(chunks))
+
+
+_CHUNK_MAX = 65_536
+
+
+@dataclass(frozen=True, eq=False)
+class EmbeddedGallery:
+    """The gallery embedded by one model version: the search index of the models without a
+    fixed space (candidates from it are re-ranked exactly by the newest version)."""
+
+    version: int
+    model: CrossModalModel
+    # chunk -> (image embeddings, text embeddings), in gallery order
+    embedded: tuple[tuple[GalleryChunk, NDArray[np.float32], NDArray[np.float32]], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_blocks", {
+            "image": tuple(a for _, a, _ in self.embedded),
+            "text": tuple(b for _, _, b in self.embedded)})
+
+    def blocks(self, modality: str) -> tuple[NDArray[np.float32], ...]:
+        return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
+
+    def covering(self, gallery: Gallery) -> EmbeddedGallery:
+        """The same version over ``gallery``: chunks it has keep their embeddings, new ones
+        are embedded now (O(new rows))."""
+        known = {id(c): (c, a, b) for c, a, b in self.embedded}
+        if len(known) == len(gallery.chunks) and all(id(c) in known for c in gallery.chunks):
+            return self
+        return EmbeddedGallery(self.version, self.model, tuple(
+            known.get(id(c)) or _embed(self.model, c) for c in gallery.chunks))
+
+    @classmethod
+    def build(cls, version: int, model: CrossModalModel, gallery: Gallery) -> EmbeddedGallery:
+        return cls(version, model, tuple(_embed(model, c) for c in gallery.chunks))
+
+
+def _embed(model: CrossModalModel, chunk: GalleryChunk) -> tuple[
+        GalleryChunk, NDArray[np.float32], NDArray[np.float32]]:
+    return (chunk, np.ascontiguousarray(model.embed_images(chunk.raw("image")), np.float32),
+            np.ascontiguousarray(model.embed_texts(chunk.raw("text")), np.float32))
+
 
 @dataclass(frozen=True, eq=False)
 class ServedModel:
-    """One model version with the gallery embedded by it."""
+    """One model version; for a model without a fixed space also the newest gallery index
+    embedded by some version (possibly older: it only proposes candidates)."""
 
     name: str
     version: int
     model: CrossModalModel
     head: dict[str, Any]
     loaded_at: float
-    # chunk -> (image embeddings, text embeddings), in gallery order
-    embedded: tuple[tuple[GalleryChunk, NDArray[np.float32], NDArray[np.float32]], ...]
+    index: EmbeddedGallery | None = None
+    gallery_items: int = 0
 
     @property
     def gallery_size(self) -> int:
-        return sum(len(c) for c, _, _ in self.embedded)
+        return self.gallery_items
 
 
-def _embed(model: CrossModalModel, chunk: GalleryChunk) -> tuple[
-        GalleryChunk, NDArray[np.float32], NDArray[np.float32]]:
-    return chunk, model.embed_images(chunk.img), model.embed_texts(chunk.txt)
+@dataclass(frozen=True)
+class SearchAnswer:
+    """What :meth:`ModelServer.search` found: hits best first, and how fresh the answer is."""
+
+    served: ServedModel
+    hits: list[tuple[str, float]]
+    #: Seconds since a newer checkpoint than the served one was written (0 when none is).
+    version_lag_s: float
+    #: Version whose gallery index proposed the candidates (the served one on a fixed space).
+    index_version: int
+
+
+def _exact_scores(model: CrossModalModel, modality: str, target: str,
+                  query: NDArray[np.float32], items: NDArray[np.float32]) -> NDArray[np.float64]:
+    """The served version's own scores of one query against candidate items."""
+    if modality == "image" and target == "text":
+        return np.asarray(model.similarity(query[None, :], items)[0], dtype=np.float64)
+    if modality == "text" and target == "image":
+        return np.asarray(model.similarity(items, query[None, :])[:, 0], dtype=np.float64)
+    embed = model.embed_images if modality == "image" else model.embed_texts
+    scores = embed(items).astype(np.float64) @ embed(query[None, :]).astype(np.float64)[0]
+    return np.asarray(scores, dtype=np.float64)
 
 
 class ModelServer:
-    """Keeps the served models and the gallery current.
+    """Keeps the served models and the gallery current, and answers queries.
 
     Parameters
     ----------
@@ -108,20 +270,31 @@ class ModelServer:
     namespace
         Stream namespace.
     gallery_max
-        Gallery size cap (items; within one chunk).
+        Gallery size cap (items).
+    reembed_seconds
+        Least time between two re-embeddings of the whole gallery for one model without a
+        fixed space (sam, cmomks, cca, scsm, sdsrl, pairwise:marginal): the bound on what new
+        versions cost. Between them the last index proposes candidates and the served version
+        re-ranks them exactly.
+    candidates
+        Candidates re-ranked per query: ``max(candidates, 4 k)``.
     """
 
     def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
                  gallery_max: int = 100_000, limits: Limits = Limits(),
-                 read_count: int = 5000) -> None:
+                 read_count: int = 5000, reembed_seconds: float = 10.0,
+                 candidates: int = 100) -> None:
         self.r = client
         self.store = store
         self.keys = Keys(namespace)
         self.gallery_max = gallery_max
         self.limits = limits
         self.read_count = read_count
-        self.chunks: tuple[GalleryChunk, ...] = ()
+        self.reembed_seconds = reembed_seconds
+        self.candidates = candidates
+        self.gallery = Gallery()
         self.served: dict[str, ServedModel] = {}
+        self.newest: dict[str, tuple[int, float]] = {}  # model -> (head version, created)
         self.last_gallery_id = "0-0"
         self.gallery_skipped = 0
         self.known: frozenset[str] = frozenset()  # models registered in the namespace
@@ -129,31 +302,40 @@ class ModelServer:
         # Head version last tried per model: a corrupt newest version (served: the previous
         # good one) is tried once, not on every refresh.
         self._attempted: dict[str, int] = {}
-        self._thread: threading.Thread | None = None
+        self._reembedded_at: dict[str, float] = {}
+        self._swap = threading.Lock()  # writers of self.served (refresh and re-embed threads)
+        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self.coalescer = QueryCoalescer()
 
-    # -- background refresh ------------------------------------------------------------------
+    # -- background work -----------------------------------------------------------------------
     def start(self, interval: float = 0.25) -> None:
-        def loop() -> None:
-            while not self._stop.is_set():
-                try:
-                    self.refresh()
-                except redis.RedisError as exc:
-                    log.warning("refresh failed (will retry): %s", exc)
-                except Exception:  # the thread must outlive any one bad checkpoint
-                    log.exception("refresh failed (will retry)")
-                self._stop.wait(interval)
+        def every(step: Callable[[], None], pause: float) -> Callable[[], None]:
+            def loop() -> None:
+                while not self._stop.is_set():
+                    try:
+                        step()
+                    except redis.RedisError as exc:
+                        log.warning("%s failed (will retry): %s", step.__name__, exc)
+                    except Exception:  # the thread must outlive any one bad checkpoint
+                        log.exception("%s failed (will retry)", step.__name__)
+                    self._stop.wait(pause)
+            return loop
 
-        self._thread = threading.Thread(target=loop, name="streamxm-refresh", daemon=True)
-        self._thread.start()
+        for name, step in (("refresh", self.refresh), ("reembed", self.reembed)):
+            thread = threading.Thread(target=every(step, interval), name=f"streamxm-{name}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self.coalescer.close()
 
     def refresh(self) -> None:
-        """Read new gallery pairs, load new checkpoint versions, re-embed as needed."""
+        """Read new gallery pairs and load new checkpoint versions."""
         gallery_changed = self._read_gallery()
         names = str_set(self.r.smembers(self.keys.models))
         self.known = frozenset(names)
@@ -161,13 +343,31 @@ class ModelServer:
             head = self.store.head(name)
             if head is None:
                 continue
+            self.newest[name] = (int(head["version"]), float(head.get("created", time.time())))
             current = self.served.get(name)
             if head["version"] != self._attempted.get(name):
                 self._attempted[name] = head["version"]
                 self._load(name)
             elif current is not None and gallery_changed:
-                self._reembed(current)
+                self._cover_gallery(name)
         self.refreshed = True
+
+    def reembed(self) -> None:
+        """Re-embed the gallery with the served version of each model without a fixed space
+        whose index is older, at most once per ``reembed_seconds`` per model."""
+        for name, served in list(self.served.items()):
+            if served.index is None or served.index.version == served.version:
+                continue
+            if time.monotonic() - self._reembedded_at.get(name, -1e9) < self.reembed_seconds:
+                continue
+            self._reembedded_at[name] = time.monotonic()
+            index = EmbeddedGallery.build(served.version, served.model, self.gallery)
+            with self._swap:
+                current = self.served.get(name)
+                if current is not None and current.index is not None \
+                        and current.index.version < index.version:
+                    self.served[name] = replace(current, index=index.covering(self.gallery))
+            log.info("re-embedded the gallery for %s version %d", name, served.version)
 
     def _read_gallery(self) -> bool:
         changed = False
@@ -191,28 +391,9 @@ class ModelServer:
                 txts.append(pair.txt)
             self.last_gallery_id = entries[-1][0]
             if ids:
-                self._append(GalleryChunk(np.asarray(ids), np.vstack(imgs), np.vstack(txts)))
+                chunk = GalleryChunk.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
+                self.gallery = self.gallery.appended(chunk, self.gallery_max)
                 changed = True
-
-    def _append(self, chunk: GalleryChunk) -> None:
-        chunks = list(self.chunks)
-        if chunks and len(chunks[-1]) < _MERGE_BELOW:
-            tail = chunks.pop()
-            chunk = GalleryChunk(np.concatenate([tail.ids, chunk.ids]),
-                                 np.vstack([tail.img, chunk.img]), np.vstack([tail.txt, chunk.txt]))
-        chunks.append(chunk)
-        total = sum(len(c) for c in chunks)
-        while total > self.gallery_max and chunks:
-            excess = total - self.gallery_max
-            oldest = chunks[0]
-            if excess >= len(oldest):
-                chunks.pop(0)
-                total -= len(oldest)
-            else:
-                chunks[0] = GalleryChunk(oldest.ids[excess:], oldest.img[excess:],
-                                         oldest.txt[excess:])
-                total -= excess
-        self.chunks = tuple(chunks)
 
     def _load(self, name: str) -> None:
         ckpt = self.store.load_latest(name)
@@ -222,19 +403,24 @@ class ModelServer:
         learner.flush()  # before publishing: queries then only read the model
         head = dict(self.store.head(name) or {})
         head["pairs_seen"] = learner.pairs_seen
-        served = ServedModel(
-            name=name, version=ckpt.version, model=learner.model, head=head,
-            loaded_at=time.time(), embedded=tuple(_embed(learner.model, c) for c in self.chunks),
-        )
-        self.served[name] = served  # one reference assignment: the atomic swap
+        model, gallery = learner.model, self.gallery
+        with self._swap:
+            previous = self.served.get(name)
+            index = None
+            if not model.fixed_space:
+                index = (previous.index.covering(gallery) if previous and previous.index
+                         else EmbeddedGallery.build(ckpt.version, model, gallery))
+            self.served[name] = ServedModel(  # one reference assignment: the atomic swap
+                name=name, version=ckpt.version, model=model, head=head, loaded_at=time.time(),
+                index=index, gallery_items=len(gallery))
         log.info("serving %s version %d (%d pairs seen)", name, ckpt.version, learner.pairs_seen)
 
-    def _reembed(self, current: ServedModel) -> None:
-        known = {id(c): (c, a, b) for c, a, b in current.embedded}
-        embedded = tuple(known.get(id(c)) or _embed(current.model, c) for c in self.chunks)
-        self.served[current.name] = ServedModel(
-            current.name, current.version, current.model, current.head, current.loaded_at,
-            embedded)
+    def _cover_gallery(self, name: str) -> None:
+        gallery = self.gallery
+        with self._swap:
+            current = self.served[name]
+            index = current.index.covering(gallery) if current.index else None
+            self.served[name] = replace(current, index=index, gallery_items=len(gallery))
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -253,6 +439,11 @@ class ModelServer:
             raise UnknownModel(f"model {name!r} has no learner in this namespace")
         return served
 
+    def version_lag(self, served: ServedModel) -> float:
+        """Seconds since a checkpoint newer than ``served`` was written; 0 when none is."""
+        version, created = self.newest.get(served.name, (served.version, 0.0))
+        return max(0.0, time.time() - created) if version > served.version else 0.0
+
     def similarity(self, name: str, images: NDArray[np.float32], texts: NDArray[np.float32],
                    matrix: bool) -> tuple[ServedModel, NDArray[np.float64]]:
         """Scores of (image_i, text_i) pairs, or the full image x text matrix."""
@@ -264,33 +455,42 @@ class ModelServer:
         return served, np.einsum("ij,ij->i", a, b)
 
     def search(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-               target: str | None = None) -> tuple[ServedModel, list[tuple[str, float]]]:
+               target: str | None = None) -> SearchAnswer:
         """The ``k`` best gallery items of modality ``target`` (default: the other modality)
-        for one query vector of ``modality``. Same-modality search needs a model whose
-        embeddings share one space; others raise :class:`SameModalityUnsupported`."""
+        for one query vector of ``modality``, scored by the served version exactly as
+        :meth:`similarity` scores them, ties in gallery order.
+
+        Candidates come from a version-independent index: the gallery's unit rows against
+        the query moved into them (:attr:`CrossModalModel.fixed_space`), or else the newest
+        embedded index. Same-modality search needs a model whose embeddings share one space;
+        others raise :class:`SameModalityUnsupported`.
+        """
         served = self.get(name)
+        gallery = self.gallery
         target = target or other_modality(modality)
-        if target == modality and not served.model.shared_space:
+        model = served.model
+        if target == modality and not model.shared_space:
             raise SameModalityUnsupported(
                 f"model {name!r} embeds images and texts in different spaces: it answers "
                 f"cross-modal search only (target must be {other_modality(modality)})")
-        if modality == "image":
-            query = served.model.embed_images(vector[None, :])[0]
+        lag = self.version_lag(served)
+        if len(gallery) == 0:
+            return SearchAnswer(served, [], lag, served.version)
+        wanted = min(len(gallery), max(self.candidates, 4 * k))
+        if model.fixed_space and target != modality:
+            transform = model.queries_for_texts if target == "text" else model.queries_for_images
+            query = transform(vector[None, :])[0][0].astype(np.float32)
+            blocks, index_version = gallery.blocks(target), served.version
         else:
-            query = served.model.embed_texts(vector[None, :])[0]
-        best_ids: list[NDArray[np.str_]] = []
-        best_scores: list[NDArray[np.float32]] = []
-        for chunk, img_emb, txt_emb in served.embedded:
-            scores = (txt_emb if target == "text" else img_emb) @ query
-            if len(scores) > k:
-                top = np.argpartition(-scores, k - 1)[:k]
-                best_ids.append(chunk.ids[top])
-                best_scores.append(scores[top])
-            else:
-                best_ids.append(chunk.ids)
-                best_scores.append(scores)
-        if not best_ids:
-            return served, []
-        ids, scores = np.concatenate(best_ids), np.concatenate(best_scores)
+            index = served.index.covering(gallery) if served.index else \
+                EmbeddedGallery.build(served.version, model, gallery)
+            embed = index.model.embed_images if modality == "image" else index.model.embed_texts
+            query = embed(vector[None, :])[0].astype(np.float32)
+            blocks, index_version = index.blocks(target), index.version
+        _, rows = self.coalescer.search(blocks, query, wanted)
+        rows = np.sort(rows)  # gallery order, so the stable sort below keeps ties in it
+        ids, items = gallery.locate(rows, target)
+        scores = _exact_scores(model, modality, target, vector, items)
         order = np.argsort(-scores, kind="stable")[:k]
-        return served, [(str(ids[i]), float(scores[i])) for i in order]
+        return SearchAnswer(served, [(str(ids[i]), float(scores[i])) for i in order], lag,
+                            index_version)

@@ -1,0 +1,143 @@
+"""Top-k inner-product search over the gallery's blocks of rows, and the thread that coalesces
+concurrent queries into one matrix product.
+
+The interface is one function, :func:`top_k`: queries ``(m, d)`` against a sequence of row
+blocks, the best ``k`` scores and their global row positions per query. It is exact (float32
+products, blocked so the ``(m, rows)`` temporary stays small) and it is the reference every
+faster path is measured against. FAISS (``faiss-cpu``) was measured for this role on this
+2-core machine and not chosen: its flat inner-product search took 0.54 s for 32 queries over
+1,000,000 x 128 rows on one thread where a blocked BLAS product with ``argpartition`` took
+0.16 s (2.15 s against 0.45 s at 512 dimensions; ``docs/benchmarks.md``), and its scalar
+quantisers scan one query at a time. Keeping the function small leaves room for a vector
+database backend later.
+
+:class:`QueryCoalescer` gathers the queries that arrive while a product runs and answers them
+with the next one: under load the matrix product's cost is shared by a whole batch of queries
+(one pass over the gallery's memory instead of one per query); an idle server answers at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["QueryCoalescer", "top_k"]
+
+_BLOCK = 65_536  # rows per product: bounds the (queries x rows) float32 temporary
+
+
+def top_k(queries: NDArray[np.float32], blocks: Sequence[NDArray[np.float32]], k: int
+          ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+    """The ``k`` largest inner products of each query with the rows of ``blocks`` (taken as one
+    array in order), best first, ties in row order; fewer than ``k`` when there are fewer rows.
+
+    >>> blocks = [np.eye(3, dtype=np.float32), np.ones((1, 3), dtype=np.float32)]
+    >>> scores, rows = top_k(np.array([[0, 1, 0.5]], dtype=np.float32), blocks, 2)
+    >>> scores.tolist(), rows.tolist()
+    ([[1.5, 1.0]], [[3, 1]])
+    """
+    m = len(queries)
+    best_s = np.empty((m, 0), dtype=np.float32)
+    best_r = np.empty((m, 0), dtype=np.int64)
+    offset = 0
+    for block in blocks:
+        for start in range(0, len(block), _BLOCK):
+            part = block[start : start + _BLOCK]
+            scores = queries @ part.T
+            if part.shape[0] > k:
+                keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+                scores = np.take_along_axis(scores, keep, axis=1)
+                rows = keep + (offset + start)
+            else:
+                rows = np.broadcast_to(np.arange(len(part)) + (offset + start), scores.shape)
+            best_s = np.concatenate([best_s, scores], axis=1)
+            best_r = np.concatenate([best_r, rows], axis=1)
+            if best_s.shape[1] > 4 * k:
+                best_s, best_r = _best(best_s, best_r, k)
+        offset += len(block)
+    return _best(best_s, best_r, k)
+
+
+def _best(scores: NDArray[np.float32], rows: NDArray[np.int64], k: int
+          ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+    # Sort by row first, then stably by score: equal scores keep row (gallery) order.
+    by_row = np.argsort(rows, axis=1, kind="stable")
+    scores, rows = np.take_along_axis(scores, by_row, 1), np.take_along_axis(rows, by_row, 1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(rows, order, 1)
+
+
+@dataclass
+class _Request:
+    blocks: Sequence[NDArray[np.float32]]
+    query: NDArray[np.float32]
+    k: int
+    future: Future[tuple[NDArray[np.float32], NDArray[np.int64]]] = field(
+        default_factory=Future)
+
+
+class QueryCoalescer:
+    """One thread that answers :func:`top_k` requests, a batch of them per product.
+
+    Requests that name the same blocks (the same tuple object: one served index) are stacked
+    into one query matrix and searched with the largest ``k`` among them.
+    """
+
+    def __init__(self, max_batch: int = 64) -> None:
+        self.max_batch = max_batch
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="streamxm-search", daemon=True)
+        self._thread.start()
+        self.batches = 0
+        self.queries = 0
+
+    def search(self, blocks: Sequence[NDArray[np.float32]], query: NDArray[np.float32], k: int
+               ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        """Block until the query's batch is answered; its scores and rows, best first."""
+        request = _Request(blocks, np.ascontiguousarray(query, dtype=np.float32), k)
+        self._queue.put(request)
+        return request.future.result()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            pending = [first]
+            while len(pending) < self.max_batch:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                pending.append(more)
+            groups: dict[tuple[int, int], list[_Request]] = {}
+            for request in pending:
+                groups.setdefault((id(request.blocks), request.query.shape[0]), []).append(request)
+            for group in groups.values():
+                self._answer(group)
+
+    def _answer(self, group: list[_Request]) -> None:
+        try:
+            k = max(r.k for r in group)
+            scores, rows = top_k(np.stack([r.query for r in group]), group[0].blocks, k)
+            self.batches += 1
+            self.queries += len(group)
+            for i, request in enumerate(group):
+                request.future.set_result((scores[i, : request.k], rows[i, : request.k]))
+        except Exception as exc:  # every waiting request hears of it, the thread lives on
+            for request in group:
+                if not request.future.done():
+                    request.future.set_exception(exc)
