@@ -84,7 +84,9 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     keys = Keys(settings.namespace)
     limits = limits_from(settings)
     server = ModelServer(background, open_store(settings, background), settings.namespace,
-                         gallery_max=settings.gallery_max, limits=limits)
+                         gallery_max=settings.gallery_max, limits=limits,
+                         reembed_seconds=settings.reembed_seconds,
+                         candidates=settings.search_candidates)
     metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
     context = ApiContext(settings=settings, r=r, keys=keys, limits=limits, server=server,
                          metrics=metrics, producer=StreamClient(r, settings.namespace, limits),

@@ -65,6 +65,14 @@ class Settings(BaseSettings):
     api_token_for_reads: bool = False
     default_model: str = "cmos"
     gallery_max: int = Field(default=100_000, ge=1)
+    reembed_seconds: float = Field(
+        default=10.0, ge=0, description="least seconds between two re-embeddings of the "
+        "gallery for a model without a fixed space (sam, cmomks, cca, scsm, sdsrl, "
+        "pairwise:marginal); between them the last index proposes candidates and the served "
+        "version re-ranks them exactly")
+    search_candidates: int = Field(
+        default=100, ge=1, le=10_000, description="candidates re-ranked per search: "
+        "max(this, 4 k)")
     reload_interval_seconds: float = Field(default=0.25, gt=0)
     query_threads: int = Field(default=8, ge=1, le=256,
                                description="threads for similarity and search, apart from "

@@ -40,11 +40,14 @@ from typing import Any
 import httpx
 import numpy as np
 import redis
+from numpy.typing import NDArray
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
+from streamxm.models import CrossModalModel
+from streamxm.service import open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
@@ -283,11 +286,19 @@ def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
 
 
 # -- query ----------------------------------------------------------------------------------
+@dataclass
+class _Answer:
+    body: int  # index into the request bodies
+    version: int
+    lag_s: float
+    ids: list[str]
+
+
 async def _load(url: str, bodies: list[bytes], clients: int, seconds: float
-                ) -> tuple[list[float], dict[str, int], set[int]]:
+                ) -> tuple[list[float], dict[str, int], list[_Answer]]:
     latencies: list[float] = []
     statuses: dict[str, int] = {}
-    versions: set[int] = set()
+    answers: list[_Answer] = []
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits,
@@ -302,46 +313,106 @@ async def _load(url: str, bodies: list[bytes], clients: int, seconds: float
                     key = str(response.status_code)
                     if response.status_code == 200:
                         latencies.append(time.perf_counter() - start)
-                        versions.add(int(response.json()["version"]))
+                        found = response.json()
+                        answers.append(_Answer(i % len(bodies), int(found["version"]),
+                                               float(found["version_lag_s"]),
+                                               [hit["id"] for hit in found["results"]]))
                 except httpx.HTTPError as exc:
                     key = type(exc).__name__
                 statuses[key] = statuses.get(key, 0) + 1
                 i += clients
 
         await asyncio.gather(*(one(w) for w in range(clients)))
-    return latencies, statuses, versions
+    return latencies, statuses, answers
+
+
+def _exact_top(model: CrossModalModel, modality: str, query: NDArray[np.float32],
+               gallery: NDArray[np.float32], k: int) -> list[int]:
+    """Row positions of the ``k`` best items by the model's own scores, ties in row order."""
+    scores = np.concatenate([
+        model.similarity(query[None, :], gallery[i : i + 50_000])[0] if modality == "image"
+        else model.similarity(gallery[i : i + 50_000], query[None, :])[:, 0]
+        for i in range(0, len(gallery), 50_000)])
+    return np.argsort(-scores, kind="stable")[:k].tolist()  # type: ignore[no-any-return]
+
+
+def _recall(st: Stack, model: str, answers: list[_Answer], queries: list[tuple[str, Any]],
+            imgs: NDArray[np.float32], txts: NDArray[np.float32], k: int, sample: int,
+            seed: int) -> float | None:
+    """Mean recall@k of sampled answers against the exact ranking by the version that served
+    each (loaded from the store, which the benchmark tells to keep every version)."""
+    if not answers:
+        return None
+    store = open_store(st.settings, st.r)
+    rng = np.random.default_rng(seed)
+    picked = [answers[i] for i in rng.choice(len(answers), min(sample, len(answers)),
+                                             replace=False)]
+    models: dict[int, CrossModalModel] = {}
+    recalls = []
+    for answer in tqdm(picked, desc="recall against exact rankings", file=sys.stderr):
+        if answer.version not in models:
+            ckpt = store.load(model, answer.version)
+            if ckpt is None:
+                continue
+            learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+            learner.flush()
+            models[answer.version] = learner.model
+        modality, vector = queries[answer.body]
+        exact = _exact_top(models[answer.version], modality, vector,
+                           txts if modality == "image" else imgs, k)
+        got = {int(i[1:]) for i in answer.ids}  # ids are "s<row>"
+        recalls.append(len(got & set(exact)) / k)
+    return round(float(np.mean(recalls)), 4) if recalls else None
 
 
 def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, clients: int = 32,
-          seconds: float = 30.0, k: int = 10, model: str = "cmos", seed: int = 0
-          ) -> dict[str, Any]:
+          seconds: float = 30.0, k: int = 10, model: str = "cmos", recall_sample: int = 200,
+          seed: int = 0) -> dict[str, Any]:
     """``/v1/search`` under ``clients`` concurrent connections for ``seconds`` while a worker
-    learns from the stream and its checkpoints are swapped in."""
-    data = synthetic_pairs(gallery, img_dim, txt_dim, seed=seed)
+    learns from the stream and checkpoints every 2 s; image and text queries alternate.
+
+    The gallery is :func:`~streamxm.tools.datasets.synthetic_pairs` (non-negative rows around
+    100 cluster centres, like bag-of-words histograms), so an index that relies on the items'
+    structure gets the structure real features have. Afterwards a second API process is started
+    on the same data and timed to ready (``replica_ready_s``), and a sample of answers is
+    compared with the exact ranking of the version that served each (``recall_at_10``).
+    """
+    data = synthetic_pairs(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
     rng = np.random.default_rng(seed + 1)
-    bodies = [json.dumps({"modality": "image" if j % 2 else "text", "k": k,
-                          "vector": (data[int(rng.integers(gallery))].img if j % 2 else
-                                     data[int(rng.integers(gallery))].txt).tolist()}).encode()
-              for j in range(64)]
-    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0) as st:
+    queries: list[tuple[str, Any]] = []
+    for j in range(64):
+        source = data[int(rng.integers(gallery))]
+        queries.append(("image", source.img) if j % 2 else ("text", source.txt))
+    bodies = [json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
+              for m, v in queries]
+    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000) as st:
         client = StreamClient(st.r, NAMESPACE)
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
             client.push_pairs(data[i : i + 5000])
         st.spawn("worker", "--model", model)
         url = st.api()
 
-        def served() -> bool:
-            models = httpx.get(f"{url}/v1/models", timeout=10).json()["models"]
-            return bool(models) and models[0]["gallery_items"] >= gallery
+        def served(at: str = url) -> bool:
+            models = httpx.get(f"{at}/v1/models", timeout=10).json()["models"]
+            return any(m["name"] == model and m["loaded"] and m["gallery_items"] >= gallery
+                       for m in models)
 
-        wait_for(served, 600, "the API to load a model and the whole gallery")
+        wait_for(served, 900, "the API to load a model and the whole gallery")
         before = st.processed(model)
         start = time.perf_counter()
-        latencies, statuses, versions = asyncio.run(_load(url, bodies, clients, seconds))
+        latencies, statuses, answers = asyncio.run(_load(url, bodies, clients, seconds))
         elapsed = time.perf_counter() - start
         learned = st.processed(model) - before
         api_rss = rss_mb(st.procs[1].pid)
+        ready_start = time.perf_counter()
+        replica = st.api()
+        wait_for(lambda: served(replica), 900, "a second API to load the whole gallery")
+        replica_ready = time.perf_counter() - ready_start
+        imgs = np.stack([p.img for p in data])
+        txts = np.stack([p.txt for p in data])
+        recall = _recall(st, model, answers, queries, imgs, txts, k, recall_sample, seed)
     ms = [x * 1000 for x in latencies]
+    lags = [a.lag_s for a in answers]
     errors = sum(n for code, n in statuses.items() if code != "200")
     return {
         "benchmark": "query", "gallery": gallery, "img_dim": img_dim, "txt_dim": txt_dim,
@@ -349,9 +420,12 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         "requests": len(ms), "requests_per_s": round(len(ms) / elapsed, 1),
         "p50_ms": round(_percentile(ms, 50), 2), "p90_ms": round(_percentile(ms, 90), 2),
         "p99_ms": round(_percentile(ms, 99), 2), "max_ms": round(max(ms), 2) if ms else None,
-        "errors": errors, "statuses": statuses,
-        "model_versions_served": len(versions), "pairs_learned_meanwhile": learned,
-        "api_rss_mb": round(api_rss, 1),
+        "errors": errors, "statuses": statuses, "recall_at_10": recall,
+        "served_version_lag_p99_s": round(_percentile(lags, 99), 3) if lags else None,
+        "model_versions_served": len({a.version for a in answers}),
+        "pairs_learned_meanwhile": learned, "api_rss_mb": round(api_rss, 1),
+        "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
+        "replica_ready_s": round(replica_ready, 2),
     }
 
 

@@ -185,6 +185,15 @@ class CheckpointStore(ABC):
             pipe.execute()
         self._after_commit(model, kept, dropped)
 
+    def load(self, model: str, version: int) -> Checkpoint | None:
+        """One kept version whose bytes verify; ``None`` when it is not kept (or corrupt)."""
+        for kept, sha in self._versions(model):
+            if kept == version:
+                blob = self._read(model, version, sha)
+                if blob is not None and _sha(blob) == sha:
+                    return decode_blob(blob)
+        return None
+
     def load_latest(self, model: str) -> Checkpoint | None:
         """The newest version whose bytes verify; older good ones replace corrupt ones."""
         for version, sha in self._versions(model):
