@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel, split_name
-from streamxm.serving.index import QueryCoalescer
+from streamxm.serving.index import Block, QueryCoalescer, index_block
 from streamxm.stream.client import read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, decode_pair
@@ -92,8 +92,17 @@ class GalleryChunk:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def __post_init__(self) -> None:
+        # Made once per chunk: a gallery snapshot reuses the blocks of the chunks it keeps.
+        object.__setattr__(self, "_index", {"image": index_block(self.unit_img),
+                                            "text": index_block(self.unit_txt)})
+
     def unit(self, modality: str) -> NDArray[np.float32]:
         return self.unit_img if modality == "image" else self.unit_txt
+
+    def index(self, modality: str) -> Block:
+        """The unit rows as the search backend scans them."""
+        return self._index[modality]  # type: ignore[attr-defined]
 
     def raw(self, modality: str, rows: NDArray[np.intp] | slice = slice(None)
             ) -> NDArray[np.float32]:
@@ -126,15 +135,15 @@ class Gallery:
     def __post_init__(self) -> None:
         sizes = [len(c) for c in self.chunks]
         object.__setattr__(self, "starts", np.cumsum([0, *sizes]))
-        object.__setattr__(self, "_blocks", {m: tuple(c.unit(m) for c in self.chunks)
+        object.__setattr__(self, "_blocks", {m: tuple(c.index(m) for c in self.chunks)
                                              for m in ("image", "text")})
 
     def __len__(self) -> int:
         return int(self.starts[-1])  # type: ignore[attr-defined]
 
-    def blocks(self, modality: str) -> tuple[NDArray[np.float32], ...]:
-        """The unit rows of ``modality``, one block per chunk (one tuple object per snapshot,
-        so concurrent queries against it coalesce)."""
+    def blocks(self, modality: str) -> tuple[Block, ...]:
+        """The unit rows of ``modality`` as the index scans them, one block per chunk (one
+        tuple object per snapshot, so concurrent queries against it coalesce)."""
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
 
     def locate(self, rows: NDArray[np.int64], modality: str
@@ -185,15 +194,15 @@ class EmbeddedGallery:
 
     version: int
     model: CrossModalModel
-    # chunk -> (image embeddings, text embeddings), in gallery order
-    embedded: tuple[tuple[GalleryChunk, NDArray[np.float32], NDArray[np.float32]], ...]
+    # chunk -> (image embeddings, text embeddings) as the backend scans them, in gallery order
+    embedded: tuple[tuple[GalleryChunk, Block, Block], ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_blocks", {
             "image": tuple(a for _, a, _ in self.embedded),
             "text": tuple(b for _, _, b in self.embedded)})
 
-    def blocks(self, modality: str) -> tuple[NDArray[np.float32], ...]:
+    def blocks(self, modality: str) -> tuple[Block, ...]:
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
 
     def covering(self, gallery: Gallery) -> EmbeddedGallery:
@@ -210,10 +219,9 @@ class EmbeddedGallery:
         return cls(version, model, tuple(_embed(model, c) for c in gallery.chunks))
 
 
-def _embed(model: CrossModalModel, chunk: GalleryChunk) -> tuple[
-        GalleryChunk, NDArray[np.float32], NDArray[np.float32]]:
-    return (chunk, np.ascontiguousarray(model.embed_images(chunk.raw("image")), np.float32),
-            np.ascontiguousarray(model.embed_texts(chunk.raw("text")), np.float32))
+def _embed(model: CrossModalModel, chunk: GalleryChunk) -> tuple[GalleryChunk, Block, Block]:
+    return (chunk, index_block(model.embed_images(chunk.raw("image")).astype(np.float32)),
+            index_block(model.embed_texts(chunk.raw("text")).astype(np.float32)))
 
 
 @dataclass(frozen=True, eq=False)

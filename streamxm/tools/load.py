@@ -385,7 +385,8 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         queries.append(("image", source.img) if j % 2 else ("text", source.txt))
     bodies = [json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
               for m, v in queries]
-    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000) as st:
+    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000,
+               query_threads=64) as st:
         client = StreamClient(st.r, NAMESPACE)
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
             client.push_pairs(data[i : i + 5000])
