@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     api_token_for_reads: bool = False
     default_model: str = "cmos"
     gallery_max: int = Field(default=100_000, ge=1)
+    stream_retention: bool = Field(
+        default=True, description="workers trim the pairs stream after each checkpoint to "
+        "the oldest entry a learner or the gallery (the newest gallery_max entries) still needs")
     reembed_seconds: float = Field(
         default=10.0, ge=0, description="least seconds between two re-embeddings of the "
         "gallery for a model without a fixed space (sam, cmomks, cca, scsm, sdsrl, "

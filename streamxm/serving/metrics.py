@@ -33,6 +33,7 @@ from streamxm.models import DIRECTIONS
 from streamxm.serving.server import ModelServer
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash, str_set, text
+from streamxm.stream.retention import entry_id_key
 from streamxm.worker.stats import WorkerStats
 
 __all__ = ["ApiMetrics", "StreamCollector", "method_label"]
@@ -157,6 +158,18 @@ class StreamCollector(Collector):
                                           "entries in the pairs stream", labels=["namespace"])
         stream_length.add_metric([ns], length)
         yield stream_length
+        retention = str_hash(self.r.hgetall(self.keys.retention))
+        trimmed = CounterMetricFamily("streamxm_stream_trimmed",
+                                      "entries trimmed from the pairs stream by retention",
+                                      labels=["namespace"])
+        trimmed.add_metric([ns], int(retention.get("trimmed_total", 0)))
+        yield trimmed
+        if "trimmed_to" in retention:
+            position = GaugeMetricFamily(
+                "streamxm_stream_trim_position_seconds", "time (unix seconds) in the id of the "
+                "oldest entry retention keeps", labels=["namespace"])
+            position.add_metric([ns], entry_id_key(retention["trimmed_to"])[0] / 1000)
+            yield position
         now = time.time()
         for model in str_set(self.r.smembers(self.keys.models)):
             stats = WorkerStats.from_hash(str_hash(self.r.hgetall(self.keys.stats(model))))

@@ -169,8 +169,14 @@ class CheckpointStore(ABC):
         """
         blob = encode_blob(ckpt)
         sha = _sha(blob)
-        history = [(ckpt.version, sha), *self._versions(model)]
+        previous = self.head(model)
+        history = [(ckpt.version, sha), *(previous["history"] if previous else [])]
         kept, dropped = history[: self.keep], history[self.keep :]
+        # The stream position of the oldest kept version: what retention must keep after it.
+        positions = {**(previous or {}).get("positions", {}), ckpt.version: ckpt.last_id}
+        head_extra = {**head_extra, "kept_from": positions.get(kept[-1][0], "0-0"),
+                      "positions": ",".join(f"{v}:{positions[v]}" for v, _ in kept
+                                            if v in positions)}
         self._stage(model, ckpt.version, sha, blob)
         with self.r.pipeline(transaction=True) as pipe:
             _check_lease(pipe, lease)
@@ -332,4 +338,7 @@ def _parse_head(raw: dict[str, str]) -> dict[str, Any]:
     head["created"] = float(raw["created"])
     head["history"] = [(int(v), sha) for v, sha in
                        (item.split(":", 1) for item in raw["history"].split(",") if item)]
+    head["positions"] = {int(v): last_id for v, last_id in
+                         (item.split(":", 1) for item in raw.get("positions", "").split(",")
+                          if item)}
     return head

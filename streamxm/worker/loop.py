@@ -51,6 +51,7 @@ from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
 from streamxm.stream.redis_conn import StreamEntry, stream_entries, text
+from streamxm.stream.retention import entry_id_key, trim_stream
 from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.worker.stats import WorkerStats
 
@@ -71,12 +72,6 @@ _RELEASE_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-
-
-def entry_id_key(entry_id: str) -> tuple[int, int]:
-    """Stream ids compare as (milliseconds, sequence)."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class EntryFailed(RuntimeError):
@@ -124,6 +119,10 @@ class LearnerWorker:
         Checkpoint after this many pairs or this long, whichever comes first.
     max_learn_attempts
         Failures of learning one entry before it is dead-lettered as ``learn_error``.
+    retain_entries
+        After each checkpoint, trim the stream to what anything still needs, keeping at least
+        this many newest entries for the search gallery (:mod:`streamxm.stream.retention`);
+        ``None`` never trims.
     """
 
     def __init__(
@@ -142,6 +141,7 @@ class LearnerWorker:
         lease_ttl_ms: int = 10_000,
         limits: Limits = Limits(),
         max_learn_attempts: int = 3,
+        retain_entries: int | None = None,
     ) -> None:
         split_name(model)  # an unknown name fails here, before anything is registered
         self.r = client
@@ -160,6 +160,7 @@ class LearnerWorker:
         self.lease_ttl_ms = lease_ttl_ms
         self.limits = limits
         self.max_learn_attempts = max_learn_attempts
+        self.retain_entries = retain_entries
         self.learner: StreamLearner | None = None
         self.version = 0
         self.last_id = "0-0"
@@ -495,6 +496,15 @@ class LearnerWorker:
         done = entry_id_key(self.last_id)
         self._failures = {k: v for k, v in self._failures.items() if entry_id_key(k) > done}
         log.debug("checkpoint %s v%d at %s", self.model, self.version, self.last_id)
+        self._trim()
+
+    def _trim(self) -> None:
+        if self.retain_entries is None:
+            return
+        try:
+            trim_stream(self.r, self.keys, self.retain_entries)
+        except redis.RedisError as exc:  # the next checkpoint tries again
+            log.warning("stream trim failed (will retry): %s", exc)
 
     def _stats_fields(self) -> dict[str, str]:
         learner = self.learner
