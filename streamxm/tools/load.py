@@ -61,6 +61,12 @@ __all__ = ["end_to_end", "hostile", "ingest", "query", "rss_mb", "soak", "stack"
 NAMESPACE = "load"
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``; ``None``: this one)."""
+    fields = Path(f"/proc/{pid or 'self'}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     """Resident set size of a process, MiB (Linux ``/proc``)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -385,8 +391,7 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         queries.append(("image", source.img) if j % 2 else ("text", source.txt))
     bodies = [json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
               for m, v in queries]
-    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000,
-               query_threads=64) as st:
+    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000) as st:
         client = StreamClient(st.r, NAMESPACE)
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
             client.push_pairs(data[i : i + 5000])
@@ -400,9 +405,13 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
 
         wait_for(served, 900, "the API to load a model and the whole gallery")
         before = st.processed(model)
+        pids = {"worker": st.procs[0].pid, "api": st.procs[1].pid, "load_generator": None}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         latencies, statuses, answers = asyncio.run(_load(url, bodies, clients, seconds))
         elapsed = time.perf_counter() - start
+        cpu = {name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
+               for name, pid in pids.items()}
         learned = st.processed(model) - before
         api_rss = rss_mb(st.procs[1].pid)
         ready_start = time.perf_counter()
@@ -427,6 +436,9 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         "pairs_learned_meanwhile": learned, "api_rss_mb": round(api_rss, 1),
         "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
         "replica_ready_s": round(replica_ready, 2),
+        # Cores each process used during the load (the machine has os.cpu_count() of them).
+        "cores_used": cpu, "cores": os.cpu_count(),
+        "api_cpu_ms_per_request": round(1000 * cpu["api"] * elapsed / max(1, len(ms)), 2),
     }
 
 
