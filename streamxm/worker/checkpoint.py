@@ -51,6 +51,7 @@ __all__ = [
     "DirectoryCheckpointStore",
     "LeaseLost",
     "RedisCheckpointStore",
+    "blob_sha",
     "decode_blob",
     "encode_blob",
 ]
@@ -101,7 +102,8 @@ def decode_blob(blob: bytes) -> Checkpoint:
                       last_id=str(meta["last_id"]), created=float(meta["created"]))
 
 
-def _sha(blob: bytes) -> str:
+def blob_sha(blob: bytes) -> str:
+    """SHA-256 of a blob, hex: what heads and manifests record to verify it."""
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -168,7 +170,7 @@ class CheckpointStore(ABC):
         that lost its lease can never overwrite its successor's checkpoint.
         """
         blob = encode_blob(ckpt)
-        sha = _sha(blob)
+        sha = blob_sha(blob)
         previous = self.head(model)
         history = [(ckpt.version, sha), *(previous["history"] if previous else [])]
         kept, dropped = history[: self.keep], history[self.keep :]
@@ -177,27 +179,43 @@ class CheckpointStore(ABC):
         head_extra = {**head_extra, "kept_from": positions.get(kept[-1][0], "0-0"),
                       "positions": ",".join(f"{v}:{positions[v]}" for v, _ in kept
                                             if v in positions)}
-        self._stage(model, ckpt.version, sha, blob)
-        with self.r.pipeline(transaction=True) as pipe:
-            _check_lease(pipe, lease)
-            pipe.multi()
-            self._put(pipe, model, ckpt.version, blob, dropped)
+
+        def with_head(pipe: redis.client.Pipeline) -> None:
             pipe.delete(self.keys.checkpoint_head(model))
             pipe.hset(self.keys.checkpoint_head(model),
                       mapping=_head_fields(ckpt, kept, head_extra))  # type: ignore[arg-type]
             if hook:
                 hook(pipe)
+
+        self.commit_blob(model, ckpt.version, blob, kept, dropped, with_head, lease)
+
+    def commit_blob(self, name: str, version: int, blob: bytes, kept: list[tuple[int, str]],
+                    dropped: list[tuple[int, str]], hook: PipelineHook,
+                    lease: tuple[str, str] | None = None) -> None:
+        """The durable write under :meth:`commit`: ``blob`` staged, stored and made current by
+        ``hook``'s commands in one lease-fenced transaction; ``dropped`` blobs deleted with it,
+        ``kept`` ones left alone (the search gallery's segments use it too)."""
+        self._stage(name, version, blob_sha(blob), blob)
+        with self.r.pipeline(transaction=True) as pipe:
+            _check_lease(pipe, lease)
+            pipe.multi()
+            self._put(pipe, name, version, blob, dropped)
+            hook(pipe)
             pause_point(self.before_exec_point)
             pipe.execute()
-        self._after_commit(model, kept, dropped)
+        self._after_commit(name, kept, dropped)
+
+    def read_blob(self, name: str, version: int, sha: str) -> bytes | None:
+        """The stored bytes of one version, when they verify against ``sha``."""
+        blob = self._read(name, version, sha)
+        return blob if blob is not None and blob_sha(blob) == sha else None
 
     def load(self, model: str, version: int) -> Checkpoint | None:
         """One kept version whose bytes verify; ``None`` when it is not kept (or corrupt)."""
         for kept, sha in self._versions(model):
             if kept == version:
-                blob = self._read(model, version, sha)
-                if blob is not None and _sha(blob) == sha:
-                    return decode_blob(blob)
+                blob = self.read_blob(model, version, sha)
+                return None if blob is None else decode_blob(blob)
         return None
 
     def load_latest(self, model: str) -> Checkpoint | None:
@@ -207,7 +225,7 @@ class CheckpointStore(ABC):
             problem = None
             if blob is None:
                 problem = "missing"
-            elif _sha(blob) != sha:
+            elif blob_sha(blob) != sha:
                 problem = "checksum mismatch"
             else:
                 try:
