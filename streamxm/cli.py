@@ -67,6 +67,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(get_settings(), args.model, _params(args.param) or None)
 
 
+def _cmd_indexer(args: argparse.Namespace) -> int:
+    from streamxm.config import get_settings
+    from streamxm.worker.process import run_indexer
+
+    return run_indexer(get_settings())
+
+
 def _cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -231,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="model parameter for a fresh model (JSON value)")
     worker.set_defaults(func=_cmd_worker)
+
+    indexer = sub.add_parser("indexer", help="keep the search gallery as segments API replicas "
+                             "open instead of replaying the stream (one active per namespace)")
+    indexer.set_defaults(func=_cmd_indexer)
 
     api = sub.add_parser("api", help="run the HTTP API")
     api.add_argument("--host", default=None)

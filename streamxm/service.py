@@ -14,6 +14,7 @@ from streamxm.worker.checkpoint import (
     DirectoryCheckpointStore,
     RedisCheckpointStore,
 )
+from streamxm.worker.gallery import GalleryIndexer
 from streamxm.worker.loop import LearnerWorker
 
 __all__ = ["build_worker", "limits_from", "open_store"]
@@ -48,3 +49,10 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
         lease_ttl_ms=settings.lease_ttl_ms, limits=limits_from(settings),
         retain_entries=settings.gallery_max if settings.stream_retention else None,
     )
+
+
+def build_indexer(settings: Settings, client: redis.Redis) -> GalleryIndexer:
+    return GalleryIndexer(client, open_store(settings, client), settings.namespace,
+                          consumer=settings.consumer, max_items=settings.gallery_max,
+                          block_ms=settings.block_ms, lease_ttl_ms=settings.lease_ttl_ms,
+                          limits=limits_from(settings))

@@ -31,16 +31,18 @@ from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel, split_name
+from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.index import Block, QueryCoalescer, index_block
+from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, decode_pair
-from streamxm.stream.redis_conn import str_set, stream_entries
+from streamxm.stream.redis_conn import str_set, stream_entries, text
 from streamxm.worker.checkpoint import CheckpointStore
 
-__all__ = ["EmbeddedGallery", "Gallery", "GalleryChunk", "InvalidModelName", "ModelNotReady",
-           "ModelServer", "SameModalityUnsupported", "SearchAnswer", "ServedModel",
-           "UnknownModel", "other_modality"]
+__all__ = ["EmbeddedGallery", "InvalidModelName", "ModelNotReady", "ModelServer",
+           "SameModalityUnsupported", "SearchAnswer", "ServedModel", "UnknownModel",
+           "other_modality"]
 
 log = logging.getLogger(__name__)
 
@@ -64,127 +66,6 @@ def other_modality(modality: str) -> Literal["image", "text"]:
 
 class SameModalityUnsupported(ValueError):
     """A same-modality search on a model without a shared embedding space."""
-
-
-@dataclass(frozen=True, eq=False)
-class GalleryChunk:
-    """Immutable rows of the gallery, identified by object identity.
-
-    Vectors are kept as unit rows (L2-normalised, float32) plus their norms: the unit rows are
-    the fixed space that the bilinear models' transformed queries are scored against, and a raw
-    vector is ``unit * norm`` (equal to what was pushed to float32 rounding), so the gallery
-    holds each vector once.
-    """
-
-    ids: NDArray[np.str_]
-    unit_img: NDArray[np.float32]
-    unit_txt: NDArray[np.float32]
-    norm_img: NDArray[np.float32]
-    norm_txt: NDArray[np.float32]
-
-    @classmethod
-    def of(cls, ids: NDArray[np.str_], img: NDArray[np.float32], txt: NDArray[np.float32]
-           ) -> GalleryChunk:
-        ui, ni = _unit_rows(img)
-        ut, nt = _unit_rows(txt)
-        return cls(ids, ui, ut, ni, nt)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __post_init__(self) -> None:
-        # Made once per chunk: a gallery snapshot reuses the blocks of the chunks it keeps.
-        object.__setattr__(self, "_index", {"image": index_block(self.unit_img),
-                                            "text": index_block(self.unit_txt)})
-
-    def unit(self, modality: str) -> NDArray[np.float32]:
-        return self.unit_img if modality == "image" else self.unit_txt
-
-    def index(self, modality: str) -> Block:
-        """The unit rows as the search backend scans them."""
-        return self._index[modality]  # type: ignore[attr-defined]
-
-    def raw(self, modality: str, rows: NDArray[np.intp] | slice = slice(None)
-            ) -> NDArray[np.float32]:
-        unit, norm = ((self.unit_img, self.norm_img) if modality == "image"
-                      else (self.unit_txt, self.norm_txt))
-        return unit[rows] * norm[rows, None]
-
-    def sliced(self, rows: slice) -> GalleryChunk:
-        return GalleryChunk(self.ids[rows], self.unit_img[rows], self.unit_txt[rows],
-                            self.norm_img[rows], self.norm_txt[rows])
-
-    @staticmethod
-    def joined(chunks: list[GalleryChunk]) -> GalleryChunk:
-        return GalleryChunk(*(np.concatenate([getattr(c, f) for c in chunks])
-                              for f in ("ids", "unit_img", "unit_txt", "norm_img", "norm_txt")))
-
-
-def _unit_rows(x: NDArray[np.float32]) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
-    norms = np.linalg.norm(x.astype(np.float64), axis=1)
-    unit = x / np.where(norms > 0, norms, 1.0)[:, None]
-    return unit.astype(np.float32), norms.astype(np.float32)
-
-
-@dataclass(frozen=True, eq=False)
-class Gallery:
-    """An immutable snapshot of the gallery: its chunks, oldest first."""
-
-    chunks: tuple[GalleryChunk, ...] = ()
-
-    def __post_init__(self) -> None:
-        sizes = [len(c) for c in self.chunks]
-        object.__setattr__(self, "starts", np.cumsum([0, *sizes]))
-        object.__setattr__(self, "_blocks", {m: tuple(c.index(m) for c in self.chunks)
-                                             for m in ("image", "text")})
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])  # type: ignore[attr-defined]
-
-    def blocks(self, modality: str) -> tuple[Block, ...]:
-        """The unit rows of ``modality`` as the index scans them, one block per chunk (one
-        tuple object per snapshot, so concurrent queries against it coalesce)."""
-        return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
-
-    def locate(self, rows: NDArray[np.int64], modality: str
-               ) -> tuple[NDArray[np.str_], NDArray[np.float32]]:
-        """Ids and raw vectors of ``modality`` at global row positions."""
-        starts = self.starts  # type: ignore[attr-defined]
-        which = np.searchsorted(starts, rows, side="right") - 1
-        ids = np.empty(len(rows), dtype=object)
-        dim = self.chunks[0].unit(modality).shape[1] if self.chunks else 0
-        vectors = np.empty((len(rows), dim), dtype=np.float32)
-        for c in np.unique(which):
-            at = which == c
-            local = rows[at] - starts[c]
-            ids[at] = self.chunks[c].ids[local]
-            vectors[at] = self.chunks[c].raw(modality, local)
-        return ids.astype(str), vectors
-
-    def appended(self, chunk: GalleryChunk, max_items: int) -> Gallery:
-        """This gallery with ``chunk`` added and the oldest rows past ``max_items`` removed.
-
-        Chunks merge tier by tier (the newest two while the older is at most twice the newer,
-        up to :data:`_CHUNK_MAX` rows), so a long gallery is a few dozen blocks and each row is
-        copied O(log n) times over its life.
-        """
-        chunks = [*self.chunks, chunk]
-        while (len(chunks) >= 2 and len(chunks[-2]) <= 2 * len(chunks[-1])
-               and len(chunks[-2]) + len(chunks[-1]) <= _CHUNK_MAX):
-            last = chunks.pop()
-            chunks[-1] = GalleryChunk.joined([chunks[-1], last])
-        total = sum(len(c) for c in chunks)
-        while total > max_items and chunks:
-            excess = total - max_items
-            if excess >= len(chunks[0]):
-                total -= len(chunks.pop(0))
-            else:
-                chunks[0] = chunks[0].sliced(slice(excess, None))
-                total -= excess
-        return Gallery(tuple(chunks))
-
-
-_CHUNK_MAX = 65_536
 
 
 @dataclass(frozen=True, eq=False)
@@ -311,6 +192,12 @@ class ModelServer:
         # good one) is tried once, not on every refresh.
         self._attempted: dict[str, int] = {}
         self._reembedded_at: dict[str, float] = {}
+        # With a gallery indexer: the manifest revision in use, its open segments and the
+        # chunks made of them (the first one sliced by the manifest's skip).
+        self._revision: int | None = None
+        self._segments: dict[tuple[int, str], GalleryChunk] = {}
+        self._sliced: dict[tuple[int, str, int], GalleryChunk] = {}
+        self._segment_chunks: tuple[GalleryChunk, ...] = ()
         self._swap = threading.Lock()  # writers of self.served (refresh and re-embed threads)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -378,6 +265,45 @@ class ModelServer:
             log.info("re-embedded the gallery for %s version %d", name, served.version)
 
     def _read_gallery(self) -> bool:
+        """Bring the gallery up to the stream: from the indexer's segments plus the stream
+        after them when a gallery indexer runs, else from the stream itself."""
+        revision = self.r.hget(self.keys.gallery, "revision")
+        if revision is None:
+            return self._read_stream()
+        changed = False
+        if int(text(revision)) != self._revision:
+            manifest = read_manifest(self.r, self.keys)
+            if manifest is not None:
+                self._open(manifest)
+                changed = True
+        return self._read_stream() or changed
+
+    def _open(self, manifest: Manifest) -> None:
+        """Use the manifest's segments (those already open are kept, not reread) and read the
+        stream again from the position they cover."""
+        opened = {}
+        for i, ref in enumerate(manifest.segments):
+            chunk = self._segments.get((ref.seq, ref.sha))
+            if chunk is None:
+                blob = self.store.read_blob(SEGMENTS, ref.seq, ref.sha)
+                if blob is None:
+                    raise RuntimeError(f"gallery segment {ref.seq} is missing or corrupt")
+                chunk = decode_segment(blob)
+            opened[(ref.seq, ref.sha)] = chunk
+            if i == 0 and manifest.skip:
+                key = (ref.seq, ref.sha, manifest.skip)
+                sliced = self._sliced.get(key) or chunk.sliced(slice(manifest.skip, None))
+                self._sliced = {key: sliced}
+        self._segments = opened
+        chunks = [opened[(r.seq, r.sha)] for r in manifest.segments]
+        if chunks and manifest.skip:
+            chunks[0] = next(iter(self._sliced.values()))
+        self._segment_chunks = tuple(chunks)
+        self.gallery = Gallery(self._segment_chunks)
+        self.last_gallery_id = manifest.last_id
+        self._revision = manifest.revision
+
+    def _read_stream(self) -> bool:
         changed = False
         while True:
             reply = self.r.xread({self.keys.pairs: self.last_gallery_id}, count=self.read_count)
@@ -400,7 +326,12 @@ class ModelServer:
             self.last_gallery_id = entries[-1][0]
             if ids:
                 chunk = GalleryChunk.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
-                self.gallery = self.gallery.appended(chunk, self.gallery_max)
+                if self._revision is None:
+                    self.gallery = self.gallery.appended(chunk, self.gallery_max)
+                else:  # the indexer caps the segments; the tail after them only grows here
+                    tail = self.gallery.chunks[len(self._segment_chunks):]
+                    self.gallery = Gallery((*self._segment_chunks,
+                                            *Gallery(tail).appended(chunk, 2**62).chunks))
                 changed = True
 
     def _load(self, name: str) -> None:

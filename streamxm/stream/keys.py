@@ -45,6 +45,8 @@ class Keys:
     schema = _Key("schema", "The namespace's dimensions, fixed on first use (JSON).")
     ingested = _Key("ingested", "Counter of pairs added to the stream by the project's producers.")
     models = _Key("models", "Set of model names with a learner in this namespace.")
+    gallery = _Key("gallery", "Hash: the search gallery's manifest (live segments, rows retired, "
+                   "stream position covered, revision)")
     retention = _Key("retention", "Hash: the last trim of the pairs stream (position, time, "
                      "entries trimmed in all)")
     checkpoint_corrupt = _Key(

@@ -5,8 +5,9 @@ What needs an entry (``docs/design.md``, "Retention"):
 - every model's learner: the entries after the ``last_id`` of its *oldest kept* checkpoint (a
   restarted learner replays from its newest; the oldest kept one bounds a rollback), its
   group's pending entries and the entries not yet delivered to its group;
-- the search gallery: the newest ``gallery_keep`` entries, which an API replica starting now
-  reads to build its gallery.
+- the search gallery: with a gallery indexer, the entries after the position its segments
+  cover (the manifest's ``last_id``); without one, the newest ``gallery_keep`` entries, which an
+  API replica starting now reads to build its gallery.
 
 Anything older is trimmed with ``XTRIM MINID``. The bound is computed from state that only moves
 forward (checkpoints, acknowledgements, deliveries, the stream's end), so a bound computed a
@@ -64,18 +65,21 @@ def _model_bounds(r: redis.Redis, keys: Keys) -> list[str] | None:
 
 def retention_bound(r: redis.Redis, keys: Keys, gallery_keep: int) -> str | None:
     """The oldest entry id still needed, or ``None`` when nothing may be trimmed now."""
-    length = int(r.xlen(keys.pairs))
-    excess = length - gallery_keep
-    if excess <= 0:
-        return None
+    indexed = r.hget(keys.gallery, "last_id")
+    if indexed is None:  # no gallery indexer: API replicas build the gallery from the stream
+        excess = int(r.xlen(keys.pairs)) - gallery_keep
+        if excess <= 0:
+            return None
     bounds = _model_bounds(r, keys)
     if bounds is None:
         return None
-    # The first entry the gallery keeps, or (when far behind) one _GALLERY_SCAN entries in.
-    scan = r.xrange(keys.pairs, "-", "+", count=min(excess, _GALLERY_SCAN) + 1) or []
-    if not scan:
-        return None
-    bounds.append(text(scan[-1][0]))
+    if indexed is not None:  # the segments hold the gallery up to this entry
+        bounds.append(text(indexed))
+    else:  # the first entry the gallery keeps, or (when far behind) _GALLERY_SCAN entries in
+        scan = r.xrange(keys.pairs, "-", "+", count=min(excess, _GALLERY_SCAN) + 1) or []
+        if not scan:
+            return None
+        bounds.append(text(scan[-1][0]))
     return min(bounds, key=entry_id_key)
 
 
@@ -88,7 +92,9 @@ def trim_stream(r: redis.Redis, keys: Keys, gallery_keep: int) -> int:
     if bound is None:
         return 0
     pause_point(BEFORE_TRIM)
-    removed = int(r.xtrim(keys.pairs, minid=bound))
+    # Approximate (``MINID ~``): whole radix-tree nodes only, so up to a node's entries (100 by
+    # default) more than needed may stay; never fewer, and far cheaper than exact trimming.
+    removed = int(r.xtrim(keys.pairs, minid=bound, approximate=True))
     if removed:
         with r.pipeline(transaction=True) as pipe:
             pipe.hset(keys.retention, mapping={"trimmed_to": bound, "trimmed_at": time.time()})

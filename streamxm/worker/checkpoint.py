@@ -153,7 +153,7 @@ class CheckpointStore(ABC):
         """Make the blob durable before the transaction, if it does not travel inside it."""
 
     def _put(self, pipe: redis.client.Pipeline, model: str, version: int,  # noqa: B027
-             blob: bytes, dropped: list[tuple[int, str]]) -> None:
+             blob: bytes | None, dropped: list[tuple[int, str]]) -> None:
         """Add the blob (and the deletion of dropped versions) to the transaction, if stored
         in Redis."""
 
@@ -189,13 +189,14 @@ class CheckpointStore(ABC):
 
         self.commit_blob(model, ckpt.version, blob, kept, dropped, with_head, lease)
 
-    def commit_blob(self, name: str, version: int, blob: bytes, kept: list[tuple[int, str]],
-                    dropped: list[tuple[int, str]], hook: PipelineHook,
-                    lease: tuple[str, str] | None = None) -> None:
-        """The durable write under :meth:`commit`: ``blob`` staged, stored and made current by
-        ``hook``'s commands in one lease-fenced transaction; ``dropped`` blobs deleted with it,
-        ``kept`` ones left alone (the search gallery's segments use it too)."""
-        self._stage(name, version, blob_sha(blob), blob)
+    def commit_blob(self, name: str, version: int, blob: bytes | None,
+                    kept: list[tuple[int, str]], dropped: list[tuple[int, str]],
+                    hook: PipelineHook, lease: tuple[str, str] | None = None) -> None:
+        """The durable write under :meth:`commit`: ``blob`` (if any) staged, stored and made
+        current by ``hook``'s commands in one lease-fenced transaction; ``dropped`` blobs
+        deleted with it, ``kept`` ones left alone (the search gallery's segments use it too)."""
+        if blob is not None:
+            self._stage(name, version, blob_sha(blob), blob)
         with self.r.pipeline(transaction=True) as pipe:
             _check_lease(pipe, lease)
             pipe.multi()
@@ -251,9 +252,10 @@ class RedisCheckpointStore(CheckpointStore):
         value = self.r.get(self.keys.checkpoint_blob(model, version))
         return None if value is None else bytes(value)  # type: ignore[arg-type]
 
-    def _put(self, pipe: redis.client.Pipeline, model: str, version: int, blob: bytes,
+    def _put(self, pipe: redis.client.Pipeline, model: str, version: int, blob: bytes | None,
              dropped: list[tuple[int, str]]) -> None:
-        pipe.set(self.keys.checkpoint_blob(model, version), blob)
+        if blob is not None:
+            pipe.set(self.keys.checkpoint_blob(model, version), blob)
         for old, _ in dropped:
             pipe.delete(self.keys.checkpoint_blob(model, old))
 

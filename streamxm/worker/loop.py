@@ -53,6 +53,7 @@ from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, fie
 from streamxm.stream.redis_conn import StreamEntry, stream_entries, text
 from streamxm.stream.retention import entry_id_key, trim_stream
 from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, LeaseLost
+from streamxm.worker.lease import REFRESH_LEASE, RELEASE_LEASE
 from streamxm.worker.stats import WorkerStats
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
@@ -61,17 +62,6 @@ log = logging.getLogger(__name__)
 
 _DEAD_MAX_FIELDS = 16
 _DEAD_MAX_VALUE = 1 << 20
-
-_REFRESH_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-_RELEASE_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class EntryFailed(RuntimeError):
@@ -175,8 +165,8 @@ class LearnerWorker:
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
         # committed; bounded by the entries between two checkpoints.
         self._failures: dict[str, tuple[int, str]] = {}
-        self._refresh = self.r.register_script(_REFRESH_LEASE)
-        self._release = self.r.register_script(_RELEASE_LEASE)
+        self._refresh = self.r.register_script(REFRESH_LEASE)
+        self._release = self.r.register_script(RELEASE_LEASE)
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self) -> None:

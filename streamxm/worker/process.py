@@ -1,5 +1,5 @@
-"""The learner worker as a process: run one model's learner until SIGTERM/SIGINT, then
-checkpoint and exit (``streamxm worker``)."""
+"""The learner worker and the gallery indexer as processes: run until SIGTERM/SIGINT, then
+commit and exit (``streamxm worker``, ``streamxm indexer``)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,36 @@ import threading
 from typing import Any
 
 from streamxm.config import Settings
-from streamxm.service import build_worker
+from streamxm.service import build_indexer, build_worker
 from streamxm.stream.redis_conn import connect
 
-__all__ = ["run_worker"]
+__all__ = ["run_indexer", "run_worker"]
 
 log = logging.getLogger(__name__)
 
 
-def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = None) -> int:
-    """Learn ``model`` from the namespace's stream until a signal; returns the exit code."""
+def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: finishing the batch, checkpointing and stopping", signum)
+        log.info("signal %d: finishing the batch, committing and stopping", signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = None) -> int:
+    """Learn ``model`` from the namespace's stream until a signal; returns the exit code."""
+    stop = _stop_on_signals()
     # No silent command retries: the worker handles a lost connection itself (reload, replay).
-    worker = build_worker(settings, connect(settings, retries=0), model, params=params)
-    worker.run(stop)
+    build_worker(settings, connect(settings, retries=0), model, params=params).run(stop)
+    return 0
+
+
+def run_indexer(settings: Settings) -> int:
+    """Keep the namespace's gallery segments current until a signal (``streamxm indexer``)."""
+    stop = _stop_on_signals()
+    build_indexer(settings, connect(settings, retries=0)).run(stop)
     return 0

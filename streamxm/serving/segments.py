@@ -1,0 +1,106 @@
+"""The search gallery as immutable segments: what the gallery indexer writes and API replicas
+open, so that no replica replays the stream.
+
+A segment is a checkpoint blob (:func:`~streamxm.worker.checkpoint.encode_blob`: arrays + JSON,
+never a pickle, verified by SHA-256) of gallery rows: ids (UTF-8 bytes and end offsets), unit
+rows and norms of both modalities (:class:`~streamxm.serving.server.GalleryChunk`). Segments are
+stored like checkpoints (Redis or the checkpoint directory) under the name ``_gallery``.
+
+The manifest (``sxm:<ns>:gallery``, a Redis hash written only in the indexer's lease-fenced
+commit transaction) lists the live segments, oldest first, how many rows of the first are
+retired (``skip``), the stream position the segments cover (``last_id``) and a ``revision``
+that changes with every commit (readers poll it and reread the rest only when it changed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+from numpy.typing import NDArray
+
+from streamxm.serving.gallery import GalleryChunk
+from streamxm.stream.keys import Keys
+from streamxm.stream.redis_conn import str_hash, text
+from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
+
+__all__ = ["SEGMENTS", "Manifest", "SegmentRef", "decode_segment", "encode_segment",
+           "read_manifest"]
+
+#: The name segments are stored under in the checkpoint store.
+SEGMENTS = "_gallery"
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    seq: int
+    sha: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The live segments (oldest first), rows retired from the first, the stream position
+    covered and the revision."""
+
+    segments: tuple[SegmentRef, ...] = ()
+    skip: int = 0
+    last_id: str = "0-0"
+    revision: int = 0
+    next_seq: int = 1
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.segments) - self.skip
+
+    def fields(self) -> dict[str, str]:
+        return {"segments": ",".join(f"{s.seq}:{s.sha}:{s.rows}" for s in self.segments),
+                "skip": str(self.skip), "last_id": self.last_id,
+                "revision": str(self.revision), "next_seq": str(self.next_seq)}
+
+    @classmethod
+    def parse(cls, raw: dict[str, str]) -> Manifest:
+        refs = []
+        for item in raw.get("segments", "").split(","):
+            if item:
+                seq, sha, rows = item.split(":")
+                refs.append(SegmentRef(int(seq), sha, int(rows)))
+        return cls(tuple(refs), int(raw.get("skip", 0)), raw.get("last_id", "0-0"),
+                   int(raw.get("revision", 0)), int(raw.get("next_seq", 1)))
+
+
+def read_manifest(r: redis.Redis, keys: Keys, if_not: int | None = None) -> Manifest | None:
+    """The namespace's manifest; ``None`` when no indexer ever committed, or when its revision
+    is still ``if_not`` (a cheap poll)."""
+    if if_not is not None:
+        revision = r.hget(keys.gallery, "revision")
+        if revision is None or int(text(revision)) == if_not:
+            return None
+    raw = str_hash(r.hgetall(keys.gallery))
+    return Manifest.parse(raw) if raw else None
+
+
+def encode_segment(seq: int, chunk: GalleryChunk, last_id: str) -> bytes:
+    """One segment's blob."""
+    encoded = [i.encode() for i in chunk.ids.tolist()]
+    arrays: dict[str, NDArray[Any]] = {"ids_utf8": np.frombuffer(b"".join(encoded), dtype=np.uint8),
+              "ids_end": np.cumsum([len(b) for b in encoded], dtype=np.int64),
+              "unit_img": chunk.unit_img, "unit_txt": chunk.unit_txt,
+              "norm_img": chunk.norm_img, "norm_txt": chunk.norm_txt}
+    return encode_blob(Checkpoint(seq, arrays, {"rows": len(chunk)}, last_id=last_id))
+
+
+def decode_segment(blob: bytes) -> GalleryChunk:
+    """The rows of a segment blob (checked: every array has one row per id)."""
+    a = decode_blob(blob).arrays
+    raw = bytes(a["ids_utf8"])
+    ends = a["ids_end"].tolist()
+    ids = [raw[s:e].decode() for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+    chunk = GalleryChunk(np.asarray(ids, dtype=np.str_), a["unit_img"], a["unit_txt"],
+                         a["norm_img"], a["norm_txt"])
+    if not all(len(getattr(chunk, f)) == len(ids)
+               for f in ("unit_img", "unit_txt", "norm_img", "norm_txt")):
+        raise ValueError("segment arrays disagree on their number of rows")
+    return chunk

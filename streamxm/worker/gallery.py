@@ -1,0 +1,203 @@
+"""The gallery indexer: reads the pairs stream and appends its rows to immutable segments, once.
+
+One indexer per namespace is active at a time (a lease, like a model's learner; more are hot
+standbys). It reads the stream after the manifest's position, buffers the rows and every
+``flush_seconds`` (or ``segment_rows`` rows) commits: the new segment is written durably, then
+one lease-fenced transaction moves the manifest to it and its stream position. A killed indexer
+loses only its buffer; its successor reads again from the manifest's position, so every entry
+lands in exactly one live segment. Segments merge tier by tier as they are written (the newest
+few while they are small, up to ``max_segment_rows``), and the oldest rows retire once the
+gallery passes ``max_items``. Entries that do not decode are skipped (the learners dead-letter
+them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import redis
+
+from streamxm.serving.gallery import GalleryChunk, merge_count
+from streamxm.serving.segments import (
+    SEGMENTS,
+    Manifest,
+    SegmentRef,
+    decode_segment,
+    encode_segment,
+    read_manifest,
+)
+from streamxm.stream.client import read_schema
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import InvalidPair, Limits, decode_pair
+from streamxm.stream.redis_conn import stream_entries
+from streamxm.worker.checkpoint import CheckpointStore, LeaseLost, blob_sha
+from streamxm.worker.lease import Lease
+
+__all__ = ["GalleryIndexer"]
+
+log = logging.getLogger(__name__)
+
+
+class GalleryIndexer:
+    """Keep the namespace's gallery segments current with its stream.
+
+    Parameters
+    ----------
+    client, store
+        Redis client and the checkpoint store the segments live in.
+    namespace
+        Stream namespace.
+    max_items
+        Gallery cap (``STREAMXM_GALLERY_MAX``): older rows retire.
+    flush_seconds, segment_rows
+        Commit the buffered rows after this long or this many rows.
+    max_segment_rows
+        Largest segment the tier merge makes.
+    """
+
+    def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
+                 consumer: str | None = None, max_items: int = 100_000,
+                 flush_seconds: float = 2.0, segment_rows: int = 16_384,
+                 max_segment_rows: int = 65_536, read_batch: int = 2000, block_ms: int = 200,
+                 lease_ttl_ms: int = 10_000, limits: Limits = Limits()) -> None:
+        self.r = client
+        self.store = store
+        self.keys = Keys(namespace)
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.max_items = max_items
+        self.flush_seconds = flush_seconds
+        self.segment_rows = segment_rows
+        self.max_segment_rows = max_segment_rows
+        self.read_batch = read_batch
+        self.block_ms = block_ms
+        self.limits = limits
+        self.lease = Lease(client, self.keys.lease(SEGMENTS), self.consumer, lease_ttl_ms)
+        self.manifest = Manifest()
+        self.position = "0-0"
+        self.skipped = 0
+        self._buffer: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self._since = time.monotonic()
+
+    def run(self, stop: threading.Event | None = None, until_idle: bool = False) -> None:
+        """Index until ``stop`` is set (or, with ``until_idle``, until the stream is read)."""
+        stop = stop or threading.Event()
+        leader = False
+        try:
+            while not stop.is_set():
+                try:
+                    if not leader:
+                        leader = self.lease.acquire()
+                        if not leader:
+                            stop.wait(self.lease.ttl_ms / 4000)
+                            continue
+                        self._load()
+                    elif not self.lease.extend():
+                        log.warning("indexer %s lost the gallery lease", self.consumer)
+                        leader, self._buffer = False, []
+                        continue
+                    read = self.step()
+                except (redis.ConnectionError, redis.TimeoutError, LeaseLost,
+                        redis.WatchError) as exc:
+                    log.warning("indexer %s: %s; buffer dropped, starting over", self.consumer,
+                                exc)
+                    leader, self._buffer = False, []
+                    stop.wait(0.5)
+                    continue
+                if until_idle and read == 0:
+                    break
+        finally:
+            if leader:
+                try:
+                    self.commit()
+                    self.lease.release()
+                except redis.RedisError as exc:
+                    log.error("indexer %s: final commit failed (%s)", self.consumer, exc)
+
+    def _load(self) -> None:
+        self.manifest = read_manifest(self.r, self.keys) or Manifest()
+        self.position = self.manifest.last_id
+        self._buffer, self._since = [], time.monotonic()
+        log.info("indexer %s leads the gallery of %s from %s (%d rows)", self.consumer,
+                 self.keys.namespace, self.position, self.manifest.rows)
+
+    def step(self) -> int:
+        """Read one batch after the position; commit when the buffer is due. Entries read."""
+        reply = self.r.xread({self.keys.pairs: self.position}, count=self.read_batch,
+                             block=self.block_ms)
+        entries = stream_entries(reply)
+        if entries:
+            img_dim, txt_dim = read_schema(self.r, self.keys) or (None, None)
+            for _entry_id, fields in entries:
+                if fields is None:  # deleted while nobody had read it
+                    self.skipped += 1
+                    continue
+                try:
+                    pair = decode_pair(fields, img_dim, txt_dim, limits=self.limits)
+                except InvalidPair:
+                    self.skipped += 1
+                    continue
+                self._buffer.append((pair.id, pair.img, pair.txt))
+            self.position = entries[-1][0]
+        due = time.monotonic() - self._since >= self.flush_seconds
+        if len(self._buffer) >= self.segment_rows or (due and self.position !=
+                                                      self.manifest.last_id):
+            self.commit()
+        return len(entries)
+
+    def commit(self) -> None:
+        """Write the buffered rows as a segment (merged with the small newest ones) and move
+        the manifest to it and to the stream position, in one lease-fenced transaction."""
+        self._since = time.monotonic()
+        old = self.manifest
+        if self.position == old.last_id:
+            return
+        segments, skip, dropped = list(old.segments), old.skip, []
+        seq, blob = old.next_seq, None
+        if self._buffer:
+            ids, imgs, txts = zip(*self._buffer, strict=True)
+            chunk = GalleryChunk.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
+            merged = merge_count([s.rows for s in segments], len(chunk), self.max_segment_rows)
+            parts = []
+            for i in range(len(segments) - merged, len(segments)):
+                part = self._segment(segments[i])
+                if i == 0 and skip:
+                    part, skip = part.sliced(slice(skip, None)), 0
+                parts.append(part)
+            dropped, segments = segments[len(segments) - merged :], segments[: len(segments)
+                                                                               - merged]
+            chunk = GalleryChunk.joined([*parts, chunk])
+            blob = encode_segment(seq, chunk, self.position)
+            segments.append(SegmentRef(seq, blob_sha(blob), len(chunk)))
+        # Retire the oldest rows past the cap: whole segments, then rows of the first.
+        total = sum(s.rows for s in segments) - skip
+        while len(segments) > 1 and total - (segments[0].rows - skip) >= self.max_items:
+            total -= segments[0].rows - skip
+            dropped.append(segments.pop(0))
+            skip = 0
+        skip += max(0, total - self.max_items)
+        manifest = Manifest(tuple(segments), skip, self.position, old.revision + 1,
+                            seq + (blob is not None))
+
+        def move(pipe: redis.client.Pipeline) -> None:
+            pipe.delete(self.keys.gallery)
+            pipe.hset(self.keys.gallery, mapping=manifest.fields())  # type: ignore[arg-type]
+
+        self.store.commit_blob(SEGMENTS, seq, blob, [(s.seq, s.sha) for s in segments],
+                               [(s.seq, s.sha) for s in dropped], move,
+                               (self.lease.key, self.consumer))
+        self.manifest, self._buffer = manifest, []
+        log.debug("gallery %s: revision %d, %d rows in %d segments, at %s",
+                  self.keys.namespace, manifest.revision, manifest.rows, len(segments),
+                  self.position)
+
+    def _segment(self, ref: SegmentRef) -> GalleryChunk:
+        blob = self.store.read_blob(SEGMENTS, ref.seq, ref.sha)
+        if blob is None:
+            raise RuntimeError(f"gallery segment {ref.seq} is missing or corrupt")
+        return decode_segment(blob)
+

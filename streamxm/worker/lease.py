@@ -1,0 +1,42 @@
+"""A lease in Redis: one holder at a time, by ``SET NX PX``, extended and released by scripts
+that act only for the holder named in the key."""
+
+from __future__ import annotations
+
+import redis
+
+__all__ = ["REFRESH_LEASE", "RELEASE_LEASE", "Lease"]
+
+REFRESH_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class Lease:
+    """The lease ``key`` as held by ``owner`` for ``ttl_ms`` after each acquire or extend."""
+
+    def __init__(self, client: redis.Redis, key: str, owner: str, ttl_ms: int) -> None:
+        self.r = client
+        self.key = key
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+        self._refresh = client.register_script(REFRESH_LEASE)
+        self._release = client.register_script(RELEASE_LEASE)
+
+    def acquire(self) -> bool:
+        """Take the lease if it is free, or keep it if ``owner`` still holds it."""
+        return bool(self.r.set(self.key, self.owner, nx=True, px=self.ttl_ms)) or self.extend()
+
+    def extend(self) -> bool:
+        return bool(self._refresh(keys=[self.key], args=[self.owner, self.ttl_ms]))
+
+    def release(self) -> None:
+        self._release(keys=[self.key], args=[self.owner])

@@ -1,0 +1,135 @@
+"""The gallery indexer and its segments, with a real Redis, real HTTP and real processes: every
+stream entry lands in exactly one live segment (also across SIGKILLs mid-commit), API replicas
+open the segments instead of replaying the stream, and the cap retires the oldest rows."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from streamxm.config import Settings
+from streamxm.service import build_indexer, build_worker, open_store
+from streamxm.serving.segments import SEGMENTS, decode_segment, read_manifest
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Pair
+from tests import conftest as fx
+
+
+def _indexed_ids(settings: Settings, r: redis.Redis) -> list[str]:
+    """The ids of the live gallery rows, oldest first, read back from the stored segments."""
+    manifest = read_manifest(r, Keys(settings.namespace))
+    assert manifest is not None
+    store = open_store(settings, r)
+    ids: list[str] = []
+    for ref in manifest.segments:
+        blob = store.read_blob(SEGMENTS, ref.seq, ref.sha)
+        assert blob is not None, f"segment {ref.seq} missing or corrupt"
+        chunk = decode_segment(blob)
+        assert len(chunk) == ref.rows
+        ids.extend(chunk.ids.tolist())
+    return ids[manifest.skip :]
+
+
+def _push(settings: Settings, r: redis.Redis, pairs: list[Pair]) -> None:
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+
+
+@pytest.mark.parametrize("kind", ["redis", "dir"])
+def test_every_entry_lands_once_and_the_cap_retires_the_oldest(
+        kind: str, r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    cfg = settings.model_copy(update={"checkpoint_store": kind, "gallery_max": 700,
+                                      "checkpoint_dir": tmp_path / "ckpt"})
+    pairs = fx.class_stream(1000, fx.IMG, fx.TXT, seed=1)
+    indexer = build_indexer(cfg, r)
+    indexer.segment_rows = 64  # many small commits: the tier merge has work to do
+    for start in range(0, 1000, 150):
+        _push(cfg, r, pairs[start : start + 150])
+        indexer.run(until_idle=True)
+    manifest = read_manifest(r, Keys(cfg.namespace))
+    assert manifest is not None and manifest.rows == 700
+    assert _indexed_ids(cfg, r) == [p.id for p in pairs[300:]]
+    assert len(manifest.segments) <= 8  # merged tier by tier, not one per commit
+    # Retired and merged-away segments are deleted with the commit that drops them.
+    if kind == "dir":
+        files = sorted(p.name for p in (tmp_path / "ckpt" / cfg.namespace / SEGMENTS).iterdir())
+        assert len(files) == len(manifest.segments), files
+
+
+def test_a_replica_opens_the_segments_without_the_stream(
+        r: redis.Redis, settings: Settings) -> None:
+    keys = Keys(settings.namespace)
+    cfg = settings.model_copy(update={"checkpoint_every_pairs": 100, "checkpoint_keep": 1})
+    pairs = fx.class_stream(900, fx.IMG, fx.TXT, seed=2)
+    _push(cfg, r, pairs[:600])
+    build_indexer(cfg, r).run(until_idle=True)
+    build_worker(cfg, r, "cmos").run(until_idle=True)
+    # The learner's only kept checkpoint and the segments hold everything: retention trims
+    # the stream to their position (approximately: whole nodes of at most 100 entries).
+    assert r.xlen(keys.pairs) <= 100
+    _push(cfg, r, pairs[600:])  # not indexed yet: the API reads them from the stream
+    build_worker(cfg, r, "cmos").run(until_idle=True)
+    with fx.ApiServer(cfg) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+        def gallery_items() -> int:
+            models = http.get("/v1/models").json()["models"]
+            return int(models[0]["gallery_items"]) if models else 0
+
+        fx.wait_for(lambda: gallery_items() == 900, 30, "segments plus the stream's tail")
+        probe = pairs[10]
+        hits = http.post("/v1/search", json={"modality": "image", "vector": probe.img.tolist(),
+                                             "k": 900}).json()["results"]
+        assert sorted(h["id"] for h in hits) == sorted(p.id for p in pairs)  # each once
+        build_indexer(cfg, r).run(until_idle=True)  # the tail becomes a segment
+        fx.wait_for(lambda: read_manifest(r, keys) is not None
+                    and read_manifest(r, keys).rows == 900, 10, "the new segment")
+        time.sleep(1.0)  # a few refreshes of the API
+        assert gallery_items() == 900
+        hits = http.post("/v1/search", json={"modality": "image", "vector": probe.img.tolist(),
+                                             "k": 900}).json()["results"]
+        assert sorted(h["id"] for h in hits) == sorted(p.id for p in pairs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fail_point", [("redis", "checkpoint.before_exec"),
+                                             ("dir", "checkpoint.before_commit")])
+def test_sigkill_mid_commit_leaves_every_entry_in_exactly_one_segment(
+        kind: str, fail_point: str, r: redis.Redis, settings: Settings,
+        tmp_path: Path) -> None:
+    n = 3000
+    ckpt = tmp_path / "ckpt"
+    pairs = fx.class_stream(n, fx.IMG, fx.TXT, seed=3)
+    env = fx.worker_env(settings, STREAMXM_CHECKPOINT_STORE=kind,
+                        STREAMXM_CHECKPOINT_DIR=str(ckpt))
+    client = StreamClient(r, settings.namespace)
+    keys = Keys(settings.namespace)
+    rng = np.random.default_rng(4)
+
+    def indexed() -> int:
+        manifest = read_manifest(r, keys)
+        return manifest.rows if manifest else 0
+
+    for step in range(4):
+        client.push_pairs(pairs[step * 600 : (step + 1) * 600])
+        if step % 2:
+            proc = fx.Child("indexer", env={**env, "STREAMXM_FAULT_PAUSE": f"{fail_point}:30"},
+                            watch=True)
+            fx.wait_for(lambda p=proc: p.saw("fail point"), 60, "the commit fail point")
+        else:
+            proc = fx.Child("indexer", env=env, watch=True)
+            target = indexed() + int(rng.integers(50, 500))
+            fx.wait_for(lambda t=target: indexed() >= t, 60, "some segments")
+            time.sleep(float(rng.uniform(0, 0.5)))
+        proc.kill()
+    client.push_pairs(pairs[2400:])
+    final = fx.Child("indexer", env=env, watch=True)
+    try:
+        fx.wait_for(lambda: indexed() == n, 60, "every entry indexed")
+    finally:
+        assert final.stop() == 0, final.tail()
+    cfg = settings.model_copy(update={"checkpoint_store": kind, "checkpoint_dir": ckpt})
+    assert _indexed_ids(cfg, r) == [p.id for p in pairs]
