@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 from streamxm.stream.messages import Pair, make_pair
 
 __all__ = ["ORDERS", "PUBLISHED_WIKI", "Dataset", "bundled_wiki_path", "iter_pairs",
-           "load_dataset", "noisy_labels", "stream_order", "synthetic_pairs"]
+           "load_dataset", "noisy_labels", "stream_order", "synthetic_arrays", "synthetic_pairs"]
 
 #: Orders a benchmark can stream the training rows in (``stream_order``).
 ORDERS = ("file", "class", "shuffled")
@@ -153,19 +153,28 @@ def iter_pairs(
         )
 
 
-def synthetic_pairs(n: int, img_dim: int, txt_dim: int, n_classes: int = 10, seed: int = 0,
-                    spread: float = 1.0) -> list[Pair]:
-    """Labelled pairs whose image and text lean towards a per-class centre: non-negative, like
-    histogram features. Centres and noise are uniform in [0, 1); ``spread`` scales the noise.
-
-    >>> pairs = synthetic_pairs(6, img_dim=3, txt_dim=2, n_classes=3)
-    >>> [p.labels for p in pairs], pairs[0].img.shape, bool((pairs[0].img >= 0).all())
-    ([(2,), (1,), (1,), (1,), (2,), (0,)], (3,), True)
-    """
+def synthetic_arrays(n: int, img_dim: int, txt_dim: int, n_classes: int = 10, seed: int = 0,
+                     spread: float = 1.0
+                     ) -> tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]:
+    """Images, texts and classes of :func:`synthetic_pairs`, as three arrays."""
     rng = np.random.default_rng(seed)
     centers_v = rng.random((n_classes, img_dim), dtype=np.float32)
     centers_t = rng.random((n_classes, txt_dim), dtype=np.float32)
     classes = rng.integers(n_classes, size=n)
     imgs = centers_v[classes] + spread * rng.random((n, img_dim), dtype=np.float32)
     txts = centers_t[classes] + spread * rng.random((n, txt_dim), dtype=np.float32)
+    return imgs, txts, classes
+
+
+def synthetic_pairs(n: int, img_dim: int, txt_dim: int, n_classes: int = 10, seed: int = 0,
+                    spread: float = 1.0) -> list[Pair]:
+    """Labelled pairs whose image and text lean towards a per-class centre: non-negative, like
+    histogram features. Centres and noise are uniform in [0, 1); ``spread`` scales the noise.
+    The pairs' vectors are views of :func:`synthetic_arrays`' arrays, ids ``s<row>``.
+
+    >>> pairs = synthetic_pairs(6, img_dim=3, txt_dim=2, n_classes=3)
+    >>> [p.labels for p in pairs], pairs[0].img.shape, bool((pairs[0].img >= 0).all())
+    ([(2,), (1,), (1,), (1,), (2,), (0,)], (3,), True)
+    """
+    imgs, txts, classes = synthetic_arrays(n, img_dim, txt_dim, n_classes, seed, spread)
     return [make_pair(f"s{i}", imgs[i], txts[i], labels=[int(classes[i])]) for i in range(n)]

@@ -50,9 +50,9 @@ from streamxm.models import CrossModalModel
 from streamxm.service import open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import Pair
+from streamxm.stream.messages import Pair, make_pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
-from streamxm.tools.datasets import synthetic_pairs
+from streamxm.tools.datasets import synthetic_arrays, synthetic_pairs
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import free_port, wait_for
 
@@ -119,7 +119,8 @@ def stack(**settings: Any) -> Iterator[Stack]:
     server = EmbeddedRedis(root / "redis")
     url = server.start()
     values: dict[str, Any] = {"redis_url": url, "namespace": NAMESPACE,
-                              "data_dir": root / "data", **settings}
+                              "data_dir": root / "data",
+                              "checkpoint_dir": root / "checkpoints", **settings}
     cfg = Settings(_env_file=None, **values)  # type: ignore[call-arg]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
     env.update({f"STREAMXM_{k.upper()}": str(v) for k, v in values.items()},
@@ -379,33 +380,42 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
 
     The gallery is :func:`~streamxm.tools.datasets.synthetic_pairs` (non-negative rows around
     100 cluster centres, like bag-of-words histograms), so an index that relies on the items'
-    structure gets the structure real features have. Afterwards a second API process is started
-    on the same data and timed to ready (``replica_ready_s``), and a sample of answers is
-    compared with the exact ranking of the version that served each (``recall_at_10``).
+    structure gets the structure real features have. A gallery indexer writes the segments the
+    API opens. Afterwards a second API process is started on the same data and timed until it
+    serves the whole gallery (``replica_ready_s``), and a sample of answers is compared with the
+    exact ranking of the version that served each (``recall_at_10``).
     """
-    data = synthetic_pairs(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
+    imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
     rng = np.random.default_rng(seed + 1)
     queries: list[tuple[str, Any]] = []
     for j in range(64):
-        source = data[int(rng.integers(gallery))]
-        queries.append(("image", source.img) if j % 2 else ("text", source.txt))
+        row = int(rng.integers(gallery))
+        queries.append(("image", imgs[row]) if j % 2 else ("text", txts[row]))
     bodies = [json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
               for m, v in queries]
-    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000) as st:
+    # Checkpoints and segments on disk (the directory store): Redis then holds only the stream.
+    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000,
+               checkpoint_store="dir") as st:
         client = StreamClient(st.r, NAMESPACE)
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
-            client.push_pairs(data[i : i + 5000])
+            client.push_pairs([make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
+                               for j in range(i, min(gallery, i + 5000))])
         st.spawn("worker", "--model", model)
+        st.spawn("indexer")
         url = st.api()
 
         def served(at: str = url) -> bool:
-            models = httpx.get(f"{at}/v1/models", timeout=10).json()["models"]
+            response = httpx.get(f"{at}/v1/models", timeout=10)
+            if response.status_code != 200:  # 503 while Redis is busy with the gallery load
+                return False
+            models = response.json()["models"]
             return any(m["name"] == model and m["loaded"] and m["gallery_items"] >= gallery
                        for m in models)
 
         wait_for(served, 900, "the API to load a model and the whole gallery")
         before = st.processed(model)
-        pids = {"worker": st.procs[0].pid, "api": st.procs[1].pid, "load_generator": None}
+        pids = {"worker": st.procs[0].pid, "indexer": st.procs[1].pid, "api": st.procs[2].pid,
+                "load_generator": None}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         latencies, statuses, answers = asyncio.run(_load(url, bodies, clients, seconds))
@@ -413,13 +423,11 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         cpu = {name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
                for name, pid in pids.items()}
         learned = st.processed(model) - before
-        api_rss = rss_mb(st.procs[1].pid)
+        api_rss = rss_mb(st.procs[2].pid)
         ready_start = time.perf_counter()
         replica = st.api()
         wait_for(lambda: served(replica), 900, "a second API to load the whole gallery")
         replica_ready = time.perf_counter() - ready_start
-        imgs = np.stack([p.img for p in data])
-        txts = np.stack([p.txt for p in data])
         recall = _recall(st, model, answers, queries, imgs, txts, k, recall_sample, seed)
     ms = [x * 1000 for x in latencies]
     lags = [a.lag_s for a in answers]
