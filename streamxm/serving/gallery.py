@@ -84,6 +84,8 @@ class Gallery:
         object.__setattr__(self, "starts", np.cumsum([0, *sizes]))
         object.__setattr__(self, "_blocks", {m: tuple(c.index(m) for c in self.chunks)
                                              for m in ("image", "text")})
+        object.__setattr__(self, "_exact", {m: tuple(c.unit(m) for c in self.chunks)
+                                            for m in ("image", "text")})
 
     def __len__(self) -> int:
         return int(self.starts[-1])  # type: ignore[attr-defined]
@@ -93,20 +95,26 @@ class Gallery:
         tuple object per snapshot, so concurrent queries against it coalesce)."""
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
 
+    def exact_blocks(self, modality: str) -> tuple[NDArray[np.float32], ...]:
+        """The unit rows of ``modality`` in float32, one block per chunk (the exact scan)."""
+        return self._exact[modality]  # type: ignore[attr-defined,no-any-return]
+
     def locate(self, rows: NDArray[np.int64], modality: str
-               ) -> tuple[NDArray[np.str_], NDArray[np.float32]]:
-        """Ids and raw vectors of ``modality`` at global row positions."""
+               ) -> tuple[NDArray[np.str_], NDArray[np.float32], NDArray[np.float32]]:
+        """Ids, raw vectors and unit rows of ``modality`` at global row positions."""
         starts = self.starts  # type: ignore[attr-defined]
         which = np.searchsorted(starts, rows, side="right") - 1
         ids = np.empty(len(rows), dtype=object)
         dim = self.chunks[0].unit(modality).shape[1] if self.chunks else 0
         vectors = np.empty((len(rows), dim), dtype=np.float32)
+        units = np.empty((len(rows), dim), dtype=np.float32)
         for c in np.unique(which):
             at = which == c
             local = rows[at] - starts[c]
             ids[at] = self.chunks[c].ids[local]
             vectors[at] = self.chunks[c].raw(modality, local)
-        return ids.astype(str), vectors
+            units[at] = self.chunks[c].unit(modality)[local]
+        return ids.astype(str), vectors, units
 
     def appended(self, chunk: GalleryChunk, max_items: int) -> Gallery:
         """This gallery with ``chunk`` added and the oldest rows past ``max_items`` removed.

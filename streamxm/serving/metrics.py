@@ -158,6 +158,11 @@ class StreamCollector(Collector):
                                           "entries in the pairs stream", labels=["namespace"])
         stream_length.add_metric([ns], length)
         yield stream_length
+        scans = CounterMetricFamily(
+            "streamxm_search_exact_scans", "searches whose reduced-precision candidates could "
+            "not be proven complete, answered by a float32 scan instead")
+        scans.add_metric([], self.server.exact_scans)
+        yield scans
         retention = str_hash(self.r.hgetall(self.keys.retention))
         trimmed = CounterMetricFamily("streamxm_stream_trimmed",
                                       "entries trimmed from the pairs stream by retention",

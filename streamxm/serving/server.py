@@ -31,13 +31,14 @@ from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel, split_name
-from streamxm.serving.gallery import Gallery, GalleryChunk
-from streamxm.serving.index import Block, QueryCoalescer, index_block
+from streamxm.serving.gallery import Gallery, GalleryChunk, merge_count
+from streamxm.serving.index import Block, QueryCoalescer, index_block, top_k
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, decode_pair
 from streamxm.stream.redis_conn import str_set, stream_entries, text
+from streamxm.stream.retention import entry_id_key
 from streamxm.worker.checkpoint import CheckpointStore
 
 __all__ = ["EmbeddedGallery", "InvalidModelName", "ModelNotReady", "ModelServer",
@@ -135,6 +136,27 @@ class SearchAnswer:
     index_version: int
 
 
+def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
+                     query: NDArray[np.float32], k: int, blocks: Any) -> bool:
+    """Whether candidates from a bfloat16 scan surely hold the exact top ``k`` of the unit
+    rows against ``query``.
+
+    bfloat16 keeps 8 significant bits, so each product of the scan is off by at most
+    ``2^-8`` relatively in each factor and the score of a unit row by at most
+    ``eps = 2^-7 |q|`` (float32 accumulation adds far less). A row left out scored at most the
+    last candidate's ``s_C`` in the scan, so truly at most ``s_C + eps``: when the exact k-th
+    best candidate is above that, nothing left out can enter the top ``k``.
+    """
+    if len(proposed) == 0 or all(isinstance(b, np.ndarray) for b in blocks):
+        return True  # float32 blocks: the scan itself was exact
+    exact = units.astype(np.float64) @ query.astype(np.float64)
+    if len(exact) < k:
+        return False
+    kth = np.partition(exact, len(exact) - k)[len(exact) - k]
+    eps = 2.0**-7 * float(np.linalg.norm(query)) * 1.01
+    return bool(kth > float(proposed.min()) + eps)
+
+
 def _exact_scores(model: CrossModalModel, modality: str, target: str,
                   query: NDArray[np.float32], items: NDArray[np.float32]) -> NDArray[np.float64]:
     """The served version's own scores of one query against candidate items."""
@@ -198,10 +220,14 @@ class ModelServer:
         self._segments: dict[tuple[int, str], GalleryChunk] = {}
         self._sliced: dict[tuple[int, str, int], GalleryChunk] = {}
         self._segment_chunks: tuple[GalleryChunk, ...] = ()
+        self._tail: list[tuple[GalleryChunk, list[str]]] = []  # rows after them, entry ids
         self._swap = threading.Lock()  # writers of self.served (refresh and re-embed threads)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.coalescer = QueryCoalescer()
+        #: Searches whose reduced-precision candidates could not be proven complete and were
+        #: answered by a float32 scan instead.
+        self.exact_scans = 0
 
     # -- background work -----------------------------------------------------------------------
     def start(self, interval: float = 0.25) -> None:
@@ -230,8 +256,8 @@ class ModelServer:
         self.coalescer.close()
 
     def refresh(self) -> None:
-        """Read new gallery pairs and load new checkpoint versions."""
-        gallery_changed = self._read_gallery()
+        """Load new checkpoint versions, then read new gallery rows (a bounded amount per call,
+        so a long gallery read never holds back a new version)."""
         names = str_set(self.r.smembers(self.keys.models))
         self.known = frozenset(names)
         for name in names:
@@ -239,11 +265,11 @@ class ModelServer:
             if head is None:
                 continue
             self.newest[name] = (int(head["version"]), float(head.get("created", time.time())))
-            current = self.served.get(name)
             if head["version"] != self._attempted.get(name):
                 self._attempted[name] = head["version"]
                 self._load(name)
-            elif current is not None and gallery_changed:
+        if self._read_gallery():
+            for name in list(self.served):
                 self._cover_gallery(name)
         self.refreshed = True
 
@@ -279,10 +305,10 @@ class ModelServer:
         return self._read_stream() or changed
 
     def _open(self, manifest: Manifest) -> None:
-        """Use the manifest's segments (those already open are kept, not reread) and read the
-        stream again from the position they cover."""
+        """Use the manifest's segments (those already open are kept, not reread); rows of the
+        stream tail that the segments now cover leave the tail."""
         opened = {}
-        for i, ref in enumerate(manifest.segments):
+        for ref in manifest.segments:
             chunk = self._segments.get((ref.seq, ref.sha))
             if chunk is None:
                 blob = self.store.read_blob(SEGMENTS, ref.seq, ref.sha)
@@ -290,29 +316,45 @@ class ModelServer:
                     raise RuntimeError(f"gallery segment {ref.seq} is missing or corrupt")
                 chunk = decode_segment(blob)
             opened[(ref.seq, ref.sha)] = chunk
-            if i == 0 and manifest.skip:
-                key = (ref.seq, ref.sha, manifest.skip)
-                sliced = self._sliced.get(key) or chunk.sliced(slice(manifest.skip, None))
-                self._sliced = {key: sliced}
         self._segments = opened
         chunks = [opened[(r.seq, r.sha)] for r in manifest.segments]
         if chunks and manifest.skip:
-            chunks[0] = next(iter(self._sliced.values()))
+            first = manifest.segments[0]
+            key = (first.seq, first.sha, manifest.skip)
+            self._sliced = {key: self._sliced.get(key) or chunks[0].sliced(
+                slice(manifest.skip, None))}
+            chunks[0] = self._sliced[key]
         self._segment_chunks = tuple(chunks)
-        self.gallery = Gallery(self._segment_chunks)
-        self.last_gallery_id = manifest.last_id
+        covered = entry_id_key(manifest.last_id)
+        tail = []
+        for chunk, entries in self._tail:
+            keep = [i for i, e in enumerate(entries) if entry_id_key(e) > covered]
+            if len(keep) == len(entries):
+                tail.append((chunk, entries))
+            elif keep:
+                tail.append((chunk.sliced(slice(keep[0], None)), entries[keep[0]:]))
+        self._tail = tail
+        if entry_id_key(self.last_gallery_id) < covered:
+            self.last_gallery_id = manifest.last_id
         self._revision = manifest.revision
+        self._publish_gallery()
 
-    def _read_stream(self) -> bool:
+    def _publish_gallery(self) -> None:
+        self.gallery = Gallery((*self._segment_chunks, *(c for c, _ in self._tail)))
+
+    def _read_stream(self, budget: int = 50_000) -> bool:
+        """Read up to ``budget`` new stream entries into the gallery."""
         changed = False
-        while True:
-            reply = self.r.xread({self.keys.pairs: self.last_gallery_id}, count=self.read_count)
+        while budget > 0:
+            reply = self.r.xread({self.keys.pairs: self.last_gallery_id},
+                                 count=min(self.read_count, budget))
             entries = stream_entries(reply)
             if not entries:
                 return changed
+            budget -= len(entries)
             img_dim, txt_dim = read_schema(self.r, self.keys) or (None, None)
-            ids, imgs, txts = [], [], []
-            for _entry_id, fields in entries:
+            ids, imgs, txts, at = [], [], [], []
+            for entry_id, fields in entries:
                 if fields is None:
                     continue
                 try:
@@ -323,16 +365,23 @@ class ModelServer:
                 ids.append(pair.id)
                 imgs.append(pair.img)
                 txts.append(pair.txt)
+                at.append(entry_id)
             self.last_gallery_id = entries[-1][0]
             if ids:
                 chunk = GalleryChunk.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
                 if self._revision is None:
                     self.gallery = self.gallery.appended(chunk, self.gallery_max)
                 else:  # the indexer caps the segments; the tail after them only grows here
-                    tail = self.gallery.chunks[len(self._segment_chunks):]
-                    self.gallery = Gallery((*self._segment_chunks,
-                                            *Gallery(tail).appended(chunk, 2**62).chunks))
+                    merged = merge_count([len(c) for c, _ in self._tail], len(chunk), 65_536)
+                    if merged:
+                        older = self._tail[len(self._tail) - merged :]
+                        chunk = GalleryChunk.joined([*(c for c, _ in older), chunk])
+                        at = [e for _, entries in older for e in entries] + at
+                        self._tail = self._tail[: len(self._tail) - merged]
+                    self._tail.append((chunk, at))
+                    self._publish_gallery()
                 changed = True
+        return changed
 
     def _load(self, name: str) -> None:
         ckpt = self.store.load_latest(name)
@@ -416,7 +465,8 @@ class ModelServer:
         if len(gallery) == 0:
             return SearchAnswer(served, [], lag, served.version)
         wanted = min(len(gallery), max(self.candidates, 4 * k))
-        if model.fixed_space and target != modality:
+        fixed = model.fixed_space and target != modality
+        if fixed:
             transform = model.queries_for_texts if target == "text" else model.queries_for_images
             query = transform(vector[None, :])[0][0].astype(np.float32)
             blocks, index_version = gallery.blocks(target), served.version
@@ -426,9 +476,18 @@ class ModelServer:
             embed = index.model.embed_images if modality == "image" else index.model.embed_texts
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
-        _, rows = self.coalescer.search(blocks, query, wanted)
-        rows = np.sort(rows)  # gallery order, so the stable sort below keeps ties in it
-        ids, items = gallery.locate(rows, target)
+        proposed, rows = self.coalescer.search(blocks, query, wanted)
+        ids, items, units = gallery.locate(rows, target)
+        if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
+                                                                        k, blocks):
+            # The reduced-precision scan could have missed part of the exact top k (scores
+            # flatter than its rounding): scan the float32 rows instead.
+            self.exact_scans += 1
+            _, rows = top_k(query[None, :], gallery.exact_blocks(target), wanted)
+            rows = rows[0]
+            ids, items, _ = gallery.locate(rows, target)
+        order_rows = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
+        ids, items = ids[order_rows], items[order_rows]
         scores = _exact_scores(model, modality, target, vector, items)
         order = np.argsort(-scores, kind="stable")[:k]
         return SearchAnswer(served, [(str(ids[i]), float(scores[i])) for i in order], lag,

@@ -1,0 +1,94 @@
+"""The search index: both backends of top_k, the coalescer, the completeness proof of the
+bfloat16 candidates, and the tier merge of gallery chunks."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from streamxm.serving.gallery import Gallery, GalleryChunk
+from streamxm.serving.index import QueryCoalescer, index_block, top_k
+from streamxm.serving.server import _proven_complete
+
+torch = pytest.importorskip("torch")
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_float32_top_k_is_exact_with_ties_in_row_order() -> None:
+    rng = np.random.default_rng(0)
+    rows = _unit(rng.random((1000, 16)))
+    rows[700] = rows[100]  # a tie: the earlier row ranks first
+    q = rows[100] + 0.0
+    scores, got = top_k(q[None, :], [rows[:400], rows[400:]], 5)
+    want = np.argsort(-(rows.astype(np.float64) @ q), kind="stable")[:5]
+    assert got[0].tolist()[:2] == [100, 700]
+    assert set(got[0].tolist()) == set(want.tolist())
+
+
+def test_bfloat16_candidates_hold_the_exact_top_k_when_scores_spread() -> None:
+    rng = np.random.default_rng(1)
+    rows = _unit(rng.random((5000, 64)) + 2 * (rng.random((5000, 1)) > 0.9))
+    q = rng.normal(size=64).astype(np.float32)
+    exact = set(np.argsort(-(rows @ q))[:10].tolist())
+    proposed, got = top_k(q[None, :], [index_block(rows, "bfloat16")], 100)
+    assert exact <= set(got[0].tolist())
+
+
+def test_the_completeness_proof_fails_when_scores_are_flatter_than_bfloat16() -> None:
+    rng = np.random.default_rng(2)
+    # Rows equal to 3 decimals: bfloat16 cannot order them, the proof must say so.
+    base = rng.random(32)
+    rows = _unit(base + 1e-4 * rng.random((3000, 32)))
+    q = rng.normal(size=32).astype(np.float32)
+    blocks = [index_block(rows, "bfloat16")]
+    proposed, got = top_k(q[None, :], blocks, 100)
+    assert not _proven_complete(proposed[0], rows[got[0]], q, 10, blocks)
+    # Spread scores: proven.
+    rows = _unit(rng.random((3000, 32)) ** 4)
+    blocks = [index_block(rows, "bfloat16")]
+    proposed, got = top_k(q[None, :], blocks, 100)
+    assert _proven_complete(proposed[0], rows[got[0]], q, 10, blocks)
+    # float32 blocks need no proof.
+    assert _proven_complete(proposed[0], rows[got[0]], q, 10, [rows])
+
+
+def test_concurrent_queries_coalesce_into_batches() -> None:
+    rng = np.random.default_rng(3)
+    rows = rng.random((20_000, 32), dtype=np.float32)
+    blocks = (rows,)
+    coalescer = QueryCoalescer()
+    queries = rng.random((64, 32), dtype=np.float32)
+    results: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        results[i] = coalescer.search(blocks, queries[i], 5)[1].tolist()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    coalescer.close()
+    for i in range(64):
+        assert results[i] == top_k(queries[i : i + 1], blocks, 5)[1][0].tolist()
+    assert coalescer.queries == 64 and coalescer.batches < 64
+
+
+def test_gallery_chunks_merge_tier_by_tier_and_the_cap_holds() -> None:
+    rng = np.random.default_rng(4)
+    gallery = Gallery()
+    for i in range(200):
+        ids = np.array([f"{i}-{j}" for j in range(100)])
+        gallery = gallery.appended(GalleryChunk.of(ids, rng.random((100, 8), dtype=np.float32),
+                                                   rng.random((100, 4), dtype=np.float32)),
+                                   15_000)
+    assert len(gallery) == 15_000
+    assert len(gallery.chunks) <= 12
+    ids, raw, unit = gallery.locate(np.array([0, 14_999]), "image")
+    assert ids.tolist() == ["50-0", "199-99"]
+    np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-6)
