@@ -77,7 +77,7 @@ class Settings(BaseSettings):
         default=100, ge=1, le=10_000, description="candidates re-ranked per search: "
         "max(this, 4 k)")
     reload_interval_seconds: float = Field(default=0.25, gt=0)
-    query_threads: int = Field(default=16, ge=1, le=256,
+    query_threads: int = Field(default=32, ge=1, le=256,
                                description="threads for similarity and search, apart from "
                                "those of routes that wait on Redis")
     redis_request_timeout_seconds: float = Field(

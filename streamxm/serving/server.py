@@ -213,7 +213,7 @@ class ModelServer:
         # Head version last tried per model: a corrupt newest version (served: the previous
         # good one) is tried once, not on every refresh.
         self._attempted: dict[str, int] = {}
-        self._reembedded_at: dict[str, float] = {}
+        self._reembed_after: dict[str, float] = {}  # model -> monotonic time of the next
         # With a gallery indexer: the manifest revision in use, its open segments and the
         # chunks made of them (the first one sliced by the manifest's skip).
         self._revision: int | None = None
@@ -275,20 +275,25 @@ class ModelServer:
 
     def reembed(self) -> None:
         """Re-embed the gallery with the served version of each model without a fixed space
-        whose index is older, at most once per ``reembed_seconds`` per model."""
+        whose index is older: per model, at most once per ``reembed_seconds`` and never more
+        than a third of the time (the next one waits twice as long as the last one took), so
+        a gallery that takes long to embed cannot take the API's CPU from the queries."""
         for name, served in list(self.served.items()):
             if served.index is None or served.index.version == served.version:
                 continue
-            if time.monotonic() - self._reembedded_at.get(name, -1e9) < self.reembed_seconds:
+            if time.monotonic() < self._reembed_after.get(name, 0.0):
                 continue
-            self._reembedded_at[name] = time.monotonic()
+            started = time.monotonic()
             index = EmbeddedGallery.build(served.version, served.model, self.gallery)
+            took = time.monotonic() - started
+            self._reembed_after[name] = started + max(self.reembed_seconds, 3 * took)
             with self._swap:
                 current = self.served.get(name)
                 if current is not None and current.index is not None \
                         and current.index.version < index.version:
                     self.served[name] = replace(current, index=index.covering(self.gallery))
-            log.info("re-embedded the gallery for %s version %d", name, served.version)
+            log.info("re-embedded the gallery for %s version %d in %.1f s", name,
+                     served.version, took)
 
     def _read_gallery(self) -> bool:
         """Bring the gallery up to the stream: from the indexer's segments plus the stream

@@ -41,6 +41,7 @@ import httpx
 import numpy as np
 import redis
 from numpy.typing import NDArray
+from prometheus_client.parser import text_string_to_metric_families
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
@@ -48,6 +49,7 @@ from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel
 from streamxm.service import open_store
+from streamxm.serving.segments import SEGMENTS, read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair, make_pair
@@ -333,6 +335,14 @@ async def _load(url: str, bodies: list[bytes], clients: int, seconds: float
     return latencies, statuses, answers
 
 
+def _metric_value(text: str, name: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return None
+
+
 def _exact_top(model: CrossModalModel, modality: str, query: NDArray[np.float32],
                gallery: NDArray[np.float32], k: int) -> list[int]:
     """Row positions of the ``k`` best items by the model's own scores, ties in row order."""
@@ -424,6 +434,8 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
                for name, pid in pids.items()}
         learned = st.processed(model) - before
         api_rss = rss_mb(st.procs[2].pid)
+        exact_scans = _metric_value(httpx.get(f"{url}/metrics", timeout=30).text,
+                                    "streamxm_search_exact_scans_total")
         ready_start = time.perf_counter()
         replica = st.api()
         wait_for(lambda: served(replica), 900, "a second API to load the whole gallery")
@@ -447,24 +459,44 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         # Cores each process used during the load (the machine has os.cpu_count() of them).
         "cores_used": cpu, "cores": os.cpu_count(),
         "api_cpu_ms_per_request": round(1000 * cpu["api"] * elapsed / max(1, len(ms)), 2),
+        # Searches whose bfloat16 candidates were not proven complete: a float32 scan answered.
+        "exact_scans": exact_scans,
     }
 
 
 # -- soak -----------------------------------------------------------------------------------
+def _gallery_bytes(st: Stack) -> int:
+    """Bytes of the gallery's live segments stored in Redis (the Redis checkpoint store)."""
+    manifest = read_manifest(st.r, st.keys)
+    if manifest is None:
+        return 0
+    return sum(int(st.r.strlen(st.keys.checkpoint_blob(SEGMENTS, ref.seq)))
+               for ref in manifest.segments)
+
+
+def _slope(samples: list[dict[str, float]], key: str) -> float:
+    x = np.array([s["minute"] for s in samples])
+    return float(np.polyfit(x, np.array([s[key] for s in samples]), 1)[0])
+
+
 def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim: int = 512,
          txt_dim: int = 128, gallery_max: int = 20_000, sample_seconds: float = 60.0,
          warmup_minutes: float = 5.0, seed: int = 0) -> dict[str, Any]:
-    """Push at ``rate``, query at ``qps``, learn; resident memory sampled every minute.
+    """Push at ``rate``, query at ``qps``, learn and index; memory sampled every minute.
 
-    The gallery cap is reached after ``gallery_max / rate`` seconds; memory may grow until then
-    by design, so the slope is fitted to the samples after ``warmup_minutes``.
+    Per sample: resident memory of the worker, the indexer and the API, Redis ``used_memory``,
+    the stream's length and the bytes of the gallery's segments (stored in Redis here), and the
+    largest stream length seen between samples (polled every 2 s). The gallery cap is reached
+    after ``gallery_max / rate`` seconds; memory may grow until then by design, so slopes are
+    fitted to the samples after ``warmup_minutes``.
     """
     pool = synthetic_pairs(2000, img_dim, txt_dim, seed=seed)
     stop = threading.Event()
-    counts = {"pushed": 0, "queries": 0, "query_errors": 0}
+    counts = {"pushed": 0, "queries": 0, "query_errors": 0, "stream_length_max": 0}
     samples: list[dict[str, float]] = []
     with stack(gallery_max=gallery_max, checkpoint_every_seconds=2.0) as st:
         worker = st.spawn("worker", "--model", "cmos")
+        indexer = st.spawn("indexer")
         client = StreamClient(st.r, NAMESPACE)
         client.push_pairs(pool[:200])
         url = st.api()
@@ -494,22 +526,33 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
                     j += 1
                     stop.wait(1 / qps)
 
-        threads = [threading.Thread(target=produce, daemon=True),
-                   threading.Thread(target=ask, daemon=True)]
+        def watch_stream() -> None:
+            while not stop.wait(2.0):
+                counts["stream_length_max"] = max(counts["stream_length_max"],
+                                                  int(st.r.xlen(st.keys.pairs)))
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (produce, ask, watch_stream)]
         for t in threads:
             t.start()
         start = time.perf_counter()
         total = int(minutes * 60 / sample_seconds)
         for n in tqdm(range(total + 1), desc="soak samples", file=sys.stderr):
             stop.wait(max(0.0, start + n * sample_seconds - time.perf_counter()))
+            used = int(st.r.info("memory")["used_memory"])
+            gallery_bytes = _gallery_bytes(st)
             samples.append({"minute": round((time.perf_counter() - start) / 60, 2),
                             "worker_rss_mb": round(rss_mb(worker.pid), 1),
+                            "indexer_rss_mb": round(rss_mb(indexer.pid), 1),
                             "api_rss_mb": round(rss_mb(api.pid), 1),
+                            "redis_used_mb": round(used / 2**20, 1),
+                            "gallery_segments_mb": round(gallery_bytes / 2**20, 1),
+                            "redis_less_gallery_mb": round((used - gallery_bytes) / 2**20, 1),
+                            "stream_length": int(st.r.xlen(st.keys.pairs)),
                             "pairs_learned": st.processed("cmos")})
         stop.set()
         for t in threads:
             t.join(timeout=30)
-        alive = {"worker": worker.alive(), "api": api.alive()}
+        alive = {"worker": worker.alive(), "indexer": indexer.alive(), "api": api.alive()}
     result: dict[str, Any] = {
         "benchmark": "soak", "minutes": minutes, "push_rate": rate, "qps": qps,
         "img_dim": img_dim, "txt_dim": txt_dim, "gallery_max": gallery_max,
@@ -517,12 +560,13 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
     }
     late = [s for s in samples if s["minute"] >= warmup_minutes]
     if len(late) >= 2:
-        x = np.array([s["minute"] for s in late])
-        for proc in ("worker", "api"):
-            y = np.array([s[f"{proc}_rss_mb"] for s in late])
-            slope = float(np.polyfit(x, y, 1)[0])
-            result[f"{proc}_slope_mb_per_min"] = round(slope, 3)
-            result[f"{proc}_growth_pct_per_hour"] = round(100 * slope * 60 / y.mean(), 2)
+        for key in ("worker_rss_mb", "indexer_rss_mb", "api_rss_mb", "redis_used_mb",
+                    "redis_less_gallery_mb"):
+            slope = _slope(late, key)
+            mean = float(np.mean([s[key] for s in late]))
+            name = key.removesuffix("_mb")
+            result[f"{name}_slope_mb_per_min"] = round(slope, 3)
+            result[f"{name}_growth_pct_per_hour"] = round(100 * slope * 60 / mean, 2)
     return result
 
 
