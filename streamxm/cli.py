@@ -196,11 +196,12 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_load(args: argparse.Namespace) -> int:
-    from streamxm.tools import load
+    from streamxm.tools import load, scan
 
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "bench", "func", "verbose", "json")}
-    result = getattr(load, args.bench.replace("-", "_"))(**options)
+    module = scan if args.bench == "scan" else load
+    result = getattr(module, args.bench.replace("-", "_"))(**options)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -357,7 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     ho.add_argument("--sizes", default="1,4,24,64", help="body sizes, MiB, comma-separated")
     ho.add_argument("--repeats", type=int, default=3)
     ho.add_argument("--probes", type=int, default=200, help="/healthz probes at rest")
-    for p in (ing, e2e, qry, sk, ho):
+    sc = bench_sub.add_parser("scan", help="the search candidate scan's backends side by side "
+                              "(float32, bfloat16, FAISS when installed), one thread")
+    sc.add_argument("--rows", type=int, default=1_000_000)
+    sc.add_argument("--dims", default="128,512", help="two dimensions, comma-separated")
+    sc.add_argument("--queries", type=int, default=32)
+    sc.add_argument("--candidates", type=int, default=100)
+    sc.add_argument("--repeats", type=int, default=3)
+    for p in (ing, e2e, qry, sk, ho, sc):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
         p.set_defaults(func=_cmd_bench_load)
