@@ -346,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     qry.add_argument("--model", default="cmos")
     qry.add_argument("--recall-sample", type=int, default=200,
                      help="answers checked against the exact ranking of their version")
+    qry.add_argument("--candidates", type=int, default=100,
+                     help="STREAMXM_SEARCH_CANDIDATES of the API")
     sk = bench_sub.add_parser("soak", help="long push/learn/query run sampling resident memory")
     sk.add_argument("--minutes", type=float, default=20.0)
     sk.add_argument("--rate", type=float, default=100.0, help="pairs pushed per second")
