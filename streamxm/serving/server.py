@@ -34,9 +34,9 @@ from streamxm.models import CrossModalModel, split_name
 from streamxm.serving.gallery import Gallery, GalleryChunk, merge_count
 from streamxm.serving.index import Block, QueryCoalescer, index_block, top_k
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
-from streamxm.stream.client import read_schema
+from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import InvalidPair, Limits, decode_pair
+from streamxm.stream.messages import Limits
 from streamxm.stream.redis_conn import str_set, stream_entries, text
 from streamxm.stream.retention import entry_id_key
 from streamxm.worker.checkpoint import CheckpointStore
@@ -357,23 +357,14 @@ class ModelServer:
             if not entries:
                 return changed
             budget -= len(entries)
-            img_dim, txt_dim = read_schema(self.r, self.keys) or (None, None)
-            ids, imgs, txts, at = [], [], [], []
-            for entry_id, fields in entries:
-                if fields is None:
-                    continue
-                try:
-                    pair = decode_pair(fields, img_dim, txt_dim, limits=self.limits)
-                except InvalidPair:
-                    self.gallery_skipped += 1
-                    continue
-                ids.append(pair.id)
-                imgs.append(pair.img)
-                txts.append(pair.txt)
-                at.append(entry_id)
+            pairs, skipped = decode_entries(self.r, self.keys, entries, self.limits)
+            self.gallery_skipped += skipped
             self.last_gallery_id = entries[-1][0]
-            if ids:
-                chunk = GalleryChunk.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
+            if pairs:
+                at = [entry_id for entry_id, _ in pairs]
+                chunk = GalleryChunk.of(np.asarray([p.id for _, p in pairs]),
+                                        np.vstack([p.img for _, p in pairs]),
+                                        np.vstack([p.txt for _, p in pairs]))
                 if self._revision is None:
                     self.gallery = self.gallery.appended(chunk, self.gallery_max)
                 else:  # the indexer caps the segments; the tail after them only grows here

@@ -24,10 +24,10 @@ import redis
 from numpy.typing import ArrayLike
 
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import InvalidPair, Limits, Pair, encode_pair, make_pair
-from streamxm.stream.redis_conn import text
+from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, encode_pair, make_pair
+from streamxm.stream.redis_conn import StreamEntry, text
 
-__all__ = ["StreamClient", "ensure_schema", "read_schema"]
+__all__ = ["StreamClient", "decode_entries", "ensure_schema", "read_schema"]
 
 
 def read_schema(r: redis.Redis, keys: Keys) -> tuple[int, int] | None:
@@ -36,6 +36,24 @@ def read_schema(r: redis.Redis, keys: Keys) -> tuple[int, int] | None:
         return None
     data = json.loads(text(raw))
     return int(data["img_dim"]), int(data["txt_dim"])
+
+
+def decode_entries(r: redis.Redis, keys: Keys, entries: Sequence[StreamEntry],
+                   limits: Limits) -> tuple[list[tuple[str, Pair]], int]:
+    """The pairs of stream entries that decode under the namespace's schema, with their entry
+    ids, and how many did not (invalid, or deleted before anyone read them): what readers that
+    keep no dead letters (the gallery's) take from the stream."""
+    img_dim, txt_dim = read_schema(r, keys) or (None, None)
+    pairs, skipped = [], 0
+    for entry_id, fields in entries:
+        try:
+            if fields is None:
+                skipped += 1
+                continue
+            pairs.append((entry_id, decode_pair(fields, img_dim, txt_dim, limits=limits)))
+        except InvalidPair:
+            skipped += 1
+    return pairs, skipped
 
 
 def ensure_schema(r: redis.Redis, keys: Keys, img_dim: int, txt_dim: int) -> tuple[int, int]:

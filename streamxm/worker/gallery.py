@@ -31,9 +31,9 @@ from streamxm.serving.segments import (
     encode_segment,
     read_manifest,
 )
-from streamxm.stream.client import read_schema
+from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import InvalidPair, Limits, decode_pair
+from streamxm.stream.messages import Limits
 from streamxm.stream.redis_conn import stream_entries
 from streamxm.worker.checkpoint import CheckpointStore, LeaseLost, blob_sha
 from streamxm.worker.lease import Lease
@@ -131,17 +131,9 @@ class GalleryIndexer:
                              block=self.block_ms)
         entries = stream_entries(reply)
         if entries:
-            img_dim, txt_dim = read_schema(self.r, self.keys) or (None, None)
-            for _entry_id, fields in entries:
-                if fields is None:  # deleted while nobody had read it
-                    self.skipped += 1
-                    continue
-                try:
-                    pair = decode_pair(fields, img_dim, txt_dim, limits=self.limits)
-                except InvalidPair:
-                    self.skipped += 1
-                    continue
-                self._buffer.append((pair.id, pair.img, pair.txt))
+            pairs, skipped = decode_entries(self.r, self.keys, entries, self.limits)
+            self.skipped += skipped
+            self._buffer.extend((pair.id, pair.img, pair.txt) for _, pair in pairs)
             self.position = entries[-1][0]
         due = time.monotonic() - self._since >= self.flush_seconds
         if len(self._buffer) >= self.segment_rows or (due and self.position !=
