@@ -133,3 +133,28 @@ def test_sigkill_mid_commit_leaves_every_entry_in_exactly_one_segment(
         assert final.stop() == 0, final.tail()
     cfg = settings.model_copy(update={"checkpoint_store": kind, "checkpoint_dir": ckpt})
     assert _indexed_ids(cfg, r) == [p.id for p in pairs]
+
+
+def test_an_api_started_before_the_indexer_moves_to_segments_without_loss(
+        r: redis.Redis, settings: Settings) -> None:
+    pairs = fx.class_stream(700, fx.IMG, fx.TXT, seed=5)
+    _push(settings, r, pairs)
+    build_worker(settings, r, "cmos").run(until_idle=True)
+    with fx.ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+        def ids_found() -> list[str]:
+            hits = http.post("/v1/search", json={"modality": "text", "k": 1000,
+                                                 "vector": pairs[0].txt.tolist()})
+            return sorted(h["id"] for h in hits.json()["results"]) if hits.is_success else []
+
+        want = sorted(p.id for p in pairs)
+        fx.wait_for(lambda: ids_found() == want, 30, "the gallery read from the stream")
+        # The first segments cover only 500 entries, fewer than the API has read itself.
+        indexer = build_indexer(settings, r)
+        indexer.read_batch = 500
+        assert indexer.lease.acquire()
+        indexer._load()
+        indexer.step()
+        indexer.commit()
+        assert read_manifest(r, Keys(settings.namespace)).rows == 500  # type: ignore[union-attr]
+        time.sleep(1.0)  # a few refreshes: the API now serves segments plus the stream after
+        assert ids_found() == want

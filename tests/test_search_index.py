@@ -24,7 +24,7 @@ def test_float32_top_k_is_exact_with_ties_in_row_order() -> None:
     rows = _unit(rng.random((1000, 16)))
     rows[700] = rows[100]  # a tie: the earlier row ranks first
     q = rows[100] + 0.0
-    scores, got = top_k(q[None, :], [rows[:400], rows[400:]], 5)
+    _scores, got = top_k(q[None, :], [rows[:400], rows[400:]], 5)
     want = np.argsort(-(rows.astype(np.float64) @ q), kind="stable")[:5]
     assert got[0].tolist()[:2] == [100, 700]
     assert set(got[0].tolist()) == set(want.tolist())
@@ -35,7 +35,7 @@ def test_bfloat16_candidates_hold_the_exact_top_k_when_scores_spread() -> None:
     rows = _unit(rng.random((5000, 64)) + 2 * (rng.random((5000, 1)) > 0.9))
     q = rng.normal(size=64).astype(np.float32)
     exact = set(np.argsort(-(rows @ q))[:10].tolist())
-    proposed, got = top_k(q[None, :], [index_block(rows, "bfloat16")], 100)
+    _proposed, got = top_k(q[None, :], [index_block(rows, "bfloat16")], 100)
     assert exact <= set(got[0].tolist())
 
 
@@ -89,6 +89,6 @@ def test_gallery_chunks_merge_tier_by_tier_and_the_cap_holds() -> None:
                                    15_000)
     assert len(gallery) == 15_000
     assert len(gallery.chunks) <= 12
-    ids, raw, unit = gallery.locate(np.array([0, 14_999]), "image")
+    ids, _raw, unit = gallery.locate(np.array([0, 14_999]), "image")
     assert ids.tolist() == ["50-0", "199-99"]
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-6)

@@ -330,6 +330,8 @@ class ModelServer:
                 slice(manifest.skip, None))}
             chunks[0] = self._sliced[key]
         self._segment_chunks = tuple(chunks)
+        if self._revision is None:  # from the stream alone to segments: the tail is reread
+            self.last_gallery_id, self._tail = manifest.last_id, []
         covered = entry_id_key(manifest.last_id)
         tail = []
         for chunk, entries in self._tail:
