@@ -343,40 +343,47 @@ def _metric_value(text: str, name: str) -> float | None:
     return None
 
 
-def _exact_top(model: CrossModalModel, modality: str, query: NDArray[np.float32],
-               gallery: NDArray[np.float32], k: int) -> list[int]:
-    """Row positions of the ``k`` best items by the model's own scores, ties in row order."""
-    scores = np.concatenate([
-        model.similarity(query[None, :], gallery[i : i + 50_000])[0] if modality == "image"
-        else model.similarity(gallery[i : i + 50_000], query[None, :])[:, 0]
-        for i in range(0, len(gallery), 50_000)])
-    return np.argsort(-scores, kind="stable")[:k].tolist()  # type: ignore[no-any-return]
+def _embedded(model: CrossModalModel, modality: str, rows: NDArray[np.float32]
+              ) -> NDArray[np.float64]:
+    embed = model.embed_images if modality == "image" else model.embed_texts
+    return np.concatenate([embed(rows[i : i + 50_000]).astype(np.float64)
+                           for i in range(0, len(rows), 50_000)])
 
 
 def _recall(st: Stack, model: str, answers: list[_Answer], queries: list[tuple[str, Any]],
             imgs: NDArray[np.float32], txts: NDArray[np.float32], k: int, sample: int,
             seed: int) -> float | None:
-    """Mean recall@k of sampled answers against the exact ranking by the version that served
-    each (loaded from the store, which the benchmark tells to keep every version)."""
+    """Mean recall@k of sampled answers against the exact ranking (ties in row order) by the
+    version that served each, loaded from the store, which the benchmark tells to keep every
+    version. Scores are inner products of embeddings (the models' contract: they equal the
+    similarity); each version embeds the gallery once."""
     if not answers:
         return None
     store = open_store(st.settings, st.r)
     rng = np.random.default_rng(seed)
     picked = [answers[i] for i in rng.choice(len(answers), min(sample, len(answers)),
                                              replace=False)]
-    models: dict[int, CrossModalModel] = {}
-    recalls = []
+    picked.sort(key=lambda a: a.version)
+    recalls: list[float] = []
+    version, current = -1, None
+    gallery_of: dict[str, NDArray[np.float64]] = {}
     for answer in tqdm(picked, desc="recall against exact rankings", file=sys.stderr):
-        if answer.version not in models:
-            ckpt = store.load(model, answer.version)
-            if ckpt is None:
-                continue
-            learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
-            learner.flush()
-            models[answer.version] = learner.model
+        if answer.version != version:
+            version, gallery_of = answer.version, {}
+            ckpt = store.load(model, version)
+            current = None
+            if ckpt is not None:
+                learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+                learner.flush()
+                current = learner.model
+        if current is None:
+            continue
         modality, vector = queries[answer.body]
-        exact = _exact_top(models[answer.version], modality, vector,
-                           txts if modality == "image" else imgs, k)
+        target = "text" if modality == "image" else "image"
+        if target not in gallery_of:
+            gallery_of[target] = _embedded(current, target, txts if target == "text" else imgs)
+        scores = gallery_of[target] @ _embedded(current, modality, vector[None, :])[0]
+        exact = np.argsort(-scores, kind="stable")[:k].tolist()
         got = {int(i[1:]) for i in answer.ids}  # ids are "s<row>"
         recalls.append(len(got & set(exact)) / k)
     return round(float(np.mean(recalls)), 4) if recalls else None
