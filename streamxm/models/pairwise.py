@@ -246,7 +246,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         # f(x) = [white (unit(x)^power - mean), 1]: bilinear in the unit rows only at power 1.
         return self.power == 1.0
 
-    def _fixed_queries(self, left: NDArray[np.float32], white: NDArray[np.float64],
+    def _fixed_queries(self, left: NDArray[np.floating], white: NDArray[np.float64],
                        mean: NDArray[np.float64]
                        ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         # s = a . [white (u - mean), 1] = (white^T a[:-1]) . u - (white^T a[:-1]) . mean + a[-1]
@@ -261,7 +261,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     def queries_for_images(self, txts: NDArray[np.floating]
                            ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         left = self.text_features(txts).astype(np.float64) @ self.W.T.astype(np.float64)
-        return self._fixed_queries(left.astype(np.float32), self.white_x, self.mean_x)
+        return self._fixed_queries(left, self.white_x, self.mean_x)
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays = {**self.moments.state("moments."), "W": self.W, "G": self.G,

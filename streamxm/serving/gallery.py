@@ -10,7 +10,7 @@ from numpy.typing import NDArray
 
 from streamxm.serving.index import Block, index_block
 
-__all__ = ["Gallery", "GalleryChunk", "merge_count"]
+__all__ = ["CHUNK_MAX", "Gallery", "GalleryChunk", "merge_count"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,11 +119,11 @@ class Gallery:
     def appended(self, chunk: GalleryChunk, max_items: int) -> Gallery:
         """This gallery with ``chunk`` added and the oldest rows past ``max_items`` removed.
 
-        Chunks merge tier by tier (:func:`merge_count`, up to :data:`_CHUNK_MAX` rows), so a
+        Chunks merge tier by tier (:func:`merge_count`, up to :data:`CHUNK_MAX` rows), so a
         long gallery is a few dozen blocks.
         """
         chunks = list(self.chunks)
-        merged = merge_count([len(c) for c in chunks], len(chunk), _CHUNK_MAX)
+        merged = merge_count([len(c) for c in chunks], len(chunk), CHUNK_MAX)
         if merged:
             chunk = GalleryChunk.joined([*chunks[len(chunks) - merged :], chunk])
             chunks = chunks[: len(chunks) - merged]
@@ -139,7 +139,8 @@ class Gallery:
         return Gallery(tuple(chunks))
 
 
-_CHUNK_MAX = 65_536
+#: Largest block the tier merge makes (rows), in memory and in the indexer's segments.
+CHUNK_MAX = 65_536
 
 
 def merge_count(sizes: list[int], new: int, largest: int) -> int:

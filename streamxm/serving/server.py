@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel, split_name
-from streamxm.serving.gallery import Gallery, GalleryChunk, merge_count
+from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
 from streamxm.serving.index import Block, QueryCoalescer, index_block, top_k
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import decode_entries
@@ -90,9 +90,10 @@ class EmbeddedGallery:
     def covering(self, gallery: Gallery) -> EmbeddedGallery:
         """The same version over ``gallery``: chunks it has keep their embeddings, new ones
         are embedded now (O(new rows))."""
+        if len(self.embedded) == len(gallery.chunks) and all(
+                c is e[0] for c, e in zip(gallery.chunks, self.embedded, strict=True)):
+            return self  # the common case on the query path: nothing to build
         known = {id(c): (c, a, b) for c, a, b in self.embedded}
-        if len(known) == len(gallery.chunks) and all(id(c) in known for c in gallery.chunks):
-            return self
         return EmbeddedGallery(self.version, self.model, tuple(
             known.get(id(c)) or _embed(self.model, c) for c in gallery.chunks))
 
@@ -370,7 +371,7 @@ class ModelServer:
                 if self._revision is None:
                     self.gallery = self.gallery.appended(chunk, self.gallery_max)
                 else:  # the indexer caps the segments; the tail after them only grows here
-                    merged = merge_count([len(c) for c, _ in self._tail], len(chunk), 65_536)
+                    merged = merge_count([len(c) for c, _ in self._tail], len(chunk), CHUNK_MAX)
                     if merged:
                         older = self._tail[len(self._tail) - merged :]
                         chunk = GalleryChunk.joined([*(c for c, _ in older), chunk])

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import redis
 
-from streamxm.serving.gallery import GalleryChunk, merge_count
+from streamxm.serving.gallery import CHUNK_MAX, GalleryChunk, merge_count
 from streamxm.serving.segments import (
     SEGMENTS,
     Manifest,
@@ -63,7 +63,7 @@ class GalleryIndexer:
     def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
                  consumer: str | None = None, max_items: int = 100_000,
                  flush_seconds: float = 2.0, segment_rows: int = 16_384,
-                 max_segment_rows: int = 65_536, read_batch: int = 2000, block_ms: int = 200,
+                 max_segment_rows: int = CHUNK_MAX, read_batch: int = 2000, block_ms: int = 200,
                  lease_ttl_ms: int = 10_000, limits: Limits = Limits()) -> None:
         self.r = client
         self.store = store
