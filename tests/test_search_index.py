@@ -39,6 +39,24 @@ def test_bfloat16_candidates_hold_the_exact_top_k_when_scores_spread() -> None:
     assert exact <= set(got[0].tolist())
 
 
+def test_bfloat16_blocks_come_in_few_shapes_and_never_return_their_padding() -> None:
+    # PyTorch keeps memory per bfloat16 product shape: blocks of every row count must map to a
+    # handful of padded shapes (the API grew 20 MB a minute before), and the zero rows of the
+    # padding (score 0, above every negative score here) must never come back as results.
+    shapes = {index_block(np.ones((n, 4), np.float32), "bfloat16").tensor.shape[0]
+              for n in range(1, 70_000, 37)}
+    assert len(shapes) <= 40
+    rng = np.random.default_rng(4)
+    rows = -_unit(rng.random((1500, 8)))
+    block = index_block(rows, "bfloat16")
+    assert len(block) == 1500 and block.tensor.shape[0] > 1500
+    for m in (1, 3, 17):
+        q = rng.random((m, 8)).astype(np.float32)
+        scores, got = top_k(q, [block], 1500)
+        assert got.shape == (m, 1500) and got.max() < 1500 and (scores < 0).all()
+        assert all(sorted(r) == list(range(1500)) for r in got.tolist())
+
+
 def test_the_completeness_proof_fails_when_scores_are_flatter_than_bfloat16() -> None:
     rng = np.random.default_rng(2)
     # Rows equal to 3 decimals: bfloat16 cannot order them, the proof must say so.

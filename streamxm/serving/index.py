@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Block", "QueryCoalescer", "index_block", "top_k"]
+__all__ = ["Bf16Block", "Block", "QueryCoalescer", "index_block", "top_k"]
 
 _BLOCK = 65_536  # rows per product: bounds the (queries x rows) float32 temporary
 
-#: What :func:`top_k` scans: float32 rows, or the same rows as a bfloat16 tensor.
+#: What :func:`top_k` scans: float32 rows, or the same rows as a :class:`Bf16Block`.
 Block = Any
 
 torch: Any
@@ -60,7 +60,37 @@ def index_block(rows: NDArray[np.float32], precision: str = "auto") -> Block:
         return rows
     if torch is None:
         raise ImportError("bfloat16 search needs PyTorch: pip install 'streamxm[sam]'")
-    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(torch.bfloat16)
+    return Bf16Block.of(rows)
+
+
+def _padded_rows(n: int) -> int:
+    """``n`` rounded up to one of a few sizes per doubling (at most 25% more)."""
+    step = max(1024, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True, eq=False)
+class Bf16Block:
+    """Rows in bfloat16, zero-padded to a size class of :func:`_padded_rows`.
+
+    Why padded: PyTorch's bfloat16 matrix product (oneDNN) keeps state for every distinct
+    operand shape it meets, and never frees it; a gallery whose blocks take every size as
+    rows arrive grew the API by ~20 MB a minute (``bench soak``). With row counts drawn from
+    a few size classes and query batches padded to powers of two, the shapes, and that
+    memory, stay bounded. The padding rows score 0 and are cut before the top k.
+    """
+
+    tensor: Any  # torch.Tensor, (padded rows, dim)
+    rows: int
+
+    @classmethod
+    def of(cls, rows: NDArray[np.float32]) -> Bf16Block:
+        padded = torch.zeros((_padded_rows(len(rows)), rows.shape[1]), dtype=torch.bfloat16)
+        padded[: len(rows)] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        return cls(padded, len(rows))
+
+    def __len__(self) -> int:
+        return self.rows
 
 
 def top_k(queries: NDArray[np.float32], blocks: Sequence[Block], k: int
@@ -80,12 +110,12 @@ def top_k(queries: NDArray[np.float32], blocks: Sequence[Block], k: int
     offset = 0
     for block in blocks:
         for start in range(0, len(block), _BLOCK):
-            part = block[start : start + _BLOCK]
-            if not isinstance(part, np.ndarray):
-                scores, rows = _top_k_bf16(queries, part, k)
+            if isinstance(block, Bf16Block):
+                scores, rows = _top_k_bf16(queries, block, start, k)
                 best_s = np.concatenate([best_s, scores], axis=1)
                 best_r = np.concatenate([best_r, rows + (offset + start)], axis=1)
                 continue
+            part = block[start : start + _BLOCK]
             scores = queries @ part.T
             if part.shape[0] > k:
                 keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
@@ -101,11 +131,17 @@ def top_k(queries: NDArray[np.float32], blocks: Sequence[Block], k: int
     return _best(best_s, best_r, k)
 
 
-def _top_k_bf16(queries: NDArray[np.float32], part: Block, k: int
+def _top_k_bf16(queries: NDArray[np.float32], block: Bf16Block, start: int, k: int
                 ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
-    scores = (torch.from_numpy(queries).to(torch.bfloat16) @ part.T).float()
-    values, rows = torch.topk(scores, min(k, part.shape[0]), dim=1)
-    return values.numpy(), rows.numpy().astype(np.int64)
+    """Top ``k`` of the block's rows ``start : start + _BLOCK`` (a bounded set of shapes: the
+    padded block's rows, queries padded to a power of two)."""
+    m, rows = len(queries), min(_BLOCK, block.rows - start)
+    batch = torch.zeros((1 << (m - 1).bit_length(), queries.shape[1]), dtype=torch.bfloat16)
+    batch[:m] = torch.from_numpy(queries)
+    part = block.tensor[start : start + _BLOCK]
+    scores = (batch @ part.T)[:m, :rows].float()
+    values, found = torch.topk(scores, min(k, rows), dim=1)
+    return values.numpy(), found.numpy().astype(np.int64)
 
 
 def _best(scores: NDArray[np.float32], rows: NDArray[np.int64], k: int
