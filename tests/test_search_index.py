@@ -107,6 +107,7 @@ def test_gallery_chunks_merge_tier_by_tier_and_the_cap_holds() -> None:
                                    15_000)
     assert len(gallery) == 15_000
     assert len(gallery.chunks) <= 12
-    ids, _raw, unit = gallery.locate(np.array([0, 14_999]), "image")
-    assert ids.tolist() == ["50-0", "199-99"]
+    assert gallery.ids_at(np.array([0, 14_999])) == ["50-0", "199-99"]
+    unit, norms = gallery.locate(np.array([0, 14_999]), "image")
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(unit[1] * norms[1], gallery.chunks[-1].raw("image", [99])[0])

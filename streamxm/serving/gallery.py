@@ -100,21 +100,30 @@ class Gallery:
         return self._exact[modality]  # type: ignore[attr-defined,no-any-return]
 
     def locate(self, rows: NDArray[np.int64], modality: str
-               ) -> tuple[NDArray[np.str_], NDArray[np.float32], NDArray[np.float32]]:
-        """Ids, raw vectors and unit rows of ``modality`` at global row positions."""
-        starts = self.starts  # type: ignore[attr-defined]
-        which = np.searchsorted(starts, rows, side="right") - 1
-        ids = np.empty(len(rows), dtype=object)
+               ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+        """Unit rows and norms of ``modality`` at global row positions (a raw vector is
+        ``unit * norm``)."""
+        which, local = self._split(rows)
         dim = self.chunks[0].unit(modality).shape[1] if self.chunks else 0
-        vectors = np.empty((len(rows), dim), dtype=np.float32)
         units = np.empty((len(rows), dim), dtype=np.float32)
+        norms = np.empty(len(rows), dtype=np.float32)
         for c in np.unique(which):
             at = which == c
-            local = rows[at] - starts[c]
-            ids[at] = self.chunks[c].ids[local]
-            vectors[at] = self.chunks[c].raw(modality, local)
-            units[at] = self.chunks[c].unit(modality)[local]
-        return ids.astype(str), vectors, units
+            chunk = self.chunks[c]
+            units[at] = chunk.unit(modality)[local[at]]
+            norms[at] = (chunk.norm_img if modality == "image" else chunk.norm_txt)[local[at]]
+        return units, norms
+
+    def ids_at(self, rows: NDArray[np.int64]) -> list[str]:
+        """Item ids at global row positions."""
+        which, local = self._split(rows)
+        pairs = zip(which.tolist(), local.tolist(), strict=True)
+        return [str(self.chunks[c].ids[i]) for c, i in pairs]
+
+    def _split(self, rows: NDArray[np.int64]) -> tuple[NDArray[np.intp], NDArray[np.int64]]:
+        starts = self.starts  # type: ignore[attr-defined]
+        which = np.searchsorted(starts, rows, side="right") - 1
+        return which, rows - starts[which]
 
     def appended(self, chunk: GalleryChunk, max_items: int) -> Gallery:
         """This gallery with ``chunk`` added and the oldest rows past ``max_items`` removed.

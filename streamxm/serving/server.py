@@ -476,7 +476,7 @@ class ModelServer:
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
         proposed, rows = self.coalescer.search(blocks, query, wanted)
-        ids, items, units = gallery.locate(rows, target)
+        units, norms = gallery.locate(rows, target)
         if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
                                                                         k, blocks):
             # The reduced-precision scan could have missed part of the exact top k (scores
@@ -484,10 +484,11 @@ class ModelServer:
             self.exact_scans += 1
             _, rows = top_k(query[None, :], gallery.exact_blocks(target), wanted)
             rows = rows[0]
-            ids, items, _ = gallery.locate(rows, target)
-        order_rows = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
-        ids, items = ids[order_rows], items[order_rows]
+            units, norms = gallery.locate(rows, target)
+        by_row = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
+        rows, items = rows[by_row], units[by_row] * norms[by_row, None]
         scores = _exact_scores(model, modality, target, vector, items)
         order = np.argsort(-scores, kind="stable")[:k]
-        return SearchAnswer(served, [(str(ids[i]), float(scores[i])) for i in order], lag,
+        ids = gallery.ids_at(rows[order])
+        return SearchAnswer(served, list(zip(ids, scores[order].tolist(), strict=True)), lag,
                             index_version)
