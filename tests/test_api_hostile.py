@@ -304,7 +304,7 @@ def test_an_internal_error_is_a_500_with_its_traceback_logged(
     """No blanket ValueError -> 400: a bug inside a route must not pass for the client's fault."""
     from streamxm.serving.server import ModelServer
 
-    def broken(*args: object, **kwargs: object) -> None:
+    async def broken(*args: object, **kwargs: object) -> None:
         raise ValueError("a bug, not a bad request")
 
     records: list[logging.LogRecord] = []
@@ -312,7 +312,7 @@ def test_an_internal_error_is_a_500_with_its_traceback_logged(
     handler.emit = records.append  # type: ignore[method-assign]
     server_log = logging.getLogger("uvicorn.error")  # where uvicorn logs unhandled errors
     server_log.addHandler(handler)
-    monkeypatch.setattr(ModelServer, "search", broken)
+    monkeypatch.setattr(ModelServer, "search_async", broken)
     try:
         answer = httpx.post(f"{api.url}/v1/search",
                             json={"modality": "image", "vector": [0.5] * 8, "k": 3})

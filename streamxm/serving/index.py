@@ -180,9 +180,14 @@ class QueryCoalescer:
     def search(self, blocks: Sequence[Block], query: NDArray[np.float32], k: int
                ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
         """Block until the query's batch is answered; its scores and rows, best first."""
+        return self.submit(blocks, query, k).result()
+
+    def submit(self, blocks: Sequence[Block], query: NDArray[np.float32], k: int
+               ) -> Future[tuple[NDArray[np.float32], NDArray[np.int64]]]:
+        """The query's scores and rows, best first, when its batch is answered."""
         request = _Request(blocks, np.ascontiguousarray(query, dtype=np.float32), k)
         self._queue.put(request)
-        return request.future.result()
+        return request.future
 
     def close(self) -> None:
         self._queue.put(None)

