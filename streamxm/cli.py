@@ -77,10 +77,12 @@ def _cmd_indexer(args: argparse.Namespace) -> int:
 def _cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    import api.app  # noqa: F401  (imported here so that its objects are frozen below)
     from streamxm.config import get_settings
-    from streamxm.serving.httpserver import server_options
+    from streamxm.serving.httpserver import freeze_startup_objects, server_options
 
     settings = get_settings()  # invalid settings stop here, with the setting named
+    freeze_startup_objects()
     uvicorn.run("api.app:create_app", factory=True, host=args.host or settings.api_host,
                 port=args.port or settings.api_port, log_level="info",
                 **server_options(settings))

@@ -10,6 +10,7 @@ connection is closed. Time the application spends answering does not count.
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -64,3 +65,16 @@ def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn options every API server of the project runs with."""
     return {"http": guarded_h11(settings.request_read_timeout_seconds),
             "timeout_keep_alive": 5}
+
+
+def freeze_startup_objects() -> None:
+    """Leave the objects made at import time out of every later garbage collection.
+
+    PyTorch, FastAPI and pydantic leave ~270,000 long-lived objects after import, and each
+    full collection walked all of them (~140 ms): in ``bench query`` at 100,000 items those
+    pauses were the p99 (234 ms against a p50 of 71 ms; 109 ms frozen). Frozen, a full
+    collection only walks what the server made since; call it once the app is imported,
+    before serving.
+    """
+    gc.collect()
+    gc.freeze()
