@@ -56,7 +56,8 @@ async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
         if body.mode == "paired" and len(images) != len(texts):
             raise unprocessable(["texts"], "length_mismatch",
                                 "paired mode needs as many texts as images")
-        served, scores = context.server.similarity(name, images, texts, body.mode == "matrix")
+        served, scores = context.server.similarity(name, images, texts, body.mode == "matrix",
+                                                   body.version)
         return SimilarityOut(model=name, version=served.version, scores=scores.tolist())
 
     return await context.compute(score)
@@ -73,7 +74,7 @@ async def search(body: SearchIn, context: Context) -> SearchOut:
     target = body.target or other_modality(body.modality)
     try:
         answer = await context.server.search_async(name, body.modality, vector, body.k,
-                                                   context.compute, target)
+                                                   context.compute, target, body.version)
     except SameModalityUnsupported as exc:
         raise unprocessable(["target"], "not_shared_space", str(exc)) from None
     context.metrics.version_lag.labels(name).observe(answer.version_lag_s)

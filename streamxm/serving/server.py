@@ -22,8 +22,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -44,7 +46,7 @@ from streamxm.worker.checkpoint import CheckpointStore
 
 __all__ = ["EmbeddedGallery", "InvalidModelName", "ModelNotReady", "ModelServer",
            "SameModalityUnsupported", "SearchAnswer", "ServedModel", "UnknownModel",
-           "other_modality"]
+           "VersionNotKept", "other_modality"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,10 @@ class UnknownModel(LookupError):
 
 class ModelNotReady(LookupError):
     """The model exists (or the server has not looked yet) but no checkpoint is loaded."""
+
+
+class VersionNotKept(UnknownModel):
+    """A pinned version that the checkpoint store no longer keeps (or never had)."""
 
 
 def other_modality(modality: str) -> Literal["image", "text"]:
@@ -79,11 +85,14 @@ class EmbeddedGallery:
     model: CrossModalModel
     # chunk -> (image embeddings, text embeddings) as the backend scans them, in gallery order
     embedded: tuple[tuple[GalleryChunk, Block, Block], ...]
+    #: The gallery snapshot of exactly these chunks (what the index's rows refer to).
+    gallery: Gallery = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_blocks", {
             "image": tuple(a for _, a, _ in self.embedded),
             "text": tuple(b for _, _, b in self.embedded)})
+        object.__setattr__(self, "gallery", Gallery(tuple(c for c, _, _ in self.embedded)))
 
     def blocks(self, modality: str) -> tuple[Block, ...]:
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
@@ -231,6 +240,9 @@ class ModelServer:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.coalescer = QueryCoalescer()
+        # Pinned versions loaded for queries that name one, most recently used last.
+        self._pins: OrderedDict[tuple[str, int], ServedModel] = OrderedDict()
+        self.pins_max = 4
         #: Searches whose reduced-precision candidates could not be proven complete and were
         #: answered by a float32 scan instead.
         self.exact_scans = 0
@@ -419,7 +431,45 @@ class ModelServer:
     def ready(self) -> bool:
         return bool(self.served)
 
-    def get(self, name: str) -> ServedModel:
+    def get(self, name: str, version: int | None = None) -> ServedModel:
+        """The served version of ``name``, or the kept ``version`` of it (loaded from the store
+        on first use; :class:`VersionNotKept` when the store no longer keeps it)."""
+        served = self._served(name)
+        if version is None or version == served.version:
+            return served
+        pinned = self._pins.get((name, version))
+        if pinned is None:
+            pinned = self.pin(name, version)
+        self._pins.move_to_end((name, version))
+        # Candidates for models without a fixed space come from the newest embedded index.
+        return replace(pinned, index=served.index, gallery_items=served.gallery_items)
+
+    def is_loaded(self, name: str, version: int | None) -> bool:
+        """Whether :meth:`get` answers without reading the store."""
+        served = self.served.get(name)
+        return (served is None or version is None or version == served.version
+                or (name, version) in self._pins)
+
+    def pin(self, name: str, version: int) -> ServedModel:
+        """Load a kept version of ``name`` for queries that name it (a few are cached)."""
+        self._served(name)
+        ckpt = self.store.load(name, version)
+        if ckpt is None:
+            kept = [v for v, _ in (self.store.head(name) or {}).get("history", [])]
+            raise VersionNotKept(f"model {name!r} version {version} is not kept; kept "
+                                 f"versions: {', '.join(map(str, kept)) or 'none'}")
+        learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+        learner.flush()
+        pinned = ServedModel(name=name, version=ckpt.version, model=learner.model,
+                             head={"version": ckpt.version, "created": ckpt.created,
+                                   "last_id": ckpt.last_id, "pairs_seen": learner.pairs_seen},
+                             loaded_at=time.time())
+        self._pins[(name, version)] = pinned
+        while len(self._pins) > self.pins_max:
+            self._pins.popitem(last=False)
+        return pinned
+
+    def _served(self, name: str) -> ServedModel:
         try:
             split_name(name)
         except ValueError as exc:
@@ -437,9 +487,10 @@ class ModelServer:
         return max(0.0, time.time() - created) if version > served.version else 0.0
 
     def similarity(self, name: str, images: NDArray[np.float32], texts: NDArray[np.float32],
-                   matrix: bool) -> tuple[ServedModel, NDArray[np.float64]]:
+                   matrix: bool, version: int | None = None
+                   ) -> tuple[ServedModel, NDArray[np.float64]]:
         """Scores of (image_i, text_i) pairs, or the full image x text matrix."""
-        served = self.get(name)
+        served = self.get(name, version)
         if matrix:
             return served, served.model.similarity(images, texts)
         a = served.model.embed_images(images).astype(np.float64)
@@ -447,7 +498,7 @@ class ModelServer:
         return served, np.einsum("ij,ij->i", a, b)
 
     def search(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-               target: str | None = None) -> SearchAnswer:
+               target: str | None = None, version: int | None = None) -> SearchAnswer:
         """The ``k`` best gallery items of modality ``target`` (default: the other modality)
         for one query vector of ``modality``, scored by the served version exactly as
         :meth:`similarity` scores them, ties in gallery order.
@@ -455,9 +506,9 @@ class ModelServer:
         Candidates come from a version-independent index: the gallery's unit rows against
         the query moved into them (:attr:`CrossModalModel.fixed_space`), or else the newest
         embedded index. Same-modality search needs a model whose embeddings share one space;
-        others raise :class:`SameModalityUnsupported`.
+        others raise :class:`SameModalityUnsupported`. ``version`` pins a kept version.
         """
-        steps = self._search_steps(name, modality, vector, k, target)
+        steps = self._search_steps(name, modality, vector, k, target, version)
         try:
             step = next(steps)
             while True:
@@ -470,12 +521,13 @@ class ModelServer:
 
     async def search_async(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
                            offload: Callable[[Callable[[], Any]], Awaitable[Any]],
-                           target: str | None = None) -> SearchAnswer:
+                           target: str | None = None, version: int | None = None
+                           ) -> SearchAnswer:
         """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
         of the candidates) run on the loop, the scan is awaited from the coalescing thread,
         and heavy work (a float32 scan, embedding new gallery chunks) goes to ``offload``.
         Under load this saves two thread hand-offs per search, a third of the API's CPU."""
-        steps = self._search_steps(name, modality, vector, k, target)
+        steps = self._search_steps(name, modality, vector, k, target, version)
         try:
             step = next(steps)
             while True:
@@ -489,9 +541,12 @@ class ModelServer:
             return done.value  # type: ignore[no-any-return]
 
     def _search_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-                      target: str | None) -> Generator[_Scan | _Work, Any, SearchAnswer]:
+                      target: str | None, version: int | None
+                      ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
         """The search, yielding each scan (and any heavy step) for a driver to run."""
-        served = self.get(name)
+        if version is not None and not self.is_loaded(name, version):
+            yield _Work(partial(self.pin, name, version))  # read from the store: heavy
+        served = self.get(name, version)
         gallery = self.gallery
         target = target or other_modality(modality)
         model = served.model
@@ -509,11 +564,13 @@ class ModelServer:
             query = transform(vector[None, :])[0][0].astype(np.float32)
             blocks, index_version = gallery.blocks(target), served.version
         else:
+            # The embedded index and the gallery snapshot it covers: rows that arrived since
+            # join it when the refresh thread embeds them (once, not per query).
             index = served.index
-            if index is None or not index.covers(gallery):  # embeds new chunks: heavy
-                current = index
-                index = yield _Work(lambda: current.covering(gallery) if current else
-                                    EmbeddedGallery.build(served.version, model, gallery))
+            if index is None:  # not built yet (a moment after a model's first load)
+                index = yield _Work(partial(EmbeddedGallery.build, served.version, model,
+                                            gallery))
+            gallery = index.gallery
             embed = index.model.embed_images if modality == "image" else index.model.embed_texts
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
