@@ -9,16 +9,22 @@ element validation stops at the first error, and types are strict (``"1.5"``, ``
 
 from __future__ import annotations
 
+import base64
+import binascii
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     StrictFloat,
     StrictInt,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    WrapValidator,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -51,8 +57,46 @@ class RequestLimits:
 request_limits: ContextVar[RequestLimits] = ContextVar("request_limits",
                                                        default=RequestLimits())
 
-Vector = Annotated[list[StrictFloat], Field(min_length=1, max_length=MAX_DIM_CEILING,
-                                            fail_fast=True)]
+def _base64_values(text: str) -> int:
+    """How many float32 values a padded base64 string of that length holds (4 n bytes take
+    4 ceil(4 n / 3) characters), known before decoding it."""
+    return len(text) * 3 // 16
+
+
+def _vector_or_base64(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A JSON list of numbers (validated as such), or a base64 string of little-endian
+    float32 bytes, decoded straight to a float32 array: ~40x less to parse and validate
+    than decimals, and exactly the bytes a client holds."""
+    if not isinstance(value, str):
+        return handler(value)
+    limit = request_limits.get().max_dim
+    if _base64_values(value) > limit:  # refused by its length, before decoding
+        raise _too_large(f"a vector of {_base64_values(value)} values exceeds the limit {limit}")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise PydanticCustomError("base64", "not valid base64 (standard alphabet, padded)"
+                                  ) from None
+    if not raw:
+        raise PydanticCustomError("too_short", "an empty vector")
+    if len(raw) % 4:
+        raise PydanticCustomError(
+            "base64_float32", "{n} bytes are not a whole number of float32 values (4 bytes "
+            "each, little-endian)", {"n": len(raw)})
+    return np.frombuffer(raw, dtype="<f4")
+
+
+#: A vector: a JSON list of numbers, or a base64 string of little-endian float32 bytes (then
+#: a float32 array after validation; both are sequences of floats to the code after it).
+Vector = Annotated[
+    list[StrictFloat],
+    Field(min_length=1, max_length=MAX_DIM_CEILING, fail_fast=True),
+    WrapValidator(_vector_or_base64),
+    WithJsonSchema({"anyOf": [
+        {"type": "array", "items": {"type": "number"}, "minItems": 1},
+        {"type": "string", "contentEncoding": "base64",
+         "description": "little-endian float32 bytes, base64 (standard alphabet, padded)"}]}),
+]
 Vectors = Annotated[list[Vector], Field(min_length=1, max_length=MAX_BATCH_CEILING,
                                         fail_fast=True)]
 Label = Annotated[StrictInt, Field(ge=0)]
@@ -74,11 +118,11 @@ def _check_values(vectors: list[Any]) -> None:
     limits = request_limits.get()
     total = 0
     for row in vectors:
-        if isinstance(row, list):
-            if len(row) > limits.max_dim:
-                raise _too_large(f"a vector of {len(row)} values exceeds the limit "
-                                 f"{limits.max_dim}")
-            total += len(row)
+        size = (len(row) if isinstance(row, list)
+                else _base64_values(row) if isinstance(row, str) else 0)
+        if size > limits.max_dim:
+            raise _too_large(f"a vector of {size} values exceeds the limit {limits.max_dim}")
+        total += size
     if total > limits.max_values:
         raise _too_large(f"{total} vector values exceed the limit {limits.max_values} per "
                          "request")
@@ -131,6 +175,9 @@ ModelName = Annotated[str, Field(min_length=1, max_length=256,
 
 class SimilarityIn(_Strict):
     model: ModelName | None = None
+    version: StrictInt | None = Field(
+        default=None, ge=1, description="a kept model version to answer with (default: the "
+        "newest loaded); 404 when the store no longer keeps it")
     images: Vectors
     texts: Vectors
     mode: Literal["paired", "matrix"] = Field(
@@ -153,6 +200,9 @@ class SimilarityOut(BaseModel):
 
 class SearchIn(_Strict):
     model: ModelName | None = None
+    version: StrictInt | None = Field(
+        default=None, ge=1, description="a kept model version to answer with (default: the "
+        "newest loaded); 404 when the store no longer keeps it")
     modality: Literal["image", "text"] = Field(description="modality of the query vector")
     target: Literal["image", "text"] | None = Field(
         default=None, description="modality of the results; default the other one. The same "

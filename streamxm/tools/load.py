@@ -20,6 +20,7 @@ measures its reference in the same run, so figures are ratios on the same noisy 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -140,9 +141,19 @@ def stack(**settings: Any) -> Iterator[Stack]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _pair_json(pair: Pair) -> dict[str, Any]:
-    return {"id": pair.id, "img": pair.img.tolist(), "txt": pair.txt.tolist(),
+def _pair_json(pair: Pair, binary: bool = False) -> dict[str, Any]:
+    """A pair as ``POST /v1/pairs`` takes it: vectors as JSON numbers, or as base64 strings of
+    little-endian float32 bytes (``binary``)."""
+    def vector(x: Any) -> Any:
+        return b64_float32(x) if binary else x.tolist()
+
+    return {"id": pair.id, "img": vector(pair.img), "txt": vector(pair.txt),
             "labels": list(pair.labels)}
+
+
+def b64_float32(vector: Any) -> str:
+    """A vector as the API's binary form: base64 of its little-endian float32 bytes."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -167,12 +178,15 @@ def _redis_benchmark(st: Stack, img_dim: int, txt_dim: int, n: int, pipeline: in
 
 def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000, http_batch: int = 64,
            chunk: int = 500, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
-    """Median pairs/s of client, HTTP and ``redis-benchmark`` XADD, and their ratios."""
+    """Median pairs/s of the client, of HTTP with JSON numbers and with base64 float32 vectors,
+    and of ``redis-benchmark`` XADD, and their ratios; all in the same run."""
     data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
     # Bodies encoded up front: the figure is the API's rate, not this process's JSON encoder.
-    bodies = [json.dumps({"pairs": [_pair_json(p) for p in data[i : i + http_batch]]}).encode()
-              for i in range(0, pairs, http_batch)]
-    client_rates, http_rates, rb_rates = [], [], []
+    bodies = {binary: [json.dumps({"pairs": [_pair_json(p, binary) for p in
+                                             data[i : i + http_batch]]}).encode()
+                       for i in range(0, pairs, http_batch)] for binary in (False, True)}
+    client_rates, rb_rates = [], []
+    http_rates: dict[bool, list[float]] = {False: [], True: []}
     with stack() as st:
         url = st.api()
         client = StreamClient(st.r, NAMESPACE)
@@ -182,33 +196,40 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000, http_bat
             client.push_pairs(data, chunk=chunk)
             client_rates.append(pairs / (time.perf_counter() - start))
             st.r.delete(st.keys.pairs)
-            start = time.perf_counter()
-            for body in bodies:
-                response = http.post(f"{url}/v1/pairs", content=body)
-                if response.status_code != 202:
-                    raise RuntimeError(f"POST /v1/pairs: {response.status_code} "
-                                       f"{response.text[:200]}")
-            http_rates.append(pairs / (time.perf_counter() - start))
-            st.r.delete(st.keys.pairs)
+            for binary, encoded in bodies.items():
+                start = time.perf_counter()
+                for body in encoded:
+                    response = http.post(f"{url}/v1/pairs", content=body)
+                    if response.status_code != 202:
+                        raise RuntimeError(f"POST /v1/pairs: {response.status_code} "
+                                           f"{response.text[:200]}")
+                http_rates[binary].append(pairs / (time.perf_counter() - start))
+                st.r.delete(st.keys.pairs)
             rate = _redis_benchmark(st, img_dim, txt_dim, max(pairs, 5000), chunk)
             if rate is not None:
                 rb_rates.append(rate)
         http.close()
+    client_rate = statistics.median(client_rates)
+    binary_rate = statistics.median(http_rates[True])
     result: dict[str, Any] = {
         "benchmark": "ingest", "img_dim": img_dim, "txt_dim": txt_dim, "pairs": pairs,
         "entry_bytes": 4 * (img_dim + txt_dim), "client_pipeline": chunk,
         "http_batch": http_batch, "repeats": repeats,
-        "client_pairs_per_s": round(statistics.median(client_rates), 1),
-        "http_pairs_per_s": round(statistics.median(http_rates), 1),
+        "client_pairs_per_s": round(client_rate, 1),
+        "http_pairs_per_s": round(statistics.median(http_rates[False]), 1),
+        "http_binary_pairs_per_s": round(binary_rate, 1),
+        "http_binary_to_client": round(binary_rate / client_rate, 3),
         "client_runs": [round(x, 1) for x in client_rates],
-        "http_runs": [round(x, 1) for x in http_rates],
+        "http_runs": [round(x, 1) for x in http_rates[False]],
+        "http_binary_runs": [round(x, 1) for x in http_rates[True]],
     }
     if rb_rates:
         rb = statistics.median(rb_rates)
         result.update(redis_benchmark_xadd_per_s=round(rb, 1),
                       redis_benchmark_runs=[round(x, 1) for x in rb_rates],
                       client_ratio=round(result["client_pairs_per_s"] / rb, 3),
-                      http_ratio=round(result["http_pairs_per_s"] / rb, 3))
+                      http_ratio=round(result["http_pairs_per_s"] / rb, 3),
+                      http_binary_ratio=round(binary_rate / rb, 3))
     else:
         result["redis_benchmark_xadd_per_s"] = None
         result["note"] = "redis-benchmark not found (Debian: apt-get install redis-tools)"
