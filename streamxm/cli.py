@@ -119,6 +119,35 @@ def _cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rollback(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from streamxm.config import get_settings
+    from streamxm.service import open_store
+    from streamxm.stream.keys import Keys
+    from streamxm.stream.redis_conn import connect
+    from streamxm.worker.rollback import VersionNotKeptError, history, rollback
+
+    settings = get_settings()
+    client = connect(settings)
+    keys = Keys(settings.namespace)
+    store = open_store(settings, client)
+    if args.to is None:  # show what a rollback could go to, and what was done before
+        head = store.head(args.model) or {}
+        print(json.dumps({"model": args.model, "version": head.get("version"),
+                          "kept": [v for v, _ in head.get("history", [])],
+                          "history": history(client, keys, args.model)}))
+        return 0
+    try:
+        done = rollback(client, store, keys, args.model, args.to,
+                        lease_ms=max(30_000, settings.lease_ttl_ms))
+    except VersionNotKeptError as exc:
+        print(f"streamxm rollback: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(done)))
+    return 0
+
+
 def _cmd_push(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -265,6 +294,15 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.set_defaults(func=_cmd_top)
+
+    rb = sub.add_parser("rollback", help="make a kept checkpoint version the served one and the "
+                        "one its learner continues from (the stream after it is replayed)")
+    rb.add_argument("--model", required=True, type=_model_name,
+                    help="model name: " + ", ".join(MODEL_NAMES))
+    rb.add_argument("--to", type=int, default=None, metavar="VERSION",
+                    help="kept version to go back to; without it, list the kept versions and "
+                    "the model's past rollbacks")
+    rb.set_defaults(func=_cmd_rollback)
 
     push = sub.add_parser("push", help="push a dataset's training pairs into the stream")
     push.add_argument("--dataset", required=True, help=DATASET_HELP)

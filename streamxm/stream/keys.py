@@ -64,6 +64,10 @@ class Keys:
         """Hash of learning statistics, written with each checkpoint, read by the API."""
         return f"{self.prefix}:stats:{model}"
 
+    def history(self, model: str) -> str:
+        """List of the model's operator events, newest first (JSON; rollbacks)."""
+        return f"{self.prefix}:history:{model}"
+
     def checkpoint_head(self, model: str) -> str:
         return f"{self.prefix}:ckpt:{model}:head"
 

@@ -43,6 +43,7 @@ from numpy.typing import NDArray
 
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash, text
+from streamxm.stream.retention import entry_id_key
 from streamxm.worker.faults import pause_point
 
 __all__ = [
@@ -174,9 +175,11 @@ class CheckpointStore(ABC):
         previous = self.head(model)
         history = [(ckpt.version, sha), *(previous["history"] if previous else [])]
         kept, dropped = history[: self.keep], history[self.keep :]
-        # The stream position of the oldest kept version: what retention must keep after it.
+        # The earliest stream position of a kept version: what retention must keep after it
+        # (not always the oldest version's: a rollback commits an old position anew).
         positions = {**(previous or {}).get("positions", {}), ckpt.version: ckpt.last_id}
-        head_extra = {**head_extra, "kept_from": positions.get(kept[-1][0], "0-0"),
+        kept_from = min((positions.get(v, "0-0") for v, _ in kept), key=entry_id_key)
+        head_extra = {**head_extra, "kept_from": kept_from,
                       "positions": ",".join(f"{v}:{positions[v]}" for v, _ in kept
                                             if v in positions)}
 
