@@ -37,6 +37,11 @@ def b64(vector: np.ndarray) -> str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
+def _seen(settings: Settings, r: redis.Redis) -> int:
+    """Pairs in the newest checkpoint (0 before the first)."""
+    return 0 if open_store(settings, r).head("cmos") is None else latest(settings, r).pairs_seen
+
+
 def _kept(settings: Settings, r: redis.Redis) -> list[int]:
     head = open_store(settings, r).head("cmos")
     assert head is not None
@@ -141,7 +146,7 @@ def test_rollback_under_a_live_worker_replays_the_stream_after_the_kept_version(
     client.push_pairs(pairs[:800])
     worker = WorkerProcess(env)
     try:
-        wait_for(lambda: latest(settings, r).pairs_seen == 800, 60, "800 pairs learned")
+        wait_for(lambda: _seen(settings, r) == 800, 60, "800 pairs learned")
         kept = _kept(settings, r)
         target = kept[len(kept) // 2]  # a version in the middle of the kept ones
         store = open_store(settings, r)
@@ -162,7 +167,7 @@ def test_rollback_under_a_live_worker_replays_the_stream_after_the_kept_version(
         assert entry_id_key(head["kept_from"]) <= entry_id_key(target_ckpt.last_id)
         # More pairs arrive; the worker (fenced, reloaded) replays and learns them all.
         client.push_pairs(pairs[800:])
-        wait_for(lambda: latest(settings, r).pairs_seen == n
+        wait_for(lambda: _seen(settings, r) == n
                  and (store.head("cmos") or {}).get("version", 0) > done["new_version"],
                  90, "the worker to replay after the rollback and learn the rest")
         time.sleep(0.5)
