@@ -9,7 +9,6 @@ element validation stops at the first error, and types are strict (``"1.5"``, ``
 
 from __future__ import annotations
 
-import base64
 import binascii
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -73,7 +72,7 @@ def _vector_or_base64(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     if _base64_values(value) > limit:  # refused by its length, before decoding
         raise _too_large(f"a vector of {_base64_values(value)} values exceeds the limit {limit}")
     try:
-        raw = base64.b64decode(value, validate=True)
+        raw = binascii.a2b_base64(value, strict_mode=True)  # C-level check, no regex
     except (binascii.Error, ValueError):
         raise PydanticCustomError("base64", "not valid base64 (standard alphabet, padded)"
                                   ) from None

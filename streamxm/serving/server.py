@@ -35,7 +35,7 @@ from numpy.typing import NDArray
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel, split_name
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
-from streamxm.serving.index import Block, QueryCoalescer, index_block, top_k
+from streamxm.serving.index import Block, QueryCoalescer, index_block
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
@@ -512,7 +512,7 @@ class ModelServer:
         try:
             step = next(steps)
             while True:
-                if isinstance(step, _Scan) and step.coalesce:
+                if isinstance(step, _Scan):
                     step = steps.send(self.coalescer.search(step.blocks, step.query, step.k))
                 else:
                     step = steps.send(step.run())
@@ -525,13 +525,13 @@ class ModelServer:
                            ) -> SearchAnswer:
         """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
         of the candidates) run on the loop, the scan is awaited from the coalescing thread,
-        and heavy work (a float32 scan, embedding new gallery chunks) goes to ``offload``.
+        and heavy work (loading a pinned version, building a missing index) goes to ``offload``.
         Under load this saves two thread hand-offs per search, a third of the API's CPU."""
         steps = self._search_steps(name, modality, vector, k, target, version)
         try:
             step = next(steps)
             while True:
-                if isinstance(step, _Scan) and step.coalesce:
+                if isinstance(step, _Scan):
                     found = await asyncio.wrap_future(
                         self.coalescer.submit(step.blocks, step.query, step.k))
                 else:
@@ -574,16 +574,15 @@ class ModelServer:
             embed = index.model.embed_images if modality == "image" else index.model.embed_texts
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
-        proposed, rows = yield _Scan(blocks, query, wanted, coalesce=True)
+        proposed, rows = yield _Scan(blocks, query, wanted)
         units, norms = gallery.locate(rows, target)
         if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
                                                                         k, blocks):
             # The reduced-precision scan could have missed part of the exact top k (scores
             # flatter than its rounding): scan the float32 rows instead.
             self.exact_scans += 1
-            _, found = yield _Scan(gallery.exact_blocks(target), query[None, :], wanted,
-                                   coalesce=False)
-            rows = found[0]
+            # Coalesced too: the fallbacks of concurrent searches share one pass.
+            _, rows = yield _Scan(gallery.exact_blocks(target), query, wanted)
             units, norms = gallery.locate(rows, target)
         by_row = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
         rows, items = rows[by_row], units[by_row] * norms[by_row, None]
@@ -596,20 +595,17 @@ class ModelServer:
 
 @dataclass(frozen=True, eq=False)
 class _Scan:
-    """A top-k scan a search needs: coalesced with other searches' (one query row), or run
-    alone (the float32 fallback)."""
+    """A top-k scan a search needs, answered by the coalescing thread with the concurrent
+    searches' scans of the same blocks."""
 
     blocks: tuple[Block, ...]
-    query: NDArray[np.float32]
+    query: NDArray[np.float32]  # one query vector
     k: int
-    coalesce: bool
-
-    def run(self) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
-        return top_k(self.query, self.blocks, self.k)
 
 
 @dataclass(frozen=True, eq=False)
 class _Work:
-    """A heavy step of a search (embedding gallery chunks), run off the event loop."""
+    """A heavy step of a search (loading a pinned version, building a missing index), run
+    off the event loop."""
 
     run: Callable[[], Any]
