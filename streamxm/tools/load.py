@@ -54,7 +54,8 @@ from streamxm.serving.segments import SEGMENTS, read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair, make_pair
-from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash, text
+from streamxm.stream.retention import entry_id_key
 from streamxm.tools.datasets import synthetic_arrays, synthetic_pairs
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import free_port, wait_for
@@ -446,8 +447,10 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
     The gallery is :func:`~streamxm.tools.datasets.synthetic_pairs` (non-negative rows around
     100 cluster centres, like bag-of-words histograms), so an index that relies on the items'
     structure gets the structure real features have. A gallery indexer writes the segments the
-    API opens. Afterwards a second API process is started on the same data and timed until it
-    serves the whole gallery (``replica_ready_s``), and a sample of answers is compared with the
+    API opens; the load starts once the API serves the whole gallery and the indexer has
+    covered every pushed pair (steady state). Afterwards a second API process is started on
+    the same data and timed until it serves the whole gallery (``replica_ready_s``), and a
+    sample of answers is compared with the
     exact ranking of the version that served each (``recall_at_10``).
     """
     imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
@@ -478,6 +481,15 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
                        for m in models)
 
         wait_for(served, 900, "the API to load a model and the whole gallery")
+        # Steady state: the indexer has written every pushed pair into segments (the API can
+        # serve the whole gallery earlier, from the stream tail, while the indexer catches up).
+        pushed = text(st.r.xinfo_stream(st.keys.pairs)["last-generated-id"])
+
+        def indexed() -> bool:
+            manifest = read_manifest(st.r, st.keys)
+            return manifest is not None and entry_id_key(manifest.last_id) >= entry_id_key(pushed)
+
+        wait_for(indexed, 900, "the gallery indexer to cover every pushed pair")
         before = st.processed(model)
         pids = {"worker": st.procs[0].pid, "indexer": st.procs[1].pid, "api": st.procs[2].pid,
                 "load_generator": None}
