@@ -450,8 +450,8 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
     API opens; the load starts once the API serves the whole gallery and the indexer has
     covered every pushed pair (steady state). Afterwards a second API process is started on
     the same data and timed until it serves the whole gallery (``replica_ready_s``), and a
-    sample of answers is compared with the
-    exact ranking of the version that served each (``recall_at_10``).
+    sample of answers is compared with the exact ranking of the version that served each
+    (``recall_at_10``).
     """
     imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
     rng = np.random.default_rng(seed + 1)
