@@ -20,6 +20,7 @@ from api.routes import ingest, probes, queries
 from api.schemas import RequestLimits, error_responses, request_limits
 from streamxm.config import Settings, get_settings
 from streamxm.service import limits_from, open_store
+from streamxm.serving.champion import ChampionRule
 from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import InvalidModelName, ModelNotReady, ModelServer, UnknownModel
 from streamxm.stream.client import StreamClient
@@ -118,7 +119,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     server = ModelServer(background, open_store(settings, background), settings.namespace,
                          gallery_max=settings.gallery_max, limits=limits,
                          reembed_seconds=settings.reembed_seconds,
-                         candidates=settings.search_candidates)
+                         candidates=settings.search_candidates,
+                         champion=ChampionRule(min_pairs=settings.champion_min_pairs,
+                                               margin=settings.champion_margin,
+                                               confirmations=settings.champion_confirmations))
     metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
     context = ApiContext(settings=settings, r=r, keys=keys, limits=limits, server=server,
                          metrics=metrics, producer=StreamClient(r, settings.namespace, limits),

@@ -248,10 +248,15 @@ class ModelInfo(BaseModel):
     rolling_map: dict[str, float | None]
     checkpoint_time: float | None
     gallery_items: int
+    champion_of: list[str] = Field(
+        default_factory=list, description="directions in which this model answers model=auto")
 
 
 class ModelsOut(BaseModel):
     models: list[ModelInfo]
+    champions: dict[str, str | None] = Field(
+        default_factory=dict, description="direction -> the model answering model=auto (null "
+        "until a model has enough pairs behind its rolling mAP)")
 
 
 class ErrorOut(BaseModel):

@@ -63,7 +63,17 @@ class Settings(BaseSettings):
         default=None, description="bearer token for writes (and reads with "
         "api_token_for_reads); unset: no token. Set but empty is refused")
     api_token_for_reads: bool = False
-    default_model: str = "cmos"
+    default_model: str = Field(default="auto", description="model used when a request names "
+                               "none; auto: the champion of the query's direction")
+    champion_min_pairs: int = Field(
+        default=200, ge=1, description="pairs behind a model's rolling mAP before it can be "
+        "the champion that answers model=auto")
+    champion_margin: float = Field(
+        default=0.005, ge=0, description="rolling mAP (absolute) by which a challenger must "
+        "lead the champion to replace it")
+    champion_confirmations: int = Field(
+        default=3, ge=1, description="consecutive refreshes the challenger must lead by the "
+        "margin")
     gallery_max: int = Field(default=100_000, ge=1)
     stream_retention: bool = Field(
         default=True, description="workers trim the pairs stream after each checkpoint to "

@@ -15,7 +15,7 @@ from api.schemas import (
     SimilarityOut,
     error_responses,
 )
-from streamxm.serving.server import SameModalityUnsupported, other_modality
+from streamxm.serving.server import SameModalityUnsupported, direction_of, other_modality
 from streamxm.stream.redis_conn import str_hash, str_set
 from streamxm.worker.stats import WorkerStats
 
@@ -38,18 +38,21 @@ def models(context: Context) -> ModelsOut:
             mistakes=stats.mistakes, triplets=stats.triplets, rolling_map=stats.rolling_map,
             checkpoint_time=stats.checkpoint_time,
             gallery_items=served.gallery_size if served else 0,
+            champion_of=[d for d, m in server.champion.champions.items() if m == name],
         ))
-    return ModelsOut(models=out)
+    return ModelsOut(models=out, champions=dict(server.champion.champions))
 
 
-def _model_name(context: ApiContext, name: str | None) -> str:
-    return name or context.settings.default_model
+def _model_name(context: ApiContext, name: str | None, direction: str) -> str:
+    """The model a query names, or the default; ``auto``: the direction's champion now."""
+    return context.server.resolve(name or context.settings.default_model, direction)
 
 
 @router.post("/v1/similarity", response_model=SimilarityOut, responses=_QUERY_ERRORS)
 async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
     def score() -> SimilarityOut:
-        name = _model_name(context, body.model)
+        # Paired or matrix scores have no query direction: auto answers with image->text's.
+        name = _model_name(context, body.model, "i2t")
         model = context.server.get(name).model
         images = matrix(body.images, "images", model.img_dim)
         texts = matrix(body.texts, "texts", model.txt_dim)
@@ -67,7 +70,7 @@ async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
 async def search(body: SearchIn, context: Context) -> SearchOut:
     # On the event loop: only light steps run here (validation, the query transform, the exact
     # re-rank of ~100 candidates); the scan is awaited and heavy work goes to the query threads.
-    name = _model_name(context, body.model)
+    name = _model_name(context, body.model, direction_of(body.modality))
     model = context.server.get(name).model
     dim = model.img_dim if body.modality == "image" else model.txt_dim
     vector = matrix([body.vector], "vector", dim)[0]

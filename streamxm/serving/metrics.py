@@ -132,6 +132,10 @@ class StreamCollector(Collector):
                                          "newest checkpoint version", labels=["model"])
         served_version = GaugeMetricFamily("streamxm_model_version",
                                            "model version the API serves", labels=["model"])
+        champion = GaugeMetricFamily(
+            "streamxm_champion", "1 for the model that answers model=auto in a direction (its "
+            "rolling mAP leads, with hysteresis), 0 for the other served models",
+            labels=["model", "direction"])
         lag = GaugeMetricFamily("streamxm_stream_lag",
                                 "stream entries, from any producer, the model's learner has not "
                                 "yet applied and checkpointed", labels=["model"])
@@ -207,8 +211,12 @@ class StreamCollector(Collector):
             if served is not None:
                 served_version.add_metric([model], served.version)
                 gallery.add_metric([model], served.gallery_size)
+                for direction in DIRECTIONS:
+                    champion.add_metric(
+                        [model, direction],
+                        float(self.server.champion.champions.get(direction) == model))
         yield from (processed, triplets, mistakes, rolling, age, ckpt_version, served_version,
-                    lag, pending, update, gallery, drifts)
+                    lag, pending, update, gallery, drifts, champion)
 
         corrupt = CounterMetricFamily(
             "streamxm_checkpoint_corrupt",

@@ -33,18 +33,20 @@ import redis
 from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
-from streamxm.models import CrossModalModel, split_name
+from streamxm.models import DIRECTIONS, CrossModalModel, split_name
+from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
 from streamxm.serving.index import Block, QueryCoalescer, index_block
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
-from streamxm.stream.redis_conn import str_set, stream_entries, text
+from streamxm.stream.redis_conn import str_hash, str_set, stream_entries, text
 from streamxm.stream.retention import entry_id_key
 from streamxm.worker.checkpoint import CheckpointStore
+from streamxm.worker.stats import WorkerStats
 
-__all__ = ["EmbeddedGallery", "InvalidModelName", "ModelNotReady", "ModelServer",
+__all__ = ["AUTO", "EmbeddedGallery", "InvalidModelName", "ModelNotReady", "ModelServer",
            "SameModalityUnsupported", "SearchAnswer", "ServedModel", "UnknownModel",
            "VersionNotKept", "other_modality"]
 
@@ -65,6 +67,15 @@ class ModelNotReady(LookupError):
 
 class VersionNotKept(UnknownModel):
     """A pinned version that the checkpoint store no longer keeps (or never had)."""
+
+
+#: The model name that answers with the champion of the query's direction.
+AUTO = "auto"
+
+
+def direction_of(modality: str) -> str:
+    """The retrieval direction of a query: ``"i2t"`` for image queries, ``"t2i"`` for text."""
+    return "i2t" if modality == "image" else "t2i"
 
 
 def other_modality(modality: str) -> Literal["image", "text"]:
@@ -204,12 +215,14 @@ class ModelServer:
         re-ranks them exactly.
     candidates
         Candidates re-ranked per query: ``max(candidates, 4 k)``.
+    champion
+        The rule that picks who answers ``model: "auto"`` (:mod:`streamxm.serving.champion`).
     """
 
     def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
                  gallery_max: int = 100_000, limits: Limits = Limits(),
                  read_count: int = 5000, reembed_seconds: float = 10.0,
-                 candidates: int = 100) -> None:
+                 candidates: int = 100, champion: ChampionRule | None = None) -> None:
         self.r = client
         self.store = store
         self.keys = Keys(namespace)
@@ -240,6 +253,8 @@ class ModelServer:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.coalescer = QueryCoalescer()
+        #: The champion per direction: who answers ``model: "auto"`` (updated every refresh).
+        self.champion = champion or ChampionRule()
         # Pinned versions loaded for queries that name one, most recently used last.
         self._pins: OrderedDict[tuple[str, int], ServedModel] = OrderedDict()
         self.pins_max = 4
@@ -286,10 +301,35 @@ class ModelServer:
             if head["version"] != self._attempted.get(name):
                 self._attempted[name] = head["version"]
                 self._load(name)
+        self._judge()
         if self._read_gallery():
             for name in list(self.served):
                 self._cover_gallery(name)
         self.refreshed = True
+
+    def _judge(self) -> None:
+        """Feed the served models' rolling test-then-train mAP to the champion rule."""
+        evidence = {}
+        for name in list(self.served):
+            stats = WorkerStats.from_hash(str_hash(self.r.hgetall(self.keys.stats(name))))
+            evidence[name] = {d: Evidence(stats.rolling_map.get(d), stats.pairs_processed)
+                              for d in DIRECTIONS}
+        before = dict(self.champion.champions)
+        self.champion.update(evidence)
+        if self.champion.champions != before:
+            log.info("champions now %s (were %s)", self.champion.champions, before)
+
+    def resolve(self, name: str, direction: str) -> str:
+        """``name``, or for ``"auto"`` the model that answers ``direction`` now."""
+        if name != AUTO:
+            return name
+        # Before the first judgement (a moment after the first load): any served model.
+        chosen = self.champion.answer(direction) or next(iter(self.served), None)
+        if chosen is None:
+            if self.refreshed and not self.known:
+                raise UnknownModel("model 'auto': no learner in this namespace")
+            raise ModelNotReady("model 'auto': no model has a checkpoint loaded yet")
+        return chosen
 
     def reembed(self) -> None:
         """Re-embed the gallery with the served version of each model without a fixed space
