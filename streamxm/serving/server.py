@@ -258,6 +258,7 @@ class ModelServer:
         # Pinned versions loaded for queries that name one, most recently used last.
         self._pins: OrderedDict[tuple[str, int], ServedModel] = OrderedDict()
         self.pins_max = 4
+        self._pins_lock = threading.Lock()  # the event loop and the query threads share it
         #: Searches whose reduced-precision candidates could not be proven complete and were
         #: answered by a float32 scan instead.
         self.exact_scans = 0
@@ -477,10 +478,12 @@ class ModelServer:
         served = self._served(name)
         if version is None or version == served.version:
             return served
-        pinned = self._pins.get((name, version))
+        with self._pins_lock:
+            pinned = self._pins.get((name, version))
+            if pinned is not None:
+                self._pins.move_to_end((name, version))
         if pinned is None:
             pinned = self.pin(name, version)
-        self._pins.move_to_end((name, version))
         # Candidates for models without a fixed space come from the newest embedded index.
         return replace(pinned, index=served.index, gallery_items=served.gallery_items)
 
@@ -504,9 +507,10 @@ class ModelServer:
                              head={"version": ckpt.version, "created": ckpt.created,
                                    "last_id": ckpt.last_id, "pairs_seen": learner.pairs_seen},
                              loaded_at=time.time())
-        self._pins[(name, version)] = pinned
-        while len(self._pins) > self.pins_max:
-            self._pins.popitem(last=False)
+        with self._pins_lock:
+            self._pins[(name, version)] = pinned
+            while len(self._pins) > self.pins_max:
+                self._pins.popitem(last=False)
         return pinned
 
     def _served(self, name: str) -> ServedModel:
