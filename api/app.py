@@ -26,6 +26,7 @@ from streamxm.serving.server import InvalidModelName, ModelNotReady, ModelServer
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import connect, resolve_url
+from streamxm.worker.checkpoint import VersionNotKept
 
 _MAX_ERRORS = 10
 _MAX_ECHO = 80
@@ -160,6 +161,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
 
     @app.exception_handler(UnknownModel)
     async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(VersionNotKept)
+    async def version_not_kept(request: Request, exc: VersionNotKept) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
     @app.exception_handler(ModelNotReady)

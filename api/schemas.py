@@ -168,15 +168,17 @@ class PairsOut(BaseModel):
     entry_ids: list[str]
 
 
+PinnedVersion = Annotated[StrictInt | None, Field(
+    ge=1, description="a kept model version to answer with (default: the newest loaded); 404 "
+    "when the store no longer keeps it")]
+
 ModelName = Annotated[str, Field(min_length=1, max_length=256,
                                  description="model name; default from settings")]
 
 
 class SimilarityIn(_Strict):
     model: ModelName | None = None
-    version: StrictInt | None = Field(
-        default=None, ge=1, description="a kept model version to answer with (default: the "
-        "newest loaded); 404 when the store no longer keeps it")
+    version: PinnedVersion = None
     images: Vectors
     texts: Vectors
     mode: Literal["paired", "matrix"] = Field(
@@ -199,9 +201,7 @@ class SimilarityOut(BaseModel):
 
 class SearchIn(_Strict):
     model: ModelName | None = None
-    version: StrictInt | None = Field(
-        default=None, ge=1, description="a kept model version to answer with (default: the "
-        "newest loaded); 404 when the store no longer keeps it")
+    version: PinnedVersion = None
     modality: Literal["image", "text"] = Field(description="modality of the query vector")
     target: Literal["image", "text"] | None = Field(
         default=None, description="modality of the results; default the other one. The same "

@@ -126,7 +126,8 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     from streamxm.service import open_store
     from streamxm.stream.keys import Keys
     from streamxm.stream.redis_conn import connect
-    from streamxm.worker.rollback import VersionNotKeptError, history, rollback
+    from streamxm.worker.checkpoint import VersionNotKept
+    from streamxm.worker.rollback import history, rollback
 
     settings = get_settings()
     client = connect(settings)
@@ -135,13 +136,13 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     if args.to is None:  # show what a rollback could go to, and what was done before
         head = store.head(args.model) or {}
         print(json.dumps({"model": args.model, "version": head.get("version"),
-                          "kept": [v for v, _ in head.get("history", [])],
+                          "kept": store.kept_versions(args.model),
                           "history": history(client, keys, args.model)}))
         return 0
     try:
         done = rollback(client, store, keys, args.model, args.to,
                         lease_ms=max(30_000, settings.lease_ttl_ms))
-    except VersionNotKeptError as exc:
+    except VersionNotKept as exc:
         print(f"streamxm rollback: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(done)))

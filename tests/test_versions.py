@@ -19,7 +19,8 @@ from streamxm.service import build_worker, open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.retention import entry_id_key
-from streamxm.worker.rollback import VersionNotKeptError, history, rollback
+from streamxm.worker.checkpoint import VersionNotKept
+from streamxm.worker.rollback import history, rollback
 from tests.conftest import (
     PY,
     ApiServer,
@@ -152,7 +153,7 @@ def test_rollback_under_a_live_worker_replays_the_stream_after_the_kept_version(
         store = open_store(settings, r)
         target_ckpt = store.load("cmos", target)
         assert target_ckpt is not None
-        with pytest.raises(VersionNotKeptError, match="version 99999 is not kept"):
+        with pytest.raises(VersionNotKept, match="version 99999 is not kept"):
             rollback(r, store, keys, "cmos", 99999)
         out = subprocess.run([*PY, "rollback", "--model", "cmos", "--to", str(target)],
                              env=env, capture_output=True, text=True, timeout=60)

@@ -48,7 +48,7 @@ from streamxm.worker.stats import WorkerStats
 
 __all__ = ["AUTO", "EmbeddedGallery", "InvalidModelName", "ModelNotReady", "ModelServer",
            "SameModalityUnsupported", "SearchAnswer", "ServedModel", "UnknownModel",
-           "VersionNotKept", "other_modality"]
+           "other_modality"]
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,6 @@ class UnknownModel(LookupError):
 
 class ModelNotReady(LookupError):
     """The model exists (or the server has not looked yet) but no checkpoint is loaded."""
-
-
-class VersionNotKept(UnknownModel):
-    """A pinned version that the checkpoint store no longer keeps (or never had)."""
 
 
 #: The model name that answers with the champion of the query's direction.
@@ -474,7 +470,8 @@ class ModelServer:
 
     def get(self, name: str, version: int | None = None) -> ServedModel:
         """The served version of ``name``, or the kept ``version`` of it (loaded from the store
-        on first use; :class:`VersionNotKept` when the store no longer keeps it)."""
+        on first use; :class:`~streamxm.worker.checkpoint.VersionNotKept` when the store no
+        longer keeps it)."""
         served = self._served(name)
         if version is None or version == served.version:
             return served
@@ -496,11 +493,7 @@ class ModelServer:
     def pin(self, name: str, version: int) -> ServedModel:
         """Load a kept version of ``name`` for queries that name it (a few are cached)."""
         self._served(name)
-        ckpt = self.store.load(name, version)
-        if ckpt is None:
-            kept = [v for v, _ in (self.store.head(name) or {}).get("history", [])]
-            raise VersionNotKept(f"model {name!r} version {version} is not kept; kept "
-                                 f"versions: {', '.join(map(str, kept)) or 'none'}")
+        ckpt = self.store.load_kept(name, version)
         learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
         learner.flush()
         pinned = ServedModel(name=name, version=ckpt.version, model=learner.model,

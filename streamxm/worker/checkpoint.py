@@ -108,6 +108,10 @@ def blob_sha(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+class VersionNotKept(LookupError):
+    """A version of a model that its store does not keep (any more, or ever)."""
+
+
 class LeaseLost(RuntimeError):
     """The commit was refused: the caller no longer holds the learner lease."""
 
@@ -221,6 +225,19 @@ class CheckpointStore(ABC):
                 blob = self.read_blob(model, version, sha)
                 return None if blob is None else decode_blob(blob)
         return None
+
+    def kept_versions(self, model: str) -> list[int]:
+        """The model's kept versions, newest first."""
+        return [v for v, _ in self._versions(model)]
+
+    def load_kept(self, model: str, version: int) -> Checkpoint:
+        """:meth:`load`, or :class:`VersionNotKept` naming the version and the kept ones."""
+        ckpt = self.load(model, version)
+        if ckpt is None:
+            kept = ", ".join(map(str, self.kept_versions(model))) or "none"
+            raise VersionNotKept(f"model {model!r} version {version} is not kept; kept "
+                                 f"versions: {kept}")
+        return ckpt
 
     def load_latest(self, model: str) -> Checkpoint | None:
         """The newest version whose bytes verify; older good ones replace corrupt ones."""

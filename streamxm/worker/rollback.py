@@ -34,13 +34,9 @@ from streamxm.stream.keys import Keys
 from streamxm.worker.checkpoint import Checkpoint, CheckpointStore
 from streamxm.worker.lease import RELEASE_LEASE
 
-__all__ = ["HISTORY_MAX", "Rollback", "VersionNotKeptError", "history", "rollback"]
+__all__ = ["HISTORY_MAX", "Rollback", "history", "rollback"]
 
 HISTORY_MAX = 100  # events kept per model
-
-
-class VersionNotKeptError(LookupError):
-    """The version asked for is not among the model's kept checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -57,12 +53,9 @@ class Rollback:
 
 def rollback(client: redis.Redis, store: CheckpointStore, keys: Keys, model: str,
              to_version: int, lease_ms: int = 30_000) -> Rollback:
-    """Make kept version ``to_version`` of ``model`` the newest (see the module docstring)."""
-    kept = [v for v, _ in (store.head(model) or {}).get("history", [])]
-    ckpt = store.load(model, to_version)
-    if ckpt is None:
-        raise VersionNotKeptError(f"model {model!r} version {to_version} is not kept; kept "
-                                  f"versions: {', '.join(map(str, kept)) or 'none'}")
+    """Make kept version ``to_version`` of ``model`` the newest (see the module docstring);
+    :class:`~streamxm.worker.checkpoint.VersionNotKept` when the store does not keep it."""
+    ckpt = store.load_kept(model, to_version)
     owner = f"rollback-{uuid.uuid4().hex[:12]}"
     lease_key = keys.lease(model)
     client.set(lease_key, owner, px=lease_ms)  # taken, not waited for: fences the learner
