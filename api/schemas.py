@@ -172,8 +172,16 @@ PinnedVersion = Annotated[StrictInt | None, Field(
     ge=1, description="a kept model version to answer with (default: the newest loaded); 404 "
     "when the store no longer keeps it")]
 
-ModelName = Annotated[str, Field(min_length=1, max_length=256,
-                                 description="model name; default from settings")]
+ModelName = Annotated[str, Field(
+    min_length=1, max_length=256,
+    description="model name (default from settings): a learned model, `auto` (the champion of "
+    "the query's direction) or `ensemble:<a>+<b>...` (its members' per-query standardised "
+    "scores summed; `<a>*<weight>` weights a member)")]
+
+#: The members' versions that answered an ensemble query.
+MemberVersions = Annotated[dict[str, int] | None, Field(
+    default=None, description="ensembles: each member's version that scored (`version` is "
+    "null: an ensemble has none of its own)")]
 
 
 class SimilarityIn(_Strict):
@@ -183,6 +191,10 @@ class SimilarityIn(_Strict):
     texts: Vectors
     mode: Literal["paired", "matrix"] = Field(
         default="paired", description="paired: score (images[i], texts[i]); matrix: all pairs")
+    direction: Literal["i2t", "t2i"] = Field(
+        default="i2t", description="which side is the query: picks the champion for "
+        "model=auto, and an ensemble standardises each member's scores per query (a single "
+        "model scores both directions the same)")
 
     @field_validator("images", "texts", mode="before")
     @classmethod
@@ -195,7 +207,8 @@ class SimilarityIn(_Strict):
 
 class SimilarityOut(BaseModel):
     model: str
-    version: int
+    version: int | None
+    members: MemberVersions
     scores: list[float] | list[list[float]]
 
 
@@ -226,14 +239,16 @@ class Hit(BaseModel):
 
 class SearchOut(BaseModel):
     model: str
-    version: int = Field(description="model version that scored the results")
+    version: int | None = Field(description="model version that scored the results (null for "
+                                "an ensemble: see `members`)")
+    members: MemberVersions
     target: Literal["image", "text"]
     version_lag_s: float = Field(
         description="seconds since a checkpoint newer than `version` was written (0: none is)")
-    index_version: int = Field(
+    index_version: int | None = Field(
         description="version whose gallery index proposed the candidates: `version` for models "
         "with a fixed space, else the last background re-embedding (the results are re-ranked "
-        "by `version` either way)")
+        "by `version` either way); null for an ensemble, whose members each propose theirs")
     results: list[Hit]
 
 

@@ -188,9 +188,10 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
                      buffer_memory=args.buffer_memory)
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"{args.model} ({args.protocol}): image->text {result['map_i2t']:.4f}  "
-              f"text->image {result['map_t2i']:.4f}")
+        return 0
+    for name, run in (*result.get("members", {}).items(), (args.model, result)):
+        print(f"{name} ({args.protocol}): image->text {run['map_i2t']:.4f}  "
+              f"text->image {run['map_t2i']:.4f}")
     return 0
 
 
@@ -317,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     q = bench_sub.add_parser("quality", help="test-split mAP on a benchmark file")
     q.add_argument("--dataset", required=True, help=DATASET_HELP)
-    q.add_argument("--model", required=True)
+    q.add_argument("--model", required=True,
+                   help="a model, or ensemble:<a>+<b>... (each member trained and scored too)")
     q.add_argument("--protocol", choices=["stream", "offline"], default="stream")
     q.add_argument("--unlabelled", action="store_true", help="withhold every training label")
     q.add_argument("--order", choices=ORDERS, default="file",

@@ -15,7 +15,15 @@ from api.schemas import (
     SimilarityOut,
     error_responses,
 )
-from streamxm.serving.server import SameModalityUnsupported, direction_of, other_modality
+from streamxm.models.ensemble import is_ensemble
+from streamxm.serving.server import (
+    EnsembleUnsupported,
+    SameModalityUnsupported,
+    ServedEnsemble,
+    ServedModel,
+    direction_of,
+    other_modality,
+)
 from streamxm.stream.redis_conn import str_hash, str_set
 from streamxm.worker.stats import WorkerStats
 
@@ -51,19 +59,22 @@ def _model_name(context: ApiContext, name: str | None, direction: str) -> str:
 @router.post("/v1/similarity", response_model=SimilarityOut, responses=_QUERY_ERRORS)
 async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
     def score() -> SimilarityOut:
-        # Paired or matrix scores have no query direction: auto answers with image->text's.
-        name = _model_name(context, body.model, "i2t")
-        model = context.server.get(name).model
-        images = matrix(body.images, "images", model.img_dim)
-        texts = matrix(body.texts, "texts", model.txt_dim)
+        name = _model_name(context, body.model, body.direction)
+        img_dim, txt_dim = context.server.dims(name)
+        images = matrix(body.images, "images", img_dim)
+        texts = matrix(body.texts, "texts", txt_dim)
         if body.mode == "paired" and len(images) != len(texts):
             raise unprocessable(["texts"], "length_mismatch",
                                 "paired mode needs as many texts as images")
         served, scores = context.server.similarity(name, images, texts, body.mode == "matrix",
-                                                   body.version)
-        return SimilarityOut(model=name, version=served.version, scores=scores.tolist())
+                                                   body.version, body.direction)
+        return SimilarityOut(model=name, version=served.version, members=_members(served),
+                             scores=scores.tolist())
 
-    return await context.compute(score)
+    try:
+        return await context.compute(score)
+    except EnsembleUnsupported as exc:
+        raise unprocessable([exc.field], "ensemble", str(exc)) from None
 
 
 @router.post("/v1/search", response_model=SearchOut, responses=_QUERY_ERRORS)
@@ -71,17 +82,24 @@ async def search(body: SearchIn, context: Context) -> SearchOut:
     # On the event loop: only light steps run here (validation, the query transform, the exact
     # re-rank of ~100 candidates); the scan is awaited and heavy work goes to the query threads.
     name = _model_name(context, body.model, direction_of(body.modality))
-    model = context.server.get(name).model
-    dim = model.img_dim if body.modality == "image" else model.txt_dim
-    vector = matrix([body.vector], "vector", dim)[0]
+    img_dim, txt_dim = context.server.dims(name)
+    vector = matrix([body.vector], "vector", img_dim if body.modality == "image" else txt_dim)[0]
     target = body.target or other_modality(body.modality)
     try:
         answer = await context.server.search_async(name, body.modality, vector, body.k,
                                                    context.compute, target, body.version)
     except SameModalityUnsupported as exc:
         raise unprocessable(["target"], "not_shared_space", str(exc)) from None
-    context.metrics.version_lag.labels(name).observe(answer.version_lag_s)
-    return SearchOut(model=name, version=answer.served.version, target=target,
-                     version_lag_s=round(answer.version_lag_s, 3),
+    except EnsembleUnsupported as exc:
+        raise unprocessable([exc.field], "ensemble", str(exc)) from None
+    # One label for every ensemble: names a client writes must not grow the label set.
+    context.metrics.version_lag.labels("ensemble" if is_ensemble(name) else name).observe(
+        answer.version_lag_s)
+    return SearchOut(model=name, version=answer.served.version, members=_members(answer.served),
+                     target=target, version_lag_s=round(answer.version_lag_s, 3),
                      index_version=answer.index_version,
                      results=[Hit(id=i, score=s) for i, s in answer.hits])
+
+
+def _members(served: ServedModel | ServedEnsemble) -> dict[str, int] | None:
+    return served.versions if isinstance(served, ServedEnsemble) else None

@@ -86,6 +86,7 @@ class Gallery:
                                              for m in ("image", "text")})
         object.__setattr__(self, "_exact", {m: tuple(c.unit(m) for c in self.chunks)
                                             for m in ("image", "text")})
+        object.__setattr__(self, "_references", {})
 
     def __len__(self) -> int:
         return int(self.starts[-1])  # type: ignore[attr-defined]
@@ -113,6 +114,22 @@ class Gallery:
             units[at] = chunk.unit(modality)[local[at]]
             norms[at] = (chunk.norm_img if modality == "image" else chunk.norm_txt)[local[at]]
         return units, norms
+
+    def vectors_at(self, rows: NDArray[np.int64], modality: str) -> NDArray[np.float32]:
+        """Raw vectors of ``modality`` at global row positions."""
+        units, norms = self.locate(rows, modality)
+        return units * norms[:, None]
+
+    def reference(self, modality: str, items: int) -> NDArray[np.float32]:
+        """At most ``items`` raw vectors of ``modality``, evenly strided over the gallery (the
+        same ones for every query against this snapshot: computed once)."""
+        cache: dict[tuple[str, int], NDArray[np.float32]] = self._references  # type: ignore
+        if (modality, items) not in cache:
+            n = len(self)
+            rows = np.unique(np.linspace(0, n - 1, min(n, items)).astype(np.int64))
+            cache[(modality, items)] = (self.vectors_at(rows, modality) if n
+                                        else np.empty((0, 0), dtype=np.float32))
+        return cache[(modality, items)]
 
     def ids_at(self, rows: NDArray[np.int64]) -> list[str]:
         """Item ids at global row positions."""

@@ -34,6 +34,13 @@ from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import DIRECTIONS, CrossModalModel, split_name
+from streamxm.models.ensemble import (
+    REFERENCE_ITEMS,
+    Ensemble,
+    EnsembleSpec,
+    is_ensemble,
+    parse_ensemble,
+)
 from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
 from streamxm.serving.index import Block, QueryCoalescer, index_block
@@ -46,9 +53,9 @@ from streamxm.stream.retention import entry_id_key
 from streamxm.worker.checkpoint import CheckpointStore
 from streamxm.worker.stats import WorkerStats
 
-__all__ = ["AUTO", "EmbeddedGallery", "InvalidModelName", "ModelNotReady", "ModelServer",
-           "SameModalityUnsupported", "SearchAnswer", "ServedModel", "UnknownModel",
-           "other_modality"]
+__all__ = ["AUTO", "EmbeddedGallery", "EnsembleUnsupported", "InvalidModelName", "ModelNotReady",
+           "ModelServer", "SameModalityUnsupported", "SearchAnswer", "ServedEnsemble",
+           "ServedModel", "UnknownModel", "other_modality"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,14 @@ def other_modality(modality: str) -> Literal["image", "text"]:
 
 class SameModalityUnsupported(ValueError):
     """A same-modality search on a model without a shared embedding space."""
+
+
+class EnsembleUnsupported(ValueError):
+    """A query option an ensemble does not take (``field`` names it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,17 +160,45 @@ class ServedModel:
     def gallery_size(self) -> int:
         return self.gallery_items
 
+    @property
+    def versions(self) -> dict[str, int]:
+        return {self.name: self.version}
+
+
+@dataclass(frozen=True, eq=False)
+class ServedEnsemble:
+    """An ensemble (:mod:`streamxm.models.ensemble`) of the served version of each member: it
+    has no version of its own (``version`` is None; ``versions`` has the members')."""
+
+    spec: EnsembleSpec
+    members: tuple[ServedModel, ...]
+    version: None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def versions(self) -> dict[str, int]:
+        return {m.name: m.version for m in self.members}
+
+    @property
+    def fused(self) -> Ensemble:
+        return Ensemble(self.spec, {m.name: m.model for m in self.members})
+
 
 @dataclass(frozen=True)
 class SearchAnswer:
     """What :meth:`ModelServer.search` found: hits best first, and how fresh the answer is."""
 
-    served: ServedModel
+    served: ServedModel | ServedEnsemble
     hits: list[tuple[str, float]]
-    #: Seconds since a newer checkpoint than the served one was written (0 when none is).
+    #: Seconds since a newer checkpoint than the served one was written (0 when none is; an
+    #: ensemble's: its most lagging member's).
     version_lag_s: float
-    #: Version whose gallery index proposed the candidates (the served one on a fixed space).
-    index_version: int
+    #: Version whose gallery index proposed the candidates (the served one on a fixed space;
+    #: None for an ensemble, whose members each propose theirs).
+    index_version: int | None
 
 
 def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
@@ -506,6 +549,36 @@ class ModelServer:
                 self._pins.popitem(last=False)
         return pinned
 
+    def ensemble(self, name: str, version: int | None = None) -> ServedEnsemble:
+        """The served version of each member of the ensemble ``name``; an ensemble has no
+        version to pin (pin a member by querying it)."""
+        try:
+            spec = parse_ensemble(name)
+        except ValueError as exc:
+            raise InvalidModelName(str(exc)) from None
+        if version is not None:
+            raise EnsembleUnsupported("version", f"{name!r} has no versions of its own: it "
+                                      f"answers with its members' newest ones")
+        return ServedEnsemble(spec, tuple(self._served(m) for m in spec.members))
+
+    def answering(self, name: str) -> ServedModel | ServedEnsemble:
+        """What answers a query naming ``name`` now: a served model or an ensemble."""
+        return self.ensemble(name) if is_ensemble(name) else self._served(name)
+
+    def dims(self, name: str) -> tuple[int, int]:
+        """Image and text dimensions of what answers ``name`` (raises as :meth:`get`)."""
+        served = self.answering(name)
+        model = served.members[0].model if isinstance(served, ServedEnsemble) else served.model
+        return model.img_dim, model.txt_dim
+
+    def _reference(self, gallery: Gallery, modality: str) -> NDArray[np.float32]:
+        """The items an ensemble's member scores are standardised over (per query)."""
+        reference = gallery.reference(modality, REFERENCE_ITEMS)
+        if len(reference) < 2:
+            raise ModelNotReady("an ensemble standardises its members' scores over the "
+                                "gallery, which has fewer than 2 items yet")
+        return reference
+
     def _served(self, name: str) -> ServedModel:
         try:
             split_name(name)
@@ -518,15 +591,27 @@ class ModelServer:
             raise UnknownModel(f"model {name!r} has no learner in this namespace")
         return served
 
-    def version_lag(self, served: ServedModel) -> float:
-        """Seconds since a checkpoint newer than ``served`` was written; 0 when none is."""
+    def version_lag(self, served: ServedModel | ServedEnsemble) -> float:
+        """Seconds since a checkpoint newer than ``served`` was written; 0 when none is (an
+        ensemble: its most lagging member's)."""
+        if isinstance(served, ServedEnsemble):
+            return max(self.version_lag(m) for m in served.members)
         version, created = self.newest.get(served.name, (served.version, 0.0))
         return max(0.0, time.time() - created) if version > served.version else 0.0
 
     def similarity(self, name: str, images: NDArray[np.float32], texts: NDArray[np.float32],
-                   matrix: bool, version: int | None = None
-                   ) -> tuple[ServedModel, NDArray[np.float64]]:
-        """Scores of (image_i, text_i) pairs, or the full image x text matrix."""
+                   matrix: bool, version: int | None = None, direction: str = "i2t"
+                   ) -> tuple[ServedModel | ServedEnsemble, NDArray[np.float64]]:
+        """Scores of (image_i, text_i) pairs, or the full image x text matrix.
+
+        ``direction`` says which side is the query; only ensembles score differently by it
+        (each member standardised per query over the other side's gallery)."""
+        if is_ensemble(name):
+            ensemble = self.ensemble(name, version)
+            queries, items = (images, texts) if direction == "i2t" else (texts, images)
+            reference = self._reference(self.gallery, "text" if direction == "i2t" else "image")
+            scores = ensemble.fused.scores(direction, queries, items, reference, not matrix)
+            return ensemble, scores.T if matrix and direction == "t2i" else scores
         served = self.get(name, version)
         if matrix:
             return served, served.model.similarity(images, texts)
@@ -582,19 +667,37 @@ class ModelServer:
                       target: str | None, version: int | None
                       ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
         """The search, yielding each scan (and any heavy step) for a driver to run."""
+        target = target or other_modality(modality)
+        if is_ensemble(name):
+            return (yield from self._ensemble_steps(name, modality, vector, k, target, version))
         if version is not None and not self.is_loaded(name, version):
             yield _Work(partial(self.pin, name, version))  # read from the store: heavy
         served = self.get(name, version)
-        gallery = self.gallery
-        target = target or other_modality(modality)
         model = served.model
         if target == modality and not model.shared_space:
             raise SameModalityUnsupported(
                 f"model {name!r} embeds images and texts in different spaces: it answers "
                 f"cross-modal search only (target must be {other_modality(modality)})")
         lag = self.version_lag(served)
-        if len(gallery) == 0:
+        if len(self.gallery) == 0:
             return SearchAnswer(served, [], lag, served.version)
+        gallery, rows, index_version = yield from self._candidates(
+            served, modality, vector, k, target)
+        by_row = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
+        rows = rows[by_row]
+        scores = _exact_scores(model, modality, target, vector, gallery.vectors_at(rows, target))
+        order = np.argsort(-scores, kind="stable")[:k]
+        ids = gallery.ids_at(rows[order])
+        return SearchAnswer(served, list(zip(ids, scores[order].tolist(), strict=True)), lag,
+                            index_version)
+
+    def _candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
+                    k: int, target: str
+                    ) -> Generator[_Scan | _Work, Any, tuple[Gallery, NDArray[np.int64], int]]:
+        """Rows of a gallery snapshot holding the served version's top ``k`` (or nearly, from
+        an embedded index): ``max(candidates, 4 k)`` of them, with the snapshot and the version
+        whose index proposed them."""
+        gallery, model = self.gallery, served.model
         wanted = min(len(gallery), max(self.candidates, 4 * k))
         fixed = model.fixed_space and target != modality
         if fixed:
@@ -613,22 +716,43 @@ class ModelServer:
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
         proposed, rows = yield _Scan(blocks, query, wanted)
-        units, norms = gallery.locate(rows, target)
-        if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
-                                                                        k, blocks):
+        if fixed and len(rows) < len(gallery) and not _proven_complete(
+                proposed, gallery.locate(rows, target)[0], query, k, blocks):
             # The reduced-precision scan could have missed part of the exact top k (scores
             # flatter than its rounding): scan the float32 rows instead.
             self.exact_scans += 1
             # Coalesced too: the fallbacks of concurrent searches share one pass.
             _, rows = yield _Scan(gallery.exact_blocks(target), query, wanted)
-            units, norms = gallery.locate(rows, target)
-        by_row = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
-        rows, items = rows[by_row], units[by_row] * norms[by_row, None]
-        scores = _exact_scores(model, modality, target, vector, items)
+        return gallery, rows, index_version
+
+    def _ensemble_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+                        target: str, version: int | None
+                        ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
+        """An ensemble's search: each member proposes its candidates (as its own search
+        would), and the union is ranked by the fused score exactly."""
+        ensemble = self.ensemble(name, version)
+        if target == modality:
+            raise SameModalityUnsupported(
+                f"ensemble {name!r} answers cross-modal search only (target must be "
+                f"{other_modality(modality)})")
+        lag = self.version_lag(ensemble)
+        if len(self.gallery) == 0:
+            return SearchAnswer(ensemble, [], lag, None)
+        reference = self._reference(self.gallery, target)
+        ids: list[str] = []
+        items: list[NDArray[np.float32]] = []
+        seen: set[str] = set()
+        for served in ensemble.members:
+            gallery, rows, _ = yield from self._candidates(served, modality, vector, k, target)
+            rows = np.sort(rows)
+            fresh = [(i, id_) for i, id_ in enumerate(gallery.ids_at(rows)) if id_ not in seen]
+            seen.update(id_ for _, id_ in fresh)
+            ids.extend(id_ for _, id_ in fresh)
+            items.append(gallery.vectors_at(rows[[i for i, _ in fresh]], target))
+        scores = ensemble.fused.scores(direction_of(modality), vector[None, :], np.vstack(items),
+                                       reference)[0]
         order = np.argsort(-scores, kind="stable")[:k]
-        ids = gallery.ids_at(rows[order])
-        return SearchAnswer(served, list(zip(ids, scores[order].tolist(), strict=True)), lag,
-                            index_version)
+        return SearchAnswer(ensemble, [(ids[i], float(scores[i])) for i in order], lag, None)
 
 
 @dataclass(frozen=True, eq=False)

@@ -9,12 +9,18 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from streamxm.learning.evaluation import retrieval_maps
+from streamxm.learning.evaluation import (
+    Split,
+    label_relevance,
+    mean_average_precision,
+    retrieval_maps,
+)
 from streamxm.learning.learner import StreamLearner
+from streamxm.models.ensemble import Ensemble, is_ensemble, parse_ensemble
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import Dataset, iter_pairs, load_dataset, row_labels
 
-__all__ = ["database_split", "evaluate_model", "quality", "train"]
+__all__ = ["database_split", "ensemble_maps", "evaluate_model", "quality", "train"]
 
 
 def evaluate_model(learner: StreamLearner, ds: Dataset) -> dict[str, float]:
@@ -65,36 +71,64 @@ def quality(
     """Train on the train split (see :func:`train` for the protocols) and score the test split
     (:func:`evaluate_model`). The training pairs arrive in ``order`` (``file``, ``class``: one
     topic at a time, ``shuffled``) with a fraction ``label_noise`` of their labels replaced by
-    another class (:func:`~streamxm.tools.datasets.noisy_labels`); the test split is untouched."""
+    another class (:func:`~streamxm.tools.datasets.noisy_labels`); the test split is untouched.
+
+    ``model`` may be an ensemble (``ensemble:sdsrl+sam``): each member is trained and scored
+    as on its own (same seed and stream, under ``members``), then the fused ranking is scored
+    (:mod:`streamxm.models.ensemble`); ``params`` then go to every member."""
     ds = load_dataset(dataset)
-    learner = StreamLearner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed,
-                      buffer_memory=buffer_memory)
+    run = {"dataset": str(dataset), "model": model, "protocol": protocol,
+           "unlabelled": unlabelled, "order": order, "label_noise": label_noise,
+           "buffer_memory": buffer_memory, "seed": seed}
     pairs = list(iter_pairs(ds, unlabelled=unlabelled, order=order, label_noise=label_noise,
                             seed=seed))
-    start = time.perf_counter()
-    passes = train(learner, pairs, protocol, epochs, progress, desc=f"{model} {protocol}")
-    seconds = time.perf_counter() - start
-    result: dict[str, Any] = {
-        "dataset": str(dataset),
-        "model": model,
-        "protocol": protocol,
-        "unlabelled": unlabelled,
-        "order": order,
-        "label_noise": label_noise,
-        "buffer_memory": buffer_memory,
-        "seed": seed,
-        "passes": passes,
-        "train_pairs": len(ds.img_train),
-        "test_pairs": len(ds.img_test),
-        **evaluate_model(learner, ds),
-        "mistakes": dict(learner.stats.mistakes),
-        "triplets": dict(learner.stats.triplets),
-        "rolling_map": learner.rolling_map(),
-        "drift_detections": learner.drift.detections,
-        "params": learner.model.params(),
-        "train_seconds": round(seconds, 3),
-    }
-    return result
+
+    def member(name: str) -> tuple[StreamLearner, dict[str, Any]]:
+        learner = StreamLearner(name, ds.img_train.shape[1], ds.txt_train.shape[1], params,
+                                seed=seed, buffer_memory=buffer_memory)
+        start = time.perf_counter()
+        passes = train(learner, pairs, protocol, epochs, progress, desc=f"{name} {protocol}")
+        seconds = time.perf_counter() - start
+        return learner, {
+            **run, "model": name, "passes": passes,
+            "train_pairs": len(ds.img_train), "test_pairs": len(ds.img_test),
+            **evaluate_model(learner, ds),
+            "mistakes": dict(learner.stats.mistakes),
+            "triplets": dict(learner.stats.triplets),
+            "rolling_map": learner.rolling_map(),
+            "drift_detections": learner.drift.detections,
+            "params": learner.model.params(),
+            "train_seconds": round(seconds, 3),
+        }
+
+    if not is_ensemble(model):
+        return member(model)[1]
+    spec = parse_ensemble(model)
+    trained = {name: member(name) for name in spec.members}
+    fused = Ensemble(spec, {name: learner.model for name, (learner, _) in trained.items()})
+    members = {name: result for name, (_, result) in trained.items()}
+    maps = ensemble_maps(fused, (ds.img_test, ds.txt_test, ds.y_test))
+    best = max(members, key=lambda m: _mean_map(members[m]))
+    return {**run, "train_pairs": len(ds.img_train), "test_pairs": len(ds.img_test),
+            "weights": dict(zip(spec.members, spec.weights, strict=True)), **maps,
+            "mean_map": _mean_map(maps), "best_member": best,
+            "best_member_mean_map": _mean_map(members[best]),
+            "members": members}
+
+
+def _mean_map(result: dict[str, Any]) -> float:
+    return (float(result["map_i2t"]) + float(result["map_t2i"])) / 2
+
+
+def ensemble_maps(fused: Ensemble, split: Split) -> dict[str, float]:
+    """mAP of each cross-modal direction of an ensemble over ``split`` (queries and gallery);
+    each query's member scores standardised over the whole gallery it ranks."""
+    img, txt, y = split
+    relevant = label_relevance(y, y)
+    return {"map_i2t": mean_average_precision(fused.scores("i2t", img, txt, reference=txt),
+                                              relevant),
+            "map_t2i": mean_average_precision(fused.scores("t2i", txt, img, reference=img),
+                                              relevant)}
 
 
 def database_split(
