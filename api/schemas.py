@@ -294,6 +294,8 @@ _ERRORS = {
     401: "missing or invalid bearer token",
     404: "the model has no learner in this namespace",
     413: "request body larger than STREAMXM_MAX_BODY_BYTES",
+    415: "a body of another media type than the route takes",
+    422: "the body, or the field `loc` names, breaks the route's contract (`type` says how)",
     503: "not ready (no checkpoint of the model loaded yet) or the stream store is unavailable; "
          "retry after the Retry-After header",
 }

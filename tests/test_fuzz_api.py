@@ -24,7 +24,11 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from streamxm.config import Settings
 from streamxm.service import build_worker
 from streamxm.stream.client import StreamClient
+from streamxm.stream.messages import FRAMES_MEDIA_TYPE
 from tests.conftest import ApiServer, class_stream, wait_for
+
+# The frames route takes raw bytes: schemathesis sends what it generates for a binary body.
+schemathesis.serializer.alias(FRAMES_MEDIA_TYPE, "application/octet-stream")
 
 TOKEN = "s3cret-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

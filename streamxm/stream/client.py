@@ -18,7 +18,7 @@ streamxm.stream.messages.InvalidPair: img: 2 values, the namespace expects 3
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import redis
 from numpy.typing import ArrayLike
@@ -122,8 +122,14 @@ class StreamClient:
                 raise InvalidPair(exc.field, exc.reason, exc.detail, index=i) from None
         return self.push_pairs(validated, chunk)
 
-    def push_pairs(self, pairs: Sequence[Pair], chunk: int = 500) -> list[str]:
-        """Add already validated pairs, ``chunk`` per round trip."""
+    def push_pairs(self, pairs: Sequence[Pair], chunk: int = 500,
+                   messages: Sequence[Mapping[bytes, bytes]] | None = None) -> list[str]:
+        """Add already validated pairs, ``chunk`` per round trip. ``messages``: the pairs'
+        message v1 fields when the caller holds them already (decoded from frames by
+        :func:`~streamxm.stream.messages.decode_pair`), written as they came instead of
+        encoded again."""
+        if messages is not None and len(messages) != len(pairs):
+            raise ValueError("messages must be one per pair")
         for i, pair in enumerate(pairs):
             try:
                 self._check(pair)
@@ -133,9 +139,11 @@ class StreamClient:
         ids: list[str] = []
         for start in range(0, len(pairs), chunk):
             part = pairs[start : start + chunk]
+            encoded = (messages[start : start + chunk] if messages is not None
+                       else [encode_pair(pair) for pair in part])
             with self.r.pipeline(transaction=False) as pipe:
-                for pair in part:
-                    pipe.xadd(self.keys.pairs, encode_pair(pair),  # type: ignore[arg-type]
+                for fields in encoded:
+                    pipe.xadd(self.keys.pairs, fields,  # type: ignore[arg-type]
                               maxlen=self.maxlen, approximate=True)
                 pipe.incrby(self.keys.ingested, len(part))
                 out = pipe.execute()

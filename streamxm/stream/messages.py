@@ -16,11 +16,14 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
+    "FRAMES_MEDIA_TYPE",
     "MESSAGE_VERSION",
     "InvalidPair",
     "Limits",
     "Pair",
+    "decode_frames",
     "decode_pair",
+    "encode_frames",
     "encode_pair",
     "field_name",
     "make_pair",
@@ -150,13 +153,14 @@ def encode_pair(pair: Pair) -> dict[bytes, bytes]:
     return fields
 
 
-def _decode_vector(name: str, raw: bytes, dim: int | None, limits: Limits) -> NDArray[np.float32]:
+def _decode_vector(name: str, raw: bytes, dim: int | None, limits: Limits, copy: bool = True
+                   ) -> NDArray[np.float32]:
     if len(raw) % 4:
         raise InvalidPair(name, "bad_length", f"{len(raw)} bytes is not a whole number of float32")
     n = len(raw) // 4
     if dim is not None and n != dim:
         raise InvalidPair(name, "dim_mismatch", f"{n} values, the namespace expects {dim}")
-    arr = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    arr = np.frombuffer(raw, dtype="<f4").astype(np.float32, copy=copy)
     return _vector(name, arr, limits)
 
 
@@ -186,8 +190,10 @@ def decode_pair(
     img_dim: int | None = None,
     txt_dim: int | None = None,
     limits: Limits = Limits(),
+    copy: bool = True,
 ) -> Pair:
     """Decode and validate raw stream fields; raise :class:`InvalidPair` with the reason.
+    Without ``copy`` the pair's vectors are read-only views of ``fields``' bytes.
 
     Message v1 is closed: a field it does not define is refused (``unknown_field``) rather than
     ignored, since a misspelt optional field (``label`` for ``labels``) would otherwise turn a
@@ -220,9 +226,84 @@ def decode_pair(
         ts = float(fields[b"ts"])
     return make_pair(
         pair_id,
-        _decode_vector("img", fields[b"img"], img_dim, limits),
-        _decode_vector("txt", fields[b"txt"], txt_dim, limits),
+        _decode_vector("img", fields[b"img"], img_dim, limits, copy),
+        _decode_vector("txt", fields[b"txt"], txt_dim, limits, copy),
         labels=labels,
         ts=ts,
         limits=limits,
     )
+
+
+# -- frames: a batch of messages in one binary body ------------------------------------------
+#: Media type of a body of message v1 frames (``POST /v1/pairs/frames``).
+FRAMES_MEDIA_TYPE = "application/x-streamxm-frames"
+_FRAME_FIELDS_MAX = 16  # v1 has 6 fields; a few more reach decode_pair, which names them
+
+
+def encode_frames(pairs: Iterable[Pair]) -> bytes:
+    """Pairs as one body of message v1 frames: per pair a ``uint16`` field count, then per
+    field a ``uint8`` name length, the name, a ``uint32`` value length and the value, exactly
+    the bytes the stream entry will hold (little-endian throughout).
+
+    >>> body = encode_frames([make_pair("p1", [0.5, 0.25], [1.0], labels=[3])])
+    >>> [decode_pair(f).labels for f in decode_frames(body, max_pairs=10)]
+    [(3,)]
+    """
+    out = bytearray()
+    for pair in pairs:
+        fields = encode_pair(pair)
+        out += len(fields).to_bytes(2, "little")
+        for name, value in fields.items():
+            out += len(name).to_bytes(1, "little") + name
+            out += len(value).to_bytes(4, "little") + value
+    return bytes(out)
+
+
+def decode_frames(body: bytes, max_pairs: int) -> list[dict[bytes, bytes]]:
+    """Split a body of :func:`encode_frames` frames into stream fields (each then validated by
+    :func:`decode_pair`); a body that is not whole frames, or holds more than ``max_pairs``,
+    raises :class:`InvalidPair` on field ``body`` with the frame's index and byte offset.
+
+    >>> decode_frames(b"\\x01\\x00\\x01v\\x09\\x00\\x00\\x001", max_pairs=10)
+    Traceback (most recent call last):
+    ...
+    streamxm.stream.messages.InvalidPair: pairs[0].body: frame 0 at byte 4: value of 9 bytes runs \
+past the end of the body
+    """
+    frames: list[dict[bytes, bytes]] = []
+    view, at = memoryview(body), 0
+
+    def need(size: int, what: str) -> None:
+        if at + size > len(view):
+            raise InvalidPair("body", "bad_frame", f"frame {len(frames)} at byte {at}: {what} "
+                              f"runs past the end of the body", len(frames))
+
+    while at < len(view):
+        if len(frames) == max_pairs:
+            raise InvalidPair("body", "too_many_pairs",
+                              f"more than {max_pairs} frames (STREAMXM_MAX_BATCH)", len(frames))
+        need(2, "the field count")
+        count = int.from_bytes(view[at : at + 2], "little")
+        at += 2
+        if not 0 < count <= _FRAME_FIELDS_MAX:
+            raise InvalidPair("body", "bad_frame", f"frame {len(frames)}: {count} fields "
+                              f"(1 to {_FRAME_FIELDS_MAX})", len(frames))
+        fields: dict[bytes, bytes] = {}
+        for _ in range(count):
+            need(1, "a field name's length")
+            size = view[at]
+            need(1 + size, f"a field name of {size} bytes")
+            name = bytes(view[at + 1 : at + 1 + size])
+            at += 1 + size
+            need(4, "a value's length")
+            size = int.from_bytes(view[at : at + 4], "little")
+            need(4 + size, f"value of {size} bytes")
+            if name in fields:
+                raise InvalidPair(field_name(name), "duplicate_field",
+                                  "the field appears twice in one frame", len(frames))
+            fields[name] = bytes(view[at + 4 : at + 4 + size])
+            at += 4 + size
+        frames.append(fields)
+    if not frames:
+        raise InvalidPair("body", "empty", "no frames in the body")
+    return frames

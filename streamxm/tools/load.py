@@ -53,7 +53,7 @@ from streamxm.service import open_store
 from streamxm.serving.segments import SEGMENTS, read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import Pair, make_pair
+from streamxm.stream.messages import FRAMES_MEDIA_TYPE, Pair, encode_frames, make_pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash, text
 from streamxm.stream.retention import entry_id_key
 from streamxm.tools.datasets import synthetic_arrays, synthetic_pairs
@@ -179,58 +179,68 @@ def _redis_benchmark(st: Stack, img_dim: int, txt_dim: int, n: int, pipeline: in
 
 def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000, http_batch: int = 64,
            chunk: int = 500, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
-    """Median pairs/s of the client, of HTTP with JSON numbers and with base64 float32 vectors,
-    and of ``redis-benchmark`` XADD, and their ratios; all in the same run."""
+    """Median pairs/s of the client, of HTTP with JSON numbers, with base64 float32 vectors in
+    JSON and with binary bodies of message v1 frames, and of ``redis-benchmark`` XADD, and
+    their ratios; all in the same run."""
     data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
-    # Bodies encoded up front: the figure is the API's rate, not this process's JSON encoder.
-    bodies = {binary: [json.dumps({"pairs": [_pair_json(p, binary) for p in
-                                             data[i : i + http_batch]]}).encode()
-                       for i in range(0, pairs, http_batch)] for binary in (False, True)}
+    batches = [data[i : i + http_batch] for i in range(0, pairs, http_batch)]
+    # Bodies encoded up front: the figure is the API's rate, not this process's encoder.
+    json_type, frames_type = {"content-type": "application/json"}, {
+        "content-type": FRAMES_MEDIA_TYPE}
+    paths: dict[str, tuple[str, dict[str, str], list[bytes]]] = {
+        "json": ("/v1/pairs", json_type, [json.dumps({"pairs": [
+            _pair_json(p) for p in b]}).encode() for b in batches]),
+        "base64": ("/v1/pairs", json_type, [json.dumps({"pairs": [
+            _pair_json(p, True) for p in b]}).encode() for b in batches]),
+        "frames": ("/v1/pairs/frames", frames_type, [encode_frames(b) for b in batches]),
+    }
     client_rates, rb_rates = [], []
-    http_rates: dict[bool, list[float]] = {False: [], True: []}
+    http_rates: dict[str, list[float]] = {name: [] for name in paths}
     with stack() as st:
         url = st.api()
         client = StreamClient(st.r, NAMESPACE)
-        http = httpx.Client(timeout=120, headers={"content-type": "application/json"})
+        http = httpx.Client(timeout=120)
         for _ in tqdm(range(repeats), desc="ingest repeats", file=sys.stderr):
             start = time.perf_counter()
             client.push_pairs(data, chunk=chunk)
             client_rates.append(pairs / (time.perf_counter() - start))
             st.r.delete(st.keys.pairs)
-            for binary, encoded in bodies.items():
+            for name, (path, headers, bodies) in paths.items():
                 start = time.perf_counter()
-                for body in encoded:
-                    response = http.post(f"{url}/v1/pairs", content=body)
+                for body in bodies:
+                    response = http.post(f"{url}{path}", content=body, headers=headers)
                     if response.status_code != 202:
-                        raise RuntimeError(f"POST /v1/pairs: {response.status_code} "
+                        raise RuntimeError(f"POST {path}: {response.status_code} "
                                            f"{response.text[:200]}")
-                http_rates[binary].append(pairs / (time.perf_counter() - start))
+                http_rates[name].append(pairs / (time.perf_counter() - start))
                 st.r.delete(st.keys.pairs)
             rate = _redis_benchmark(st, img_dim, txt_dim, max(pairs, 5000), chunk)
             if rate is not None:
                 rb_rates.append(rate)
         http.close()
     client_rate = statistics.median(client_rates)
-    binary_rate = statistics.median(http_rates[True])
+    median = {name: statistics.median(rates) for name, rates in http_rates.items()}
     result: dict[str, Any] = {
         "benchmark": "ingest", "img_dim": img_dim, "txt_dim": txt_dim, "pairs": pairs,
         "entry_bytes": 4 * (img_dim + txt_dim), "client_pipeline": chunk,
         "http_batch": http_batch, "repeats": repeats,
         "client_pairs_per_s": round(client_rate, 1),
-        "http_pairs_per_s": round(statistics.median(http_rates[False]), 1),
-        "http_binary_pairs_per_s": round(binary_rate, 1),
-        "http_binary_to_client": round(binary_rate / client_rate, 3),
+        "http_pairs_per_s": round(median["json"], 1),
+        "http_base64_pairs_per_s": round(median["base64"], 1),
+        "http_binary_pairs_per_s": round(median["frames"], 1),
+        "http_binary_to_client": round(median["frames"] / client_rate, 3),
         "client_runs": [round(x, 1) for x in client_rates],
-        "http_runs": [round(x, 1) for x in http_rates[False]],
-        "http_binary_runs": [round(x, 1) for x in http_rates[True]],
+        "http_runs": [round(x, 1) for x in http_rates["json"]],
+        "http_base64_runs": [round(x, 1) for x in http_rates["base64"]],
+        "http_binary_runs": [round(x, 1) for x in http_rates["frames"]],
     }
     if rb_rates:
         rb = statistics.median(rb_rates)
         result.update(redis_benchmark_xadd_per_s=round(rb, 1),
                       redis_benchmark_runs=[round(x, 1) for x in rb_rates],
                       client_ratio=round(result["client_pairs_per_s"] / rb, 3),
-                      http_ratio=round(result["http_pairs_per_s"] / rb, 3),
-                      http_binary_ratio=round(binary_rate / rb, 3))
+                      http_ratio=round(median["json"] / rb, 3),
+                      http_binary_ratio=round(median["frames"] / rb, 3))
     else:
         result["redis_benchmark_xadd_per_s"] = None
         result["note"] = "redis-benchmark not found (Debian: apt-get install redis-tools)"
