@@ -3,6 +3,7 @@ and maps the library's exceptions to HTTP answers. Logic lives in streamxm."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,14 +20,16 @@ from api.deps import ApiContext, require_token
 from api.routes import ingest, probes, queries
 from api.schemas import RequestLimits, error_responses, request_limits
 from streamxm.config import Settings, get_settings
-from streamxm.service import limits_from, open_store
+from streamxm.service import limits_from, open_namespace, open_store
 from streamxm.serving.champion import ChampionRule
 from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import InvalidModelName, ModelNotReady, ModelServer, UnknownModel
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.redis_conn import connect, resolve_url
+from streamxm.stream.redis_conn import Replication, connect, resolve_url
 from streamxm.worker.checkpoint import VersionNotKept
+
+log = logging.getLogger(__name__)
 
 _MAX_ERRORS = 10
 _MAX_ECHO = 80
@@ -116,6 +119,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                           timeout=settings.redis_request_timeout_seconds)
     background = client or connect(settings, url, retries=2, timeout=30.0)
     keys = Keys(settings.namespace)
+    try:
+        open_namespace(settings, background)
+    except redis.RedisError as exc:  # unreachable now: the API starts and answers 503 meanwhile
+        log.warning("could not check the namespace's key names: %s", exc)
     limits = limits_from(settings)
     server = ModelServer(background, open_store(settings, background), settings.namespace,
                          gallery_max=settings.gallery_max, limits=limits,
@@ -126,7 +133,8 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                                                confirmations=settings.champion_confirmations))
     metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
     context = ApiContext(settings=settings, r=r, keys=keys, limits=limits, server=server,
-                         metrics=metrics, producer=StreamClient(r, settings.namespace, limits),
+                         metrics=metrics, producer=StreamClient(r, settings.namespace, limits,
+                                                 replication=Replication.of(settings)),
                          query_threads=anyio.CapacityLimiter(settings.query_threads),
                          scrape_threads=anyio.CapacityLimiter(2))
 

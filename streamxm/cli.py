@@ -149,13 +149,27 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_migrate_keys(args: argparse.Namespace) -> int:
+    from streamxm.config import get_settings
+    from streamxm.stream.keys import Keys
+    from streamxm.stream.migrate import migrate_keys
+    from streamxm.stream.redis_conn import connect
+
+    settings = get_settings()
+    keys = Keys(args.namespace or settings.namespace)
+    renamed = migrate_keys(connect(settings), keys, dry_run=args.dry_run)
+    print(json.dumps({"namespace": keys.namespace, "dry_run": args.dry_run,
+                      "renamed": len(renamed), "keys": [new for _, new in renamed]}))
+    return 0
+
+
 def _cmd_push(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from streamxm.config import get_settings
     from streamxm.service import limits_from
     from streamxm.stream.client import StreamClient
-    from streamxm.stream.redis_conn import connect
+    from streamxm.stream.redis_conn import Replication, connect
     from streamxm.tools.datasets import iter_pairs, load_dataset
 
     settings = get_settings()
@@ -163,7 +177,8 @@ def _cmd_push(args: argparse.Namespace) -> int:
     ds = load_dataset(args.dataset)
     pairs = list(iter_pairs(ds, limit=args.limit, unlabelled=args.unlabelled,
                             prefix=args.id_prefix))
-    client = StreamClient(connect(settings), settings.namespace, limits_from(settings))
+    client = StreamClient(connect(settings), settings.namespace, limits_from(settings),
+                          replication=Replication.of(settings))
     chunk = max(1, min(500, int(args.rate) if args.rate else 500))
     start = time.monotonic()
     with tqdm(total=len(pairs), unit="pair", desc="pushed") as bar:
@@ -306,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "the model's past rollbacks")
     rb.set_defaults(func=_cmd_rollback)
 
+    mk = sub.add_parser("migrate-keys", help="rename a namespace's keys from sxm:<ns>:... to "
+                        "the hash-tagged sxm:{<ns>}:... (once, on the single server, with the "
+                        "namespace's workers and APIs stopped)")
+    mk.add_argument("--namespace", default=None, help="default: STREAMXM_NAMESPACE")
+    mk.add_argument("--dry-run", action="store_true", help="list what would be renamed")
+    mk.set_defaults(func=_cmd_migrate_keys)
+
     push = sub.add_parser("push", help="push a dataset's training pairs into the stream")
     push.add_argument("--dataset", required=True, help=DATASET_HELP)
     push.add_argument("--rate", type=float, default=None, help="pairs per second")
@@ -430,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from streamxm.stream.messages import InvalidPair
+    from streamxm.stream.migrate import LegacyKeys, MigrationConflict
 
     try:
         return int(args.func(args))
@@ -438,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             name = "STREAMXM_" + "_".join(str(x) for x in error["loc"]).upper()
             print(f"streamxm {args.command}: error: {name}: {error['msg']}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, InvalidPair, ValueError, TimeoutError) as exc:
+    except (FileNotFoundError, InvalidPair, ValueError, TimeoutError, LegacyKeys,
+            MigrationConflict) as exc:
         print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -35,6 +35,11 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default=Path(".streamxm"),
                            description="embedded Redis data and local files")
     namespace: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    redis_wait_replicas: int = Field(
+        default=0, ge=0, le=16, description="replicas that must hold a push or a checkpoint "
+        "commit before it counts as done (Redis WAIT); 0: replication is asynchronous")
+    redis_wait_timeout_ms: int = Field(default=1000, ge=1, description="how long a push or a "
+                                       "commit waits for those replicas before it fails")
 
     # Learner worker
     checkpoint_store: Literal["redis", "dir"] = "redis"

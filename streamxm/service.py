@@ -9,6 +9,8 @@ import redis
 from streamxm.config import Settings
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
+from streamxm.stream.migrate import require_migrated
+from streamxm.stream.redis_conn import Replication
 from streamxm.worker.checkpoint import (
     CheckpointStore,
     DirectoryCheckpointStore,
@@ -17,7 +19,7 @@ from streamxm.worker.checkpoint import (
 from streamxm.worker.gallery import GalleryIndexer
 from streamxm.worker.loop import LearnerWorker
 
-__all__ = ["build_worker", "limits_from", "open_store"]
+__all__ = ["build_indexer", "build_worker", "limits_from", "open_namespace", "open_store"]
 
 
 def limits_from(settings: Settings) -> Limits:
@@ -28,15 +30,26 @@ def limits_from(settings: Settings) -> Limits:
 
 def open_store(settings: Settings, client: redis.Redis) -> CheckpointStore:
     keys = Keys(settings.namespace)
+    replication = Replication.of(settings)
     if settings.checkpoint_store == "dir":
         return DirectoryCheckpointStore(client, keys, settings.checkpoint_dir,
-                                        keep=settings.checkpoint_keep)
-    return RedisCheckpointStore(client, keys, keep=settings.checkpoint_keep)
+                                        keep=settings.checkpoint_keep, replication=replication)
+    return RedisCheckpointStore(client, keys, keep=settings.checkpoint_keep,
+                                replication=replication)
+
+
+def open_namespace(settings: Settings, client: redis.Redis) -> Keys:
+    """The namespace's keys, once its data is known not to be under the old untagged names
+    (:class:`~streamxm.stream.migrate.LegacyKeys` otherwise)."""
+    keys = Keys(settings.namespace)
+    require_migrated(client, keys)
+    return keys
 
 
 def build_worker(settings: Settings, client: redis.Redis, model: str,
                  params: dict[str, Any] | None = None,
                  learner_options: dict[str, Any] | None = None) -> LearnerWorker:
+    open_namespace(settings, client)
     learner_options = {"buffer_capacity": settings.buffer_capacity,
                        "buffer_memory": settings.buffer_memory,
                        "eval_every": settings.eval_every, **(learner_options or {})}
@@ -52,6 +65,7 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
 
 
 def build_indexer(settings: Settings, client: redis.Redis) -> GalleryIndexer:
+    open_namespace(settings, client)
     return GalleryIndexer(client, open_store(settings, client), settings.namespace,
                           consumer=settings.consumer, max_items=settings.gallery_max,
                           block_ms=settings.block_ms, lease_ttl_ms=settings.lease_ttl_ms,

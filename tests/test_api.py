@@ -11,6 +11,7 @@ from pydantic import SecretStr
 from streamxm.config import Settings
 from streamxm.service import build_worker
 from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
 from streamxm.tools.datasets import bundled_wiki_path, iter_pairs, load_dataset
 from tests.conftest import ApiServer, metric, wait_for
 
@@ -85,7 +86,7 @@ def test_pairs_endpoint_validates_and_ingests(r: redis.Redis, settings: Settings
             {"id": "a", "img": [0.1, 0.2, 0.3], "txt": [1.0, 0.0], "labels": [1]},
             {"id": "b", "img": [0.3, 0.2, 0.1], "txt": [0.0, 1.0]}]})
         assert ok.status_code == 202 and ok.json()["accepted"] == 2
-        assert r.xlen(f"sxm:{settings.namespace}:pairs") == 2
+        assert r.xlen(Keys(settings.namespace).pairs) == 2
         cases = [
             ({"id": "c", "img": [0.1, 0.2], "txt": [1.0, 0.0]}, "img", "dim_mismatch"),
             ({"id": "c", "img": [0.1, 0.2, 1e39], "txt": [1.0, 0.0]}, "img", "non_finite"),
@@ -99,7 +100,7 @@ def test_pairs_endpoint_validates_and_ingests(r: redis.Redis, settings: Settings
             assert field in detail["loc"] and detail["type"] == reason
         missing = http.post("/v1/pairs", json={"pairs": [{"id": "d", "img": [1.0]}]})
         assert missing.status_code == 422 and "txt" in missing.text
-        assert r.xlen(f"sxm:{settings.namespace}:pairs") == 2  # nothing invalid got in
+        assert r.xlen(Keys(settings.namespace).pairs) == 2  # nothing invalid got in
         assert http.post("/v1/search", json={"modality": "image", "vector": [1.0, 2.0, 3.0],
                                              "k": 5}).status_code == 404  # no model yet
         nope = http.post("/v1/search", json={"model": "nope", "modality": "image",
@@ -128,7 +129,8 @@ def test_api_swaps_to_a_new_checkpoint_within_a_second(r: redis.Redis, settings:
         wait_for(lambda: http.get("/readyz").status_code == 200, 30, "a model")
         seen = http.get("/v1/models").json()["models"][0]["version"]
         client.push_many((f"b{i}", rng.random(5), rng.random(3), [i % 3]) for i in range(50))
+        head_key = Keys(settings.namespace).checkpoint_head("cmos")
         head = wait_for(lambda: (lambda v: v if v and int(v) > seen else None)(
-            r.hget(f"sxm:{settings.namespace}:ckpt:cmos:head", "version")), 30, "a checkpoint")
+            r.hget(head_key, "version")), 30, "a checkpoint")
         wait_for(lambda: http.get("/v1/models").json()["models"][0]["version"] >= int(head),
                  1.5, "the swap")

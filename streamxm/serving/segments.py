@@ -6,7 +6,7 @@ never a pickle, verified by SHA-256) of gallery rows: ids (UTF-8 bytes and end o
 rows and norms of both modalities (:class:`~streamxm.serving.server.GalleryChunk`). Segments are
 stored like checkpoints (Redis or the checkpoint directory) under the name ``_gallery``.
 
-The manifest (``sxm:<ns>:gallery``, a Redis hash written only in the indexer's lease-fenced
+The manifest (``sxm:{<ns>}:gallery``, a Redis hash written only in the indexer's lease-fenced
 commit transaction) lists the live segments, oldest first, how many rows of the first are
 retired (``skip``), the stream position the segments cover (``last_id``) and a ``revision``
 that changes with every commit (readers poll it and reread the rest only when it changed).

@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike
 
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, encode_pair, make_pair
-from streamxm.stream.redis_conn import StreamEntry, text
+from streamxm.stream.redis_conn import Replication, StreamEntry, text, wait_replicated
 
 __all__ = ["StreamClient", "decode_entries", "ensure_schema", "read_schema"]
 
@@ -72,7 +72,7 @@ def check_dims(pair: Pair, schema: tuple[int, int]) -> None:
 
 
 class StreamClient:
-    """Push image-text pairs to ``sxm:<ns>:pairs``.
+    """Push image-text pairs to ``sxm:{<ns>}:pairs``.
 
     Parameters
     ----------
@@ -85,14 +85,20 @@ class StreamClient:
     maxlen
         Optional approximate cap on the stream length (``XADD MAXLEN ~``); unset keeps every
         entry, which restarts and new consumer groups rely on.
+    replication
+        Replicas that must hold each pushed batch before the push returns
+        (:class:`~streamxm.stream.redis_conn.NotReplicated` otherwise: the pairs may be on the
+        master only, and a failover would lose them; push again).
     """
 
     def __init__(self, client: redis.Redis, namespace: str = "default",
-                 limits: Limits = Limits(), maxlen: int | None = None) -> None:
+                 limits: Limits = Limits(), maxlen: int | None = None,
+                 replication: Replication = Replication()) -> None:
         self.r = client
         self.keys = Keys(namespace)
         self.limits = limits
         self.maxlen = maxlen
+        self.replication = replication
         self._schema: tuple[int, int] | None = None
 
     def _check(self, pair: Pair) -> None:
@@ -147,5 +153,6 @@ class StreamClient:
                               maxlen=self.maxlen, approximate=True)
                 pipe.incrby(self.keys.ingested, len(part))
                 out = pipe.execute()
+            wait_replicated(self.r, self.keys.replicated, self.replication)
             ids.extend(text(x) for x in out[:-1])
         return ids

@@ -1,4 +1,11 @@
-"""Redis key names, one place for all of them (``docs/design.md``: ``sxm:<ns>:...``)."""
+"""Redis key names, one place for all of them (``docs/design.md``: ``sxm:{<ns>}:...``).
+
+Every key of a namespace carries the namespace as its hash tag (``{<ns>}``), so on a Redis
+Cluster a namespace lives in one hash slot: the commit transaction (checkpoint, head, XACK,
+dead letters, statistics) and the lease scripts touch keys of one slot and stay atomic, while
+different namespaces spread over the masters. Data written under the earlier untagged names
+(``sxm:<ns>:...``) is renamed by ``streamxm migrate-keys`` (:mod:`streamxm.stream.migrate`).
+"""
 
 from __future__ import annotations
 
@@ -30,13 +37,18 @@ class Keys:
     Examples
     --------
     >>> Keys("default").pairs
-    'sxm:default:pairs'
+    'sxm:{default}:pairs'
     """
 
     namespace: str = "default"
 
     @property
     def prefix(self) -> str:
+        return f"sxm:{{{self.namespace}}}"
+
+    @property
+    def legacy_prefix(self) -> str:
+        """The untagged prefix of data written before hash tags (``streamxm migrate-keys``)."""
         return f"sxm:{self.namespace}"
 
     pairs = _Key("pairs", "The pairs stream (message v1).")
@@ -49,6 +61,8 @@ class Keys:
                    "stream position covered, revision)")
     retention = _Key("retention", "Hash: the last trim of the pairs stream (position, time, "
                      "entries trimmed in all)")
+    replicated = _Key("replicated", "Counter written just before a WAIT (the write the WAIT "
+                      "covers on its connection; see redis_conn.wait_replicated).")
     checkpoint_corrupt = _Key(
         "ckpt:corrupt", "Hash: checkpoint versions found corrupt (checksum or parse) per model.")
 

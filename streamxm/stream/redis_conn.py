@@ -14,14 +14,26 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import ClusterError, ReadOnlyError, RedisClusterException, TryAgainError
 
 from streamxm.config import Settings
 
-__all__ = ["EmbeddedRedis", "connect", "resolve_url"]
+__all__ = [
+    "UNAVAILABLE",
+    "EmbeddedRedis",
+    "NotReplicated",
+    "Replication",
+    "connect",
+    "is_cluster",
+    "resolve_url",
+    "wait_replicated",
+]
 
 
 def _redis_server_binary() -> str:
@@ -155,16 +167,79 @@ def connect(settings: Settings, url: str | None = None, retries: int = 20,
     retry_on: tuple[type[Exception], ...] = (redis.ConnectionError,)
     if timeout is None:
         retry_on = (redis.ConnectionError, redis.TimeoutError)
+    options: dict[str, Any] = {
+        "socket_timeout": timeout, "socket_connect_timeout": timeout,
+        "health_check_interval": 30, "client_name": f"streamxm-{os.getpid()}"}
+    scheme, cluster, rest = target.partition("+cluster://")
+    if cluster:
+        # A Redis Cluster: redis-py's client follows MOVED/ASK and re-reads the slot map after
+        # a failover; it retries on connection errors whatever ``retries`` says (a worker
+        # still reloads its checkpoint when a read fails, see streamxm.worker.loop).
+        client = RedisCluster.from_url(
+            f"{scheme}://{rest}", retry=Retry(ExponentialBackoff(cap=2.0, base=0.05),
+                                             retries=max(retries, 6)), **options)
+        return cast(redis.Redis, client)  # the same command methods; see is_cluster
     return redis.Redis.from_url(
         target,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries,
                     supported_errors=retry_on),
         retry_on_error=list(retry_on) if retries else [],
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        health_check_interval=30,
-        client_name=f"streamxm-{os.getpid()}",
+        **options,
     )
+
+
+#: Errors meaning "Redis is not there right now": a lost connection or timeout, or on a
+#: cluster a slot without a live master, a node still loading, a write to a node that was
+#: demoted to replica under the client. Callers drop unsaved state and retry.
+UNAVAILABLE: tuple[type[Exception], ...] = (
+    redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException,
+    TryAgainError, ReadOnlyError, redis.exceptions.BusyLoadingError)
+
+
+def is_cluster(client: redis.Redis) -> bool:
+    """Whether ``client`` talks to a Redis Cluster (``redis+cluster://`` URLs)."""
+    return isinstance(client, RedisCluster)
+
+
+class NotReplicated(redis.RedisError):
+    """Fewer replicas than asked acknowledged the writes in time (``WAIT``)."""
+
+
+@dataclass(frozen=True)
+class Replication:
+    """How many replicas must hold a write before it counts as done (``WAIT``), and for how
+    long to wait for them; ``replicas=0``: asynchronous replication, do not wait."""
+
+    replicas: int = 0
+    timeout_ms: int = 1000
+
+    @classmethod
+    def of(cls, settings: Settings) -> Replication:
+        return cls(settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
+
+
+def wait_replicated(client: redis.Redis, key: str, replication: Replication) -> None:
+    """Block until ``replication.replicas`` replicas of ``key``'s master hold every write
+    made before this call, or raise :class:`NotReplicated`.
+
+    ``WAIT`` counts the writes of the connection it is sent on, so a write to ``key`` goes on
+    the same connection first; replication is one ordered log per master, so covering that
+    write covers every earlier one on any connection (a commit's transaction, a producer's
+    pipeline). On a cluster both go to the master of ``key``'s slot (the namespace's).
+    """
+    replicas, timeout_ms = replication.replicas, replication.timeout_ms
+    if replicas <= 0:
+        return
+    node: Any = client
+    if isinstance(client, RedisCluster):
+        node = client.get_redis_connection(client.get_node_from_key(key))
+    with node.pipeline(transaction=False) as pipe:
+        pipe.incr(key)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        acked = int(pipe.execute()[-1])
+    if acked < replicas:
+        raise NotReplicated(f"{acked} of {replicas} replicas acknowledged the writes within "
+                            f"{timeout_ms} ms")
 
 
 # -- reply helpers: redis-py returns loosely typed values; these give them one shape ----------

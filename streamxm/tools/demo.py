@@ -16,6 +16,7 @@ from tqdm import tqdm
 from streamxm.config import Settings
 from streamxm.learning.evaluation import label_relevance, mean_average_precision
 from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
 from streamxm.tools.datasets import PUBLISHED_WIKI, bundled_wiki_path, iter_pairs, load_dataset
 from streamxm.tools.processes import Child
@@ -58,7 +59,7 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
         url = embedded.start()
     r = connect(settings, url)
     # A fresh namespace per run: earlier demo state would mix into the figures.
-    stale = list(r.scan_iter(match=f"sxm:{namespace}:*", count=1000))
+    stale = list(r.scan_iter(match=f"{Keys(namespace).prefix}:*", count=1000))
     if stale:
         r.delete(*stale)
     log_dir = settings.data_dir / "logs"

@@ -4,7 +4,7 @@ A checkpoint blob is an uncompressed ``.npz`` holding the state arrays and a ``_
 UTF-8 JSON bytes; it is read back with ``allow_pickle=False``, so a blob from anywhere can at
 worst fail to load. Every version is stored with its SHA-256; a version whose bytes do not match
 (truncated, corrupted) is skipped in favour of the newest good one, with a log line and a count in
-``sxm:<ns>:ckpt:corrupt`` (exported as ``streamxm_checkpoint_corrupt_total``). A worker that falls
+``sxm:{<ns>}:ckpt:corrupt`` (exported as ``streamxm_checkpoint_corrupt_total``). A worker that falls
 back replays the stream from the older version's last applied entry (see the worker), so a bad
 blob costs time, not pairs.
 
@@ -42,7 +42,7 @@ import redis
 from numpy.typing import NDArray
 
 from streamxm.stream.keys import Keys
-from streamxm.stream.redis_conn import str_hash, text
+from streamxm.stream.redis_conn import Replication, str_hash, text, wait_replicated
 from streamxm.stream.retention import entry_id_key
 from streamxm.worker.faults import pause_point
 
@@ -134,10 +134,13 @@ class CheckpointStore(ABC):
     #: Fail point just before the commit transaction is sent.
     before_exec_point = "checkpoint.before_exec"
 
-    def __init__(self, client: redis.Redis, keys: Keys, keep: int = 3) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, keep: int = 3,
+                 replication: Replication = Replication()) -> None:
         self.r = client
         self.keys = keys
         self.keep = keep
+        #: Replicas that must hold a commit before it returns (NotReplicated otherwise).
+        self.replication = replication
 
     def head(self, model: str) -> dict[str, Any] | None:
         """Metadata of the newest version (``version``, ``created``, ``last_id``, ``history``)."""
@@ -211,6 +214,7 @@ class CheckpointStore(ABC):
             hook(pipe)
             pause_point(self.before_exec_point)
             pipe.execute()
+        wait_replicated(self.r, self.keys.replicated, self.replication)
         self._after_commit(name, kept, dropped)
 
     def read_blob(self, name: str, version: int, sha: str) -> bytes | None:
@@ -266,7 +270,7 @@ class CheckpointStore(ABC):
 
 
 class RedisCheckpointStore(CheckpointStore):
-    """Blobs under ``sxm:<ns>:ckpt:<model>:v:<version>``, head hash beside them."""
+    """Blobs under ``sxm:{<ns>}:ckpt:<model>:v:<version>``, head hash beside them."""
 
     def _read(self, model: str, version: int, sha: str) -> bytes | None:
         value = self.r.get(self.keys.checkpoint_blob(model, version))
@@ -292,8 +296,9 @@ class DirectoryCheckpointStore(CheckpointStore):
     #: are deleted by the next commit; younger ones may belong to a commit in flight.
     orphan_seconds = 3600.0
 
-    def __init__(self, client: redis.Redis, keys: Keys, root: str | Path, keep: int = 3) -> None:
-        super().__init__(client, keys, keep)
+    def __init__(self, client: redis.Redis, keys: Keys, root: str | Path, keep: int = 3,
+                 replication: Replication = Replication()) -> None:
+        super().__init__(client, keys, keep, replication)
         self.root = Path(root) / keys.namespace
 
     def _dir(self, model: str) -> Path:

@@ -34,13 +34,17 @@ from streamxm.serving.segments import (
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
-from streamxm.stream.redis_conn import stream_entries
+from streamxm.stream.redis_conn import UNAVAILABLE, NotReplicated, stream_entries
 from streamxm.worker.checkpoint import CheckpointStore, LeaseLost, blob_sha
 from streamxm.worker.lease import Lease
 
 __all__ = ["GalleryIndexer"]
 
 log = logging.getLogger(__name__)
+
+# What makes the indexer drop its buffer and start over from the committed segments.
+_STARTS_OVER: tuple[type[Exception], ...] = (*UNAVAILABLE, LeaseLost, NotReplicated,
+                                              redis.WatchError)
 
 
 class GalleryIndexer:
@@ -101,8 +105,7 @@ class GalleryIndexer:
                         leader, self._buffer = False, []
                         continue
                     read = self.step()
-                except (redis.ConnectionError, redis.TimeoutError, LeaseLost,
-                        redis.WatchError) as exc:
+                except _STARTS_OVER as exc:
                     log.warning("indexer %s: %s; buffer dropped, starting over", self.consumer,
                                 exc)
                     leader, self._buffer = False, []

@@ -3,7 +3,7 @@
 Delivery guarantees (``docs/design.md``):
 
 - One consumer group per model, so every model sees every pair.
-- One *active* learner per model at a time, chosen by a lease in Redis (``sxm:<ns>:lease:<m>``,
+- One *active* learner per model at a time, chosen by a lease in Redis (``sxm:{<ns>}:lease:<m>``,
   ``SET NX PX``, refreshed every loop). A sequential online learner has one model state, so
   further workers of the same model are hot standbys: when the active one dies its lease expires,
   a standby takes it, loads the newest checkpoint and claims the dead consumer's pending entries
@@ -21,7 +21,7 @@ Delivery guarantees (``docs/design.md``):
   checkpoint.
 - A lost Redis connection never stops the worker: it drops its in-memory state, backs off
   (exponentially, up to 5 s) and takes the lease again, which reloads and replays as above.
-- Entries that cannot be decoded or validated go to ``sxm:<ns>:dead`` with their reason, in the
+- Entries that cannot be decoded or validated go to ``sxm:{<ns>}:dead`` with their reason, in the
   same commit transaction, and never stop the worker.
 - An entry counts as applied only once learning it returned. If learning raises (a bug, a
   ``MemoryError``), the half-updated state is dropped, nothing of the batch is committed, and
@@ -50,7 +50,14 @@ from streamxm.models import split_name
 from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
-from streamxm.stream.redis_conn import StreamEntry, stream_entries, text
+from streamxm.stream.redis_conn import (
+    UNAVAILABLE,
+    NotReplicated,
+    StreamEntry,
+    stream_entries,
+    text,
+    wait_replicated,
+)
 from streamxm.stream.retention import entry_id_key, trim_stream
 from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.worker.lease import REFRESH_LEASE, RELEASE_LEASE
@@ -186,7 +193,7 @@ class LearnerWorker:
             try:
                 self.setup()
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except UNAVAILABLE as exc:
                 backoff = self._backoff(stop, backoff, exc)
         log.info("worker %s: model %s, namespace %s", self.consumer, self.model,
                  self.keys.namespace)
@@ -199,7 +206,7 @@ class LearnerWorker:
                     was_recovering = self._recovering
                     read = self.step()
                     backoff = 0.0
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except UNAVAILABLE as exc:
                     self._drop_state()
                     backoff = self._backoff(stop, backoff, exc)
                     continue
@@ -473,12 +480,20 @@ class LearnerWorker:
                 with self.r.pipeline(transaction=True) as pipe:
                     hook(pipe)
                     pipe.execute()
+                wait_replicated(self.r, self.keys.replicated, self.store.replication)
             else:
                 self.store.commit(self.model, ckpt, {"pairs_seen": learner.pairs_seen},
                                   hook=hook, lease=lease)
         except (LeaseLost, redis.WatchError):
             log.error("worker %s lost the lease during a commit; dropping its state",
                       self.consumer)
+            self._drop_state()
+            return
+        except NotReplicated as exc:
+            # Committed on the master, maybe not on its replicas: a failover now could lose the
+            # commit while this process went on from it. Reload what the store holds instead.
+            log.error("worker %s: commit not replicated (%s); reloading its checkpoint",
+                      self.consumer, exc)
             self._drop_state()
             return
         self._pending = _Pending()

@@ -1,5 +1,5 @@
 """The learning statistics a worker writes to Redis with every checkpoint
-(``sxm:<ns>:stats:<model>``), as one typed record: the worker writes it with :meth:`to_hash`, the
+(``sxm:{<ns>}:stats:<model>``), as one typed record: the worker writes it with :meth:`to_hash`, the
 API's ``/v1/models`` and the metrics collector read it with :meth:`from_hash`."""
 
 from __future__ import annotations
