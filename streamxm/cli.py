@@ -391,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     ing.add_argument("--pairs", type=int, default=2000)
     ing.add_argument("--http-batch", type=int, default=64, help="pairs per POST")
     ing.add_argument("--repeats", type=int, default=3)
+    ing.add_argument("--cluster", action="store_true",
+                     help="instead: a local Redis Cluster (3 masters, 3 replicas), the client "
+                     "pushing into one namespace on one master, then into three namespaces on "
+                     "three masters at once (a process each)")
     e2e = bench_sub.add_parser("end-to-end", help="pairs/s one worker learns from the stream, "
                                "beside the in-process learner; lag at a push rate")
     e2e.add_argument("--model", default="cmos")

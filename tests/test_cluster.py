@@ -4,6 +4,7 @@ with its replica promoted. ``pytest -k cluster`` selects these."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,13 +18,17 @@ from redis.crc import key_slot
 
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
-from streamxm.service import build_worker
+from streamxm.service import build_indexer, build_worker
+from streamxm.serving.segments import read_manifest
 from streamxm.stream.client import StreamClient, decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits, Pair
 from streamxm.stream.redis_conn import UNAVAILABLE, NotReplicated, Replication, connect, text
+from streamxm.tools.cluster import LocalCluster, namespace_on_each_master
+from streamxm.tools.datasets import iter_pairs, load_dataset
 from tests.conftest import (
     IMG,
+    PY,
     TXT,
     ApiServer,
     WorkerProcess,
@@ -36,7 +41,6 @@ from tests.conftest import (
     wait_for,
     worker_env,
 )
-from tests.redis_cluster import LocalCluster, namespace_on_each_master
 
 pytestmark = pytest.mark.slow  # six redis-server processes, failovers: tens of seconds
 
@@ -64,25 +68,38 @@ def _learned_from_stream(r: redis.Redis, keys: Keys) -> StreamLearner:
 
 def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
         cluster: LocalCluster, tmp_path: Path) -> None:
+    """Push (client; the CLI for one namespace) -> learn -> checkpoint -> gallery segments ->
+    search -> metrics, in three namespaces whose slots are on three different masters."""
     names = namespace_on_each_master(cluster, 3, prefix="e2e")
     masters = [cluster.master_for_key(Keys(ns).pairs) for ns in names]
     assert len(set(masters)) == 3
+    wiki = list(iter_pairs(load_dataset("wiki"), limit=200))
     for i, ns in enumerate(names):
         settings = _settings(cluster, ns, tmp_path)
         r = connect(settings)
         keys = Keys(ns)
-        pairs = class_stream(200, 8, 4, seed=i)
-        StreamClient(r, ns).push_pairs(pairs)
+        if i == 0:  # the CLI, in its own process, on the cluster URL
+            pairs = wiki
+            subprocess.run([*PY, "push", "--dataset", "wiki", "--limit", "200"],
+                           env=worker_env(settings), check=True, capture_output=True, timeout=120)
+        else:
+            pairs = class_stream(200, 8, 4, seed=i)
+            StreamClient(r, ns).push_pairs(pairs)
         build_worker(settings, r, "cmos").run(until_idle=True)
+        build_indexer(settings, r).run(until_idle=True)
         # Every key of the namespace is in its one slot, on its master.
         slots = {key_slot(k) for k in r.scan_iter(match=f"{keys.prefix}:*")}
         assert slots == {key_slot(keys.pairs.encode())}
         assert cluster.master_for_slot(slots.pop()) == masters[i]
         assert_same_learner(latest(settings, r), reference(pairs))
+        manifest = read_manifest(r, keys)
+        assert manifest is not None and sum(ref.rows for ref in manifest.segments) == 200
         with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
             wait_for(lambda: http.get("/readyz").status_code == 200, 30, "ready")
-            accepted = http.post("/v1/pairs", json={"pairs": [
-                {"id": "http-1", "img": [0.5] * 8, "txt": [0.5] * 4, "labels": [1]}]})
+            dim_img, dim_txt = len(pairs[0].img), len(pairs[0].txt)
+            accepted = http.post("/v1/pairs", json={"pairs": [{
+                "id": "http-1", "img": [0.5] * dim_img, "txt": [0.5] * dim_txt,
+                "labels": [1]}]})
             assert accepted.status_code == 202, accepted.text
             wait_for(lambda: http.get("/v1/models").json()["models"][0]["gallery_items"] == 201,
                      30, "the gallery to hold every pair")
@@ -195,3 +212,11 @@ def _settled(r: redis.Redis, keys: Keys) -> bool:
                 and r.xpending(keys.pairs, "cmos")["pending"] == 0)
     except UNAVAILABLE:
         return False
+
+
+def test_cluster_bench_ingest_reports_one_and_three_namespaces() -> None:
+    from streamxm.tools.load import ingest
+
+    result = ingest(img_dim=16, txt_dim=8, pairs=200, repeats=1, cluster=True)
+    assert result["one_namespace_pairs_per_s"] > 0 and result["three_namespaces_pairs_per_s"] > 0
+    assert len(set(result["namespace_masters"])) == 3

