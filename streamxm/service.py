@@ -49,7 +49,6 @@ def open_namespace(settings: Settings, client: redis.Redis) -> Keys:
 def build_worker(settings: Settings, client: redis.Redis, model: str,
                  params: dict[str, Any] | None = None,
                  learner_options: dict[str, Any] | None = None) -> LearnerWorker:
-    open_namespace(settings, client)
     learner_options = {"buffer_capacity": settings.buffer_capacity,
                        "buffer_memory": settings.buffer_memory,
                        "eval_every": settings.eval_every, **(learner_options or {})}
@@ -65,7 +64,6 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
 
 
 def build_indexer(settings: Settings, client: redis.Redis) -> GalleryIndexer:
-    open_namespace(settings, client)
     return GalleryIndexer(client, open_store(settings, client), settings.namespace,
                           consumer=settings.consumer, max_items=settings.gallery_max,
                           block_ms=settings.block_ms, lease_ttl_ms=settings.lease_ttl_ms,

@@ -37,9 +37,10 @@ def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
     assert r.exists(f"sxm:{settings.namespace}:pairs") and not r.exists(keys.pairs)
 
     with pytest.raises(LegacyKeys, match="migrate-keys"):
-        build_worker(settings, r, "cmos")
+        build_worker(settings, r, "cmos").run(until_idle=True)
     with pytest.raises(LegacyKeys):
-        build_indexer(settings, r)
+        build_indexer(settings, r).run(until_idle=True)
+    assert not r.exists(keys.models)  # refused before writing anything under the new names
     env = worker_env(settings)
     refused = subprocess.run([*PY, "worker", "--model", "cmos"], env=env, capture_output=True,
                              text=True, timeout=60)

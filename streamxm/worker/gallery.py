@@ -34,6 +34,7 @@ from streamxm.serving.segments import (
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
+from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import UNAVAILABLE, NotReplicated, stream_entries
 from streamxm.worker.checkpoint import CheckpointStore, LeaseLost, blob_sha
 from streamxm.worker.lease import Lease
@@ -122,6 +123,7 @@ class GalleryIndexer:
                     log.error("indexer %s: final commit failed (%s)", self.consumer, exc)
 
     def _load(self) -> None:
+        require_migrated(self.r, self.keys)  # data under the old key names: refuse, say how
         self.manifest = read_manifest(self.r, self.keys) or Manifest()
         self.position = self.manifest.last_id
         self._buffer, self._since = [], time.monotonic()

@@ -50,6 +50,7 @@ from streamxm.models import split_name
 from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
+from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import (
     UNAVAILABLE,
     NotReplicated,
@@ -177,7 +178,9 @@ class LearnerWorker:
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self) -> None:
-        """Register the model and create its consumer group (from the stream's start)."""
+        """Register the model and create its consumer group (from the stream's start), once
+        the namespace's data is known not to be under the old untagged key names."""
+        require_migrated(self.r, self.keys)  # before sadd writes a key under the new names
         self.r.sadd(self.keys.models, self.model)
         try:
             self.r.xgroup_create(self.keys.pairs, self.group, id="0", mkstream=True)
