@@ -14,6 +14,7 @@ import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisClusterException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import ApiContext, require_token
@@ -26,7 +27,7 @@ from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import InvalidModelName, ModelNotReady, ModelServer, UnknownModel
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.redis_conn import Replication, connect, resolve_url
+from streamxm.stream.redis_conn import UNAVAILABLE, Replication, connect, resolve_url
 from streamxm.worker.checkpoint import VersionNotKept
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     keys = Keys(settings.namespace)
     try:
         open_namespace(settings, background)
-    except redis.RedisError as exc:  # unreachable now: the API starts and answers 503 meanwhile
+    except UNAVAILABLE as exc:  # unreachable now: the API starts and answers 503 meanwhile
         log.warning("could not check the namespace's key names: %s", exc)
     limits = limits_from(settings)
     server = ModelServer(background, open_store(settings, background), settings.namespace,
@@ -179,8 +180,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     async def not_ready(request: Request, exc: ModelNotReady) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
+    # A cluster's "no node serves this slot" is no RedisError: the same 503.
     @app.exception_handler(redis.RedisError)
-    async def redis_down(request: Request, exc: redis.RedisError) -> JSONResponse:
+    @app.exception_handler(RedisClusterException)
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": f"stream store unavailable: {type(exc).__name__}"},
                             status_code=503, headers={"Retry-After": "1"})
 

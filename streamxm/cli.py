@@ -125,6 +125,7 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
     from streamxm.service import open_store
     from streamxm.stream.keys import Keys
+    from streamxm.stream.migrate import require_migrated
     from streamxm.stream.redis_conn import connect
     from streamxm.worker.checkpoint import VersionNotKept
     from streamxm.worker.rollback import history, rollback
@@ -132,6 +133,7 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     settings = get_settings()
     client = connect(settings)
     keys = Keys(settings.namespace)
+    require_migrated(client, keys)
     store = open_store(settings, client)
     if args.to is None:  # show what a rollback could go to, and what was done before
         head = store.head(args.model) or {}
@@ -454,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from pydantic import ValidationError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from streamxm.stream.messages import InvalidPair
     from streamxm.stream.migrate import LegacyKeys, MigrationConflict
@@ -469,5 +472,9 @@ def main(argv: list[str] | None = None) -> int:
             MigrationConflict) as exc:
         print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (RedisError, RedisClusterException) as exc:  # NotReplicated, a lost connection
+        print(f"streamxm {args.command}: Redis error: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130

@@ -110,6 +110,17 @@ def test_frames_over_http_reach_the_worker_like_any_pair(r: redis.Redis,
                                   framed.model.state()[0]["W"])
 
 
+def test_frames_obey_the_values_bound_of_every_request(r: redis.Redis,
+                                                        settings: Settings) -> None:
+    bounded = settings.model_copy(update={"max_request_values": 100})
+    with ApiServer(bounded) as api:
+        answer = httpx.post(f"{api.url}/v1/pairs/frames", headers=FRAMES,
+                            content=encode_frames(class_stream(9, 8, 4, seed=6)))
+        assert answer.status_code == 422 and answer.json()["detail"][0]["type"] == "too_large"
+        assert httpx.post(f"{api.url}/v1/pairs/frames", headers=FRAMES, content=encode_frames(
+            class_stream(8, 8, 4, seed=6))).status_code == 202  # 96 values: within
+
+
 def test_frames_need_the_token_when_one_is_set(r: redis.Redis, settings: Settings) -> None:
     from pydantic import SecretStr
 

@@ -40,7 +40,9 @@ def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
         build_worker(settings, r, "cmos").run(until_idle=True)
     with pytest.raises(LegacyKeys):
         build_indexer(settings, r).run(until_idle=True)
-    assert not r.exists(keys.models)  # refused before writing anything under the new names
+    with pytest.raises(LegacyKeys):  # a producer too: it would start the namespace afresh
+        StreamClient(r, settings.namespace).push_pairs(pairs[150:])
+    assert not r.exists(keys.models) and not r.exists(keys.schema)  # nothing written
     env = worker_env(settings)
     refused = subprocess.run([*PY, "worker", "--model", "cmos"], env=env, capture_output=True,
                              text=True, timeout=60)
@@ -69,4 +71,6 @@ def test_a_migration_never_overwrites_a_key_under_the_new_name(r: redis.Redis,
     r.set(keys.schema, "taken")
     with pytest.raises(MigrationConflict, match="nothing was renamed"):
         migrate_keys(r, keys)
+    with pytest.raises(ValueError, match="not a namespace"):  # a glob would match every one
+        migrate_keys(r, Keys("*"))
     assert r.exists(f"{keys.legacy_prefix}:pairs") and not r.exists(keys.pairs)

@@ -111,3 +111,14 @@ def test_gallery_chunks_merge_tier_by_tier_and_the_cap_holds() -> None:
     unit, norms = gallery.locate(np.array([0, 14_999]), "image")
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-6)
     np.testing.assert_allclose(unit[1] * norms[1], gallery.chunks[-1].raw("image", [99])[0])
+
+
+def test_unit_rows_of_tiny_and_zero_vectors_stay_finite() -> None:
+    """A valid pair may carry a vector of norm 1e-40 (finite, so accepted): its unit row is
+    computed in float64, where 1 / norm does not overflow."""
+    from streamxm.serving.gallery import _unit_rows
+
+    unit, norms = _unit_rows(np.array([[1e-40, 0, 0], [3, 4, 0], [0, 0, 0]], dtype=np.float32))
+    assert np.isfinite(unit).all()
+    np.testing.assert_allclose(unit, [[1, 0, 0], [0.6, 0.8, 0], [0, 0, 0]], rtol=1e-6)
+    np.testing.assert_allclose(norms, [1e-40, 5, 0], rtol=1e-5)

@@ -50,6 +50,10 @@ async def pair_frames(request: Request, context: Context) -> PairsOut:
             frames = decode_frames(body, context.settings.max_batch)
         except InvalidPair as exc:
             raise unprocessable([], exc.reason, exc.detail) from None
+        values = sum(len(f.get(b"img", b"")) + len(f.get(b"txt", b"")) for f in frames) // 4
+        if values > context.settings.max_request_values:  # the JSON doors' bound, the same
+            raise unprocessable([], "too_large", f"{values} vector values exceed the limit "
+                                f"{context.settings.max_request_values} per request")
         validated = []
         for i, fields in enumerate(frames):
             try:  # views of the body: the frames go to the stream as they came

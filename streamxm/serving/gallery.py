@@ -71,8 +71,13 @@ def _unit_rows(x: NDArray[np.float32]) -> tuple[NDArray[np.float32], NDArray[np.
     # Norms accumulated in float64, rows scaled in float32: no float64 copy of the rows (11x
     # faster at 4096-d, where the copy made this the largest cost of reading the stream).
     norms = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))
-    inverse = (1.0 / np.where(norms > 0, norms, 1.0)).astype(np.float32)
-    return np.asarray(x * inverse[:, None], dtype=np.float32), norms.astype(np.float32)
+    safe = np.where(norms > 0, norms, 1.0)
+    with np.errstate(over="ignore", invalid="ignore"):  # the tiny rows, redone just below
+        unit = np.asarray(x * (1.0 / safe).astype(np.float32)[:, None], dtype=np.float32)
+    tiny = safe < 1e-30  # 1 / norm would overflow float32: these few rows in float64
+    if tiny.any():
+        unit[tiny] = (x[tiny].astype(np.float64) / safe[tiny, None]).astype(np.float32)
+    return unit, norms.astype(np.float32)
 
 
 @dataclass(frozen=True, eq=False)

@@ -27,6 +27,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from redis.exceptions import RedisClusterException
 
 from streamxm.learning.learner import UPDATE_BUCKETS
 from streamxm.models import DIRECTIONS
@@ -101,7 +102,7 @@ class StreamCollector(Collector):
         try:
             families = inflight.result(timeout=self.timeout)
             self._last, fresh = families, True
-        except (FutureTimeout, redis.RedisError):
+        except (FutureTimeout, redis.RedisError, RedisClusterException):
             families, fresh = self._last, False
         up.add_metric([], 1.0 if fresh else 0.0)
         yield up

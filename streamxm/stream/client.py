@@ -25,6 +25,7 @@ from numpy.typing import ArrayLike
 
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, encode_pair, make_pair
+from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import Replication, StreamEntry, text, wait_replicated
 
 __all__ = ["StreamClient", "decode_entries", "ensure_schema", "read_schema"]
@@ -103,6 +104,9 @@ class StreamClient:
 
     def _check(self, pair: Pair) -> None:
         if self._schema is None:
+            # Before the first write: a push must not start the namespace under the new key
+            # names beside data still under the old ones (streamxm migrate-keys).
+            require_migrated(self.r, self.keys)
             self._schema = ensure_schema(self.r, self.keys, pair.img.shape[0], pair.txt.shape[0])
         check_dims(pair, self._schema)
 

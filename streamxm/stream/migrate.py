@@ -12,6 +12,8 @@ the renames would create the old stream again.
 
 from __future__ import annotations
 
+import re
+
 import redis
 
 from streamxm.stream.keys import Keys
@@ -19,6 +21,7 @@ from streamxm.stream.redis_conn import text
 
 __all__ = ["LegacyKeys", "MigrationConflict", "legacy_keys", "migrate_keys", "require_migrated"]
 
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # STREAMXM_NAMESPACE's own rule
 # Keys every used namespace has: their presence under the old names marks unmigrated data.
 _MARKERS = ("pairs", "models", "schema")
 
@@ -55,6 +58,8 @@ def migrate_keys(r: redis.Redis, keys: Keys, dry_run: bool = False) -> list[tupl
     them). Renames use ``RENAMENX``, so a key written under the new name meanwhile is not
     overwritten; running it again after a partial run renames what is left.
     """
+    if not _NAMESPACE.fullmatch(keys.namespace):  # a glob character would match others' keys
+        raise ValueError(f"not a namespace name: {keys.namespace!r}")
     renames = [(old, keys.prefix + old[len(keys.legacy_prefix):]) for old in legacy_keys(r, keys)]
     taken = [new for _, new in renames if r.exists(new)]
     if taken:

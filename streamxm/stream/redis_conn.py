@@ -20,7 +20,14 @@ from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import ClusterError, ReadOnlyError, RedisClusterException, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    MovedError,
+    ReadOnlyError,
+    RedisClusterException,
+    TryAgainError,
+)
 
 from streamxm.config import Settings
 
@@ -173,12 +180,10 @@ def connect(settings: Settings, url: str | None = None, retries: int = 20,
     scheme, cluster, rest = target.partition("+cluster://")
     if cluster:
         # A Redis Cluster: redis-py's client follows MOVED/ASK and re-reads the slot map after
-        # a failover; it retries on connection errors whatever ``retries`` says (a worker
-        # still reloads its checkpoint when a read fails, see streamxm.worker.loop).
-        client = RedisCluster.from_url(
-            f"{scheme}://{rest}", retry=Retry(ExponentialBackoff(cap=2.0, base=0.05),
-                                             retries=max(retries, 6)), **options)
-        return cast(redis.Redis, client)  # the same command methods; see is_cluster
+        # a connection error. ``retries`` holds as above: a worker's (0) must not have a
+        # blocking read or a fenced transaction re-sent behind its back on another node.
+        return _cluster_client(f"{scheme}://{rest}", Retry(
+            ExponentialBackoff(cap=2.0, base=0.05), retries=retries), options)
     return redis.Redis.from_url(
         target,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries,
@@ -186,6 +191,25 @@ def connect(settings: Settings, url: str | None = None, retries: int = 20,
         retry_on_error=list(retry_on) if retries else [],
         **options,
     )
+
+
+def _cluster_client(url: str, retry: Any, options: dict[str, Any],
+                    patience: float = 60.0) -> redis.Redis:
+    """A RedisCluster client; it reads the slot map when built, so a cluster that cannot be
+    reached yet (starting, failing over) is waited for, up to ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    delay = 0.1
+    while True:
+        try:
+            client = RedisCluster.from_url(url, retry=retry, **options)
+        except UNAVAILABLE as exc:  # includes every "no node answers" the client raises
+            if time.monotonic() + delay > deadline:
+                raise redis.ConnectionError(f"no Redis Cluster node answers at {url}: "
+                                            f"{exc}") from exc
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+            continue
+        return cast(redis.Redis, client)  # the same command methods; see is_cluster
 
 
 #: Errors meaning "Redis is not there right now": a lost connection or timeout, or on a
@@ -233,10 +257,18 @@ def wait_replicated(client: redis.Redis, key: str, replication: Replication) -> 
     node: Any = client
     if isinstance(client, RedisCluster):
         node = client.get_redis_connection(client.get_node_from_key(key))
-    with node.pipeline(transaction=False) as pipe:
-        pipe.incr(key)
-        pipe.execute_command("WAIT", replicas, timeout_ms)
-        acked = int(pipe.execute()[-1])
+    try:
+        with node.pipeline(transaction=False) as pipe:
+            pipe.incr(key)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            acked = int(pipe.execute()[-1])
+    except (AskError, MovedError, ReadOnlyError) as exc:
+        # The slot moved under a stale slot map (a failover, a resharding): the writes before
+        # may be on the old master only. Re-read the map for the next try; the caller treats
+        # this as unreplicated (the producer pushes again, the worker reloads).
+        if isinstance(client, RedisCluster):
+            client.nodes_manager.initialize()
+        raise NotReplicated(f"the namespace's slot moved before WAIT: {exc}") from exc
     if acked < replicas:
         raise NotReplicated(f"{acked} of {replicas} replicas acknowledged the writes within "
                             f"{timeout_ms} ms")

@@ -59,7 +59,9 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
         url = embedded.start()
     r = connect(settings, url)
     # A fresh namespace per run: earlier demo state would mix into the figures.
-    stale = list(r.scan_iter(match=f"{Keys(namespace).prefix}:*", count=1000))
+    keys = Keys(namespace)  # and under the untagged names of older versions
+    stale = [*r.scan_iter(match=f"{keys.prefix}:*", count=1000),
+             *r.scan_iter(match=f"{keys.legacy_prefix}:*", count=1000)]
     if stale:
         r.delete(*stale)
     log_dir = settings.data_dir / "logs"
