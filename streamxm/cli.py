@@ -438,7 +438,17 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--queries", type=int, default=32)
     sc.add_argument("--candidates", type=int, default=100)
     sc.add_argument("--repeats", type=int, default=3)
-    for p in (ing, e2e, qry, sk, ho, sc):
+    er = bench_sub.add_parser("ensemble-recall", help="recall@k of an ensemble's search (each "
+                              "member's candidates, fused exactly) against its exact fused "
+                              "ranking of the whole gallery")
+    er.add_argument("--model", default="ensemble:cmos+sdsrl")
+    er.add_argument("--gallery", type=int, default=20_000)
+    er.add_argument("--img-dim", type=int, default=128)
+    er.add_argument("--txt-dim", type=int, default=32)
+    er.add_argument("--queries", type=int, default=100)
+    er.add_argument("--k", type=int, default=10)
+    er.add_argument("--candidates", type=int, default=100, help="candidates per member")
+    for p in (ing, e2e, qry, sk, ho, sc, er):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
         p.set_defaults(func=_cmd_bench_load)

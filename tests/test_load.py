@@ -34,3 +34,10 @@ def test_query_serves_every_request_while_the_worker_learns() -> None:
 
 def test_rss_of_this_process() -> None:
     assert load.rss_mb(os.getpid()) > 1
+
+
+def test_ensemble_recall_is_exact_when_the_candidates_cover_the_gallery() -> None:
+    # Each member proposing the whole gallery: the fused search must be the exact ranking.
+    result = load.ensemble_recall(gallery=400, img_dim=8, txt_dim=4, queries=10,
+                                  candidates=400)
+    assert result["recall_at_k"] == 1.0 and result["candidates_per_member"] == 400

@@ -49,6 +49,7 @@ from tqdm import tqdm
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel
+from streamxm.models.ensemble import REFERENCE_ITEMS
 from streamxm.service import open_store
 from streamxm.serving.segments import SEGMENTS, read_manifest
 from streamxm.stream.client import StreamClient
@@ -604,6 +605,53 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         # Searches whose bfloat16 candidates were not proven complete: a float32 scan answered.
         "exact_scans": exact_scans,
     }
+
+
+def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,
+                    img_dim: int = 128, txt_dim: int = 32, queries: int = 100, k: int = 10,
+                    candidates: int = 100, seed: int = 0) -> dict[str, Any]:
+    """Recall@k of an ensemble's search against the exact fused ranking of the whole gallery.
+
+    Every member learns the gallery's pairs (:func:`~streamxm.tools.datasets.synthetic_pairs`,
+    100 topics) in-process from a private Redis; a :class:`ModelServer` then answers
+    ``queries`` searches (image and text alternating, each a gallery item's own vector) the way
+    the API does, each member proposing ``max(candidates, 4k)`` candidates; the reference is
+    every gallery item scored by the same fused score (same members' versions, same reference
+    sample)."""
+    from streamxm.models.ensemble import parse_ensemble
+    from streamxm.service import build_worker
+    from streamxm.serving.server import ModelServer, direction_of, other_modality
+
+    spec = parse_ensemble(model)
+    pairs = synthetic_pairs(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
+    vectors = {"image": np.stack([p.img for p in pairs]),
+               "text": np.stack([p.txt for p in pairs])}
+    with stack(gallery_max=gallery) as st:
+        StreamClient(st.r, NAMESPACE).push_pairs(pairs)
+        for member in tqdm(spec.members, desc="members learning", file=sys.stderr):
+            build_worker(st.settings, st.r, member).run(until_idle=True)
+        server = ModelServer(st.r, open_store(st.settings, st.r), NAMESPACE,
+                             gallery_max=gallery, candidates=candidates)
+        while len(server.gallery) < gallery or len(server.served) < len(spec.members):
+            server.refresh()
+        server.reembed()  # the members' embedded indexes by their served versions
+        fused = server.ensemble(model)
+        rng = np.random.default_rng(seed + 1)
+        recalls = []
+        for j in tqdm(range(queries), desc="queries", file=sys.stderr):
+            modality = "image" if j % 2 else "text"
+            query = vectors[modality][int(rng.integers(gallery))]
+            found = {i for i, _ in server.search(model, modality, query, k).hits}
+            target = other_modality(modality)
+            exact = fused.fused.scores(direction_of(modality), query[None, :], vectors[target],
+                                       server.gallery.reference(target, REFERENCE_ITEMS))[0]
+            best = {pairs[i].id for i in np.argsort(-exact, kind="stable")[:k]}
+            recalls.append(len(found & best) / k)
+    return {"benchmark": "ensemble-recall", "model": model, "gallery": gallery,
+            "img_dim": img_dim, "txt_dim": txt_dim, "queries": queries, "k": k,
+            "candidates_per_member": max(candidates, 4 * k),
+            "recall_at_k": round(float(np.mean(recalls)), 4),
+            "min_recall_at_k": round(float(np.min(recalls)), 2)}
 
 
 # -- soak -----------------------------------------------------------------------------------
