@@ -39,6 +39,7 @@ from streamxm.models.ensemble import (
     Ensemble,
     EnsembleSpec,
     is_ensemble,
+    member_scores,
     parse_ensemble,
 )
 from streamxm.serving.champion import ChampionRule, Evidence
@@ -613,11 +614,7 @@ class ModelServer:
             scores = ensemble.fused.scores(direction, queries, items, reference, not matrix)
             return ensemble, scores.T if matrix and direction == "t2i" else scores
         served = self.get(name, version)
-        if matrix:
-            return served, served.model.similarity(images, texts)
-        a = served.model.embed_images(images).astype(np.float64)
-        b = served.model.embed_texts(texts).astype(np.float64)
-        return served, np.einsum("ij,ij->i", a, b)
+        return served, member_scores(served.model, "i2t", images, texts, paired=not matrix)
 
     def search(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
                target: str | None = None, version: int | None = None) -> SearchAnswer:
