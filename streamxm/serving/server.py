@@ -678,11 +678,9 @@ class ModelServer:
         lag = self.version_lag(served)
         if len(self.gallery) == 0:
             return SearchAnswer(served, [], lag, served.version)
-        gallery, rows, index_version = yield from self._candidates(
+        gallery, rows, items, index_version = yield from self._candidates(
             served, modality, vector, k, target)
-        by_row = np.argsort(rows, kind="stable")  # gallery order: ties keep it below
-        rows = rows[by_row]
-        scores = _exact_scores(model, modality, target, vector, gallery.vectors_at(rows, target))
+        scores = _exact_scores(model, modality, target, vector, items)
         order = np.argsort(-scores, kind="stable")[:k]
         ids = gallery.ids_at(rows[order])
         return SearchAnswer(served, list(zip(ids, scores[order].tolist(), strict=True)), lag,
@@ -690,10 +688,12 @@ class ModelServer:
 
     def _candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
                     k: int, target: str
-                    ) -> Generator[_Scan | _Work, Any, tuple[Gallery, NDArray[np.int64], int]]:
+                    ) -> Generator[_Scan | _Work, Any, tuple[Gallery, NDArray[np.int64],
+                                                             NDArray[np.float32], int]]:
         """Rows of a gallery snapshot holding the served version's top ``k`` (or nearly, from
-        an embedded index): ``max(candidates, 4 k)`` of them, with the snapshot and the version
-        whose index proposed them."""
+        an embedded index): ``max(candidates, 4 k)`` of them in gallery order (so that ties
+        keep it), with the snapshot, their raw vectors and the version whose index proposed
+        them."""
         gallery, model = self.gallery, served.model
         wanted = min(len(gallery), max(self.candidates, 4 * k))
         fixed = model.fixed_space and target != modality
@@ -713,14 +713,17 @@ class ModelServer:
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
         proposed, rows = yield _Scan(blocks, query, wanted)
-        if fixed and len(rows) < len(gallery) and not _proven_complete(
-                proposed, gallery.locate(rows, target)[0], query, k, blocks):
+        units, norms = gallery.locate(rows, target)
+        if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
+                                                                        k, blocks):
             # The reduced-precision scan could have missed part of the exact top k (scores
             # flatter than its rounding): scan the float32 rows instead.
             self.exact_scans += 1
             # Coalesced too: the fallbacks of concurrent searches share one pass.
             _, rows = yield _Scan(gallery.exact_blocks(target), query, wanted)
-        return gallery, rows, index_version
+            units, norms = gallery.locate(rows, target)
+        by_row = np.argsort(rows, kind="stable")
+        return (gallery, rows[by_row], units[by_row] * norms[by_row, None], index_version)
 
     def _ensemble_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
                         target: str, version: int | None
@@ -740,12 +743,12 @@ class ModelServer:
         items: list[NDArray[np.float32]] = []
         seen: set[str] = set()
         for served in ensemble.members:
-            gallery, rows, _ = yield from self._candidates(served, modality, vector, k, target)
-            rows = np.sort(rows)
+            gallery, rows, vectors, _ = yield from self._candidates(served, modality, vector, k,
+                                                                    target)
             fresh = [(i, id_) for i, id_ in enumerate(gallery.ids_at(rows)) if id_ not in seen]
             seen.update(id_ for _, id_ in fresh)
             ids.extend(id_ for _, id_ in fresh)
-            items.append(gallery.vectors_at(rows[[i for i, _ in fresh]], target))
+            items.append(vectors[[i for i, _ in fresh]])
         scores = ensemble.fused.scores(direction_of(modality), vector[None, :], np.vstack(items),
                                        reference)[0]
         order = np.argsort(-scores, kind="stable")[:k]
