@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
     from streamxm.worker.process import run_worker
 
-    return run_worker(get_settings(), args.model, _params(args.param) or None)
+    # torchrun (and similar launchers) say the rank and world size in the environment.
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
+    return run_worker(get_settings(), args.model, _params(args.param) or None, world=world,
+                      rank=rank)
 
 
 def _cmd_indexer(args: argparse.Namespace) -> int:
@@ -256,6 +261,18 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_distributed(args: argparse.Namespace) -> int:
+    from streamxm.tools.distributed import distributed
+
+    result = distributed(
+        args.model, tuple(int(x) for x in args.ranks.split(",")), img_dim=args.img_dim,
+        txt_dim=args.txt_dim, pairs=args.pairs, threads_per_rank=args.threads_per_rank,
+        read_batch=args.read_batch, eval_every=args.eval_every, dataset=args.dataset,
+        params=_params(args.param) or None, seed=args.seed)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def _cmd_redis(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
     from streamxm.stream.redis_conn import EmbeddedRedis
@@ -288,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model name: " + ", ".join(MODEL_NAMES))
     worker.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="model parameter for a fresh model (JSON value)")
+    worker.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="ranks learning this model together (default: $WORLD_SIZE or 1)")
+    worker.add_argument("--rank", type=int, default=None, metavar="R",
+                        help="this process's rank, 0 to N-1; rank 0 reads, checkpoints and "
+                        "acknowledges (default: $RANK or 0)")
     worker.set_defaults(func=_cmd_worker)
 
     indexer = sub.add_parser("indexer", help="keep the search gallery as segments API replicas "
@@ -452,6 +474,26 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
         p.set_defaults(func=_cmd_bench_load)
+
+    di = bench_sub.add_parser("distributed", help="pairs/s of one model learned by 1, 2, ... "
+                              "ranks (streamxm worker --world-size N) from the same backlog, "
+                              "with the time per round in the collective; test mAP with "
+                              "--dataset")
+    di.add_argument("--model", default="cmos")
+    di.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
+    di.add_argument("--img-dim", type=int, default=4096)
+    di.add_argument("--txt-dim", type=int, default=1000)
+    di.add_argument("--pairs", type=int, default=2000,
+                    help="synthetic pairs, or the first N training pairs of --dataset (0: all)")
+    di.add_argument("--threads-per-rank", type=int, default=1)
+    di.add_argument("--read-batch", type=int, default=256, help="pairs per rank per round")
+    di.add_argument("--eval-every", type=int, default=10)
+    di.add_argument("--dataset", default=None, help="benchmark .npz (or 'wiki'): its training "
+                    "split in file order instead of synthetic pairs, and test mAP per run")
+    di.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    di.add_argument("--seed", type=int, default=0)
+    di.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
+    di.set_defaults(func=_cmd_bench_distributed)
 
     rd = sub.add_parser("redis", help="the embedded Redis server")
     rd.add_argument("action", choices=["start", "stop", "status"])

@@ -51,6 +51,15 @@ class Settings(BaseSettings):
     block_ms: int = Field(default=200, ge=1)
     lease_ttl_ms: int = Field(default=10_000, ge=100)
     consumer: str | None = Field(default=None, description="consumer name; default host-pid")
+    dist_host: str | None = Field(
+        default=None, description="address the other ranks of a distributed learner reach "
+        "rank 0 at (its rendezvous store); default: rank 0's host name")
+    dist_port: int = Field(default=0, ge=0, le=65_535, description="rank 0's rendezvous "
+                           "store port; 0 picks a free one (published through Redis)")
+    dist_timeout_s: float = Field(
+        default=60.0, gt=0, description="how long a distributed learner's collective waits "
+        "for a rank that hangs before every rank drops its state and reloads (a rank that dies "
+        "is noticed at once)")
     seed: int = 0
     buffer_capacity: int = Field(default=500, ge=2, le=1_000_000,
                                  description="replay buffer of recent pairs (triplet sampling)")

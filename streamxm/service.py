@@ -16,6 +16,7 @@ from streamxm.worker.checkpoint import (
     DirectoryCheckpointStore,
     RedisCheckpointStore,
 )
+from streamxm.worker.distributed import DistributedLearner
 from streamxm.worker.gallery import GalleryIndexer
 from streamxm.worker.loop import LearnerWorker
 
@@ -48,11 +49,20 @@ def open_namespace(settings: Settings, client: redis.Redis) -> Keys:
 
 def build_worker(settings: Settings, client: redis.Redis, model: str,
                  params: dict[str, Any] | None = None,
-                 learner_options: dict[str, Any] | None = None) -> LearnerWorker:
+                 learner_options: dict[str, Any] | None = None,
+                 world: int = 1) -> LearnerWorker:
+    """A model's learner; with ``world > 1``, rank 0 of a distributed learner
+    (:mod:`streamxm.worker.distributed`; the other ranks are :class:`RankFollower`)."""
     learner_options = {"buffer_capacity": settings.buffer_capacity,
                        "buffer_memory": settings.buffer_memory,
                        "eval_every": settings.eval_every, **(learner_options or {})}
-    return LearnerWorker(
+    kind: type[LearnerWorker] = LearnerWorker
+    extra: dict[str, Any] = {}
+    if world > 1:
+        kind = DistributedLearner
+        extra = {"world": world, "host": settings.dist_host, "port": settings.dist_port,
+                 "timeout_s": settings.dist_timeout_s}
+    return kind(
         client, open_store(settings, client), model, namespace=settings.namespace,
         consumer=settings.consumer, params=params, learner_options=learner_options,
         seed=settings.seed, checkpoint_every_pairs=settings.checkpoint_every_pairs,
@@ -60,6 +70,7 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
         read_batch=settings.read_batch, block_ms=settings.block_ms,
         lease_ttl_ms=settings.lease_ttl_ms, limits=limits_from(settings),
         retain_entries=settings.gallery_max if settings.stream_retention else None,
+        **extra,
     )
 
 

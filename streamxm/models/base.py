@@ -14,12 +14,20 @@ from numpy.typing import NDArray
 from streamxm.learning.replay import ReplayBuffer, TripletSampler
 from streamxm.stream.messages import Pair
 
-__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "observe_triplet", "require"]
+__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "MergeParts", "observe_triplet",
+           "require"]
 
 #: Query directions: an image query ranks texts (i2t), a text query ranks images (t2i).
 DIRECTIONS = ("i2t", "t2i")
 
 Arrays = dict[str, NDArray[Any]]
+
+#: What the ranks of a distributed learner combine after a round, by name: ``(operation,
+#: array)``. Operations (:mod:`streamxm.learning.distributed`): ``"sum"`` adds every rank's change
+#: since the last merge (sufficient statistics and counters: exact), ``"mean"`` averages the
+#: ranks' arrays weighted by the pairs each learned in the round (parameter mixing), ``"max"``
+#: takes the largest, ``"total"`` adds the arrays themselves.
+MergeParts = dict[str, tuple[str, NDArray[Any]]]
 
 
 @dataclass
@@ -153,6 +161,33 @@ class CrossModalModel(ABC):
     @abstractmethod
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned (on a model built with the same params)."""
+
+    # -- several ranks learning one model (streamxm/learning/distributed.py) --------------------
+    def merge_parts(self) -> MergeParts | None:
+        """What the ranks of a distributed learner combine after each round (see
+        :data:`MergeParts`), or ``None`` while the model cannot be split: then rank 0 learns
+        the whole round alone and sends its state to the others before they split again.
+
+        Called after :meth:`flush`. The default is ``None``: a model learns on one rank only
+        until it says how its ranks merge.
+        """
+        return None
+
+    def set_merged(self, merged: Arrays) -> None:
+        """Take the merged arrays (same names as :meth:`merge_parts`)."""
+        raise NotImplementedError(f"{self.name} has no distributed merge")
+
+    def after_merge(self, pairs_before: int, pairs_after: int, rng: np.random.Generator) -> None:
+        """Work due once the merged model has seen ``pairs_after`` pairs (it had seen
+        ``pairs_before`` at the previous merge): e.g. a re-solve whose schedule point the round
+        crossed. The default has nothing to do."""
+        return None
+
+    def register_labels(self, labels: list[tuple[int, ...]]) -> None:
+        """Give the labels of a whole round in stream order before a rank learns its share, so
+        per-class columns are numbered alike on every rank (and as one learner would number
+        them). The default keeps no per-class state."""
+        return None
 
     #: Whether the model has a batch :meth:`fit` (the ``offline`` benchmark protocol uses it).
     batch_fit: ClassVar[bool] = False

@@ -11,7 +11,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
+from streamxm.models.base import (
+    Arrays,
+    CrossModalModel,
+    LearnStats,
+    MergeParts,
+    observe_triplet,
+    require,
+)
 from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
 from streamxm.stream.messages import Pair
 
@@ -40,6 +47,11 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
     - each canonical coordinate is scaled by its correlation before the cosine
       (``scale_by_correlation``), so weakly correlated directions count less (0.275 vs 0.249
       image->text).
+
+    Several ranks (``streamxm worker --world-size N``) **sum** their moments after each round:
+    the statistics are sums over pairs, so the merged ones are exactly one learner's on the same
+    pairs (up to float rounding), and the directions are re-solved from them when the round
+    crossed a point of the schedule.
 
     Parameters
     ----------
@@ -134,6 +146,16 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(x, self.mean_y, self.proj_y)
+
+    def merge_parts(self) -> MergeParts:
+        return {k: ("sum", np.asarray(v)) for k, v in self.moments.state("moments.").items()}
+
+    def set_merged(self, merged: Arrays) -> None:
+        self.moments.load_state(merged, "moments.")
+
+    def after_merge(self, pairs_before: int, pairs_after: int, rng: np.random.Generator) -> None:
+        if self.schedule.crossed(pairs_before, pairs_after):
+            self.solve()
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays = {**self.moments.state("moments."), "proj_x": self.proj_x,

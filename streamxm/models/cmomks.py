@@ -186,6 +186,12 @@ class CMOMKS(CrossModalModel, name="cmomks"):
       ``[A_j^T k~_P(v), tau_jk <phi_j(v), a_k>]`` and a text ``[k~_P(t), <b_k, psi_j(t)>]``
       (``len(kernels) * (landmarks + budget)`` numbers), so ``f`` is their inner product and the
       shared inner-product search serves it.
+    - **Several ranks** (``streamxm worker --world-size N``): rank 0 learns alone and the others
+      wait. Parameter mixing needs the ranks' parameters to be coordinates in one basis, and
+      CMOMKS's are not: each rank's support triplets (the budget ring) are the triplets it drew
+      itself, so averaging ``tau`` or the support coefficients would add numbers that weigh
+      different vectors. (Merging would mean exchanging the support sets, which is the model's
+      whole state every round.)
 
     Parameters
     ----------

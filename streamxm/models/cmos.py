@@ -11,7 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.learning.replay import ReplayBuffer, TripletSampler
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOS"]
@@ -58,6 +58,12 @@ class CMOS(CrossModalModel, name="cmos"):
       float32 halves the bytes. The ``K x K`` solve runs in float64. A test checks 2,000 updates
       against the plain float32 transcription of the equations to 1e-5; ``dtype="float64"``
       matches the float64 transcription to 1e-12.
+    - **Several ranks** (``streamxm worker --world-size N``): iterative parameter mixing. Each
+      rank learns its share of a round from the same ``W``; after the round ``W`` is averaged,
+      weighted by the pairs each rank learned (PA updates are additive corrections, and the
+      average of corrections from disjoint data is what mixing analyses bound), while the input
+      sums and counters are summed (exact). The mix costs one all-reduce of ``W`` per round
+      (16 MB at 4096 x 1000, float32).
 
     Parameters
     ----------
@@ -329,6 +335,19 @@ class CMOS(CrossModalModel, name="cmos"):
         self.flush(self._stats)
         q = self.map_texts(np.atleast_2d(txts)) @ self.W.T.astype(np.float64)
         return q, -(q @ self._mean(self.img_sum))
+
+    def merge_parts(self) -> MergeParts:
+        return {"W": ("mean", self.W), "img_sum": ("sum", self.img_sum),
+                "txt_sum": ("sum", self.txt_sum), "n_seen": ("sum", np.asarray(self.n_seen)),
+                "n_triplets": ("sum", np.asarray(self.n_triplets))}
+
+    def set_merged(self, merged: Arrays) -> None:
+        if self._queued:
+            raise RuntimeError("merge with triplets still queued: flush first")
+        self.W = np.asarray(merged["W"], dtype=self.dtype)
+        self.img_sum = np.array(merged["img_sum"], dtype=np.float64)
+        self.txt_sum = np.array(merged["txt_sum"], dtype=np.float64)
+        self.n_seen, self.n_triplets = int(merged["n_seen"]), int(merged["n_triplets"])
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         n = self._queued

@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from scipy.special import softmax
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import append_constant, power_normalize
 from streamxm.models.optim import adagrad_step
@@ -58,6 +58,10 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
       mistake when the model's most probable class is not among the pair's labels (before the
       step), with the cross-entropy as the loss; the image model is ``i2t``, the text model
       ``t2i``.
+    - **Several ranks** (``streamxm worker --world-size N``): every rank first numbers the
+      round's classes in stream order (:meth:`register_labels`), then the weights and AdaGrad
+      sums are averaged after each round, weighted by the pairs each rank learned (iterative
+      parameter mixing of convex softmax regressions), and the counters summed.
 
     Parameters
     ----------
@@ -190,6 +194,22 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self.posteriors_texts(x).astype(np.float32)
+
+    def register_labels(self, labels: list[tuple[int, ...]]) -> None:
+        for item in labels:
+            self._add_classes(item, arriving=False)
+
+    def merge_parts(self) -> MergeParts:
+        parts: MergeParts = {k: ("mean", getattr(self, k)) for k in ("Wx", "Wy", "Gx", "Gy")}
+        parts["skipped_unlabelled"] = ("sum", np.asarray(self.skipped_unlabelled))
+        parts["ignored_labels"] = ("sum", np.asarray(self.ignored_labels))
+        return parts
+
+    def set_merged(self, merged: Arrays) -> None:
+        for key in ("Wx", "Wy", "Gx", "Gy"):
+            setattr(self, key, np.array(merged[key], dtype=np.float64))
+        self.skipped_unlabelled = int(merged["skipped_unlabelled"])
+        self.class_index.ignored_labels = int(merged["ignored_labels"])
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays = {"Wx": self.Wx, "Wy": self.Wy, "Gx": self.Gx, "Gy": self.Gy,

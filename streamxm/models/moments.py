@@ -192,6 +192,27 @@ class ResolveSchedule:
         self.first = first
         self.every = every
 
+    def next_due(self, pairs: int) -> int:
+        """The first count after ``pairs`` at which a re-solve is due.
+
+        >>> s = ResolveSchedule(first=4, every=10)
+        >>> [s.next_due(n) for n in (0, 4, 15, 16, 17, 36)]
+        [4, 8, 16, 26, 26, 46]
+        """
+        n = self.first
+        while n < self.every:
+            if n > pairs:
+                return n
+            n *= 2
+        if n > pairs:
+            return n
+        return n + ((pairs - n) // self.every + 1) * self.every
+
+    def crossed(self, before: int, after: int) -> bool:
+        """Whether a re-solve fell due at a count in ``(before, after]`` (a distributed round
+        jumps over counts one learner would have stopped at)."""
+        return self.next_due(before) <= after
+
     def due(self, pairs: int) -> bool:
         n = self.first
         while n < pairs and n < self.every:

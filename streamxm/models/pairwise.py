@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from scipy.special import expit
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
+from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.moments import (
     ResolveSchedule,
     RunningMoments,
@@ -71,6 +71,10 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       image->text instead of 0.277, five passes 0.265 instead of 0.274). Defaults ``lr = 0.01``,
       ``lam = 0.02`` come from the sweep in ``docs/benchmarks.md``; they serve both variants.
     - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64.
+    - **Several ranks** (``streamxm worker --world-size N``): the moments are summed (exact) and
+      ``W`` and the AdaGrad sums averaged after each round, weighted by the pairs each rank
+      learned (iterative parameter mixing: SGD steps from one start on disjoint data); the
+      whitener is refreshed from the summed moments when the round crossed its schedule.
 
     Parameters
     ----------
@@ -262,6 +266,21 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
                            ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         left = self.text_features(txts).astype(np.float64) @ self.W.T.astype(np.float64)
         return self._fixed_queries(left, self.white_x, self.mean_x)
+
+    def merge_parts(self) -> MergeParts:
+        parts: MergeParts = {k: ("sum", np.asarray(v))
+                             for k, v in self.moments.state("moments.").items()}
+        parts.update({"W": ("mean", self.W), "G": ("mean", self.G)})
+        return parts
+
+    def set_merged(self, merged: Arrays) -> None:
+        self.moments.load_state(merged, "moments.")
+        self.W = np.asarray(merged["W"], dtype=np.float32)
+        self.G = np.asarray(merged["G"], dtype=np.float32)
+
+    def after_merge(self, pairs_before: int, pairs_after: int, rng: np.random.Generator) -> None:
+        if self.schedule.crossed(pairs_before, pairs_after):
+            self._refresh_whitener()
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays = {**self.moments.state("moments."), "W": self.W, "G": self.G,

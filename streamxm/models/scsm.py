@@ -70,6 +70,11 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
       ``scripts/scsm_analysis.py`` in ``docs/benchmarks.md``).
     - Metrics: one triplet per arriving pair (its own partner against a buffered pair) scored
       before learning (:func:`~streamxm.models.base.observe_triplet`) once the model serves.
+    - **Several ranks** (``streamxm worker --world-size N``): rank 0 learns alone and the others
+      wait. The objective is one self-paced problem over the whole working set (the age
+      schedule picks which pairs of the window take part, jointly), and the cost is that joint
+      solve, not the per-pair work: splitting the pairs would split the window the solve needs
+      whole, and the solve itself does not decompose into per-rank sums.
 
     Parameters
     ----------

@@ -12,7 +12,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
+from streamxm.models.base import (
+    Arrays,
+    CrossModalModel,
+    LearnStats,
+    MergeParts,
+    observe_triplet,
+    require,
+)
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.projections import mpl_cd
@@ -115,6 +122,13 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
     - **Classes** are the label values seen, up to ``max_classes`` (more are ignored and counted).
     - Metrics: each arriving labelled pair scores one triplet with the current model before it
       is learned (:func:`~streamxm.models.base.observe_triplet`), for the mistake counts.
+    - **Several ranks** (``streamxm worker --world-size N``): once the landmarks are frozen the
+      ranks **sum** ``Phi'Phi``, ``Psi'Psi``, ``Phi'L``, ``Psi'L``, the pair weight and the
+      counters after each round (classes numbered in stream order on every rank first), so the
+      statistics are exactly one learner's on the same pairs, and ``A``, ``B`` are re-solved from
+      them when the round crossed the schedule. Until the landmarks freeze (they are drawn from
+      the first ``landmark_pool`` pairs of the stream) and with ``forget < 1`` (forgetting
+      weighs pairs by their position in one sequence) rank 0 learns alone.
 
     Parameters
     ----------
@@ -333,6 +347,37 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         self.serve_img, self.serve_txt = self.map_img, self.map_txt
         self.w_img = self.map_img.proj @ self.a
         self.w_txt = self.map_txt.proj @ self.b
+
+    # -- several ranks ---------------------------------------------------------------------------
+    def register_labels(self, labels: list[tuple[int, ...]]) -> None:
+        for item in labels:
+            self.class_index.columns(item, arriving=False)
+
+    def merge_parts(self) -> MergeParts | None:
+        if not self.frozen or self.forget != 1.0:
+            return None
+        self._fold()
+        grow = len(self.class_index) - self.lab_img.shape[1]
+        if grow:  # classes registered for this round that no folded pair carried yet
+            self.lab_img = np.hstack([self.lab_img, np.zeros((self.lab_img.shape[0], grow))])
+            self.lab_txt = np.hstack([self.lab_txt, np.zeros((self.lab_txt.shape[0], grow))])
+        parts: MergeParts = {k: ("sum", getattr(self, k))
+                             for k in ("gram_img", "gram_txt", "lab_img", "lab_txt")}
+        for key in ("weight", "pairs", "unlabelled"):
+            parts[key] = ("sum", np.asarray(getattr(self, key)))
+        parts["ignored_labels"] = ("sum", np.asarray(self.class_index.ignored_labels))
+        return parts
+
+    def set_merged(self, merged: Arrays) -> None:
+        for key in ("gram_img", "gram_txt", "lab_img", "lab_txt"):
+            setattr(self, key, np.array(merged[key], dtype=np.float64))
+        self.weight = float(merged["weight"])
+        self.pairs, self.unlabelled = int(merged["pairs"]), int(merged["unlabelled"])
+        self.class_index.ignored_labels = int(merged["ignored_labels"])
+
+    def after_merge(self, pairs_before: int, pairs_after: int, rng: np.random.Generator) -> None:
+        if self.schedule.crossed(pairs_before, pairs_after):
+            self.solve(rng)
 
     # -- serving -------------------------------------------------------------------------------
     def _embed(self, x: NDArray[np.floating], nm: NystroemMap | None, power: float,

@@ -74,6 +74,10 @@ class Keys:
         """The learner lease: one active learner per model at a time."""
         return f"{self.prefix}:lease:{model}"
 
+    def dist(self, model: str) -> str:
+        """Hash of a distributed learner: rendezvous generation and rank 0's store address."""
+        return f"{self.prefix}:dist:{model}"
+
     def stats(self, model: str) -> str:
         """Hash of learning statistics, written with each checkpoint, read by the API."""
         return f"{self.prefix}:stats:{model}"

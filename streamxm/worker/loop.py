@@ -397,33 +397,41 @@ class LearnerWorker:
                 dead.append(self._dead_letter(entry_id, fields, exc))
         if already:
             self.r.xack(self.keys.pairs, self.group, *already)
-        if pairs:
-            if self.learner is None:
-                self.learner = StreamLearner(self.model, pairs[0].img.shape[0],
-                                             pairs[0].txt.shape[0], self.params, seed=self.seed,
-                                             **self.learner_options)
-            # A slow model (or a large batch) must not outlive the lease, or every commit would
-            # be fenced off and the same batch retried forever: a heartbeat holds it meanwhile.
-            try:
-                with self._lease_heartbeat() as lost:
-                    self.learner.learn(pairs)
-            except LearnFailed as exc:
-                # The state holds part of the batch: it must never reach a checkpoint.
-                self._drop_state()
-                raise EntryFailed(pair_entries[exc.index], str(exc.__cause__)) from exc
-            except BaseException:
-                self._drop_state()  # e.g. KeyboardInterrupt: nothing half-learned is committed
-                raise
-            if lost.is_set():
-                log.warning("worker %s lost the lease of %s while learning", self.consumer,
-                            self.model)
-                self._drop_state()
-                return
+        if pairs and not self._learn(pairs, pair_entries):
+            return
         # Recorded as applied only now that learning returned.
         self._pending.ack.extend(ack)
         self._pending.dead.extend(dead)
         self._pending.pairs += len(pairs)
         self.last_id = last_id
+
+    def _new_learner(self, first: Pair) -> StreamLearner:
+        return StreamLearner(self.model, first.img.shape[0], first.txt.shape[0], self.params,
+                             seed=self.seed, **self.learner_options)
+
+    def _learn(self, pairs: list[Pair], pair_entries: list[str]) -> bool:
+        """Learn decoded pairs (``pair_entries``: their entry ids); ``False`` if the state was
+        dropped meanwhile (the lease was lost), so nothing of them counts as applied."""
+        if self.learner is None:
+            self.learner = self._new_learner(pairs[0])
+        # A slow model (or a large batch) must not outlive the lease, or every commit would
+        # be fenced off and the same batch retried forever: a heartbeat holds it meanwhile.
+        try:
+            with self._lease_heartbeat() as lost:
+                self.learner.learn(pairs)
+        except LearnFailed as exc:
+            # The state holds part of the batch: it must never reach a checkpoint.
+            self._drop_state()
+            raise EntryFailed(pair_entries[exc.index], str(exc.__cause__)) from exc
+        except BaseException:
+            self._drop_state()  # e.g. KeyboardInterrupt: nothing half-learned is committed
+            raise
+        if lost.is_set():
+            log.warning("worker %s lost the lease of %s while learning", self.consumer,
+                        self.model)
+            self._drop_state()
+            return False
+        return True
 
     def _decode(self, fields: dict[bytes, bytes]) -> Pair:
         if self._schema is None:

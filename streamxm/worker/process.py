@@ -11,6 +11,7 @@ from typing import Any
 from streamxm.config import Settings
 from streamxm.service import build_indexer, build_worker
 from streamxm.stream.redis_conn import connect
+from streamxm.worker.distributed import RankFollower
 
 __all__ = ["run_indexer", "run_worker"]
 
@@ -29,11 +30,20 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = None) -> int:
-    """Learn ``model`` from the namespace's stream until a signal; returns the exit code."""
+def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = None,
+               world: int = 1, rank: int = 0) -> int:
+    """Learn ``model`` from the namespace's stream until a signal; returns the exit code.
+    With ``world > 1`` this process is rank ``rank`` of a distributed learner."""
+    if not 0 <= rank < max(world, 1):
+        raise SystemExit(f"--rank must be in 0..{world - 1}, got {rank}")
     stop = _stop_on_signals()
     # No silent command retries: the worker handles a lost connection itself (reload, replay).
-    build_worker(settings, connect(settings, retries=0), model, params=params).run(stop)
+    client = connect(settings, retries=0)
+    if rank > 0:
+        RankFollower(client, model, rank, world, namespace=settings.namespace,
+                     timeout_s=settings.dist_timeout_s).run(stop)
+        return 0
+    build_worker(settings, client, model, params=params, world=world).run(stop)
     return 0
 
 

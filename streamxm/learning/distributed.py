@@ -1,0 +1,261 @@
+"""Several ranks learning one model: the collectives of a round and the merge of the ranks.
+
+A distributed learner (``streamxm worker --world-size N``, :mod:`streamxm.worker.distributed`)
+runs in synchronous rounds. Rank 0 reads a batch from the stream and sends each rank a share;
+every rank learns its share from the same model; then one merge makes the ranks equal again.
+What each model merges, and how, it says itself (:meth:`~streamxm.models.base.CrossModalModel.
+merge_parts`): sufficient statistics are **summed** (each rank's change since the last merge, so
+the merged statistics are one learner's on the same pairs), parameters are **averaged** weighted
+by the pairs each rank learned (iterative parameter mixing). The learner's own counters (pairs,
+triplets, mistakes, update times) are summed; its replay buffer, rolling mAP and drift detector
+stay per rank, and rank 0's are the ones checkpointed.
+
+Everything that travels between ranks is plain arrays: shares are message v1 frames
+(:func:`~streamxm.stream.messages.encode_frames`), a learner's whole state is a checkpoint blob
+(arrays + JSON, :func:`~streamxm.worker.checkpoint.encode_blob`). Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from numpy.typing import NDArray
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+
+from streamxm.learning.learner import StreamLearner
+from streamxm.models import DIRECTIONS
+from streamxm.models.base import MergeParts
+from streamxm.stream.messages import Pair, decode_frames, decode_pair, encode_frames
+from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
+
+__all__ = ["LearnerMerge", "RankGroup", "Store", "TCPStore", "decode_learner", "decode_share",
+           "encode_learner", "encode_share", "open_store", "split_share"]
+
+_OPS = ("sum", "mean", "total", "max")
+
+
+class RankGroup:
+    """The process group of one distributed learner and the few collectives a round needs.
+
+    ``store`` is the rendezvous store (a ``TCPStore`` prefixed per formation); ``timeout`` bounds
+    every collective, so a rank that hangs fails the round within it (one that dies closes its
+    sockets, which the others see at once).
+    """
+
+    def __init__(self, store: Store, generation: int, rank: int, world: int,
+                 timeout_s: float) -> None:
+        self.rank, self.world = rank, world
+        dist.init_process_group("gloo", store=PrefixStore(f"g{generation}", store), rank=rank,
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def broadcast_ints(self, values: Sequence[int] | None, size: int) -> list[int]:
+        """Rank 0's ``values`` (``size`` of them) on every rank."""
+        t = torch.zeros(size, dtype=torch.int64)
+        if self.rank == 0:
+            assert values is not None and len(values) == size
+            t[:] = torch.tensor(list(values), dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        return [int(x) for x in t.tolist()]
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank."""
+        (size,) = self.broadcast_ints([len(data or b"")], 1)
+        buf = torch.zeros(size, dtype=torch.uint8)
+        if self.rank == 0 and size:
+            buf[:] = torch.frombuffer(bytearray(data or b""), dtype=torch.uint8)
+        if size:
+            dist.broadcast(buf, src=0)
+        return bytes(buf.numpy().tobytes())
+
+    def send_bytes(self, data: bytes, dst: int) -> None:
+        if data:
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst)
+
+    def recv_bytes(self, size: int, src: int = 0) -> bytes:
+        buf = torch.zeros(size, dtype=torch.uint8)
+        if size:
+            dist.recv(buf, src=src)
+        return bytes(buf.numpy().tobytes())
+
+    def sum_ints(self, values: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(t)
+        return [int(x) for x in t.tolist()]
+
+    def all_reduce_(self, flat: NDArray[Any], op: str = "sum") -> None:
+        """Reduce a contiguous array in place (``op``: ``"sum"`` or ``"max"``)."""
+        dist.all_reduce(torch.from_numpy(flat),
+                        op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+
+
+def open_store(host: str, port: int, server: bool, timeout_s: float) -> TCPStore:
+    """Rank 0's rendezvous store (``server``: listen on ``port``, 0 for a free one) or a
+    client of it. Each formation of the group uses its own key prefix (its generation)."""
+    return TCPStore(host, port, is_master=server, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# -- what travels ----------------------------------------------------------------------------------
+def split_share(count: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` shares of ``count`` pairs for ``world`` ranks, as even as
+    possible (contiguous, so each rank learns a sub-stream in stream order).
+
+    >>> split_share(10, 3)
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    sizes = [len(part) for part in np.array_split(np.arange(count), world)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    return [(int(s), int(s + n)) for s, n in zip(starts, sizes, strict=True)]
+
+
+def encode_share(pairs: Sequence[Pair], round_labels: Sequence[tuple[int, ...]]) -> bytes:
+    """A rank's share of a round: the labels of the whole round in stream order (so every rank
+    numbers classes alike) and its pairs as message v1 frames."""
+    head = json.dumps([list(labels) for labels in round_labels]).encode()
+    return len(head).to_bytes(4, "little") + head + encode_frames(pairs)
+
+
+def decode_share(body: bytes, img_dim: int | None = None, txt_dim: int | None = None
+                 ) -> tuple[list[Pair], list[tuple[int, ...]]]:
+    """Undo :func:`encode_share` (rank 0 validated the pairs when it read them)."""
+    size = int.from_bytes(body[:4], "little")
+    labels = [tuple(int(x) for x in item) for item in json.loads(body[4 : 4 + size])]
+    frames = decode_frames(body[4 + size :], max_pairs=len(body))
+    return [decode_pair(fields, img_dim, txt_dim) for fields in frames], labels
+
+
+def encode_learner(learner: StreamLearner | None, version: int, last_id: str) -> bytes:
+    """A learner's whole state as a checkpoint blob (empty: no learner yet)."""
+    if learner is None:
+        return b""
+    arrays, meta = learner.state()
+    return encode_blob(Checkpoint(version, arrays, meta, last_id=last_id))
+
+
+def decode_learner(blob: bytes) -> StreamLearner | None:
+    if not blob:
+        return None
+    ckpt = decode_blob(blob)
+    return StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+
+
+# -- the merge -------------------------------------------------------------------------------------
+def _learner_parts(learner: StreamLearner) -> MergeParts:
+    """The learner's own counters, summed across ranks (exactly: each pair counts once)."""
+    parts: MergeParts = {
+        "learner.pairs_seen": ("sum", np.asarray(learner.pairs_seen)),
+        "learner.pairs_unlabelled": ("sum", np.asarray(learner.pairs_unlabelled)),
+        "learner.update_seconds": ("sum", np.asarray(learner.update_seconds)),
+        "learner.update_hist": ("sum", np.asarray(learner.update_hist)),
+    }
+    for key in ("triplets", "mistakes", "loss", "updates"):
+        values = getattr(learner.stats, key)
+        parts[f"learner.{key}"] = ("sum", np.asarray([values[d] for d in DIRECTIONS]))
+    return parts
+
+
+def _set_learner_parts(learner: StreamLearner, merged: dict[str, NDArray[Any]]) -> None:
+    learner.pairs_seen = int(merged["learner.pairs_seen"])
+    learner.pairs_unlabelled = int(merged["learner.pairs_unlabelled"])
+    learner.update_seconds = float(merged["learner.update_seconds"])
+    learner.update_hist = [int(x) for x in merged["learner.update_hist"]]
+    for key in ("triplets", "mistakes", "loss", "updates"):
+        cast = float if key == "loss" else int
+        getattr(learner.stats, key).update(
+            {d: cast(v) for d, v in zip(DIRECTIONS, merged[f"learner.{key}"], strict=True)})
+
+
+def _pad(base: NDArray[Any], shape: tuple[int, ...]) -> NDArray[Any]:
+    """``base`` grown with zeros to ``shape`` (per-class columns added during the round)."""
+    if base.shape == shape:
+        return base
+    out = np.zeros(shape, dtype=base.dtype)
+    out[tuple(slice(0, n) for n in base.shape)] = base
+    return out
+
+
+@dataclass
+class MergeReport:
+    seconds: float
+    bytes: int
+
+
+class LearnerMerge:
+    """Merges one rank's :class:`StreamLearner` with the other ranks' after each round.
+
+    :meth:`reset` after the ranks were made equal (a state sent from rank 0, or a merge) takes
+    the base that summed parts are measured from; :meth:`merge` after a round.
+    """
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self.base: dict[str, NDArray[Any]] = {}
+        self.pairs_before = 0
+
+    def _parts(self, learner: StreamLearner) -> MergeParts:
+        learner.flush()
+        parts = learner.model.merge_parts()
+        if parts is None:
+            raise RuntimeError(f"{learner.model_name} cannot be split now but the round was")
+        return {**{f"model.{k}": v for k, v in parts.items()}, **_learner_parts(learner)}
+
+    def reset(self, learner: StreamLearner) -> None:
+        self.base = {name: np.array(arr, copy=True)
+                     for name, (op, arr) in self._parts(learner).items() if op == "sum"}
+        self.pairs_before = learner.pairs_seen
+
+    def merge(self, learner: StreamLearner, learned: int) -> MergeReport:
+        """Combine the ranks; ``learned`` is the pairs this rank learned in the round."""
+        start = time.perf_counter()
+        parts = self._parts(learner)
+        (total,) = self.group.sum_ints([learned])
+        weight = learned / total if total else 1.0 / self.group.world
+        # One flat buffer per (reduction, dtype): a handful of all-reduces, not one per array.
+        buckets: dict[tuple[str, str], list[tuple[str, NDArray[Any]]]] = {}
+        for name, (op, arr) in sorted(parts.items()):
+            if op not in _OPS:
+                raise ValueError(f"unknown merge operation {op!r} for {name}")
+            arr = np.asarray(arr)
+            if op == "sum":
+                value = arr - _pad(self.base.get(name, np.zeros_like(arr)), arr.shape)
+            elif op == "mean":
+                value = arr * weight
+            else:
+                value = arr
+            dtype = "float32" if arr.dtype == np.float32 else "float64"
+            reduce = "max" if op == "max" else "sum"
+            buckets.setdefault((reduce, dtype), []).append((name, np.asarray(value, dtype=dtype)))
+        merged: dict[str, NDArray[Any]] = {}
+        sent = 0
+        for (reduce, dtype), items in buckets.items():
+            flat = np.concatenate([v.ravel() for _, v in items]).astype(dtype, copy=False)
+            self.group.all_reduce_(flat, reduce)
+            sent += flat.nbytes
+            at = 0
+            for name, v in items:
+                merged[name] = flat[at : at + v.size].reshape(v.shape)
+                at += v.size
+        for name, (op, arr) in parts.items():
+            if op == "sum":
+                merged[name] = _pad(self.base.get(name, np.zeros_like(arr)),
+                                    np.shape(arr)) + merged[name]
+            if np.asarray(arr).dtype.kind in "iub":
+                merged[name] = np.rint(merged[name]).astype(np.asarray(arr).dtype)
+        _set_learner_parts(learner, merged)
+        learner.model.set_merged({k[6:]: v for k, v in merged.items() if k.startswith("model.")})
+        learner.model.after_merge(self.pairs_before, learner.pairs_seen, learner.rng)
+        self.reset(learner)
+        return MergeReport(time.perf_counter() - start, sent)

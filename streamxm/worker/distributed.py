@@ -1,0 +1,368 @@
+"""One model learned by N ranks: ``streamxm worker --model NAME --world-size N --rank R``.
+
+Rank 0 is a :class:`~streamxm.worker.loop.LearnerWorker` that holds the model's lease: it alone
+reads the stream, validates, dead-letters, checkpoints and acknowledges, exactly as a single
+learner does. What changes is how a batch is learned (:class:`DistributedLearner`): rank 0 reads
+``N x read_batch`` entries, sends every other rank (:class:`RankFollower`) a contiguous share,
+learns its own, and one merge (:mod:`streamxm.learning.distributed`) makes all ranks' models
+equal again. Only then does the round count as applied, so a checkpoint always covers a stream
+prefix that every rank has learned and merged, and its transaction acknowledges every rank's
+entries (they were all read by rank 0).
+
+Failures:
+
+- A rank that dies closes its sockets: the round's next collective fails on every rank at once
+  (one that hangs fails it after ``STREAMXM_DIST_TIMEOUT_S``). Rank 0 drops its state (nothing
+  of the round was committed), reloads the checkpoint and replays the stream after it, as after
+  any lost state; the others drop theirs and rejoin.
+- Formation and rejoining go through Redis: rank 0 runs a rendezvous store (``TCPStore``) and
+  publishes a new *generation* with its address in ``sxm:{<ns>}:dist:<model>`` each time it
+  forms the group. A rank joins the newest generation, claiming its rank number in it; a
+  generation whose rank is already claimed (formed before that rank died) is skipped, so a
+  restarted rank waits for the next one, which rank 0 publishes as soon as it notices the loss.
+- The world is fixed: rank 0 learns only when all ``N`` ranks are present (after each loss it
+  waits for the missing rank to come back). A second process started as rank 0 is a standby, as
+  for a single learner: it takes over when the lease expires.
+- After every (re)formation, and before the first split round after rank 0 learned alone, rank 0
+  sends its whole learner state (a checkpoint blob: arrays + JSON) to every rank.
+
+Rounds in which the model cannot be split (:meth:`~streamxm.models.base.CrossModalModel.
+merge_parts` returns ``None``: SDSRL before its landmarks freeze, SAM before its first step, and
+always CMOMKS and SCSM) are learned by rank 0 alone while the others wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import redis
+
+from streamxm.learning.distributed import (
+    LearnerMerge,
+    RankGroup,
+    TCPStore,
+    decode_learner,
+    decode_share,
+    encode_learner,
+    encode_share,
+    open_store,
+    split_share,
+)
+from streamxm.learning.learner import LearnFailed, StreamLearner
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Pair
+from streamxm.stream.redis_conn import text
+from streamxm.worker.loop import EntryFailed, LearnerWorker
+
+__all__ = ["DistributedLearner", "RankFollower", "Rendezvous"]
+
+log = logging.getLogger(__name__)
+
+# Round header: kind, sync (rank 0's state follows), split (shares follow), then one share size
+# per rank > 0.
+_IDLE, _ROUND, _STOP = 0, 1, 2
+
+
+class Rendezvous:
+    """The Redis side of forming a distributed learner's process group."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str) -> None:
+        self.r = client
+        self.key = keys.dist(model)
+
+    def publish(self, address: str, world: int) -> int:
+        """Rank 0: a new generation at ``address`` (host:port of its store); returns it."""
+        with self.r.pipeline(transaction=True) as pipe:
+            pipe.hincrby(self.key, "gen", 1)
+            pipe.hset(self.key, mapping={"address": address, "world": world})
+            gen, _ = pipe.execute()
+        return int(gen)
+
+    def current(self) -> tuple[int, str, int] | None:
+        raw = {text(k): text(v) for k, v in self.r.hgetall(self.key).items()}
+        if not raw.get("gen") or not raw.get("address"):
+            return None
+        return int(raw["gen"]), raw["address"], int(raw.get("world", 0))
+
+    def record(self, fields: dict[str, str]) -> None:
+        self.r.hset(self.key, mapping=fields)  # type: ignore[arg-type]
+
+
+class DistributedLearner(LearnerWorker):
+    """Rank 0 of ``world`` ranks (see the module docstring); the other arguments are
+    :class:`LearnerWorker`'s, ``read_batch`` per rank."""
+
+    def __init__(self, *args: Any, world: int, host: str | None = None, port: int = 0,
+                 timeout_s: float = 60.0, **kwargs: Any) -> None:
+        if world < 2:
+            raise ValueError("a distributed learner needs world >= 2")
+        super().__init__(*args, **kwargs)
+        self.world = world
+        self.read_batch *= world  # rank 0 reads a round: every rank's share
+        self.host = host or socket.gethostname()
+        self.port = port
+        self.timeout_s = timeout_s
+        self.rendezvous = Rendezvous(self.r, self.keys, self.model)
+        self._store: TCPStore | None = None
+        self._group: RankGroup | None = None
+        self._merge: LearnerMerge | None = None
+        self._synced = False
+        self._sent = False
+        self.rounds = self.split_rounds = 0
+        self.collective_seconds = self.scatter_seconds = 0.0
+        self.merge_bytes = 0
+
+    # -- the group -------------------------------------------------------------------------
+    def _form(self) -> bool:
+        """Publish a new generation and wait (up to the timeout) for every rank to join."""
+        if self._store is None:
+            self._store = open_store("0.0.0.0", self.port, True, self.timeout_s)
+        gen = self.rendezvous.publish(f"{self.host}:{self._store.port}", self.world)
+        self._store.add(f"g{gen}/claim/0", 1)
+        log.info("rank 0 of %s: forming generation %d of %d ranks at %s:%d", self.model, gen,
+                 self.world, self.host, self._store.port)
+        try:
+            with self._lease_heartbeat() as lost:
+                group = RankGroup(self._store, gen, 0, self.world, self.timeout_s)
+        except (RuntimeError, ValueError) as exc:  # DistStoreError: a rank did not come
+            log.warning("rank 0 of %s: generation %d not formed (%s)", self.model, gen, exc)
+            return False
+        if lost.is_set():
+            group.close()
+            return False
+        self._group, self._merge, self._synced = group, LearnerMerge(group), False
+        log.info("rank 0 of %s: %d ranks learning (generation %d)", self.model, self.world, gen)
+        return True
+
+    def _teardown(self, stop: bool = False) -> None:
+        group, self._group, self._merge = self._group, None, None
+        if group is None:
+            return
+        if stop:
+            with contextlib.suppress(RuntimeError):  # the others may be gone already
+                group.broadcast_ints([_STOP, 0, 0, *[0] * (self.world - 1)], self.world + 2)
+        group.close()
+
+    def _drop_state(self) -> None:
+        super()._drop_state()
+        self._teardown()  # the others drop theirs and rejoin the next generation
+        self._synced = False
+
+    def _load(self) -> None:
+        super()._load()
+        self._synced = False
+
+    def run(self, stop: threading.Event | None = None, until_idle: bool = False) -> None:
+        try:
+            super().run(stop, until_idle)
+        finally:
+            self._teardown(stop=True)
+
+    def step(self) -> int:
+        self._sent = False
+        read = super().step()
+        if not self._sent and self._group is not None:
+            try:  # nothing to learn: keep the others' collectives from timing out
+                self._group.broadcast_ints([_IDLE, 0, 0, *[0] * (self.world - 1)],
+                                           self.world + 2)
+            except RuntimeError as exc:
+                log.warning("rank 0 of %s: a rank left (%s)", self.model, exc)
+                self._drop_state()
+        return read
+
+    # -- one round -------------------------------------------------------------------------
+    def _learn(self, pairs: list[Pair], pair_entries: list[str]) -> bool:
+        if self._group is None and not self._form():
+            self._drop_state()
+            return False
+        assert self._group is not None and self._merge is not None
+        self._sent = True
+        if self.learner is None:
+            self.learner = self._new_learner(pairs[0])
+        learner = self.learner
+        learner.flush()
+        split = learner.model.merge_parts() is not None
+        shares = (split_share(len(pairs), self.world) if split
+                  else [(0, len(pairs))] + [(len(pairs), len(pairs))] * (self.world - 1))
+        labels = [p.labels for p in pairs]
+        payloads = [encode_share(pairs[a:b], labels) if split else b""
+                    for a, b in shares[1:]]
+        sync = split and not self._synced
+        failed: LearnFailed | None = None
+        try:
+            with self._lease_heartbeat() as lost:
+                start = time.perf_counter()
+                self._group.broadcast_ints([_ROUND, int(sync), int(split),
+                                            *[len(p) for p in payloads]], self.world + 2)
+                if sync:
+                    self._group.broadcast_bytes(encode_learner(learner, self.version,
+                                                               self.last_id))
+                    self._merge.reset(learner)
+                    self._synced = True
+                for rank, payload in enumerate(payloads, start=1):
+                    self._group.send_bytes(payload, rank)
+                self.scatter_seconds += time.perf_counter() - start
+                if split:
+                    learner.model.register_labels(labels)
+                a, b = shares[0]
+                try:
+                    learner.learn(pairs[a:b])
+                except LearnFailed as exc:
+                    failed = exc
+                if split:
+                    start = time.perf_counter()
+                    status = [0] * (2 * self.world)
+                    if failed is not None:
+                        status[0], status[self.world] = 1, failed.index + 1
+                    status = self._group.sum_ints(status)
+                    bad = [r for r in range(self.world) if status[r]]
+                    if bad:
+                        rank = bad[0]
+                        index = shares[rank][0] + status[self.world + rank] - 1
+                        detail = (str(failed.__cause__) if rank == 0 and failed is not None
+                                  else f"learning raised on rank {rank}")
+                        self._drop_state()
+                        raise EntryFailed(pair_entries[index], detail)
+                    report = self._merge.merge(learner, b - a)
+                    self.collective_seconds += time.perf_counter() - start
+                    self.merge_bytes = report.bytes
+                    self.split_rounds += 1
+                else:
+                    self._synced = False  # the others' copies are behind rank 0 now
+                    if failed is not None:
+                        self._drop_state()
+                        raise EntryFailed(pair_entries[failed.index], str(failed.__cause__))
+                self.rounds += 1
+        except EntryFailed:
+            raise
+        except RuntimeError as exc:  # a collective failed: a rank died or hung
+            log.warning("rank 0 of %s: round failed (%s); state dropped, reloading", self.model,
+                        exc)
+            self._drop_state()
+            return False
+        except BaseException:
+            self._drop_state()
+            raise
+        if lost.is_set():
+            log.warning("rank 0 of %s lost the lease during a round", self.model)
+            self._drop_state()
+            return False
+        return True
+
+    def _stats_fields(self) -> dict[str, str]:
+        fields = super()._stats_fields()
+        fields.update({"dist_world": str(self.world), "dist_rounds": str(self.rounds),
+                       "dist_split_rounds": str(self.split_rounds),
+                       "dist_collective_seconds": repr(self.collective_seconds),
+                       "dist_scatter_seconds": repr(self.scatter_seconds),
+                       "dist_merge_bytes": str(self.merge_bytes)})
+        return fields
+
+
+class _Reform(Exception):
+    """Rank 0 ended the generation (it stopped or lost its state)."""
+
+
+class RankFollower:
+    """Rank ``rank`` > 0 of a distributed learner of ``model``: joins rank 0's process group
+    through Redis and learns the shares it is sent, until ``stop``."""
+
+    def __init__(self, client: redis.Redis, model: str, rank: int, world: int,
+                 namespace: str = "default", timeout_s: float = 60.0) -> None:
+        if not 0 < rank < world:
+            raise ValueError(f"a following rank is in 1..{world - 1}, got {rank}")
+        self.model, self.rank, self.world = model, rank, world
+        self.timeout_s = timeout_s
+        self.rendezvous = Rendezvous(client, Keys(namespace), model)
+        self.learner: StreamLearner | None = None
+        self.rounds = 0
+
+    def _join(self, stop: threading.Event, after: int) -> tuple[RankGroup, int] | None:
+        """Join the newest generation after ``after`` whose rank slot is free."""
+        while not stop.is_set():
+            current = self.rendezvous.current()
+            if current is None or current[0] <= after:
+                stop.wait(0.2)
+                continue
+            gen, address, world = current
+            if world != self.world:
+                log.error("rank %d of %s: rank 0 runs %d ranks, this one was started for %d",
+                          self.rank, self.model, world, self.world)
+                stop.wait(1.0)
+                continue
+            host, _, port = address.rpartition(":")
+            try:
+                store = open_store(host, int(port), False, min(10.0, self.timeout_s))
+                if store.add(f"g{gen}/claim/{self.rank}", 1) != 1:
+                    after = gen  # formed before this rank left: wait for the next one
+                    continue
+                group = RankGroup(store, gen, self.rank, self.world, self.timeout_s)
+            except (RuntimeError, ValueError, OSError) as exc:
+                log.warning("rank %d of %s: joining generation %d failed (%s)", self.rank,
+                            self.model, gen, exc)
+                after = gen
+                continue
+            log.info("rank %d of %s joined generation %d", self.rank, self.model, gen)
+            return group, gen
+        return None
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        after = 0
+        while not stop.is_set():
+            try:
+                joined = self._join(stop, after)
+            except redis.RedisError as exc:
+                log.warning("rank %d of %s: Redis unavailable (%s)", self.rank, self.model, exc)
+                stop.wait(1.0)
+                continue
+            if joined is None:
+                return
+            group, after = joined
+            try:
+                self._follow(group, stop)
+            except (_Reform, RuntimeError) as exc:
+                log.warning("rank %d of %s: generation %d ended (%s); state dropped", self.rank,
+                            self.model, after, exc or "rank 0 stopped")
+            finally:
+                self.learner = None
+                group.close()
+
+    def _follow(self, group: RankGroup, stop: threading.Event) -> None:
+        merge = LearnerMerge(group)
+        while not stop.is_set():
+            kind, sync, split, *sizes = group.broadcast_ints(None, self.world + 2)
+            if kind == _STOP:
+                raise _Reform()
+            if kind == _IDLE:
+                continue
+            if sync:
+                self.learner = decode_learner(group.broadcast_bytes(None))
+                if self.learner is not None:
+                    # Rank 0's RNG state came along: draw this rank's triplets apart from it.
+                    self.learner.rng = np.random.default_rng(
+                        [self.learner.seed, self.rank, self.learner.pairs_seen])
+                    merge.reset(self.learner)
+            if not split:
+                continue
+            body = group.recv_bytes(sizes[self.rank - 1])
+            if self.learner is None:
+                raise RuntimeError("a split round before rank 0's state")
+            pairs, labels = decode_share(body, self.learner.img_dim, self.learner.txt_dim)
+            self.learner.model.register_labels(labels)
+            status = [0] * (2 * self.world)
+            try:
+                self.learner.learn(pairs)
+            except LearnFailed as exc:
+                log.error("rank %d of %s: learning failed: %s", self.rank, self.model, exc)
+                status[self.rank], status[self.world + self.rank] = 1, exc.index + 1
+            if any(group.sum_ints(status)[: self.world]):
+                raise _Reform("learning failed on a rank")
+            merge.merge(self.learner, len(pairs))
+            self.rounds += 1
