@@ -109,14 +109,22 @@ def open_store(host: str, port: int, server: bool, timeout_s: float) -> TCPStore
 
 
 # -- what travels ----------------------------------------------------------------------------------
-def split_share(count: int, world: int) -> list[tuple[int, int]]:
+def split_share(count: int, world: int, lighter: int = 0) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` shares of ``count`` pairs for ``world`` ranks, as even as
-    possible (contiguous, so each rank learns a sub-stream in stream order).
+    possible (contiguous, so each rank learns a sub-stream in stream order), with rank 0's
+    share ``lighter`` pairs smaller (it has other work in the round).
 
     >>> split_share(10, 3)
     [(0, 4), (4, 7), (7, 10)]
+    >>> split_share(10, 2, lighter=4)
+    [(0, 3), (3, 10)]
     """
-    sizes = [len(part) for part in np.array_split(np.arange(count), world)]
+    if world == 1 or not lighter:
+        sizes = [len(part) for part in np.array_split(np.arange(count), world)]
+    else:
+        first = max(0, min(count // world, (count - lighter) // world))
+        sizes = [first, *(len(part) for part in
+                          np.array_split(np.arange(count - first), world - 1))]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
     return [(int(s), int(s + n)) for s, n in zip(starts, sizes, strict=True)]
 

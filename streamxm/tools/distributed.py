@@ -10,10 +10,14 @@ test-split mAP is reported per rank count, so quality and speed come from the sa
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+import torch
+from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from streamxm.learning.learner import StreamLearner
@@ -24,14 +28,48 @@ from streamxm.tools.bench import evaluate_model
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
 from streamxm.tools.load import NAMESPACE, stack
 
-__all__ = ["distributed"]
+__all__ = ["distributed", "independent_rate"]
+
+
+def independent_rate(model: str, img_dim: int, txt_dim: int, pairs: int, eval_every: int,
+                     threads: int, seed: int) -> float:
+    """Pairs/s of an in-process learner on synthetic pairs (after 256 warm-up pairs), limited
+    to ``threads`` threads: run in ``N`` processes at once, the sum is what ``N`` ranks that
+    never communicate would reach on this machine (they still share its caches and memory)."""
+    torch.set_num_threads(threads)
+    data = synthetic_pairs(pairs + 256, img_dim, txt_dim, seed=seed)
+    with threadpool_limits(limits=threads):
+        learner = StreamLearner(model, img_dim, txt_dim, seed=seed, eval_every=eval_every)
+        learner.learn(data[:256])
+        start = time.perf_counter()
+        for i in range(256, len(data), 256):
+            learner.learn(data[i : i + 256])
+        learner.flush()
+        return pairs / (time.perf_counter() - start)
+
+
+def _independent(model: str, counts: tuple[int, ...], img_dim: int, txt_dim: int, pairs: int,
+                 eval_every: int, threads: int, seed: int) -> dict[int, float]:
+    context = multiprocessing.get_context("spawn")
+    totals = {}
+    for count in counts:
+        with ProcessPoolExecutor(count, mp_context=context) as pool:
+            rates = list(pool.map(independent_rate, *zip(*[
+                (model, img_dim, txt_dim, pairs, eval_every, threads, seed + i)
+                for i in range(count)], strict=True)))
+        totals[count] = sum(rates)
+    return totals
 
 
 def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: int,
-         eval_every: int, params: dict[str, Any] | None, timeout_s: float
+         commit_pairs: int, eval_every: int, params: dict[str, Any] | None, timeout_s: float
          ) -> tuple[dict[str, Any], StreamLearner]:
     total = len(pairs)
-    with stack(eval_every=eval_every, checkpoint_every_seconds=0.5, read_batch=read_batch,
+    # A checkpoint every ``commit_pairs`` pairs whatever the rank count (the same commit work per
+    # pair), the last one exactly at the end: a time-based one would end the run up to its
+    # interval after the last pair was learned.
+    with stack(eval_every=eval_every, read_batch=read_batch, checkpoint_every_pairs=commit_pairs,
+               checkpoint_every_seconds=3600.0 if total % commit_pairs == 0 else 1.0,
                dist_host="127.0.0.1", lease_ttl_ms=5000) as st:
         StreamClient(st.r, NAMESPACE).push_pairs(pairs)
         threads_env = {name: str(threads) for name in
@@ -74,6 +112,12 @@ def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: in
                 "scatter_s_per_round": round(scatter / max(int(stats.get("dist_rounds", 0)), 1),
                                              4),
                 "merge_bytes_per_round": int(stats.get("dist_merge_bytes", 0)),
+                "rank0_learn_s_per_round": round(
+                    float(stats.get("dist_learn_seconds", 0.0)) / max(rounds, 1), 4),
+                "rank0_between_rounds_s_per_round": round(
+                    float(stats.get("dist_between_seconds", 0.0)) / max(rounds, 1), 4),
+                "other_ranks_learn_s_per_round": round(
+                    float(stats.get("dist_peer_learn_seconds", 0.0)) / max(rounds, 1), 4),
             })
         ckpt = open_store(st.settings, st.r).load_latest(model)
         assert ckpt is not None
@@ -86,22 +130,34 @@ def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: i
                 params: dict[str, Any] | None = None, seed: int = 0,
                 timeout_s: float = 1800.0) -> dict[str, Any]:
     """Pairs/s (and, with ``dataset``, test mAP) per rank count; ``speedup`` of each count
-    over the first one in ``ranks``."""
+    over the first one in ``ranks``. Synthetic pair counts are rounded up to whole rounds of
+    the largest rank count."""
     ds = load_dataset(dataset) if dataset else None
+    commit_pairs = read_batch * max(ranks)
+    if ds is None:
+        pairs = -(-pairs // commit_pairs) * commit_pairs
     data = (list(iter_pairs(ds, limit=pairs or None)) if ds is not None
             else synthetic_pairs(pairs, img_dim, txt_dim, seed=seed))
     results = []
     for count in ranks:
-        figures, learner = _run(model, data, count, threads_per_rank, read_batch, eval_every,
-                                params, timeout_s)
+        figures, learner = _run(model, data, count, threads_per_rank, read_batch, commit_pairs,
+                                eval_every, params, timeout_s)
         if ds is not None:
             maps = evaluate_model(learner, ds)
             figures["map_i2t"], figures["map_t2i"] = (round(maps["map_i2t"], 4),
                                                       round(maps["map_t2i"], 4))
         results.append(figures)
+    if ds is None:
+        ceiling = _independent(model, ranks, img_dim, txt_dim, min(len(data), 1536),
+                               eval_every, threads_per_rank, seed)
+        for figures in results:
+            figures["independent_pairs_per_s"] = round(ceiling[figures["ranks"]], 1)
     base = results[0]
     for figures in results[1:]:
         figures["speedup"] = round(figures["pairs_per_s"] / base["pairs_per_s"], 3)
+        if "independent_pairs_per_s" in figures:
+            figures["independent_speedup"] = round(
+                figures["independent_pairs_per_s"] / base["independent_pairs_per_s"], 3)
         if ds is not None:
             for d in ("i2t", "t2i"):
                 figures[f"map_{d}_relative"] = round(
@@ -112,4 +168,6 @@ def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: i
         "dataset": dataset, "threads_per_rank": threads_per_rank,
         "read_batch_per_rank": read_batch, "eval_every": eval_every, "runs": results,
         "speedup": results[-1].get("speedup"),
+        "note": "independent_*: the same learner in N processes at once that never "
+                "communicate (in-process, no Redis): the machine's own ceiling for N ranks",
     }

@@ -117,6 +117,13 @@ class DistributedLearner(LearnerWorker):
         self.rounds = self.split_rounds = 0
         self.collective_seconds = self.scatter_seconds = 0.0
         self.merge_bytes = 0
+        # Seconds rank 0 spent learning its shares, and the slowest other rank its shares.
+        self.learn_seconds = self.peer_learn_seconds = 0.0
+        # Rank 0's work between rounds (commit, read, validation) while the others wait.
+        self.between_seconds = 0.0
+        self._round_end: float | None = None
+        # Moving averages that size rank 0's share: a commit's seconds, a pair's learning.
+        self._commit_seconds = self._pair_seconds = 0.0
 
     # -- the group -------------------------------------------------------------------------
     def _form(self) -> bool:
@@ -183,12 +190,20 @@ class DistributedLearner(LearnerWorker):
             return False
         assert self._group is not None and self._merge is not None
         self._sent = True
+        if self._round_end is not None:
+            self.between_seconds += time.perf_counter() - self._round_end
         if self.learner is None:
             self.learner = self._new_learner(pairs[0])
         learner = self.learner
         learner.flush()
         split = learner.model.merge_parts() is not None
-        shares = (split_share(len(pairs), self.world) if split
+        # The checkpoint of the rounds before this one is written while the others learn their
+        # shares, and rank 0's share is smaller by what that costs it.
+        commit_now = LearnerWorker._commit_due(self)
+        lighter = 0
+        if split and commit_now and self._pair_seconds:
+            lighter = int((self.world - 1) * self._commit_seconds / self._pair_seconds)
+        shares = (split_share(len(pairs), self.world, lighter) if split
                   else [(0, len(pairs))] + [(len(pairs), len(pairs))] * (self.world - 1))
         labels = [p.labels for p in pairs]
         payloads = [encode_share(pairs[a:b], labels) if split else b""
@@ -208,19 +223,33 @@ class DistributedLearner(LearnerWorker):
                 for rank, payload in enumerate(payloads, start=1):
                     self._group.send_bytes(payload, rank)
                 self.scatter_seconds += time.perf_counter() - start
+                if commit_now:
+                    start = time.perf_counter()
+                    self.commit()
+                    if not self.leader:  # the commit lost the lease: state and group dropped
+                        return False
+                    self._commit_seconds = _ema(self._commit_seconds,
+                                                time.perf_counter() - start)
                 if split:
                     learner.model.register_labels(labels)
                 a, b = shares[0]
+                learn_start = time.perf_counter()
                 try:
                     learner.learn(pairs[a:b])
                 except LearnFailed as exc:
                     failed = exc
+                learn_ms = int(1000 * (time.perf_counter() - learn_start))
+                if b > a and failed is None:
+                    self._pair_seconds = _ema(self._pair_seconds, learn_ms / 1000 / (b - a))
                 if split:
                     start = time.perf_counter()
-                    status = [0] * (2 * self.world)
+                    status = [0] * (3 * self.world)
+                    status[2 * self.world] = learn_ms
                     if failed is not None:
                         status[0], status[self.world] = 1, failed.index + 1
                     status = self._group.sum_ints(status)
+                    self.learn_seconds += learn_ms / 1000
+                    self.peer_learn_seconds += max(status[2 * self.world + 1 :]) / 1000
                     bad = [r for r in range(self.world) if status[r]]
                     if bad:
                         rank = bad[0]
@@ -239,6 +268,7 @@ class DistributedLearner(LearnerWorker):
                         self._drop_state()
                         raise EntryFailed(pair_entries[failed.index], str(failed.__cause__))
                 self.rounds += 1
+                self._round_end = time.perf_counter()
         except EntryFailed:
             raise
         except RuntimeError as exc:  # a collective failed: a rank died or hung
@@ -255,14 +285,25 @@ class DistributedLearner(LearnerWorker):
             return False
         return True
 
+    def _commit_due(self) -> bool:
+        # After a round the next round commits (inside it); an idle step commits here.
+        return not self._sent and super()._commit_due()
+
     def _stats_fields(self) -> dict[str, str]:
         fields = super()._stats_fields()
         fields.update({"dist_world": str(self.world), "dist_rounds": str(self.rounds),
                        "dist_split_rounds": str(self.split_rounds),
                        "dist_collective_seconds": repr(self.collective_seconds),
                        "dist_scatter_seconds": repr(self.scatter_seconds),
-                       "dist_merge_bytes": str(self.merge_bytes)})
+                       "dist_merge_bytes": str(self.merge_bytes),
+                       "dist_learn_seconds": repr(self.learn_seconds),
+                       "dist_peer_learn_seconds": repr(self.peer_learn_seconds),
+                       "dist_between_seconds": repr(self.between_seconds)})
         return fields
+
+
+def _ema(previous: float, value: float, rate: float = 0.3) -> float:
+    return value if not previous else (1 - rate) * previous + rate * value
 
 
 class _Reform(Exception):
@@ -356,12 +397,14 @@ class RankFollower:
                 raise RuntimeError("a split round before rank 0's state")
             pairs, labels = decode_share(body, self.learner.img_dim, self.learner.txt_dim)
             self.learner.model.register_labels(labels)
-            status = [0] * (2 * self.world)
+            status = [0] * (3 * self.world)
+            start = time.perf_counter()
             try:
                 self.learner.learn(pairs)
             except LearnFailed as exc:
                 log.error("rank %d of %s: learning failed: %s", self.rank, self.model, exc)
                 status[self.rank], status[self.world + self.rank] = 1, exc.index + 1
+            status[2 * self.world + self.rank] = int(1000 * (time.perf_counter() - start))
             if any(group.sum_ints(status)[: self.world]):
                 raise _Reform("learning failed on a rank")
             merge.merge(self.learner, len(pairs))

@@ -366,10 +366,14 @@ class LearnerWorker:
             else:
                 self._recovery_cursor = entries[-1][0]
         self._apply(entries)
-        if self._pending and (self._pending.pairs >= self.every_pairs
-                              or time.monotonic() - self._last_commit >= self.every_seconds):
+        if self._commit_due():
             self.commit()
         return len(entries)
+
+    def _commit_due(self) -> bool:
+        return bool(self._pending) and (
+            self._pending.pairs >= self.every_pairs
+            or time.monotonic() - self._last_commit >= self.every_seconds)
 
     def _apply(self, entries: list[StreamEntry]) -> None:
         already: list[str] = []
