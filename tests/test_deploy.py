@@ -376,3 +376,27 @@ def test_prometheus_scrapes_learning_metrics_from_the_api(
             proc.wait(timeout=30)
             stop.set()
             thread.join(timeout=30)
+
+
+def test_distributed_override_runs_sam_as_ranks_under_torchrun() -> None:
+    """``docker-compose.distributed.yml`` over the base file: the single SAM learner is off, and
+    its ranks start under torchrun with the worker command the CLI accepts (rank and world size
+    from torchrun's environment), reaching the same Redis and namespace as the base services."""
+    base = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    override = yaml.safe_load((DEPLOY / "docker-compose.distributed.yml").read_text())
+    assert override["services"]["worker-sam"]["deploy"]["replicas"] == 0
+    ranks = override["services"]["worker-sam-ranks"]
+    command = ranks["command"]
+    assert command[0] == "torchrun" and "--no-python" in command
+    assert command[command.index("--no-python") + 1 :] == ["streamxm", "worker", "--model",
+                                                           "sam"]
+    env = ranks["environment"]
+    base_env = base["x-streamxm"]["environment"]
+    assert env["STREAMXM_REDIS_URL"] == base_env["STREAMXM_REDIS_URL"]
+    assert env["STREAMXM_NAMESPACE"] == base_env["STREAMXM_NAMESPACE"]
+    assert ranks["depends_on"] == ["redis"]
+    # The worker command parses as torchrun will run it.
+    from streamxm.cli import build_parser
+
+    args = build_parser().parse_args(command[command.index("--no-python") + 2 :])
+    assert args.model == "sam" and args.world_size is None and args.rank is None

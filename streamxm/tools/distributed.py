@@ -125,7 +125,7 @@ def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: in
 
 
 def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: int = 4096,
-                txt_dim: int = 1000, pairs: int = 2000, threads_per_rank: int = 1,
+                txt_dim: int = 1000, pairs: int = 6144, threads_per_rank: int = 1,
                 read_batch: int = 256, eval_every: int = 10, dataset: str | None = None,
                 params: dict[str, Any] | None = None, seed: int = 0,
                 timeout_s: float = 1800.0) -> dict[str, Any]:
