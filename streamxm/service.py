@@ -16,7 +16,6 @@ from streamxm.worker.checkpoint import (
     DirectoryCheckpointStore,
     RedisCheckpointStore,
 )
-from streamxm.worker.distributed import DistributedLearner
 from streamxm.worker.gallery import GalleryIndexer
 from streamxm.worker.loop import LearnerWorker
 
@@ -59,6 +58,9 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
     kind: type[LearnerWorker] = LearnerWorker
     extra: dict[str, Any] = {}
     if world > 1:
+        # torch (the ``sam`` extra) only where ranks are asked for.
+        from streamxm.worker.distributed import DistributedLearner
+
         kind = DistributedLearner
         extra = {"world": world, "host": settings.dist_host, "port": settings.dist_port,
                  "timeout_s": settings.dist_timeout_s}

@@ -11,7 +11,6 @@ from typing import Any
 from streamxm.config import Settings
 from streamxm.service import build_indexer, build_worker
 from streamxm.stream.redis_conn import connect
-from streamxm.worker.distributed import RankFollower
 
 __all__ = ["run_indexer", "run_worker"]
 
@@ -40,6 +39,8 @@ def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = N
     # No silent command retries: the worker handles a lost connection itself (reload, replay).
     client = connect(settings, retries=0)
     if rank > 0:
+        from streamxm.worker.distributed import RankFollower  # torch: the ``sam`` extra
+
         RankFollower(client, model, rank, world, namespace=settings.namespace,
                      timeout_s=settings.dist_timeout_s).run(stop)
         return 0
