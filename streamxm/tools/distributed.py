@@ -62,13 +62,14 @@ def _independent(model: str, counts: tuple[int, ...], img_dim: int, txt_dim: int
 
 
 def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: int,
-         commit_pairs: int, eval_every: int, params: dict[str, Any] | None, timeout_s: float
-         ) -> tuple[dict[str, Any], StreamLearner]:
+         commit_pairs: int, eval_every: int, params: dict[str, Any] | None, timeout_s: float,
+         seed: int) -> tuple[dict[str, Any], StreamLearner]:
     total = len(pairs)
     # A checkpoint every ``commit_pairs`` pairs whatever the rank count (the same commit work per
     # pair), the last one exactly at the end: a time-based one would end the run up to its
     # interval after the last pair was learned.
     with stack(eval_every=eval_every, read_batch=read_batch, checkpoint_every_pairs=commit_pairs,
+               seed=seed,
                checkpoint_every_seconds=3600.0 if total % commit_pairs == 0 else 1.0,
                dist_host="127.0.0.1", lease_ttl_ms=5000) as st:
         StreamClient(st.r, NAMESPACE).push_pairs(pairs)
@@ -114,6 +115,8 @@ def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: in
                 "merge_bytes_per_round": int(stats.get("dist_merge_bytes", 0)),
                 "rank0_learn_s_per_round": round(
                     float(stats.get("dist_learn_seconds", 0.0)) / max(rounds, 1), 4),
+                "rank0_commit_s_per_round": round(
+                    float(stats.get("dist_commit_seconds", 0.0)) / max(rounds, 1), 4),
                 "rank0_between_rounds_s_per_round": round(
                     float(stats.get("dist_between_seconds", 0.0)) / max(rounds, 1), 4),
                 "other_ranks_learn_s_per_round": round(
@@ -130,7 +133,8 @@ def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: i
                 params: dict[str, Any] | None = None, seed: int = 0,
                 timeout_s: float = 1800.0) -> dict[str, Any]:
     """Pairs/s (and, with ``dataset``, test mAP) per rank count; ``speedup`` of each count
-    over the first one in ``ranks``. Synthetic pair counts are rounded up to whole rounds of
+    over the first one in ``ranks``. ``seed`` seeds the learners (and the synthetic pairs).
+    Synthetic pair counts are rounded up to whole rounds of
     the largest rank count."""
     ds = load_dataset(dataset) if dataset else None
     commit_pairs = read_batch * max(ranks)
@@ -141,7 +145,7 @@ def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: i
     results = []
     for count in ranks:
         figures, learner = _run(model, data, count, threads_per_rank, read_batch, commit_pairs,
-                                eval_every, params, timeout_s)
+                                eval_every, params, timeout_s, seed)
         if ds is not None:
             maps = evaluate_model(learner, ds)
             figures["map_i2t"], figures["map_t2i"] = (round(maps["map_i2t"], 4),

@@ -197,16 +197,18 @@ class CheckpointStore(ABC):
             if hook:
                 hook(pipe)
 
-        self.commit_blob(model, ckpt.version, blob, kept, dropped, with_head, lease)
+        self.commit_blob(model, ckpt.version, blob, kept, dropped, with_head, lease, sha=sha)
 
     def commit_blob(self, name: str, version: int, blob: bytes | None,
                     kept: list[tuple[int, str]], dropped: list[tuple[int, str]],
-                    hook: PipelineHook, lease: tuple[str, str] | None = None) -> None:
+                    hook: PipelineHook, lease: tuple[str, str] | None = None,
+                    sha: str | None = None) -> None:
         """The durable write under :meth:`commit`: ``blob`` (if any) staged, stored and made
         current by ``hook``'s commands in one lease-fenced transaction; ``dropped`` blobs
-        deleted with it, ``kept`` ones left alone (the search gallery's segments use it too)."""
+        deleted with it, ``kept`` ones left alone (the search gallery's segments use it too).
+        ``sha``: the blob's SHA-256 when the caller has it already."""
         if blob is not None:
-            self._stage(name, version, blob_sha(blob), blob)
+            self._stage(name, version, sha or blob_sha(blob), blob)
         with self.r.pipeline(transaction=True) as pipe:
             _check_lease(pipe, lease)
             pipe.multi()

@@ -121,6 +121,7 @@ class DistributedLearner(LearnerWorker):
         self.learn_seconds = self.peer_learn_seconds = 0.0
         # Rank 0's work between rounds (commit, read, validation) while the others wait.
         self.between_seconds = 0.0
+        self.commit_seconds = 0.0  # checkpoints written inside rounds
         self._round_end: float | None = None
         # Moving averages that size rank 0's share: a commit's seconds, a pair's learning.
         self._commit_seconds = self._pair_seconds = 0.0
@@ -228,8 +229,9 @@ class DistributedLearner(LearnerWorker):
                     self.commit()
                     if not self.leader:  # the commit lost the lease: state and group dropped
                         return False
-                    self._commit_seconds = _ema(self._commit_seconds,
-                                                time.perf_counter() - start)
+                    took = time.perf_counter() - start
+                    self._commit_seconds = _ema(self._commit_seconds, took)
+                    self.commit_seconds += took
                 if split:
                     learner.model.register_labels(labels)
                 a, b = shares[0]
@@ -298,7 +300,8 @@ class DistributedLearner(LearnerWorker):
                        "dist_merge_bytes": str(self.merge_bytes),
                        "dist_learn_seconds": repr(self.learn_seconds),
                        "dist_peer_learn_seconds": repr(self.peer_learn_seconds),
-                       "dist_between_seconds": repr(self.between_seconds)})
+                       "dist_between_seconds": repr(self.between_seconds),
+                       "dist_commit_seconds": repr(self.commit_seconds)})
         return fields
 
 
