@@ -39,7 +39,7 @@ from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 __all__ = ["LearnerMerge", "RankGroup", "Store", "TCPStore", "decode_learner", "decode_share",
            "encode_learner", "encode_share", "open_store", "split_share"]
 
-_OPS = ("sum", "mean", "total", "max")
+_OPS = ("sum", "mix", "mean", "total", "max")
 
 
 class RankGroup:
@@ -222,7 +222,7 @@ class LearnerMerge:
 
     def reset(self, learner: StreamLearner) -> None:
         self.base = {name: np.array(arr, copy=True)
-                     for name, (op, arr) in self._parts(learner).items() if op == "sum"}
+                     for name, (op, arr) in self._parts(learner).items() if op in ("sum", "mix")}
         self.pairs_before = learner.pairs_seen
 
     def merge(self, learner: StreamLearner, learned: int) -> MergeReport:
@@ -237,8 +237,10 @@ class LearnerMerge:
             if op not in _OPS:
                 raise ValueError(f"unknown merge operation {op!r} for {name}")
             arr = np.asarray(arr)
-            if op == "sum":
+            if op in ("sum", "mix"):
                 value = arr - _pad(self.base.get(name, np.zeros_like(arr)), arr.shape)
+                if op == "mix":
+                    value = value / np.sqrt(self.group.world)
             elif op == "mean":
                 value = arr * weight
             else:
@@ -257,7 +259,7 @@ class LearnerMerge:
                 merged[name] = flat[at : at + v.size].reshape(v.shape)
                 at += v.size
         for name, (op, arr) in parts.items():
-            if op == "sum":
+            if op in ("sum", "mix"):
                 merged[name] = _pad(self.base.get(name, np.zeros_like(arr)),
                                     np.shape(arr)) + merged[name]
             if np.asarray(arr).dtype.kind in "iub":

@@ -24,9 +24,11 @@ Arrays = dict[str, NDArray[Any]]
 
 #: What the ranks of a distributed learner combine after a round, by name: ``(operation,
 #: array)``. Operations (:mod:`streamxm.learning.distributed`): ``"sum"`` adds every rank's change
-#: since the last merge (sufficient statistics and counters: exact), ``"mean"`` averages the
-#: ranks' arrays weighted by the pairs each learned in the round (parameter mixing), ``"max"``
-#: takes the largest, ``"total"`` adds the arrays themselves.
+#: since the last merge (sufficient statistics and counters: exact), ``"mix"`` adds them scaled
+#: by ``1/sqrt(N)`` for N ranks (corrections learned from one start on disjoint data: between
+#: their sum, right for independent corrections, and their mean, right for identical ones),
+#: ``"mean"`` averages the ranks' arrays weighted by the pairs each learned in the round
+#: (parameter mixing), ``"max"`` takes the largest, ``"total"`` adds the arrays themselves.
 MergeParts = dict[str, tuple[str, NDArray[Any]]]
 
 
