@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
     di.add_argument("--img-dim", type=int, default=4096)
     di.add_argument("--txt-dim", type=int, default=1000)
-    di.add_argument("--pairs", type=int, default=6144,
+    di.add_argument("--pairs", type=int, default=12288,
                     help="synthetic pairs, or the first N training pairs of --dataset (0: all)")
     di.add_argument("--threads-per-rank", type=int, default=1)
     di.add_argument("--read-batch", type=int, default=256, help="pairs per rank per round")

@@ -72,7 +72,7 @@ def promtool(binary: str, *args: str) -> str:
 def test_promtool_checks_config_rules_and_rule_unit_tests(prometheus_bin: tuple[str, str]) -> None:
     tool = prometheus_bin[0]
     assert "SUCCESS" in promtool(tool, "check", "config", "prometheus.yml")
-    assert "SUCCESS: 16 rules found" in promtool(tool, "check", "rules", "rules.yml")
+    assert "SUCCESS: 17 rules found" in promtool(tool, "check", "rules", "rules.yml")
     assert "SUCCESS" in promtool(tool, "test", "rules", "rules_test.yml")
 
 

@@ -3,9 +3,11 @@ Redis. Rank 0 reads, checkpoints and acknowledges; the ranks merge after every r
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 import redis
+from threadpoolctl import threadpool_limits
 
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
@@ -18,7 +20,7 @@ from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
 from streamxm.tools.distributed import distributed
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import wait_for
-from tests.conftest import stats, worker_env
+from tests.conftest import ApiServer, assert_same_learner, metric, stats, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +114,26 @@ def test_sum_models_two_ranks_equal_one_learner(settings: Settings, r: redis.Red
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("model", ["cmomks", "scsm"])
+def test_unsplit_models_learn_on_rank_zero_exactly_as_one_learner(
+        settings: Settings, r: redis.Redis, model: str) -> None:
+    """CMOMKS and SCSM cannot be split: rank 0 learns every round alone, and the result is one
+    learner's on the same stream, bit for bit (apart from timing)."""
+    pairs = synthetic_pairs(700, 24, 12, seed=7)
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+    children = _ranks(settings, model, 2, STREAMXM_READ_BATCH="100")
+    try:
+        _learned(r, Keys(settings.namespace), model, len(pairs), children)
+    finally:
+        for child in children:
+            child.stop()
+    assert int(stats(r, Keys(settings.namespace), model)["dist_split_rounds"]) == 0
+    want = StreamLearner(model, 24, 12, seed=0)
+    with threadpool_limits(limits=1):  # as the ranks run: BLAS sums in the same order
+        want.learn(pairs)
+    assert_same_learner(_latest(settings, r, model), want)
+
+
 def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
                                                        r: redis.Redis) -> None:
     """SIGKILL rank 1 while the ranks learn, bring it back; then rank 0 likewise. The final
@@ -146,6 +168,14 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
     assert r.xlen(keys.dead) == 0
     split = int(stats(r, keys, "cmos")["dist_split_rounds"])
     assert split > 0
+    # What Grafana sees: two ranks, the rounds, and the group formed three times (start, then
+    # after each killed rank).
+    with ApiServer(settings) as api:
+        scrape = httpx.get(f"{api.url}/metrics", timeout=10).text
+    assert metric(scrape, "streamxm_distributed_ranks", model="cmos") == 2
+    assert metric(scrape, "streamxm_distributed_rounds_total", model="cmos") == split
+    generations = metric(scrape, "streamxm_distributed_generations_total", model="cmos")
+    assert generations is not None and generations >= 3
 
 
 def test_poison_pair_on_any_rank_is_dead_lettered_once(settings: Settings,

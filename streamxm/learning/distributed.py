@@ -36,7 +36,8 @@ from streamxm.models.base import MergeParts
 from streamxm.stream.messages import Pair, decode_frames, decode_pair, encode_frames
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 
-__all__ = ["LearnerMerge", "RankGroup", "Store", "TCPStore", "decode_learner", "decode_share",
+__all__ = ["LearnerMerge", "RankGroup", "Store", "TCPStore", "balanced_first", "decode_learner",
+           "decode_share",
            "encode_learner", "encode_share", "open_store", "split_share"]
 
 _OPS = ("sum", "mix", "mean", "total", "max")
@@ -109,24 +110,39 @@ def open_store(host: str, port: int, server: bool, timeout_s: float) -> TCPStore
 
 
 # -- what travels ----------------------------------------------------------------------------------
-def split_share(count: int, world: int, lighter: int = 0) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` shares of ``count`` pairs for ``world`` ranks, as even as
-    possible (contiguous, so each rank learns a sub-stream in stream order), with rank 0's
-    share ``lighter`` pairs smaller (it has other work in the round).
+def split_share(count: int, world: int, first: int | None = None) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` shares of ``count`` pairs for ``world`` ranks (contiguous, so
+    each rank learns a sub-stream in stream order): rank 0's share ``first`` pairs (it has
+    other work in the round), the rest as even as possible; all even by default.
 
     >>> split_share(10, 3)
     [(0, 4), (4, 7), (7, 10)]
-    >>> split_share(10, 2, lighter=4)
+    >>> split_share(10, 2, first=3)
     [(0, 3), (3, 10)]
     """
-    if world == 1 or not lighter:
+    if first is None or world == 1:
         sizes = [len(part) for part in np.array_split(np.arange(count), world)]
     else:
-        first = max(0, min(count // world, (count - lighter) // world))
+        first = max(0, min(count, first))
         sizes = [first, *(len(part) for part in
                           np.array_split(np.arange(count - first), world - 1))]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
     return [(int(s), int(s + n)) for s, n in zip(starts, sizes, strict=True)]
+
+
+def balanced_first(count: int, world: int, rank0_pair_s: float, peer_pair_s: float,
+                   rank0_extra_s: float) -> int | None:
+    """Rank 0's share that makes every rank finish together: rank 0 spends ``rank0_extra_s``
+    on other work in the round and ``rank0_pair_s`` a pair, the slowest other rank
+    ``peer_pair_s`` a pair; ``None`` (even shares) until both rates are known.
+
+    >>> balanced_first(512, 2, 0.003, 0.003, 0.15)
+    231
+    """
+    if rank0_pair_s <= 0 or peer_pair_s <= 0:
+        return None
+    others = peer_pair_s / (world - 1)
+    return int(max(0.0, (count * others - rank0_extra_s) / (rank0_pair_s + others)))
 
 
 def encode_share(pairs: Sequence[Pair], round_labels: Sequence[tuple[int, ...]]) -> bytes:
@@ -237,21 +253,24 @@ class LearnerMerge:
             if op not in _OPS:
                 raise ValueError(f"unknown merge operation {op!r} for {name}")
             arr = np.asarray(arr)
+            # New arrays, written in place from here on (a 16 MB W is streamed as few times as
+            # possible: the ranks' caches are shared).
             if op in ("sum", "mix"):
-                value = arr - _pad(self.base.get(name, np.zeros_like(arr)), arr.shape)
+                value = np.subtract(arr, _pad(self.base.get(name, np.zeros_like(arr)), arr.shape))
                 if op == "mix":
-                    value = value / np.sqrt(self.group.world)
+                    value *= 1.0 / np.sqrt(self.group.world)
             elif op == "mean":
-                value = arr * weight
+                value = np.multiply(arr, weight)
             else:
-                value = arr
+                value = np.array(arr, copy=True)
             dtype = "float32" if arr.dtype == np.float32 else "float64"
             reduce = "max" if op == "max" else "sum"
             buckets.setdefault((reduce, dtype), []).append((name, np.asarray(value, dtype=dtype)))
         merged: dict[str, NDArray[Any]] = {}
         sent = 0
         for (reduce, dtype), items in buckets.items():
-            flat = np.concatenate([v.ravel() for _, v in items]).astype(dtype, copy=False)
+            flat = (np.ascontiguousarray(items[0][1]).reshape(-1) if len(items) == 1
+                    else np.concatenate([v.ravel() for _, v in items]).astype(dtype, copy=False))
             self.group.all_reduce_(flat, reduce)
             sent += flat.nbytes
             at = 0
@@ -260,8 +279,7 @@ class LearnerMerge:
                 at += v.size
         for name, (op, arr) in parts.items():
             if op in ("sum", "mix"):
-                merged[name] = _pad(self.base.get(name, np.zeros_like(arr)),
-                                    np.shape(arr)) + merged[name]
+                merged[name] += _pad(self.base.get(name, np.zeros_like(arr)), np.shape(arr))
             if np.asarray(arr).dtype.kind in "iub":
                 merged[name] = np.rint(merged[name]).astype(np.asarray(arr).dtype)
         _set_learner_parts(learner, merged)

@@ -150,6 +150,18 @@ class StreamCollector(Collector):
         drifts = CounterMetricFamily(
             "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
             labels=["model"])
+        ranks = GaugeMetricFamily("streamxm_distributed_ranks",
+                                  "ranks of a distributed learner (streamxm worker --world-size)",
+                                  labels=["model"])
+        rounds = CounterMetricFamily(
+            "streamxm_distributed_rounds", "rounds the ranks learned and merged, as of the "
+            "newest checkpoint (since rank 0 started)", labels=["model"])
+        collective = CounterMetricFamily(
+            "streamxm_distributed_collective_seconds", "seconds rank 0 spent in the merge and "
+            "the wait for the slowest rank (since rank 0 started)", labels=["model"])
+        generations = CounterMetricFamily(
+            "streamxm_distributed_generations", "times the ranks' group was formed: the first, "
+            "then once after every lost or restarted rank", labels=["model"])
 
         # The stream's own counts, not the project's ingest counter: entries written by other
         # producers are lag too.
@@ -182,7 +194,14 @@ class StreamCollector(Collector):
             yield position
         now = time.time()
         for model in str_set(self.r.smembers(self.keys.models)):
-            stats = WorkerStats.from_hash(str_hash(self.r.hgetall(self.keys.stats(model))))
+            raw = str_hash(self.r.hgetall(self.keys.stats(model)))
+            stats = WorkerStats.from_hash(raw)
+            if raw.get("dist_world"):
+                ranks.add_metric([model], int(raw["dist_world"]))
+                rounds.add_metric([model], int(raw.get("dist_split_rounds", 0)))
+                collective.add_metric([model], float(raw.get("dist_collective_seconds", 0.0)))
+                generation = text(self.r.hget(self.keys.dist(model), "gen") or 0)
+                generations.add_metric([model], int(generation))
             done = stats.pairs_processed + stats.dead_letters
             processed.add_metric([model], stats.pairs_processed)
             drifts.add_metric([model], stats.drift_detected)
@@ -217,7 +236,8 @@ class StreamCollector(Collector):
                         [model, direction],
                         float(self.server.champion.champions.get(direction) == model))
         yield from (processed, triplets, mistakes, rolling, age, ckpt_version, served_version,
-                    lag, pending, update, gallery, drifts, champion)
+                    lag, pending, update, gallery, drifts, champion, ranks, rounds, collective,
+                    generations)
 
         corrupt = CounterMetricFamily(
             "streamxm_checkpoint_corrupt",

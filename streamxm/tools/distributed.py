@@ -2,7 +2,8 @@
 
 For each rank count, in the same run: a fresh Redis holding the same pairs, then ``N`` processes
 ``streamxm worker --model M --world-size N --rank R`` (``threads_per_rank`` BLAS/torch threads
-each), timed from their first checkpoint to the one that holds every pair (start-up excluded).
+each), timed by the learning time recorded in their first checkpoint and in the one that holds
+every pair (start-up excluded; checkpoints as the service writes them, every 2 s).
 With a dataset, the pairs are its training split in file order and the final checkpoint's
 test-split mAP is reported per rank count, so quality and speed come from the same runs.
 """
@@ -62,15 +63,13 @@ def _independent(model: str, counts: tuple[int, ...], img_dim: int, txt_dim: int
 
 
 def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: int,
-         commit_pairs: int, eval_every: int, params: dict[str, Any] | None, timeout_s: float,
+         eval_every: int, params: dict[str, Any] | None, timeout_s: float,
          seed: int) -> tuple[dict[str, Any], StreamLearner]:
     total = len(pairs)
-    # A checkpoint every ``commit_pairs`` pairs whatever the rank count (the same commit work per
-    # pair), the last one exactly at the end: a time-based one would end the run up to its
-    # interval after the last pair was learned.
-    with stack(eval_every=eval_every, read_batch=read_batch, checkpoint_every_pairs=commit_pairs,
-               seed=seed,
-               checkpoint_every_seconds=3600.0 if total % commit_pairs == 0 else 1.0,
+    # Checkpoints as the service writes them (every 2 s or 2,000 pairs); each records when its
+    # newest pair had been learned, which times the run (the last checkpoint may come up to
+    # its interval after the last pair).
+    with stack(eval_every=eval_every, read_batch=read_batch, seed=seed,
                dist_host="127.0.0.1", lease_ttl_ms=5000) as st:
         StreamClient(st.r, NAMESPACE).push_pairs(pairs)
         threads_env = {name: str(threads) for name in
@@ -87,7 +86,7 @@ def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: in
                 stats = st.stats(model)
                 done = int(stats.get("pairs_processed", 0))
                 if done and (not samples or samples[-1][1] != done):
-                    samples.append((float(stats["checkpoint_time"]), done))
+                    samples.append((float(stats["learned_time"]), done))
                     bar.update(done - bar.n)
                 if done >= total:
                     break
@@ -128,7 +127,7 @@ def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: in
 
 
 def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: int = 4096,
-                txt_dim: int = 1000, pairs: int = 6144, threads_per_rank: int = 1,
+                txt_dim: int = 1000, pairs: int = 12288, threads_per_rank: int = 1,
                 read_batch: int = 256, eval_every: int = 10, dataset: str | None = None,
                 params: dict[str, Any] | None = None, seed: int = 0,
                 timeout_s: float = 1800.0) -> dict[str, Any]:
@@ -137,15 +136,14 @@ def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: i
     Synthetic pair counts are rounded up to whole rounds of
     the largest rank count."""
     ds = load_dataset(dataset) if dataset else None
-    commit_pairs = read_batch * max(ranks)
-    if ds is None:
-        pairs = -(-pairs // commit_pairs) * commit_pairs
+    if ds is None:  # whole rounds of the largest rank count
+        pairs = -(-pairs // (read_batch * max(ranks))) * read_batch * max(ranks)
     data = (list(iter_pairs(ds, limit=pairs or None)) if ds is not None
             else synthetic_pairs(pairs, img_dim, txt_dim, seed=seed))
     results = []
     for count in ranks:
-        figures, learner = _run(model, data, count, threads_per_rank, read_batch, commit_pairs,
-                                eval_every, params, timeout_s, seed)
+        figures, learner = _run(model, data, count, threads_per_rank, read_batch, eval_every,
+                                params, timeout_s, seed)
         if ds is not None:
             maps = evaluate_model(learner, ds)
             figures["map_i2t"], figures["map_t2i"] = (round(maps["map_i2t"], 4),

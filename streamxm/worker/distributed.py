@@ -47,6 +47,7 @@ from streamxm.learning.distributed import (
     LearnerMerge,
     RankGroup,
     TCPStore,
+    balanced_first,
     decode_learner,
     decode_share,
     encode_learner,
@@ -123,8 +124,10 @@ class DistributedLearner(LearnerWorker):
         self.between_seconds = 0.0
         self.commit_seconds = 0.0  # checkpoints written inside rounds
         self._round_end: float | None = None
-        # Moving averages that size rank 0's share: a commit's seconds, a pair's learning.
-        self._commit_seconds = self._pair_seconds = 0.0
+        # Moving averages that size rank 0's share: a commit's and sending the shares' seconds,
+        # a pair's learning on rank 0 and on the slowest other rank.
+        self._commit_seconds = self._scatter_seconds = 0.0
+        self._pair_seconds = self._peer_pair_seconds = 0.0
 
     # -- the group -------------------------------------------------------------------------
     def _form(self) -> bool:
@@ -196,15 +199,16 @@ class DistributedLearner(LearnerWorker):
         if self.learner is None:
             self.learner = self._new_learner(pairs[0])
         learner = self.learner
-        learner.flush()
+        # No flush here: a round rank 0 learns alone must be the single learner's exact work.
         split = learner.model.merge_parts() is not None
         # The checkpoint of the rounds before this one is written while the others learn their
-        # shares, and rank 0's share is smaller by what that costs it.
+        # shares, and rank 0's share is sized so that it finishes with them: smaller by what
+        # the commit and sending the shares cost it, and by the ranks' measured speeds.
         commit_now = LearnerWorker._commit_due(self)
-        lighter = 0
-        if split and commit_now and self._pair_seconds:
-            lighter = int((self.world - 1) * self._commit_seconds / self._pair_seconds)
-        shares = (split_share(len(pairs), self.world, lighter) if split
+        extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
+        first = balanced_first(len(pairs), self.world, self._pair_seconds,
+                               self._peer_pair_seconds, extra)
+        shares = (split_share(len(pairs), self.world, first) if split
                   else [(0, len(pairs))] + [(len(pairs), len(pairs))] * (self.world - 1))
         labels = [p.labels for p in pairs]
         payloads = [encode_share(pairs[a:b], labels) if split else b""
@@ -223,7 +227,10 @@ class DistributedLearner(LearnerWorker):
                     self._synced = True
                 for rank, payload in enumerate(payloads, start=1):
                     self._group.send_bytes(payload, rank)
-                self.scatter_seconds += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.scatter_seconds += took
+                if split:
+                    self._scatter_seconds = _ema(self._scatter_seconds, took)
                 if commit_now:
                     start = time.perf_counter()
                     self.commit()
@@ -252,6 +259,11 @@ class DistributedLearner(LearnerWorker):
                     status = self._group.sum_ints(status)
                     self.learn_seconds += learn_ms / 1000
                     self.peer_learn_seconds += max(status[2 * self.world + 1 :]) / 1000
+                    peer = max((status[2 * self.world + r] / 1000 / (shares[r][1] - shares[r][0])
+                                for r in range(1, self.world) if shares[r][1] > shares[r][0]),
+                               default=0.0)
+                    if peer:
+                        self._peer_pair_seconds = _ema(self._peer_pair_seconds, peer)
                     bad = [r for r in range(self.world) if status[r]]
                     if bad:
                         rank = bad[0]

@@ -169,6 +169,7 @@ class LearnerWorker:
         self._recovery_end = "0-0"
         self._pending = _Pending()
         self._last_commit = time.monotonic()
+        self._learned_time: float | None = None
         self._schema: tuple[int, int] | None = None
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
         # committed; bounded by the entries between two checkpoints.
@@ -408,6 +409,8 @@ class LearnerWorker:
         self._pending.dead.extend(dead)
         self._pending.pairs += len(pairs)
         self.last_id = last_id
+        if pairs:
+            self._learned_time = time.time()
 
     def _new_learner(self, first: Pair) -> StreamLearner:
         return StreamLearner(self.model, first.img.shape[0], first.txt.shape[0], self.params,
@@ -529,8 +532,8 @@ class LearnerWorker:
     def _stats_fields(self) -> dict[str, str]:
         learner = self.learner
         base = WorkerStats(version=self.version, last_id=self.last_id,
-                           checkpoint_time=time.time(), dead_letters=self.dead_letters,
-                           consumer=self.consumer)
+                           checkpoint_time=time.time(), learned_time=self._learned_time,
+                           dead_letters=self.dead_letters, consumer=self.consumer)
         if learner is None:
             return base.to_hash()
         return replace(

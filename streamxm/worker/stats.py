@@ -32,6 +32,9 @@ class WorkerStats:
     version: int | None = None
     last_id: str = "0-0"
     checkpoint_time: float | None = None
+    #: When the newest pair in the checkpoint had been learned (unix seconds): the checkpoint
+    #: may be written later, when its interval is up.
+    learned_time: float | None = None
     dead_letters: int = 0
     consumer: str = ""
     pairs_processed: int = 0
@@ -56,6 +59,8 @@ class WorkerStats:
             fields["version"] = str(self.version)
         if self.checkpoint_time is not None:
             fields["checkpoint_time"] = repr(self.checkpoint_time)
+        if self.learned_time is not None:
+            fields["learned_time"] = repr(self.learned_time)
         for d in DIRECTIONS:
             fields[f"triplets_{d}"] = str(self.triplets[d])
             fields[f"mistakes_{d}"] = str(self.mistakes[d])
@@ -77,6 +82,7 @@ class WorkerStats:
             last_id=raw.get("last_id", "0-0"),
             checkpoint_time=float(raw["checkpoint_time"]) if raw.get("checkpoint_time")
             else None,
+            learned_time=float(raw["learned_time"]) if raw.get("learned_time") else None,
             dead_letters=int(number("dead_letters")), consumer=raw.get("consumer", ""),
             pairs_processed=int(number("pairs_processed")),
             pairs_unlabelled=int(number("pairs_unlabelled")),
