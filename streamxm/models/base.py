@@ -165,6 +165,11 @@ class CrossModalModel(ABC):
         """Restore what :meth:`state` returned (on a model built with the same params)."""
 
     # -- several ranks learning one model (streamxm/learning/distributed.py) --------------------
+    #: Most pairs a rank learns between two merges (``None``: a whole read of
+    #: ``STREAMXM_READ_BATCH`` pairs a rank), for models whose ranks drift apart too far in a
+    #: longer round.
+    merge_every: ClassVar[int | None] = None
+
     def merge_parts(self) -> MergeParts | None:
         """What the ranks of a distributed learner combine after each round (see
         :data:`MergeParts`), or ``None`` while the model cannot be split: then rank 0 learns

@@ -189,6 +189,17 @@ class DistributedLearner(LearnerWorker):
 
     # -- one round -------------------------------------------------------------------------
     def _learn(self, pairs: list[Pair], pair_entries: list[str]) -> bool:
+        """Learn one read as rounds of at most the model's ``merge_every`` pairs a rank; the
+        read counts as applied only once every one of its rounds was merged."""
+        if self.learner is None:
+            self.learner = self._new_learner(pairs[0])
+        step = (self.learner.model.merge_every or len(pairs)) * self.world
+        for at in range(0, len(pairs), step):
+            if not self._round(pairs[at : at + step], pair_entries[at : at + step]):
+                return False
+        return True
+
+    def _round(self, pairs: list[Pair], pair_entries: list[str]) -> bool:
         if self._group is None and not self._form():
             self._drop_state()
             return False
