@@ -27,10 +27,9 @@ pytestmark = pytest.mark.slow
 
 def _ranks(settings: Settings, model: str, world: int, *params: str, **env: str) -> list[Child]:
     """``world`` ranks of ``model`` as ``streamxm worker --world-size --rank`` processes."""
-    environment = worker_env(settings, STREAMXM_DIST_HOST="127.0.0.1",
-                             STREAMXM_DIST_TIMEOUT_S="20",
-                             STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2", OMP_NUM_THREADS="1",
-                             **env)
+    environment = worker_env(settings, **{
+        "STREAMXM_DIST_HOST": "127.0.0.1", "STREAMXM_DIST_TIMEOUT_S": "20",
+        "STREAMXM_CHECKPOINT_EVERY_SECONDS": "0.2", "OMP_NUM_THREADS": "1", **env})
     extra = [arg for p in params for arg in ("--param", p)]
     return [_rank(environment, model, world, rank, extra) for rank in range(world)]
 
@@ -176,6 +175,47 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
     assert metric(scrape, "streamxm_distributed_rounds_total", model="cmos") == split
     generations = metric(scrape, "streamxm_distributed_generations_total", model="cmos")
     assert generations is not None and generations >= 3
+
+
+def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
+        settings: Settings, r: redis.Redis) -> None:
+    """SAM merges every 64 pairs a rank, so one read is several rounds; a checkpoint falling
+    due between them must not hold pairs its position does not cover. Every checkpoint seen
+    counts exactly the entries up to its position; rank 0 SIGKILLed and restarted, the final
+    one counts every pair once."""
+    keys = Keys(settings.namespace)
+    pairs = synthetic_pairs(2600, 32, 16, seed=9)
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+    ids = [text(entry_id) for entry_id, _ in r.xrange(keys.pairs)]
+    # Reads of 1,280 pairs (ten rounds), a checkpoint due every 0.5 s: most fall due mid-read.
+    children = _ranks(settings, "sam", 2, STREAMXM_READ_BATCH="640",
+                      STREAMXM_CHECKPOINT_EVERY_SECONDS="0.5")
+    seen: set[tuple[str, int]] = set()
+
+    def learned(n: int) -> bool:  # every checkpoint on the way, as it is written
+        now = stats(r, keys, "sam")
+        if now.get("version"):
+            seen.add((now["last_id"], int(now["pairs_processed"])))
+        return int(now.get("pairs_processed", 0)) >= n
+
+    try:
+        wait_for(lambda: learned(1000), 120, "1000 pairs learned", interval=0.01)
+        children[0].kill()
+        env = worker_env(settings, STREAMXM_DIST_HOST="127.0.0.1", STREAMXM_DIST_TIMEOUT_S="20",
+                         STREAMXM_CHECKPOINT_EVERY_SECONDS="0.5", STREAMXM_READ_BATCH="640",
+                         OMP_NUM_THREADS="1")
+        children[0] = _rank(env, "sam", 2, 0, [])
+        wait_for(lambda: learned(len(pairs)), 120, "every pair learned", interval=0.01)
+    finally:
+        for child in children:
+            child.stop()
+    assert len(seen) >= 3
+    learner = _latest(settings, r, "sam")
+    assert learner.pairs_seen == len(pairs)
+    assert int(stats(r, keys, "sam")["dist_split_rounds"]) > 0
+    for last_id, processed in seen:
+        assert processed == ids.index(last_id) + 1, (last_id, processed)
+    assert r.xpending(keys.pairs, keys.group("sam"))["pending"] == 0
 
 
 def test_poison_pair_on_any_rank_is_dead_lettered_once(settings: Settings,

@@ -195,11 +195,14 @@ class DistributedLearner(LearnerWorker):
             self.learner = self._new_learner(pairs[0])
         step = (self.learner.model.merge_every or len(pairs)) * self.world
         for at in range(0, len(pairs), step):
-            if not self._round(pairs[at : at + step], pair_entries[at : at + step]):
+            # Only the first round of a read may commit: the state after a later one holds
+            # pairs of this read that the commit's acknowledgements and position do not cover.
+            if not self._round(pairs[at : at + step], pair_entries[at : at + step],
+                               may_commit=at == 0):
                 return False
         return True
 
-    def _round(self, pairs: list[Pair], pair_entries: list[str]) -> bool:
+    def _round(self, pairs: list[Pair], pair_entries: list[str], may_commit: bool) -> bool:
         if self._group is None and not self._form():
             self._drop_state()
             return False
@@ -215,7 +218,7 @@ class DistributedLearner(LearnerWorker):
         # The checkpoint of the rounds before this one is written while the others learn their
         # shares, and rank 0's share is sized so that it finishes with them: smaller by what
         # the commit and sending the shares cost it, and by the ranks' measured speeds.
-        commit_now = LearnerWorker._commit_due(self)
+        commit_now = may_commit and LearnerWorker._commit_due(self)
         extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
         first = balanced_first(len(pairs), self.world, self._pair_seconds,
                                self._peer_pair_seconds, extra)
