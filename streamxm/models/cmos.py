@@ -65,7 +65,7 @@ class CMOS(CrossModalModel, name="cmos"):
       (their sum), but corrections learned from one start on disjoint data of the same classes
       repeat each other in part (their mean is the other extreme, iterative parameter mixing's
       average). On Wikipedia over seeds 0-3, two ranks' mean mAP was 1.6% below one rank's with
-      the mean, 2.2% below with the sum (seed 0), and 0.4% below with the scaled sum
+      the mean, 2.2% below with the sum (seed 0), and 0.7% below with the scaled sum
       (``docs/benchmarks.md``). The mix costs one all-reduce of ``W`` per round (16 MB at
       4096 x 1000, float32).
 
