@@ -285,5 +285,8 @@ class LearnerMerge:
         _set_learner_parts(learner, merged)
         learner.model.set_merged({k[6:]: v for k, v in merged.items() if k.startswith("model.")})
         learner.model.after_merge(self.pairs_before, learner.pairs_seen, learner.rng)
-        self.reset(learner)
+        # The next round's base is what every rank now holds (not a second read of the parts).
+        self.base = {name: np.array(merged[name], copy=True)
+                     for name, (op, _) in parts.items() if op in ("sum", "mix")}
+        self.pairs_before = learner.pairs_seen
         return MergeReport(time.perf_counter() - start, sent)

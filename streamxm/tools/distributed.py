@@ -18,7 +18,6 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
-from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from streamxm.learning.learner import StreamLearner
@@ -27,7 +26,7 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair
 from streamxm.tools.bench import evaluate_model
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
-from streamxm.tools.load import NAMESPACE, stack
+from streamxm.tools.load import NAMESPACE, in_process_rate, stack
 
 __all__ = ["distributed", "independent_rate"]
 
@@ -39,14 +38,7 @@ def independent_rate(model: str, img_dim: int, txt_dim: int, pairs: int, eval_ev
     never communicate would reach on this machine (they still share its caches and memory)."""
     torch.set_num_threads(threads)
     data = synthetic_pairs(pairs + 256, img_dim, txt_dim, seed=seed)
-    with threadpool_limits(limits=threads):
-        learner = StreamLearner(model, img_dim, txt_dim, seed=seed, eval_every=eval_every)
-        learner.learn(data[:256])
-        start = time.perf_counter()
-        for i in range(256, len(data), 256):
-            learner.learn(data[i : i + 256])
-        learner.flush()
-        return pairs / (time.perf_counter() - start)
+    return in_process_rate(model, data, eval_every, seed, threads=threads, warmup=256)
 
 
 def _independent(model: str, counts: tuple[int, ...], img_dim: int, txt_dim: int, pairs: int,

@@ -61,7 +61,8 @@ from streamxm.tools.datasets import synthetic_arrays, synthetic_pairs
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import free_port, wait_for
 
-__all__ = ["end_to_end", "hostile", "ingest", "query", "rss_mb", "soak", "stack"]
+__all__ = ["end_to_end", "hostile", "in_process_rate", "ingest", "query", "rss_mb", "soak",
+           "stack"]
 
 NAMESPACE = "load"
 
@@ -313,16 +314,19 @@ def ingest_cluster(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000,
 
 
 # -- end to end -----------------------------------------------------------------------------
-def _in_process_rate(model: str, data: list[Pair], eval_every: int, seed: int) -> float:
-    """The reference: the same learner, options and pairs, fed in-process on one thread."""
+def in_process_rate(model: str, data: list[Pair], eval_every: int, seed: int,
+                    threads: int = 1, warmup: int = 0) -> float:
+    """The reference: the same learner, options and pairs, fed in-process on ``threads``
+    threads; pairs/s over the pairs after the first ``warmup``."""
     img_dim, txt_dim = data[0].img.shape[0], data[0].txt.shape[0]
-    with threadpool_limits(limits=1):
+    with threadpool_limits(limits=threads):
         learner = StreamLearner(model, img_dim, txt_dim, seed=seed, eval_every=eval_every)
+        learner.learn(data[:warmup])
         start = time.perf_counter()
-        for i in range(0, len(data), 256):
+        for i in range(warmup, len(data), 256):
             learner.learn(data[i : i + 256])
         learner.flush()
-        return len(data) / (time.perf_counter() - start)
+        return (len(data) - warmup) / (time.perf_counter() - start)
 
 
 def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
@@ -331,7 +335,7 @@ def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
     """Drain a backlog with one worker (learned pairs/s), then push at ``rate`` (default half
     the measured rate) for ``seconds`` and sample the lag every 0.25 s."""
     data = synthetic_pairs(backlog, img_dim, txt_dim, seed=seed)
-    reference = _in_process_rate(model, data, eval_every, seed)
+    reference = in_process_rate(model, data, eval_every, seed)
     with stack(eval_every=eval_every, checkpoint_every_seconds=0.5) as st:
         client = StreamClient(st.r, NAMESPACE)
         client.push_pairs(data)

@@ -157,8 +157,14 @@ class DistributedLearner(LearnerWorker):
             return
         if stop:
             with contextlib.suppress(RuntimeError):  # the others may be gone already
-                group.broadcast_ints([_STOP, 0, 0, *[0] * (self.world - 1)], self.world + 2)
+                group.broadcast_ints(self._header(_STOP), self.world + 2)
         group.close()
+
+    def _header(self, kind: int, sync: bool = False, split: bool = False,
+                sizes: list[int] | None = None) -> list[int]:
+        """A round's header: kind, whether rank 0's state follows, whether shares follow, and
+        each other rank's share size in bytes."""
+        return [kind, int(sync), int(split), *(sizes or [0] * (self.world - 1))]
 
     def _drop_state(self) -> None:
         super()._drop_state()
@@ -180,8 +186,7 @@ class DistributedLearner(LearnerWorker):
         read = super().step()
         if not self._sent and self._group is not None:
             try:  # nothing to learn: keep the others' collectives from timing out
-                self._group.broadcast_ints([_IDLE, 0, 0, *[0] * (self.world - 1)],
-                                           self.world + 2)
+                self._group.broadcast_ints(self._header(_IDLE), self.world + 2)
             except RuntimeError as exc:
                 log.warning("rank 0 of %s: a rank left (%s)", self.model, exc)
                 self._drop_state()
@@ -210,8 +215,9 @@ class DistributedLearner(LearnerWorker):
         self._sent = True
         if self._round_end is not None:
             self.between_seconds += time.perf_counter() - self._round_end
-        if self.learner is None:
-            self.learner = self._new_learner(pairs[0])
+        if self.learner is None:  # cannot happen after _learn; never skip pairs silently
+            self._drop_state()
+            return False
         learner = self.learner
         # No flush here: a round rank 0 learns alone must be the single learner's exact work.
         split = learner.model.merge_parts() is not None
@@ -232,8 +238,8 @@ class DistributedLearner(LearnerWorker):
         try:
             with self._lease_heartbeat() as lost:
                 start = time.perf_counter()
-                self._group.broadcast_ints([_ROUND, int(sync), int(split),
-                                            *[len(p) for p in payloads]], self.world + 2)
+                self._group.broadcast_ints(
+                    self._header(_ROUND, sync, split, [len(p) for p in payloads]), self.world + 2)
                 if sync:
                     self._group.broadcast_bytes(encode_learner(learner, self.version,
                                                                self.last_id))
