@@ -11,9 +11,10 @@ from typing import Any
 
 import anyio
 import redis
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from redis.exceptions import RedisClusterException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -110,6 +111,21 @@ class _Observe:
             self.metrics.requests.labels(route, method, str(status)).inc()
 
 
+def _refuse_routes(app: FastAPI, router: APIRouter, role: str) -> None:
+    """The routes another role serves answer 404 naming this process's role (and stay out of
+    its OpenAPI schema), not a bare "Not Found" that reads like a wrong URL."""
+    detail = (f"this API process serves {role} only (STREAMXM_API_ROLE={role}); send this "
+              f"request to one with the role 'all' or '{'ingest' if role == 'query' else 'query'}'")
+
+    async def refuse() -> JSONResponse:
+        return JSONResponse({"detail": detail}, status_code=404)
+
+    for route in router.routes:
+        if isinstance(route, APIRoute):
+            app.add_api_route(route.path, refuse, methods=sorted(route.methods or ()),
+                              include_in_schema=False)
+
+
 def create_app(settings: Settings | None = None, client: redis.Redis | None = None) -> FastAPI:
     """Build the app. Without arguments it reads settings from the environment."""
     settings = settings or get_settings()
@@ -137,11 +153,14 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                          metrics=metrics, producer=StreamClient(r, settings.namespace, limits,
                                                  replication=Replication.of(settings)),
                          query_threads=anyio.CapacityLimiter(settings.query_threads),
-                         scrape_threads=anyio.CapacityLimiter(2))
+                         scrape_threads=anyio.CapacityLimiter(2),
+                         write_threads=anyio.CapacityLimiter(1))
+    queries_served = settings.api_role != "ingest"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.start(settings.reload_interval_seconds)
+        if queries_served:  # an ingest replica loads no model and reads no gallery
+            server.start(settings.reload_interval_seconds)
         yield
         server.stop()
 
@@ -158,9 +177,15 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     guarded: dict[str, Any] = {"dependencies": [Depends(require_token)],
                                "responses": error_responses(401)}
     app.include_router(probes.router)
-    app.include_router(queries.router,
-                       **(guarded if settings.api_token and settings.api_token_for_reads else {}))
-    app.include_router(ingest.router, **(guarded if settings.api_token else {}))
+    if queries_served:
+        app.include_router(queries.router, **(
+            guarded if settings.api_token and settings.api_token_for_reads else {}))
+    else:
+        _refuse_routes(app, queries.router, settings.api_role)
+    if settings.api_role != "query":
+        app.include_router(ingest.router, **(guarded if settings.api_token else {}))
+    else:
+        _refuse_routes(app, ingest.router, settings.api_role)
 
     app.add_middleware(_Observe, metrics=metrics)
 

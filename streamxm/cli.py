@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     ing.add_argument("--txt-dim", type=int, default=1000)
     ing.add_argument("--pairs", type=int, default=2000)
     ing.add_argument("--http-batch", type=int, default=64, help="pairs per POST")
+    ing.add_argument("--http-clients", type=int, default=4,
+                     help="keep-alive connections posting at once (the HTTP counterpart of "
+                     "the client's pipeline)")
     ing.add_argument("--repeats", type=int, default=3)
     ing.add_argument("--cluster", action="store_true",
                      help="instead: a local Redis Cluster (3 masters, 3 replicas), the client "

@@ -77,6 +77,10 @@ class Settings(BaseSettings):
         default=None, description="bearer token for writes (and reads with "
         "api_token_for_reads); unset: no token. Set but empty is refused")
     api_token_for_reads: bool = False
+    api_role: Literal["all", "ingest", "query"] = Field(
+        default="all", description="what this API process serves: all; ingest (the write "
+        "routes only: it loads no model and keeps no search gallery, so its CPU goes to the "
+        "pairs); query (the read routes only)")
     default_model: str = Field(default="auto", description="model used when a request names "
                                "none; auto: the champion of the query's direction")
     champion_min_pairs: int = Field(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
 import pytest
@@ -132,3 +134,34 @@ def test_frames_need_the_token_when_one_is_set(r: redis.Redis, settings: Setting
                           headers=FRAMES).status_code == 401
         assert httpx.post(f"{api.url}/v1/pairs/frames", content=body, headers={
             **FRAMES, "authorization": "Bearer t0ken"}).status_code == 202
+
+
+def test_an_ingest_replica_takes_pairs_and_refuses_queries_naming_its_role(
+        r: redis.Redis, settings: Settings) -> None:
+    """STREAMXM_API_ROLE=ingest: ready at once, every write route works, the read routes are
+    404s that say where to send them; role query is the mirror image."""
+    keys = Keys(settings.namespace)
+    pairs = class_stream(6, 8, 4, seed=8)
+    with ApiServer(settings.model_copy(update={"api_role": "ingest"})) as api:
+        ready = httpx.get(f"{api.url}/readyz")
+        assert ready.status_code == 200 and ready.json() == {"status": "ready", "models": []}
+        assert httpx.post(f"{api.url}/v1/pairs/frames", headers=FRAMES,
+                          content=encode_frames(pairs[:3])).status_code == 202
+        assert httpx.post(f"{api.url}/v1/pairs", json={"pairs": [
+            {"id": p.id, "img": p.img.tolist(), "txt": p.txt.tolist(), "labels": list(p.labels)}
+            for p in pairs[3:]]}).status_code == 202
+        refused = httpx.post(f"{api.url}/v1/search",
+                             json={"modality": "image", "vector": [0.5] * 8, "k": 3})
+        assert refused.status_code == 404 and "STREAMXM_API_ROLE=ingest" in refused.text
+        assert httpx.get(f"{api.url}/v1/models").status_code == 404
+        paths = httpx.get(f"{api.url}/openapi.json").json()["paths"]
+        assert "/v1/pairs/frames" in paths and "/v1/search" not in paths
+        time.sleep(1.0)  # four refresh intervals: a replica of role "all" reads them back
+        assert len(api.app.state.context.server.gallery) == 0
+    assert [decode_pair(f).id for _, f in r.xrange(keys.pairs)] == [p.id for p in pairs]
+    with ApiServer(settings.model_copy(update={"api_role": "query"})) as api:
+        refused = httpx.post(f"{api.url}/v1/pairs/frames", headers=FRAMES,
+                             content=encode_frames(pairs[:1]))
+        assert refused.status_code == 404 and "STREAMXM_API_ROLE=query" in refused.text
+        assert httpx.get(f"{api.url}/v1/models").status_code == 200
+    assert r.xlen(keys.pairs) == len(pairs)

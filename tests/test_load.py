@@ -17,6 +17,7 @@ def test_ingest_reports_client_http_and_redis_benchmark_rates() -> None:
     result = load.ingest(img_dim=16, txt_dim=8, pairs=300, http_batch=50, repeats=1)
     assert result["client_pairs_per_s"] > 0 and result["http_pairs_per_s"] > 0
     assert result["http_base64_pairs_per_s"] > 0 and result["http_binary_pairs_per_s"] > 0
+    assert result["api_role"] == "ingest" and result["search_replica_binary_pairs_per_s"] > 0
     assert result["entry_bytes"] == 4 * (16 + 8)
     if shutil.which("redis-benchmark"):
         assert result["redis_benchmark_xadd_per_s"] > 0

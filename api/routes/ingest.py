@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Request
-from starlette.concurrency import run_in_threadpool
 
 from api.deps import ApiContext, Context, unprocessable
 from api.schemas import PairsIn, PairsOut, error_responses
@@ -21,14 +20,17 @@ router = APIRouter()
 
 @router.post("/v1/pairs", response_model=PairsOut, status_code=202,
              responses=error_responses(400, 413, 503))
-def pairs(body: PairsIn, context: Context) -> PairsOut:
-    validated = []
-    for i, p in enumerate(body.pairs):
-        try:
-            validated.append(make_pair(p.id, p.img, p.txt, p.labels, p.ts, context.limits))
-        except InvalidPair as exc:
-            raise unprocessable(["pairs", i, exc.field], exc.reason, exc.detail) from None
-    return _push(context, validated)
+async def pairs(body: PairsIn, context: Context) -> PairsOut:
+    def accept() -> PairsOut:
+        validated = []
+        for i, p in enumerate(body.pairs):
+            try:
+                validated.append(make_pair(p.id, p.img, p.txt, p.labels, p.ts, context.limits))
+            except InvalidPair as exc:
+                raise unprocessable(["pairs", i, exc.field], exc.reason, exc.detail) from None
+        return _push(context, validated)
+
+    return await context.write(accept)
 
 
 @router.post(
@@ -62,7 +64,7 @@ async def pair_frames(request: Request, context: Context) -> PairsOut:
                 raise unprocessable(["pairs", i, exc.field], exc.reason, exc.detail) from None
         return _push(context, validated, frames)
 
-    return await run_in_threadpool(accept)
+    return await context.write(accept)
 
 
 def _push(context: ApiContext, validated: list[Pair],

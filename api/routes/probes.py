@@ -24,6 +24,8 @@ async def healthz() -> HealthOut:
             responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}})
 async def readyz(context: Context) -> JSONResponse:
     server = context.server
+    if context.settings.api_role == "ingest":  # takes pairs from the start; serves no model
+        return JSONResponse({"status": "ready", "models": []})
     if server.ready:
         return JSONResponse({"status": "ready", "models": sorted(server.served)})
     return JSONResponse({"status": "waiting for a model checkpoint", "models": []},

@@ -180,64 +180,76 @@ def _redis_benchmark(st: Stack, img_dim: int, txt_dim: int, n: int, pipeline: in
 
 
 def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000, http_batch: int = 64,
-           chunk: int = 500, repeats: int = 3, seed: int = 0, cluster: bool = False
-           ) -> dict[str, Any]:
+           chunk: int = 500, repeats: int = 3, seed: int = 0, cluster: bool = False,
+           http_clients: int = 4) -> dict[str, Any]:
     """Median pairs/s of the client, of HTTP with JSON numbers, with base64 float32 vectors in
     JSON and with binary bodies of message v1 frames, and of ``redis-benchmark`` XADD, and
-    their ratios; all in the same run. ``cluster``: :func:`ingest_cluster` instead."""
+    their ratios; all in the same run. The HTTP figures are of an ingest replica
+    (``STREAMXM_API_ROLE=ingest``), posted by ``http_clients`` connections at once; then
+    frames again into an API of the default role, which also reads every pair back into its
+    search gallery (``search_replica_*``). ``cluster``: :func:`ingest_cluster` instead."""
     if cluster:
         return ingest_cluster(img_dim, txt_dim, pairs, chunk, repeats, seed)
     data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
     batches = [data[i : i + http_batch] for i in range(0, pairs, http_batch)]
     # Bodies encoded up front: the figure is the API's rate, not this process's encoder.
-    json_type, frames_type = {"content-type": "application/json"}, {
-        "content-type": FRAMES_MEDIA_TYPE}
-    paths: dict[str, tuple[str, dict[str, str], list[bytes]]] = {
+    json_type, frames_type = "application/json", FRAMES_MEDIA_TYPE
+    paths: dict[str, tuple[str, str, list[bytes]]] = {
         "json": ("/v1/pairs", json_type, [json.dumps({"pairs": [
             _pair_json(p) for p in b]}).encode() for b in batches]),
         "base64": ("/v1/pairs", json_type, [json.dumps({"pairs": [
             _pair_json(p, True) for p in b]}).encode() for b in batches]),
         "frames": ("/v1/pairs/frames", frames_type, [encode_frames(b) for b in batches]),
     }
-    client_rates, rb_rates = [], []
+    client_rates, rb_rates, replica_rates = [], [], []
     http_rates: dict[str, list[float]] = {name: [] for name in paths}
+
+    def post_all(url: str, name: str) -> float:
+        path, media, bodies = paths[name]
+        seconds = asyncio.run(_post_each(url, [_request(url, path, media, body)
+                                               for body in bodies], http_clients))
+        st.r.delete(st.keys.pairs)
+        return pairs / seconds
+
     with stack() as st:
-        url = st.api()
+        # An ingest replica: no search gallery reading every pair back during any of these.
+        url = st.api(STREAMXM_API_ROLE="ingest")
         client = StreamClient(st.r, NAMESPACE)
-        http = httpx.Client(timeout=120)
         for _ in tqdm(range(repeats), desc="ingest repeats", file=sys.stderr):
             start = time.perf_counter()
             client.push_pairs(data, chunk=chunk)
             client_rates.append(pairs / (time.perf_counter() - start))
             st.r.delete(st.keys.pairs)
-            for name, (path, headers, bodies) in paths.items():
-                start = time.perf_counter()
-                for body in bodies:
-                    response = http.post(f"{url}{path}", content=body, headers=headers)
-                    if response.status_code != 202:
-                        raise RuntimeError(f"POST {path}: {response.status_code} "
-                                           f"{response.text[:200]}")
-                http_rates[name].append(pairs / (time.perf_counter() - start))
-                st.r.delete(st.keys.pairs)
+            for name in paths:
+                http_rates[name].append(post_all(url, name))
             rate = _redis_benchmark(st, img_dim, txt_dim, max(pairs, 5000), chunk)
             if rate is not None:
                 rb_rates.append(rate)
-        http.close()
+        st.procs.pop().stop(timeout=30)
+        # The default role: the same API also keeps the search gallery, reading every pair back.
+        url = st.api()
+        for _ in tqdm(range(repeats), desc="search replica repeats", file=sys.stderr):
+            replica_rates.append(post_all(url, "frames"))
     client_rate = statistics.median(client_rates)
     median = {name: statistics.median(rates) for name, rates in http_rates.items()}
     result: dict[str, Any] = {
         "benchmark": "ingest", "img_dim": img_dim, "txt_dim": txt_dim, "pairs": pairs,
         "entry_bytes": 4 * (img_dim + txt_dim), "client_pipeline": chunk,
-        "http_batch": http_batch, "repeats": repeats,
+        "http_batch": http_batch, "http_clients": http_clients, "repeats": repeats,
         "client_pairs_per_s": round(client_rate, 1),
         "http_pairs_per_s": round(median["json"], 1),
         "http_base64_pairs_per_s": round(median["base64"], 1),
         "http_binary_pairs_per_s": round(median["frames"], 1),
         "http_binary_to_client": round(median["frames"] / client_rate, 3),
+        "api_role": "ingest",
+        "search_replica_binary_pairs_per_s": round(statistics.median(replica_rates), 1),
+        "search_replica_binary_to_client": round(
+            statistics.median(replica_rates) / client_rate, 3),
         "client_runs": [round(x, 1) for x in client_rates],
         "http_runs": [round(x, 1) for x in http_rates["json"]],
         "http_base64_runs": [round(x, 1) for x in http_rates["base64"]],
         "http_binary_runs": [round(x, 1) for x in http_rates["frames"]],
+        "search_replica_binary_runs": [round(x, 1) for x in replica_rates],
     }
     if rb_rates:
         rb = statistics.median(rb_rates)
@@ -416,6 +428,41 @@ async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requ
     return status, await reader.readexactly(int(match.group(1)))
 
 
+def _host_port(url: str) -> tuple[str, int]:
+    parsed = httpx.URL(url)
+    return parsed.host, parsed.port or 80
+
+
+def _request(url: str, path: str, content_type: str, body: bytes) -> bytes:
+    """One POST as bytes on the wire, encoded once before the clock starts."""
+    host, port = _host_port(url)
+    return (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: {content_type}"
+            f"\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _post_each(url: str, requests: list[bytes], clients: int) -> float:
+    """Post every request once over ``clients`` keep-alive connections (each takes the next
+    one not yet sent); seconds from the first byte to the last answer. Any answer but 202
+    is an error: the figure is of pairs accepted."""
+    host, port = _host_port(url)
+    connections = [await asyncio.open_connection(host, port) for _ in range(clients)]
+    queue = iter(requests)
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for request in queue:
+            status, answer = await _post(reader, writer, request)
+            if status != 202:
+                raise RuntimeError(f"{request[:40]!r}...: {status} {answer[:200]!r}")
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(one(r, w) for r, w in connections))
+        return time.perf_counter() - start
+    finally:
+        for _, writer in connections:
+            writer.close()
+
+
 async def _load(url: str, bodies: list[bytes], clients: int, seconds: float
                 ) -> tuple[list[float], dict[str, int], list[_Answer]]:
     """``clients`` keep-alive connections posting ``bodies`` to ``/v1/search`` in turn.
@@ -424,11 +471,8 @@ async def _load(url: str, bodies: list[bytes], clients: int, seconds: float
     generator shares the machine's two cores with the API and the worker, and an HTTP client
     library's per-request cost (httpx: ~3 ms of CPU) would take them from the server measured.
     """
-    parsed = httpx.URL(url)
-    host, port = parsed.host, parsed.port or 80
-    requests = [(f"POST /v1/search HTTP/1.1\r\nhost: {host}:{port}\r\n"
-                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-                 ).encode() + body for body in bodies]
+    host, port = _host_port(url)
+    requests = [_request(url, "/v1/search", "application/json", body) for body in bodies]
     latencies: list[float] = []
     statuses: dict[str, int] = {}
     answers: list[_Answer] = []
