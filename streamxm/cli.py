@@ -412,12 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
                                "redis-benchmark's XADD on the same server")
     ing.add_argument("--img-dim", type=int, default=4096)
     ing.add_argument("--txt-dim", type=int, default=1000)
-    ing.add_argument("--pairs", type=int, default=2000)
+    ing.add_argument("--pairs", type=int, default=6000, help="pairs per path and repeat "
+                     "(about 120 MB at 4096/1000: short runs were dominated by the machine's "
+                     "noise)")
     ing.add_argument("--http-batch", type=int, default=64, help="pairs per POST")
     ing.add_argument("--http-clients", type=int, default=4,
                      help="keep-alive connections posting at once (the HTTP counterpart of "
                      "the client's pipeline)")
-    ing.add_argument("--repeats", type=int, default=3)
+    ing.add_argument("--repeats", type=int, default=5)
     ing.add_argument("--cluster", action="store_true",
                      help="instead: a local Redis Cluster (3 masters, 3 replicas), the client "
                      "pushing into one namespace on one master, then into three namespaces on "
