@@ -215,7 +215,7 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_bat
         # An ingest replica: no search gallery reading every pair back during any of these.
         url = st.api(STREAMXM_API_ROLE="ingest")
         client = StreamClient(st.r, NAMESPACE)
-        # One untimed round first: Redis's first 40 MB of entries (page faults, allocator
+        # One untimed round first: Redis's first round of entries (page faults, allocator
         # growth) would otherwise land on whichever path runs first, the client.
         client.push_pairs(data, chunk=chunk)
         st.r.delete(st.keys.pairs)
