@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from streamxm.serving.gallery import Gallery, GalleryChunk
-from streamxm.serving.index import QueryCoalescer, index_block, top_k
+from streamxm.serving.index import QueryCoalescer, bf16_score_error, index_block, top_k
 from streamxm.serving.server import _proven_complete
 
 torch = pytest.importorskip("torch")
@@ -73,6 +73,28 @@ def test_the_completeness_proof_fails_when_scores_are_flatter_than_bfloat16() ->
     assert _proven_complete(proposed[0], rows[got[0]], q, 10, blocks)
     # float32 blocks need no proof.
     assert _proven_complete(proposed[0], rows[got[0]], q, 10, [rows])
+
+
+def test_the_bfloat16_error_bound_holds_for_rows_that_round_the_same_way() -> None:
+    # Every coordinate just above a bfloat16 rounding midpoint (each factor rounds down by
+    # ~2^-8), and some of them placed so the float32 sum also rounds down at the output: the
+    # scan's error reaches ~1.45 * 2^-7 |q||x|, past the 2^-7 |q| first used (without the
+    # output's rounding), and within bf16_score_error.
+    rng = np.random.default_rng(5)
+    worst = 0.0
+    for m in range(0, 40):
+        for _ in range(20):
+            v = np.full(64, 1 + 2**-8) - rng.uniform(0, 2**-14, size=64)
+            v[:m] = 1 + 2**-7 + 2**-8 - rng.uniform(0, 2**-14, size=m)
+            # Powers of two keep the midpoints: a row of norm ~1 (64 entries near 1/8).
+            row, query = (v / 8).astype(np.float32), (v * 2).astype(np.float32)
+            scan, _ = top_k(query[None, :], [index_block(row[None, :], "bfloat16")], 1)
+            exact = row.astype(np.float64) @ query.astype(np.float64)
+            norms = np.linalg.norm(row.astype(np.float64)) * np.linalg.norm(
+                query.astype(np.float64))
+            worst = max(worst, abs(float(scan[0, 0]) - exact) / norms)
+    assert worst > 1.2 * 2.0**-7  # the first bound was wrong for such rows
+    assert worst <= bf16_score_error(1.0)
 
 
 def test_concurrent_queries_coalesce_into_batches() -> None:

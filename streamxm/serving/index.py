@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Bf16Block", "Block", "QueryCoalescer", "index_block", "top_k"]
+__all__ = ["Bf16Block", "Block", "QueryCoalescer", "bf16_score_error", "index_block", "top_k"]
 
 _BLOCK = 65_536  # rows per product: bounds the (queries x rows) float32 temporary
 
@@ -91,6 +91,21 @@ class Bf16Block:
 
     def __len__(self) -> int:
         return self.rows
+
+
+def bf16_score_error(query_norm: float) -> float:
+    """Largest difference between a bfloat16 scan's score of a unit row and its exact inner
+    product with a query of norm ``query_norm``.
+
+    bfloat16 keeps 8 significant bits (unit roundoff ``u = 2^-8``). Rounding both factors
+    moves each product by at most ``2u`` of itself, so the sum by at most ``2u |q|`` for a
+    unit row (Cauchy-Schwarz). The product's *output* is bfloat16 as well, and its rounding
+    adds ``u`` of the score, up to ``u |q|`` more. float32 accumulation over at most 65,536
+    terms adds well under 1% of ``2u |q|``. Hence ``1.5 * 2^-7 |q|`` and a 1% margin. The
+    output rounding was left out of the first version of this bound; rows built to round
+    the same way reach 1.45 times ``2^-7 |q|`` (``tests/test_search_index.py``).
+    """
+    return 1.5 * 2.0**-7 * query_norm * 1.01
 
 
 def top_k(queries: NDArray[np.float32], blocks: Sequence[Block], k: int

@@ -44,7 +44,7 @@ from streamxm.models.ensemble import (
 )
 from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
-from streamxm.serving.index import Block, QueryCoalescer, index_block
+from streamxm.serving.index import Block, QueryCoalescer, bf16_score_error, index_block
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
@@ -207,11 +207,10 @@ def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
     """Whether candidates from a bfloat16 scan surely hold the exact top ``k`` of the unit
     rows against ``query``.
 
-    bfloat16 keeps 8 significant bits, so each product of the scan is off by at most
-    ``2^-8`` relatively in each factor and the score of a unit row by at most
-    ``eps = 2^-7 |q|`` (float32 accumulation adds far less). A row left out scored at most the
-    last candidate's ``s_C`` in the scan, so truly at most ``s_C + eps``: when the exact k-th
-    best candidate is above that, nothing left out can enter the top ``k``.
+    A unit row's scan score is within ``eps`` (:func:`bf16_score_error`) of its exact
+    score. A row left out scored at most the last candidate's ``s_C`` in the scan, so truly
+    at most ``s_C + eps``: when the exact k-th best candidate is above that, nothing left out
+    can enter the top ``k``.
     """
     if len(proposed) == 0 or all(isinstance(b, np.ndarray) for b in blocks):
         return True  # float32 blocks: the scan itself was exact
@@ -219,7 +218,7 @@ def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
     if len(exact) < k:
         return False
     kth = np.partition(exact, len(exact) - k)[len(exact) - k]
-    eps = 2.0**-7 * float(np.linalg.norm(query)) * 1.01
+    eps = bf16_score_error(float(np.linalg.norm(query)))
     return bool(kth > float(proposed.min()) + eps)
 
 
