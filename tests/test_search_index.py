@@ -3,8 +3,6 @@ bfloat16 candidates, and the tier merge of gallery chunks."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -103,16 +101,10 @@ def test_concurrent_queries_coalesce_into_batches() -> None:
     blocks = (rows,)
     coalescer = QueryCoalescer()
     queries = rng.random((64, 32), dtype=np.float32)
-    results: dict[int, list[int]] = {}
-
-    def ask(i: int) -> None:
-        results[i] = coalescer.search(blocks, queries[i], 5)[1].tolist()
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(64)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Submitted without waiting (64 threads each calling search() started too slowly on a
+    # loaded machine, once, for any two to meet in a batch).
+    futures = [coalescer.submit(blocks, queries[i], 5) for i in range(64)]
+    results = {i: future.result(timeout=60)[1].tolist() for i, future in enumerate(futures)}
     coalescer.close()
     for i in range(64):
         assert results[i] == top_k(queries[i : i + 1], blocks, 5)[1][0].tolist()
