@@ -90,9 +90,10 @@ def test_the_bfloat16_error_bound_holds_for_rows_that_round_the_same_way() -> No
             exact = row.astype(np.float64) @ query.astype(np.float64)
             norms = np.linalg.norm(row.astype(np.float64)) * np.linalg.norm(
                 query.astype(np.float64))
-            worst = max(worst, abs(float(scan[0, 0]) - exact) / norms)
-    assert worst > 1.2 * 2.0**-7  # the first bound was wrong for such rows
-    assert worst <= bf16_score_error(1.0)
+            error = abs(float(scan[0, 0]) - exact)
+            assert error <= bf16_score_error(norms, float(scan[0, 0]))  # |x| ~ 1: scaled by it
+            worst = max(worst, error / norms)
+    assert worst > 1.2 * 2.0**-7  # the first bound (2^-7 |q|) was wrong for such rows
 
 
 def test_concurrent_queries_coalesce_into_batches() -> None:

@@ -93,19 +93,22 @@ class Bf16Block:
         return self.rows
 
 
-def bf16_score_error(query_norm: float) -> float:
-    """Largest difference between a bfloat16 scan's score of a unit row and its exact inner
-    product with a query of norm ``query_norm``.
+def bf16_score_error(query_norm: float, score: float) -> float:
+    """Largest difference between the exact inner product of a unit row with a query of norm
+    ``query_norm`` and that row's bfloat16 scan score, for a scan score ``score``.
 
     bfloat16 keeps 8 significant bits (unit roundoff ``u = 2^-8``). Rounding both factors
-    moves each product by at most ``2u`` of itself, so the sum by at most ``2u |q|`` for a
-    unit row (Cauchy-Schwarz). The product's *output* is bfloat16 as well, and its rounding
-    adds ``u`` of the score, up to ``u |q|`` more. float32 accumulation over at most 65,536
-    terms adds well under 1% of ``2u |q|``. Hence ``1.5 * 2^-7 |q|`` and a 1% margin. The
-    output rounding was left out of the first version of this bound; rows built to round
-    the same way reach 1.45 times ``2^-7 |q|`` (``tests/test_search_index.py``).
+    moves each product by at most ``(2u + u^2)`` of itself, so the sum by at most
+    ``(2u + u^2) |q|`` for a unit row (Cauchy-Schwarz). The product's *output* is bfloat16
+    too, and its rounding moves the score by at most ``u`` of the unrounded score, that is
+    ``u / (1 - u) |score|``. float32 accumulation over at most 65,536 terms adds well under
+    1% of the first term: hence the 1% margin. The output's rounding was left out of the
+    first version of this bound (``2^-7 |q|``); rows built to round the same way reach
+    ``1.45 * 2^-7 |q|`` (``tests/test_search_index.py``). The bound grows with ``score``, so
+    the largest scan score among rows left out bounds all of their true scores.
     """
-    return 1.5 * 2.0**-7 * query_norm * 1.01
+    u = 2.0**-8
+    return ((2 * u + u * u) * query_norm + u / (1 - u) * abs(score)) * 1.01
 
 
 def top_k(queries: NDArray[np.float32], blocks: Sequence[Block], k: int

@@ -207,10 +207,10 @@ def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
     """Whether candidates from a bfloat16 scan surely hold the exact top ``k`` of the unit
     rows against ``query``.
 
-    A unit row's scan score is within ``eps`` (:func:`bf16_score_error`) of its exact
-    score. A row left out scored at most the last candidate's ``s_C`` in the scan, so truly
-    at most ``s_C + eps``: when the exact k-th best candidate is above that, nothing left out
-    can enter the top ``k``.
+    A row left out scored at most the last candidate's ``s_C`` in the scan, so truly at most
+    ``s_C + eps`` (:func:`bf16_score_error` of ``s_C``, which bounds every lower scan score's
+    too): when the exact k-th best candidate is above that, nothing left out can enter the
+    top ``k``.
     """
     if len(proposed) == 0 or all(isinstance(b, np.ndarray) for b in blocks):
         return True  # float32 blocks: the scan itself was exact
@@ -218,8 +218,8 @@ def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
     if len(exact) < k:
         return False
     kth = np.partition(exact, len(exact) - k)[len(exact) - k]
-    eps = bf16_score_error(float(np.linalg.norm(query)))
-    return bool(kth > float(proposed.min()) + eps)
+    last = float(proposed.min())
+    return bool(kth > last + bf16_score_error(float(np.linalg.norm(query)), last))
 
 
 def _exact_scores(model: CrossModalModel, modality: str, target: str,
