@@ -202,6 +202,18 @@ class SearchAnswer:
     index_version: int | None
 
 
+#: A bfloat16 scan of a fixed space proposes at least one candidate per this many gallery rows
+#: (400 at 1,000,000). The rows whose scores the rounding bound cannot tell from the k-th best
+#: lie in a band of fixed width, so their number grows with the gallery; with 100 candidates at
+#: 1M, 15% of searches in ``bench query`` could not be proven complete and paid a float32 pass
+#: (0.15-0.27 s at 512 dimensions), against 15-65% more per bfloat16 pass for 400 candidates.
+_ROWS_PER_PROOF_CANDIDATE = 2_500
+
+
+def _exact_blocks(blocks: Any) -> bool:
+    return all(isinstance(b, np.ndarray) for b in blocks)
+
+
 def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
                      query: NDArray[np.float32], k: int, blocks: Any) -> bool:
     """Whether candidates from a bfloat16 scan surely hold the exact top ``k`` of the unit
@@ -212,7 +224,7 @@ def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
     too): when the exact k-th best candidate is above that, nothing left out can enter the
     top ``k``.
     """
-    if len(proposed) == 0 or all(isinstance(b, np.ndarray) for b in blocks):
+    if len(proposed) == 0 or _exact_blocks(blocks):
         return True  # float32 blocks: the scan itself was exact
     exact = units.astype(np.float64) @ query.astype(np.float64)
     if len(exact) < k:
@@ -690,7 +702,8 @@ class ModelServer:
                     ) -> Generator[_Scan | _Work, Any, tuple[Gallery, NDArray[np.int64],
                                                              NDArray[np.float32], int]]:
         """Rows of a gallery snapshot holding the served version's top ``k`` (or nearly, from
-        an embedded index): ``max(candidates, 4 k)`` of them in gallery order (so that ties
+        an embedded index): ``max(candidates, 4 k)`` of them, more from a bfloat16 scan of a
+        large gallery (:data:`_ROWS_PER_PROOF_CANDIDATE`), in gallery order (so that ties
         keep it), with the snapshot, their raw vectors and the version whose index proposed
         them."""
         gallery, model = self.gallery, served.model
@@ -711,7 +724,10 @@ class ModelServer:
             embed = index.model.embed_images if modality == "image" else index.model.embed_texts
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
-        proposed, rows = yield _Scan(blocks, query, wanted)
+        scanned = wanted
+        if fixed and not _exact_blocks(blocks):
+            scanned = min(len(gallery), max(wanted, -(-len(gallery) // _ROWS_PER_PROOF_CANDIDATE)))
+        proposed, rows = yield _Scan(blocks, query, scanned)
         units, norms = gallery.locate(rows, target)
         if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
                                                                         k, blocks):
