@@ -103,7 +103,8 @@ class Settings(BaseSettings):
         "version re-ranks them exactly")
     search_candidates: int = Field(
         default=100, ge=1, le=10_000, description="candidates re-ranked per search: "
-        "max(this, 4 k)")
+        "max(this, 4 k); a fixed-space model's bfloat16 scan proposes at least one per 2,500 "
+        "gallery rows")
     reload_interval_seconds: float = Field(default=0.25, gt=0)
     query_threads: int = Field(default=32, ge=1, le=256,
                                description="threads for similarity and search, apart from "
