@@ -210,6 +210,15 @@ class SearchAnswer:
 _ROWS_PER_PROOF_CANDIDATE = 2_500
 
 
+def proof_candidates(gallery_rows: int, wanted: int) -> int:
+    """Candidates a bfloat16 scan of a fixed space proposes for ``wanted`` re-ranked ones.
+
+    >>> proof_candidates(100_000, 100), proof_candidates(1_000_000, 100), proof_candidates(50, 100)
+    (100, 400, 50)
+    """
+    return min(gallery_rows, max(wanted, -(-gallery_rows // _ROWS_PER_PROOF_CANDIDATE)))
+
+
 def _exact_blocks(blocks: Any) -> bool:
     return all(isinstance(b, np.ndarray) for b in blocks)
 
@@ -724,9 +733,8 @@ class ModelServer:
             embed = index.model.embed_images if modality == "image" else index.model.embed_texts
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
-        scanned = wanted
-        if fixed and not _exact_blocks(blocks):
-            scanned = min(len(gallery), max(wanted, -(-len(gallery) // _ROWS_PER_PROOF_CANDIDATE)))
+        scanned = proof_candidates(len(gallery), wanted) if fixed and not _exact_blocks(
+            blocks) else wanted
         proposed, rows = yield _Scan(blocks, query, scanned)
         units, norms = gallery.locate(rows, target)
         if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
