@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from streamxm.serving.gallery import Gallery, GalleryChunk
-from streamxm.serving.index import QueryCoalescer, bf16_score_error, index_block, top_k
+from streamxm.serving.index import (
+    QueryCoalescer,
+    bf16_score_error,
+    index_block,
+    top_k,
+    top_k_bounded,
+)
 from streamxm.serving.server import _proven_complete
 
 torch = pytest.importorskip("torch")
@@ -62,15 +68,35 @@ def test_the_completeness_proof_fails_when_scores_are_flatter_than_bfloat16() ->
     rows = _unit(base + 1e-4 * rng.random((3000, 32)))
     q = rng.normal(size=32).astype(np.float32)
     blocks = [index_block(rows, "bfloat16")]
-    proposed, got = top_k(q[None, :], blocks, 100)
-    assert not _proven_complete(proposed[0], rows[got[0]], q, 10, blocks)
+    _, got, ceiling = top_k_bounded(q[None, :], blocks, 100)
+    assert not _proven_complete(float(ceiling[0]), rows[got[0]], q, 10, blocks)
     # Spread scores: proven.
     rows = _unit(rng.random((3000, 32)) ** 4)
     blocks = [index_block(rows, "bfloat16")]
-    proposed, got = top_k(q[None, :], blocks, 100)
-    assert _proven_complete(proposed[0], rows[got[0]], q, 10, blocks)
+    _, got, ceiling = top_k_bounded(q[None, :], blocks, 100)
+    assert _proven_complete(float(ceiling[0]), rows[got[0]], q, 10, blocks)
     # float32 blocks need no proof.
-    assert _proven_complete(proposed[0], rows[got[0]], q, 10, [rows])
+    assert _proven_complete(float(ceiling[0]), rows[got[0]], q, 10, [rows])
+
+
+def test_chunks_offering_fewer_rows_bound_what_they_leave_out() -> None:
+    # Each chunk of 65,536 rows offers 100 and the best 400 of the union come back: no row
+    # left out has a scan score above the ceiling, which a plain top 400 can only lower.
+    rng = np.random.default_rng(6)
+    rows = _unit(rng.random((200_000, 16)) ** 3)
+    q = rng.normal(size=(3, 16)).astype(np.float32)
+    for blocks in ([index_block(rows, "bfloat16")], [rows]):
+        _, got, ceiling = top_k_bounded(q, blocks, 400, per_chunk=100)
+        every_score, every_row, nothing_left = top_k_bounded(q, blocks, len(rows))
+        assert (nothing_left == -np.inf).all()
+        for i in range(3):
+            assert len(set(got[i].tolist())) == 400
+            scan = np.empty(len(rows), dtype=np.float32)
+            scan[every_row[i]] = every_score[i]
+            left_out = np.setdiff1d(np.arange(len(rows)), got[i])
+            assert scan[left_out].max() <= ceiling[i]
+        _, _, plain_ceiling = top_k_bounded(q, blocks, 400)
+        assert (plain_ceiling <= ceiling).all()
 
 
 def test_the_bfloat16_error_bound_holds_for_rows_that_round_the_same_way() -> None:

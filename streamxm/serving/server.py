@@ -223,24 +223,23 @@ def _exact_blocks(blocks: Any) -> bool:
     return all(isinstance(b, np.ndarray) for b in blocks)
 
 
-def _proven_complete(proposed: NDArray[np.float32], units: NDArray[np.float32],
-                     query: NDArray[np.float32], k: int, blocks: Any) -> bool:
+def _proven_complete(ceiling: float, units: NDArray[np.float32], query: NDArray[np.float32],
+                     k: int, blocks: Any) -> bool:
     """Whether candidates from a bfloat16 scan surely hold the exact top ``k`` of the unit
     rows against ``query``.
 
-    A row left out scored at most the last candidate's ``s_C`` in the scan, so truly at most
-    ``s_C + eps`` (:func:`bf16_score_error` of ``s_C``, which bounds every lower scan score's
-    too): when the exact k-th best candidate is above that, nothing left out can enter the
-    top ``k``.
+    Every row left out scored at most ``ceiling`` in the scan (:func:`top_k_bounded`), so
+    truly at most ``ceiling + eps`` (:func:`bf16_score_error` of ``ceiling``, which bounds
+    every lower scan score's too): when the exact k-th best candidate is above that, nothing
+    left out can enter the top ``k``.
     """
-    if len(proposed) == 0 or _exact_blocks(blocks):
-        return True  # float32 blocks: the scan itself was exact
+    if ceiling == -np.inf or _exact_blocks(blocks):
+        return True  # nothing left out, or float32 blocks: the scan itself was exact
     exact = units.astype(np.float64) @ query.astype(np.float64)
     if len(exact) < k:
         return False
     kth = np.partition(exact, len(exact) - k)[len(exact) - k]
-    last = float(proposed.min())
-    return bool(kth > last + bf16_score_error(float(np.linalg.norm(query)), last))
+    return bool(kth > ceiling + bf16_score_error(float(np.linalg.norm(query)), ceiling))
 
 
 def _exact_scores(model: CrossModalModel, modality: str, target: str,
@@ -652,7 +651,8 @@ class ModelServer:
             step = next(steps)
             while True:
                 if isinstance(step, _Scan):
-                    step = steps.send(self.coalescer.search(step.blocks, step.query, step.k))
+                    step = steps.send(self.coalescer.search(step.blocks, step.query, step.k,
+                                                            step.per_chunk))
                 else:
                     step = steps.send(step.run())
         except StopIteration as done:
@@ -673,7 +673,8 @@ class ModelServer:
             while True:
                 if isinstance(step, _Scan):
                     found = await asyncio.wrap_future(
-                        self.coalescer.submit(step.blocks, step.query, step.k))
+                        self.coalescer.submit(step.blocks, step.query, step.k,
+                                              step.per_chunk))
                 else:
                     found = await offload(step.run)
                 step = steps.send(found)
@@ -733,17 +734,19 @@ class ModelServer:
             embed = index.model.embed_images if modality == "image" else index.model.embed_texts
             query = embed(vector[None, :])[0].astype(np.float32)
             blocks, index_version = index.blocks(target), index.version
-        scanned = proof_candidates(len(gallery), wanted) if fixed and not _exact_blocks(
-            blocks) else wanted
-        proposed, rows = yield _Scan(blocks, query, scanned)
+        scanned, per_chunk = wanted, None
+        if fixed and not _exact_blocks(blocks):
+            # Each chunk offers ``wanted`` rows and the best ``scanned`` of their union are
+            # re-ranked: the proof's ceiling of a larger top at the selection cost of ``wanted``.
+            scanned, per_chunk = proof_candidates(len(gallery), wanted), wanted
+        _, rows, ceiling = yield _Scan(blocks, query, scanned, per_chunk)
         units, norms = gallery.locate(rows, target)
-        if fixed and len(rows) < len(gallery) and not _proven_complete(proposed, units, query,
-                                                                        k, blocks):
+        if fixed and not _proven_complete(ceiling, units, query, k, blocks):
             # The reduced-precision scan could have missed part of the exact top k (scores
             # flatter than its rounding): scan the float32 rows instead.
             self.exact_scans += 1
             # Coalesced too: the fallbacks of concurrent searches share one pass.
-            _, rows = yield _Scan(gallery.exact_blocks(target), query, wanted)
+            _, rows, _ = yield _Scan(gallery.exact_blocks(target), query, wanted)
             units, norms = gallery.locate(rows, target)
         by_row = np.argsort(rows, kind="stable")
         return (gallery, rows[by_row], units[by_row] * norms[by_row, None], index_version)
@@ -786,6 +789,7 @@ class _Scan:
     blocks: tuple[Block, ...]
     query: NDArray[np.float32]  # one query vector
     k: int
+    per_chunk: int | None = None  # rows each chunk offers (top_k_bounded); None: k
 
 
 @dataclass(frozen=True, eq=False)
