@@ -41,8 +41,7 @@ class ApiContext:
     scrape_threads: anyio.CapacityLimiter
     # Writes run one at a time: Redis takes them one at a time anyway, and several threads
     # decoding and sending megabyte bodies at once spent more CPU passing the GIL between
-    # them (futex waits and wake-ups, by perf) than on the pairs: 4 posting connections
-    # reached 30% more pairs/s with one writer than with the shared pool.
+    # them (futex waits and wake-ups, by perf) than on the pairs.
     write_threads: anyio.CapacityLimiter
 
     async def compute(self, fn: Callable[[], Out]) -> Out:

@@ -202,24 +202,26 @@ def _top_k_bf16(queries: NDArray[np.float32], block: Bf16Block, start: int, k: i
     batch[:m] = torch.from_numpy(queries)
     part = block.tensor[start : start + _BLOCK]
     scores = (batch @ part.T)[:m].float()
-    none_left = np.full(m, -np.inf, dtype=np.float32)
-    if scores.shape[1] != _BLOCK or rows < _BLOCK or (k + 1) * _GROUP * 4 > _BLOCK:
-        scores = scores[:, :rows]
-        if rows <= k:
-            values, found = torch.topk(scores, rows, dim=1)
-            return values.numpy(), found.numpy().astype(np.int64), none_left
-        values, found = torch.topk(scores, k + 1, dim=1)
-        return (values[:, :k].numpy(), found[:, :k].numpy().astype(np.int64),
-                values[:, k].numpy().copy())
+    if rows < _BLOCK or (k + 1) * _GROUP * 4 > _BLOCK:
+        values, found, cut = _select(scores[:, :rows], k)
+        return values.numpy(), found.numpy().astype(np.int64), cut.numpy().copy()
     grouped = scores.view(m, _BLOCK // _GROUP, _GROUP)
-    group_best, groups = torch.topk(grouped.amax(dim=2), k + 1, dim=1)
-    chosen = groups[:, :k]  # (m, k) group numbers
-    inside = torch.gather(grouped, 1, chosen[:, :, None].expand(m, k, _GROUP)).reshape(m, -1)
-    values, found = torch.topk(inside, k + 1, dim=1)
-    rows_found = chosen.gather(1, found // _GROUP) * _GROUP + found % _GROUP
-    ceiling = torch.maximum(group_best[:, k], values[:, k])
-    return (values[:, :k].numpy(), rows_found[:, :k].numpy().astype(np.int64),
-            ceiling.numpy().copy())
+    _, groups, group_cut = _select(grouped.amax(dim=2), k)
+    inside = torch.gather(grouped, 1, groups[:, :, None].expand(m, k, _GROUP)).reshape(m, -1)
+    values, found, cut = _select(inside, k)
+    found = groups.gather(1, found // _GROUP) * _GROUP + found % _GROUP
+    return (values.numpy(), found.numpy().astype(np.int64),
+            torch.maximum(group_cut, cut).numpy().copy())
+
+
+def _select(scores: Any, k: int) -> tuple[Any, Any, Any]:
+    """Each row's ``k`` largest values (tensors), their columns, and the largest value left
+    out (``-inf`` when none is)."""
+    if scores.shape[1] <= k:
+        values, found = torch.topk(scores, scores.shape[1], dim=1)
+        return values, found, torch.full((len(scores),), -np.inf)
+    values, found = torch.topk(scores, k + 1, dim=1)
+    return values[:, :k], found[:, :k], values[:, k]
 
 
 def _best(scores: NDArray[np.float32], rows: NDArray[np.int64], k: int
