@@ -44,7 +44,7 @@ from streamxm.models.ensemble import (
 )
 from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
-from streamxm.serving.index import Block, QueryCoalescer, bf16_score_error, index_block
+from streamxm.serving.index import Block, QueryCoalescer, index_block
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
@@ -227,13 +227,12 @@ def _exact_blocks(blocks: Any) -> bool:
 
 def _proven_complete(ceiling: float, units: NDArray[np.float32], query: NDArray[np.float32],
                      k: int, blocks: Any) -> bool:
-    """Whether candidates from a bfloat16 scan surely hold the exact top ``k`` of the unit
-    rows against ``query``.
+    """Whether candidates from a reduced-precision scan surely hold the exact top ``k`` of the
+    unit rows against ``query``.
 
-    Every row left out scored at most ``ceiling`` in the scan (:func:`top_k_bounded`), so
-    truly at most ``ceiling + eps`` (:func:`bf16_score_error` of ``ceiling``, which bounds
-    every lower scan score's too): when the exact k-th best candidate is above that, nothing
-    left out can enter the top ``k``.
+    No row left out scores above ``ceiling`` exactly (:func:`top_k_bounded` raises every scan
+    score by its backend's error bound): when the exact k-th best candidate is above it,
+    nothing left out can enter the top ``k``.
     """
     if ceiling == -np.inf or _exact_blocks(blocks):
         return True  # nothing left out, or float32 blocks: the scan itself was exact
@@ -241,7 +240,7 @@ def _proven_complete(ceiling: float, units: NDArray[np.float32], query: NDArray[
     if len(exact) < k:
         return False
     kth = np.partition(exact, len(exact) - k)[len(exact) - k]
-    return bool(kth > ceiling + bf16_score_error(float(np.linalg.norm(query)), ceiling))
+    return bool(kth > ceiling)
 
 
 def _exact_scores(model: CrossModalModel, modality: str, target: str,

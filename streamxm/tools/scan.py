@@ -4,7 +4,8 @@ For each dimension, the unit rows of :func:`~streamxm.tools.datasets.synthetic_a
 for 512, texts for 128 by default) are scanned by ``queries`` Gaussian queries at once, top
 ``candidates``; each backend reports the median seconds of ``repeats`` scans and the recall@10 of
 its candidates against the exact float64 ranking. Backends: float32 blocked products
-(:func:`~streamxm.serving.index.top_k`, always), bfloat16 (with PyTorch), and FAISS flat and
+(:func:`~streamxm.serving.index.top_k`, always), bfloat16 and int8 (with PyTorch; int8 where its
+product is exact), and FAISS flat and
 8-bit scalar-quantised inner-product indexes when ``faiss`` is importable (it is not a
 dependency: ``pip install faiss-cpu`` to include it).
 """
@@ -20,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 from threadpoolctl import threadpool_limits
 
-from streamxm.serving.index import index_block, top_k, torch
+from streamxm.serving.index import index_block, int8_available, top_k, torch
 from streamxm.tools.datasets import synthetic_arrays
 
 __all__ = ["scan"]
@@ -34,6 +35,9 @@ def _backends(rows: NDArray[np.float32], candidates: int) -> dict[str, Search]:
     if torch is not None:
         block = index_block(rows, "bfloat16")
         found["bfloat16"] = lambda q: top_k(q, [block], candidates)[1]
+    if torch is not None and int8_available():
+        codes = index_block(rows, "int8")
+        found["int8"] = lambda q: top_k(q, [codes], candidates)[1]
     try:
         import faiss  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
