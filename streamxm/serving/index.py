@@ -350,11 +350,12 @@ class _Bf16Queries:
 class _Int8Queries:
     """A batch of queries as an int8 scan multiplies them, and what its error bound needs.
 
-    Each query ``q`` is scaled to unit norm (``rho = |q|``) and the batch is quantised with
-    one float32 step ``s`` (oneDNN takes one scale per query matrix): ``q = rho s c + r``
-    with integer codes ``c`` in [-127, 127] (sent as ``c + 128``) and ``r`` the residual,
-    computed in float64. For a row ``x = x~ + d`` (``|x| <= 1``, ``|d| <=`` the part's
-    ``error``) and the scan's output ``o``, which is ``s c . x~`` to float32's rounding:
+    Each query ``q`` is scaled to a largest coordinate of 1 (``rho = max |q_i|``) so that every
+    query of the batch uses the whole code range under oneDNN's one scale per query matrix,
+    whatever its norm or spread, and quantised with the step ``s = 1/127``:
+    ``q = rho s c + r`` with integer codes ``c`` in [-127, 127] (sent as ``c + 128``) and ``r``
+    the residual, computed in float64. For a row ``x = x~ + d`` (``|x| <= 1``, ``|d| <=`` the
+    part's ``error``) and the scan's output ``o``, which is ``s c . x~`` to float32's rounding:
 
         q . x = rho o + rho (s c . x~ - o) + rho s c . d + r . x
              <= rho o + rho |s c| (error + 2e-6) + |r| (1 + 1e-6)
@@ -364,17 +365,16 @@ class _Int8Queries:
 
     codes: Any  # torch uint8, (padded queries, dim)
     step: float
-    norms: NDArray[np.float64]
+    norms: NDArray[np.float64]  # rho
     code_norms: NDArray[np.float64]  # |s c|
     residuals: NDArray[np.float64]  # |r|
 
     @classmethod
     def of(cls, queries: NDArray[np.float32]) -> _Int8Queries:
         q = queries.astype(np.float64)
-        norms = np.linalg.norm(q, axis=1)
-        unit = q / np.where(norms > 0, norms, 1.0)[:, None]
-        step = float(np.float32(np.abs(unit).max(initial=0.0) / 127)) or 1.0
-        codes = np.clip(np.rint(unit / step), -127, 127)
+        norms = np.abs(q).max(axis=1, initial=0.0)
+        step = float(np.float32(1 / 127))
+        codes = np.clip(np.rint(q / (np.where(norms > 0, norms, 1.0)[:, None] * step)), -127, 127)
         batch = np.full((_padded_batch(len(q)), q.shape[1]), 128, dtype=np.uint8)
         batch[: len(q)] = codes + 128
         quantised = step * codes

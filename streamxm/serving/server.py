@@ -44,7 +44,7 @@ from streamxm.models.ensemble import (
 )
 from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
-from streamxm.serving.index import Block, QueryCoalescer, index_block
+from streamxm.serving.index import Block, Int8Block, QueryCoalescer, index_block
 from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
@@ -202,23 +202,30 @@ class SearchAnswer:
     index_version: int | None
 
 
-#: A bfloat16 scan of a fixed space proposes at least one candidate per this many gallery rows
-#: (400 at 1,000,000). The rows whose scores the rounding bound cannot tell from the k-th best
-#: lie in a band of fixed width, so their number grows with the gallery; with 100 candidates at
-#: 1M, 15% of searches in ``bench query`` could not be proven complete and paid a float32 pass
-#: (0.15-0.27 s at 512 dimensions). With chunks offering half the re-ranked count and the
-#: grouped selection of :func:`~streamxm.serving.index.top_k_bounded`, 400 cost no more per
-#: bfloat16 pass than a plain top 100 did.
+#: A reduced-precision (int8 or bfloat16) scan of a fixed space proposes at least one candidate
+#: per this many gallery rows (400 at 1,000,000). The rows whose scores the error bound cannot
+#: tell from the k-th best lie in a band of fixed width, so their number grows with the
+#: gallery; with 100 candidates at 1M, 15% of searches in ``bench query`` could not be proven
+#: complete and paid a float32 pass (0.15-0.27 s at 512 dimensions). With chunks offering half
+#: the re-ranked count and the grouped selection of
+#: :func:`~streamxm.serving.index.top_k_bounded`, 400 cost no more per bfloat16 pass than a
+#: plain top 100 did.
 _ROWS_PER_PROOF_CANDIDATE = 2_500
 
 
-def proof_candidates(gallery_rows: int, wanted: int) -> int:
-    """Candidates a bfloat16 scan of a fixed space proposes for ``wanted`` re-ranked ones.
+def proof_candidates(gallery_rows: int, wanted: int, int8: bool = False) -> int:
+    """Candidates a reduced-precision scan of a fixed space proposes for ``wanted`` re-ranked
+    ones; at least twice ``wanted`` from an int8 scan, whose error bound is ~1.6 times as wide
+    as bfloat16's (at 100k, ``bench query`` with 100 int8 candidates sent 3,125 of 11,330
+    searches to the float32 pass, with 200 none).
 
     >>> proof_candidates(100_000, 100), proof_candidates(1_000_000, 100), proof_candidates(50, 100)
     (100, 400, 50)
+    >>> proof_candidates(100_000, 100, int8=True), proof_candidates(1_000_000, 100, int8=True)
+    (200, 400)
     """
-    return min(gallery_rows, max(wanted, -(-gallery_rows // _ROWS_PER_PROOF_CANDIDATE)))
+    floor = 2 * wanted if int8 else wanted
+    return min(gallery_rows, max(floor, -(-gallery_rows // _ROWS_PER_PROOF_CANDIDATE)))
 
 
 def _exact_blocks(blocks: Any) -> bool:
@@ -713,8 +720,8 @@ class ModelServer:
                     ) -> Generator[_Scan | _Work, Any, tuple[Gallery, NDArray[np.int64],
                                                              NDArray[np.float32], int]]:
         """Rows of a gallery snapshot holding the served version's top ``k`` (or nearly, from
-        an embedded index): ``max(candidates, 4 k)`` of them, more from a bfloat16 scan of a
-        large gallery (:data:`_ROWS_PER_PROOF_CANDIDATE`), in gallery order (so that ties
+        an embedded index): ``max(candidates, 4 k)`` of them, more from a reduced-precision scan
+        of a large gallery (:data:`_ROWS_PER_PROOF_CANDIDATE`), in gallery order (so that ties
         keep it), with the snapshot, their raw vectors and the version whose index proposed
         them."""
         gallery, model = self.gallery, served.model
@@ -737,13 +744,15 @@ class ModelServer:
             blocks, index_version = index.blocks(target), index.version
         scanned, per_chunk = wanted, None
         if fixed and not _exact_blocks(blocks):
-            scanned = proof_candidates(len(gallery), wanted)
+            scanned = proof_candidates(len(gallery), wanted, isinstance(blocks[0], Int8Block))
             if scanned > wanted:
-                # Each chunk offers half the re-ranked count and the best ``scanned`` of their
-                # union are re-ranked: the ceiling of a larger top at a smaller selection's
-                # cost. The union still holds ``scanned``: a chunk of 65,536 rows offering 50
-                # covers 2.6 times the 1 in 2,500 that proof_candidates asks.
-                per_chunk = max(1, wanted // 2)
+                # Each chunk offers half the re-ranked count (or its share of ``scanned`` when
+                # the gallery has few chunks) and the best ``scanned`` of their union are
+                # re-ranked: the ceiling of a larger top at a smaller selection's cost. A chunk
+                # of 65,536 rows offering 50 covers 2.6 times the 1 in 2,500 that
+                # proof_candidates asks.
+                chunks = sum(-(-len(block) // CHUNK_MAX) for block in blocks)
+                per_chunk = max(1, wanted // 2, -(-scanned // chunks))
         _, rows, ceiling = yield _Scan(blocks, query, scanned, per_chunk)
         units, norms = gallery.locate(rows, target)
         if fixed and not _proven_complete(ceiling, units, query, k, blocks):

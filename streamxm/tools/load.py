@@ -657,7 +657,7 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         # Cores each process used during the load (the machine has os.cpu_count() of them).
         "cores_used": cpu, "cores": os.cpu_count(),
         "api_cpu_ms_per_request": round(1000 * cpu["api"] * elapsed / max(1, len(ms)), 2),
-        # Searches whose bfloat16 candidates were not proven complete: a float32 scan answered.
+        # Searches whose int8/bfloat16 candidates were not proven complete: a float32 scan answered.
         "exact_scans": exact_scans,
     }
 
