@@ -373,9 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or shuffled (seeded)")
     q.add_argument("--label-noise", type=_fraction, default=0.0, metavar="P",
                    help="replace a fraction P of training labels by another class (seeded)")
-    q.add_argument("--buffer-memory", type=int, default=0, metavar="SLOTS",
+    q.add_argument("--buffer-memory", type=int, default=None, metavar="SLOTS",
                    help="slots of the replay buffer (500) kept as a class-balanced memory of the "
-                        "whole history instead of recent pairs")
+                        "whole history instead of recent pairs (default: the model's own, 75 "
+                        "for cmos, 0 for the others)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")

@@ -63,9 +63,11 @@ class Settings(BaseSettings):
     seed: int = 0
     buffer_capacity: int = Field(default=500, ge=2, le=1_000_000,
                                  description="replay buffer of recent pairs (triplet sampling)")
-    buffer_memory: int = Field(default=0, ge=0, le=999_999,
-                               description="slots of the replay buffer kept as a class-balanced "
-                               "memory of the whole history (a fresh learner; below capacity)")
+    buffer_memory: int | None = Field(default=None, ge=0, le=999_999,
+                                      description="slots of the replay buffer kept as a class-"
+                                      "balanced memory of the whole history (a fresh learner; "
+                                      "below capacity); unset: the model's own share (15% for "
+                                      "cmos, none for the others)")
     eval_every: int = Field(default=1, ge=1,
                             description="score every N-th pair for the rolling mAP (test-then-"
                                         "train); raise it for large vectors")

@@ -100,11 +100,11 @@ def test_bench_quality_streams_in_the_asked_order_with_noise(tmp_path: Path) -> 
 
 def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
     pairs = sorted(class_stream(600, 8, 4, seed=6), key=lambda p: p.labels[0])
-    plain = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2}, seed=0, buffer_capacity=120,
-                    buffer_memory=80)
+    plain = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 0}, seed=0,
+                          buffer_capacity=120, buffer_memory=80)
     plain.learn(pairs)
     rehearsed = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 2}, seed=0,
-                        buffer_capacity=120, buffer_memory=80)
+                              buffer_capacity=120, buffer_memory=80)
     rehearsed.learn(pairs)
     # Up to two more triplets per pair once the memory holds pairs (after the first 40); fewer
     # while it holds too few classes for a negative.
@@ -113,3 +113,26 @@ def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
     with pytest.raises(ValueError, match="replay"):
         StreamLearner("cmos", 8, 4, {"replay": -1})
 
+
+
+@pytest.mark.parametrize("model", ["cmos", "pairwise", "pairwise:marginal", "cca"])
+def test_each_model_gets_its_own_memory_unless_told(model: str) -> None:
+    """CMOS replays remembered queries, so by default its buffer keeps a class-balanced memory
+    (15%) and it replays one per pair; the others keep the ring their figures were tuned on.
+    An explicit size, 0 included, wins; a checkpoint keeps the size it was written with."""
+    learner = StreamLearner(model, 8, 4, seed=0, buffer_capacity=200)
+    expected = 30 if model == "cmos" else 0
+    assert learner.buffer.memory == expected
+    if model == "cmos":
+        assert learner.model.params()["replay"] == 1
+    assert StreamLearner(model, 8, 4, seed=0, buffer_capacity=200,
+                         buffer_memory=0).buffer.memory == 0
+    assert StreamLearner(model, 8, 4, seed=0, buffer_capacity=200,
+                         buffer_memory=50).buffer.memory == 50
+    learner.learn(sorted(class_stream(400, 8, 4, seed=2), key=lambda p: p.labels[0]))
+    if expected:  # the classes that stopped arriving are still remembered, beside the last one
+        remembered = set(learner.buffer.labels[learner.buffer.recent :, 0].tolist())
+        assert remembered == {0, 1, 2}
+        assert set(learner.buffer.labels[: learner.buffer.size, 0].tolist()) == {0, 1, 2, 3}
+    arrays, meta = learner.state()
+    assert StreamLearner.from_state(arrays, meta).buffer.memory == expected

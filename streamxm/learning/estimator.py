@@ -71,7 +71,8 @@ class Learner:
     seed
         Seed of every random choice (triplet sampling, initialisation).
     buffer_capacity, buffer_memory
-        Replay buffer size, and how much of it keeps a class-balanced memory of the history.
+        Replay buffer size, and how much of it keeps a class-balanced memory of the history
+        (``None``: the model's default, :class:`~streamxm.learning.learner.StreamLearner`).
     **params
         The model's constructor parameters (its docstring lists them).
 
@@ -109,7 +110,7 @@ class Learner:
     """
 
     def __init__(self, model: str, img_dim: int, txt_dim: int, *, seed: int = 0,
-                 buffer_capacity: int = 500, buffer_memory: int = 0,
+                 buffer_capacity: int = 500, buffer_memory: int | None = None,
                  **params: Any) -> None:
         try:
             split_name(model)

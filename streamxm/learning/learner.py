@@ -25,10 +25,22 @@ from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_mode
 from streamxm.stream.messages import Pair
 from streamxm.worker.faults import raise_point
 
-__all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner"]
+__all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner", "default_memory"]
 
 #: Upper bounds (seconds) of the per-pair update latency histogram.
 UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
+
+
+def default_memory(model: CrossModalModel, capacity: int) -> int:
+    """Memory slots of a buffer of ``capacity`` when none are asked for: the model's
+    ``memory_share``, leaving at least one slot to the ring of recent pairs.
+
+    >>> from streamxm.models import create_model
+    >>> cmos, cca = create_model("cmos", 4, 3), create_model("cca", 4, 3)
+    >>> default_memory(cmos, 500), default_memory(cca, 500), default_memory(cmos, 2)
+    (75, 0, 0)
+    """
+    return min(int(capacity * model.memory_share), capacity - 1)
 
 
 class LearnFailed(RuntimeError):
@@ -71,8 +83,11 @@ class StreamLearner:
         Pairs in the replay buffer, recent and remembered together.
     buffer_memory
         Of those, slots of the class-balanced memory of the whole history
-        (:class:`~streamxm.learning.replay.ReplayBuffer`); 0 (default): the buffer is a ring of
-        the most recent pairs only. ``docs/benchmarks.md`` ("Stream order") measures what it buys.
+        (:class:`~streamxm.learning.replay.ReplayBuffer`); 0: the buffer is a ring of the most
+        recent pairs only; ``None`` (default): the model's own share of the capacity
+        (:attr:`~streamxm.models.base.CrossModalModel.memory_share`: 15% for CMOS, which
+        replays queries from it, none for the others). ``docs/benchmarks.md`` ("Stream order")
+        measures what it buys.
     seed
         Seed of the learner's RNG (triplet sampling); its state is checkpointed.
 
@@ -96,7 +111,7 @@ class StreamLearner:
         params: dict[str, Any] | None = None,
         buffer_capacity: int = 500,
         seed: int = 0,
-        buffer_memory: int = 0,
+        buffer_memory: int | None = None,
         eval_every: int = 1,
         eval_gallery: int = 200,
         rolling_window: int = 500,
@@ -104,6 +119,8 @@ class StreamLearner:
     ) -> None:
         self.model_name = model
         self.model: CrossModalModel = create_model(model, img_dim, txt_dim, params)
+        if buffer_memory is None:
+            buffer_memory = default_memory(self.model, buffer_capacity)
         self.buffer = ReplayBuffer(buffer_capacity, img_dim, txt_dim, max_labels,
                                    memory=buffer_memory, seed=seed)
         self.rng = np.random.default_rng(seed)

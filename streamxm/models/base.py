@@ -74,6 +74,11 @@ class CrossModalModel(ABC):
     online: ClassVar[bool] = True
     #: Whether image and text embeddings live in one space (same-modality search makes sense).
     shared_space: ClassVar[bool] = False
+    #: Share of the learner's replay buffer kept as a class-balanced memory of the whole history
+    #: when the learner is not told (``buffer_memory=None``): models that learn from it by
+    #: default (CMOS's replayed queries) ask for some; the others keep a ring of recent pairs,
+    #: which their file-order figures were tuned on (``docs/benchmarks.md``, "Stream order").
+    memory_share: ClassVar[float] = 0.0
 
     def __init_subclass__(cls, *, name: str | None = None, online: bool | None = None,
                           shared_space: bool | None = None, batch_fit: bool | None = None,

@@ -66,7 +66,7 @@ def quality(
     progress: bool = False,
     order: str = "file",
     label_noise: float = 0.0,
-    buffer_memory: int = 0,
+    buffer_memory: int | None = None,
 ) -> dict[str, Any]:
     """Train on the train split (see :func:`train` for the protocols) and score the test split
     (:func:`evaluate_model`). The training pairs arrive in ``order`` (``file``, ``class``: one
@@ -91,6 +91,7 @@ def quality(
         seconds = time.perf_counter() - start
         return learner, {
             **run, "model": name, "passes": passes,
+            "buffer_memory": learner.buffer.memory,  # as resolved: the model's own by default
             "train_pairs": len(ds.img_train), "test_pairs": len(ds.img_test),
             **evaluate_model(learner, ds),
             "mistakes": dict(learner.stats.mistakes),
