@@ -217,6 +217,29 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_order(args: argparse.Namespace) -> int:
+    from streamxm.tools.bench import stream_order
+
+    models = args.model or list(MODEL_NAMES)
+    result = stream_order(args.dataset, models, seed=args.seed, label_noise=args.label_noise,
+                          progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    ref = result["reference_runs"]
+    print(f"reference {result['reference']}: class-ordered mean {ref['class']['mean']:.4f}, "
+          f"mean with {result['label_noise']:.0%} wrong labels {ref['noisy']['mean']:.4f}")
+    for row in result["models"]:
+        f, c, n = row["file"], row["class"], row["noisy"]
+        noisy = f"{n['mean']:.4f}" if n else "(reads no label)"
+        failed = [name for name, ok in row["checks"].items() if not ok]
+        print(f"{row['model']:<20} file {f['map_i2t']:.4f} / {f['map_t2i']:.4f}  class "
+              f"{c['map_i2t']:.4f} / {c['map_t2i']:.4f} ({row['class_share']['map_i2t']:.1%} / "
+              f"{row['class_share']['map_t2i']:.1%})  noisy mean {noisy}  drift "
+              f"{f['drift_detections']}  {'met' if not failed else 'missed: ' + ', '.join(failed)}")
+    return 0
+
+
 def _cmd_bench_database(args: argparse.Namespace) -> int:
     from streamxm.tools.bench import database_split
 
@@ -382,6 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd_bench_quality)
+
+    so = bench_sub.add_parser("order", help="each model in file order, one class at a time and "
+                              "with wrong labels, against cca's order-free statistics")
+    so.add_argument("--dataset", required=True, help=DATASET_HELP)
+    so.add_argument("--model", action="append", default=[], metavar="MODEL", type=_model_name,
+                    help="a model to try (repeatable; default: every model)")
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--label-noise", type=_fraction, default=0.2, metavar="P",
+                    help="fraction of training labels replaced by another class in the noisy run")
+    so.add_argument("--json", action="store_true")
+    so.set_defaults(func=_cmd_bench_order)
 
     db = bench_sub.add_parser(
         "database", help="mAP with train+test pooled, random query/database split, database "

@@ -136,3 +136,44 @@ def test_each_model_gets_its_own_memory_unless_told(model: str) -> None:
         assert set(learner.buffer.labels[: learner.buffer.size, 0].tolist()) == {0, 1, 2, 3}
     arrays, meta = learner.state()
     assert StreamLearner.from_state(arrays, meta).buffer.memory == expected
+
+
+def test_bench_order_checks_each_model_against_the_reference(tmp_path: Path) -> None:
+    """``streamxm bench order`` runs each model in file order, class order and with wrong labels
+    (only where the model reads labels) and derives every check from the figures it prints."""
+    rng = np.random.default_rng(1)
+    centres = rng.normal(size=(3, 8))
+    y = rng.integers(3, size=150)
+    img = centres[y] + 0.5 * rng.normal(size=(150, 8))
+    txt = centres[y, :5] + 0.5 * rng.normal(size=(150, 5))
+    path = tmp_path / "tiny.npz"
+    np.savez(path, img_train=img[:120], txt_train=txt[:120], y_train=y[:120],
+             img_test=img[120:], txt_test=txt[120:], y_test=y[120:])
+    out = subprocess.run([*PY, "bench", "order", "--dataset", str(path), "--model", "cmos",
+                          "--model", "scsm", "--label-noise", "0.3", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert (result["benchmark"], result["label_noise"], result["reference"]) == (
+        "stream-order", 0.3, "cca")
+    ref = result["reference_runs"]
+    rows = {row["model"]: row for row in result["models"]}
+    assert list(rows) == ["cmos", "scsm"]
+    assert rows["scsm"]["noisy"] is None  # it never reads a label
+    assert rows["cmos"]["noisy"] is not None and rows["cmos"]["file"]["buffer_memory"] == 75
+    for row in rows.values():
+        f, c = row["file"], row["class"]
+        for d in ("map_i2t", "map_t2i"):
+            assert row["class_share"][d] == pytest.approx(c[d] / f[d])
+        checks = row["checks"]
+        assert checks["class_keeps_share"] == (min(row["class_share"].values()) >= 0.97)
+        assert checks["class_reaches_reference"] == (c["mean"] >= ref["class"]["mean"])
+        assert checks["file_drift_quiet"] == (f["drift_detections"] <= 3)
+        assert row["met"] == all(checks.values())
+    noisy = rows["cmos"]["noisy"]
+    assert rows["cmos"]["checks"]["noisy_beats_reference"] == (
+        noisy["mean"] > ref["noisy"]["mean"])
+    assert result["all_met"] == all(row["met"] for row in rows.values())
+    bad = subprocess.run([*PY, "bench", "order", "--dataset", str(path), "--model", "nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown model" in bad.stderr

@@ -79,6 +79,8 @@ class CrossModalModel(ABC):
     #: default (CMOS's replayed queries) ask for some; the others keep a ring of recent pairs,
     #: which their file-order figures were tuned on (``docs/benchmarks.md``, "Stream order").
     memory_share: ClassVar[float] = 0.0
+    #: Whether learning reads the pairs' labels (wrong labels can then hurt it).
+    reads_labels: ClassVar[bool] = True
 
     def __init_subclass__(cls, *, name: str | None = None, online: bool | None = None,
                           shared_space: bool | None = None, batch_fit: bool | None = None,

@@ -80,6 +80,8 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
     True
     """
 
+    reads_labels = False
+
     def __init__(
         self, img_dim: int, txt_dim: int,
         k: int = 10,

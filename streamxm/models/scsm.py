@@ -112,6 +112,8 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
     1.0
     """
 
+    reads_labels = False
+
     def __init__(
         self, img_dim: int, txt_dim: int,
         groups: int = 10,

@@ -16,11 +16,18 @@ from streamxm.learning.evaluation import (
     retrieval_maps,
 )
 from streamxm.learning.learner import StreamLearner
+from streamxm.models import model_class
 from streamxm.models.ensemble import Ensemble, is_ensemble, parse_ensemble
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import Dataset, iter_pairs, load_dataset, row_labels
 
-__all__ = ["database_split", "ensemble_maps", "evaluate_model", "quality", "train"]
+__all__ = ["database_split", "ensemble_maps", "evaluate_model", "quality", "stream_order", "train"]
+
+#: Share of its file-order mAP a model must keep, per direction, when the pairs arrive one class
+#: at a time (issue 18).
+ORDER_SHARE = 0.97
+#: Drift detections allowed on the friendly file-order stream.
+QUIET_DRIFT = 3
 
 
 def evaluate_model(learner: StreamLearner, ds: Dataset) -> dict[str, float]:
@@ -115,6 +122,51 @@ def quality(
             "mean_map": _mean_map(maps), "best_member": best,
             "best_member_mean_map": _mean_map(members[best]),
             "members": members}
+
+
+def stream_order(
+    dataset: str | Path,
+    models: list[str],
+    seed: int = 0,
+    label_noise: float = 0.2,
+    reference: str = "cca",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """How each model copes with the stream as it really arrives, against order-free
+    ``reference`` statistics: one streaming pass (:func:`quality`, each model's defaults) in file
+    order, sorted by class (one topic at a time) and in file order with a fraction
+    ``label_noise`` of wrong labels (models that read labels only).
+
+    Per model, ``checks`` says whether it keeps :data:`ORDER_SHARE` of its file-order mAP in
+    each direction in class order, whether its class-ordered mean reaches the reference's
+    class-ordered mean, whether with noise it beats the reference's mean under the same noise,
+    and whether file order raised at most :data:`QUIET_DRIFT` drift detections. ``all_met`` is
+    their conjunction over every model.
+    """
+
+    def run(model: str, order: str, noise: float) -> dict[str, Any]:
+        result = quality(dataset, model, seed=seed, order=order, label_noise=noise,
+                         progress=progress)
+        return {"map_i2t": float(result["map_i2t"]), "map_t2i": float(result["map_t2i"]),
+                "mean": _mean_map(result), "drift_detections": result["drift_detections"],
+                "buffer_memory": result["buffer_memory"]}
+
+    ref = {"class": run(reference, "class", 0.0), "noisy": run(reference, "file", label_noise)}
+    rows = []
+    for model in models:
+        file_order, class_order = run(model, "file", 0.0), run(model, "class", 0.0)
+        noisy = run(model, "file", label_noise) if model_class(model).reads_labels else None
+        share = {d: class_order[d] / file_order[d] if file_order[d] else 0.0
+                 for d in ("map_i2t", "map_t2i")}
+        checks = {"class_keeps_share": min(share.values()) >= ORDER_SHARE,
+                  "class_reaches_reference": class_order["mean"] >= ref["class"]["mean"],
+                  "noisy_beats_reference": noisy is None or noisy["mean"] > ref["noisy"]["mean"],
+                  "file_drift_quiet": file_order["drift_detections"] <= QUIET_DRIFT}
+        rows.append({"model": model, "file": file_order, "class": class_order, "noisy": noisy,
+                     "class_share": share, "checks": checks, "met": all(checks.values())})
+    return {"benchmark": "stream-order", "dataset": str(dataset), "seed": seed,
+            "label_noise": label_noise, "order_share": ORDER_SHARE, "reference": reference,
+            "reference_runs": ref, "models": rows, "all_met": all(r["met"] for r in rows)}
 
 
 def _mean_map(result: dict[str, Any]) -> float:
