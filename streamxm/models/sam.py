@@ -305,17 +305,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.initialised = True
 
     def _arrive(self, pairs: list[Pair]) -> None:
-        import os
-        if os.environ.get("SAM_ORACLE"):
-            if not getattr(self, "_oracle", False):
-                from streamxm.tools.datasets import load_dataset
-                ds = load_dataset("../shared/datasets/wiki_sift128_lda10.npz")
-                self.img_scaler.add(self._rows(ds.img_train, self.power_img))
-                self.txt_scaler.add(self._rows(ds.txt_train, self.power_txt))
-                self._oracle = True
-        else:
-            self.img_scaler.add(self._rows(np.stack([p.img for p in pairs]), self.power_img))
-            self.txt_scaler.add(self._rows(np.stack([p.txt for p in pairs]), self.power_txt))
+        self.img_scaler.add(self._rows(np.stack([p.img for p in pairs]), self.power_img))
+        self.txt_scaler.add(self._rows(np.stack([p.txt for p in pairs]), self.power_txt))
         for p in pairs:
             self.classes.columns(p.labels)
 
