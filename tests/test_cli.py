@@ -59,6 +59,8 @@ def test_bench_throughput_reports_learner_limit_and_baseline(tmp_path: Path) -> 
     result = json.loads(out.stdout)
     assert result["img_dim"] == 64 and result["threads"] == 1
     assert result["params"]["triplets_per_pair"] == 2 and result["triplets_per_pair"] > 1.9
+    # The two products per pair: no replayed query on top (CMOS's default is 1).
+    assert result["params"]["replay"] == 0 and result["triplets_per_pair"] < 2.01
     for key in ("pairs_per_s", "limit_pairs_per_s", "baseline_pairs_per_s"):
         assert result[key] > 0
     assert result["ratio_to_limit"] == pytest.approx(

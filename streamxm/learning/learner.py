@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 from streamxm.learning.drift import DriftMonitor
 from streamxm.learning.evaluation import average_precision
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model
+from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model, model_class
 from streamxm.stream.messages import Pair
 from streamxm.worker.faults import raise_point
 
@@ -243,8 +243,9 @@ class StreamLearner:
     @classmethod
     def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> StreamLearner:
         buffer_arrays = {k[7:]: v for k, v in arrays.items() if k.startswith("buffer.")}
+        params = {**model_class(meta["model"]).checkpoint_defaults, **meta["params"]}
         learner = cls(
-            meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), meta["params"],
+            meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), params,
             buffer_capacity=int(meta["buffer_meta"]["capacity"]), seed=int(meta["seed"]),
             buffer_memory=int(meta["buffer_meta"].get("memory", 0)),
             eval_every=int(meta["eval_every"]), eval_gallery=int(meta["eval_gallery"]),

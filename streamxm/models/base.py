@@ -81,6 +81,10 @@ class CrossModalModel(ABC):
     memory_share: ClassVar[float] = 0.0
     #: Whether learning reads the pairs' labels (wrong labels can then hurt it).
     reads_labels: ClassVar[bool] = True
+    #: Parameters added after checkpoints were first written, with the value that reproduces how
+    #: those checkpoints learned; a checkpoint without the key is restored with it (not with
+    #: today's default), so a restored learner continues exactly.
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, *, name: str | None = None, online: bool | None = None,
                           shared_space: bool | None = None, batch_fit: bool | None = None,

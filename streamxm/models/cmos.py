@@ -5,7 +5,7 @@ Wu, Wang and Huang, "Online Asymmetric Similarity Learning for Cross-Modal Retri
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,8 +44,8 @@ class CMOS(CrossModalModel, name="cmos"):
       difference ``t+ - t-`` is unchanged by it. The means are part of the state.
     - **Triplets per pair**: each arriving pair yields ``triplets_per_pair`` triplets (default 10),
       drawn from the replay buffer by :func:`streamxm.learning.replay.sample_triplet_slots` (uniform
-      candidates from the learner's buffer of the last 500 pairs), the arriving pair being the
-      query; directions alternate across all triplets.
+      candidates from the learner's buffer: by default the last 425 pairs and a memory of 75,
+      below), the arriving pair being the query; directions alternate across all triplets.
     - **Replay** (not in the paper; ``replay = 1`` by default): the paper learns only from
       triplets whose query is the arriving pair, so on a stream that arrives one topic at a time
       the classes that stopped arriving are never queries again and slip. CMOS asks its learner
@@ -55,7 +55,8 @@ class CMOS(CrossModalModel, name="cmos"):
       solved like the others. On Wikipedia streamed one class at a time (seed 0) this keeps
       100% / 98.4% of the file-order figure against 94.6% / 90.2% for the paper's rule, and
       moves the file-order figure by under 0.4% (``docs/benchmarks.md``, "Stream order").
-      ``replay = 0`` or ``buffer_memory = 0`` gives the paper's rule.
+      ``buffer_memory = 0`` gives the paper's rule (with ``replay = 0`` alone the memory is
+      still where part of the positives and negatives come from).
     - A triplet whose ``||V||_F^2`` is 0 (identical positive and negative) is counted but never
       updates ``W``: PA's step is undefined there.
     - ``W`` is float32 by default (``dtype``): the two products per triplet are memory-bound, and
@@ -115,6 +116,7 @@ class CMOS(CrossModalModel, name="cmos"):
     """
 
     memory_share = 0.15
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"replay": 0}  # replay came later, off
 
     def __init__(
         self, img_dim: int, txt_dim: int,
