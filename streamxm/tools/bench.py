@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,7 @@ def stream_order(
     their conjunction over every model.
     """
 
+    @functools.cache  # the reference is usually among the models too: one run serves both
     def run(model: str, order: str, noise: float) -> dict[str, Any]:
         result = quality(dataset, model, seed=seed, order=order, label_noise=noise,
                          progress=progress)
