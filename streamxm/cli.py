@@ -397,9 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--label-noise", type=_fraction, default=0.0, metavar="P",
                    help="replace a fraction P of training labels by another class (seeded)")
     q.add_argument("--buffer-memory", type=int, default=None, metavar="SLOTS",
-                   help="slots of the replay buffer (500) kept as a class-balanced memory of the "
-                        "whole history instead of recent pairs (default: the model's own, 75 "
-                        "for cmos, 0 for the others)")
+                   help="slots of a class-balanced memory of the whole history beside the 500 "
+                        "recent pairs, drawn from during bursts of few classes (default: the "
+                        "model's own: 500 for cmos, cmomks and pairwise, 1000 for "
+                        "pairwise:marginal, 0 for the others)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")

@@ -63,11 +63,13 @@ class Settings(BaseSettings):
     seed: int = 0
     buffer_capacity: int = Field(default=500, ge=2, le=1_000_000,
                                  description="replay buffer of recent pairs (triplet sampling)")
-    buffer_memory: int | None = Field(default=None, ge=0, le=999_999,
-                                      description="slots of the replay buffer kept as a class-"
-                                      "balanced memory of the whole history (a fresh learner; "
-                                      "below capacity); unset: the model's own share (15% for "
-                                      "cmos, none for the others)")
+    buffer_memory: int | None = Field(default=None, ge=0, le=1_000_000,
+                                      description="slots of a class-balanced memory of the "
+                                      "whole history beside the buffer of recent pairs, drawn "
+                                      "from during bursts of few classes (a fresh learner); "
+                                      "unset: the model's own (as many as the buffer for cmos, "
+                                      "cmomks and pairwise, twice for pairwise:marginal, none "
+                                      "for the others)")
     eval_every: int = Field(default=1, ge=1,
                             description="score every N-th pair for the rolling mAP (test-then-"
                                         "train); raise it for large vectors")
@@ -144,6 +146,13 @@ class Settings(BaseSettings):
             raise ValueError("STREAMXM_API_TOKEN is set but empty: set a token, or unset the "
                              "variable to run without one")
         return value
+
+    @field_validator("buffer_memory", mode="before")
+    @classmethod
+    def _memory_blank_is_unset(cls, value: object) -> object:
+        # ``STREAMXM_BUFFER_MEMORY=`` (as a compose file writes an optional variable) means the
+        # model's own memory, as leaving it out does.
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _derive_body_limit(self) -> Settings:

@@ -12,7 +12,7 @@ import pytest
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.learning.replay import ReplayBuffer
-from streamxm.stream.messages import make_pair
+from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 from tests.conftest import PY, assert_same_learner, class_stream
@@ -54,8 +54,8 @@ def test_unlabelled_pairs_keep_a_uniform_sample_of_the_whole_history() -> None:
     for i in range(10_000):
         buf.add(make_pair(str(i), [float(i)], [0.0]))
     kept = buf.img[buf.recent :, 0]
-    # A reservoir: spread over the history evicted from the ring (0 .. 9,899) in proportion.
-    counts = np.histogram(kept, bins=5, range=(0, 9900))[0]
+    # A reservoir: spread over the whole history (0 .. 9,999) in proportion.
+    counts = np.histogram(kept, bins=5, range=(0, 10_000))[0]
     assert counts.min() >= 25, counts
 
 
@@ -71,6 +71,7 @@ def test_a_learner_with_memory_continues_exactly_after_a_checkpoint() -> None:
         ckpt = decode_blob(encode_blob(Checkpoint(1, arrays, meta)))
         resumed = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
         assert resumed.buffer.memory == 80 and resumed.buffer.stored == 80
+        assert resumed.buffer.recent == 120 and resumed.buffer.bursty()  # the memory is in use
         resumed.learn(pairs[700:])
         assert_same_learner(resumed, whole)
 
@@ -98,7 +99,18 @@ def test_bench_quality_streams_in_the_asked_order_with_noise(tmp_path: Path) -> 
     assert bad.returncode == 2 and "fraction" in bad.stderr
 
 
-def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
+def burst_pairs(pairs: list[Pair], ring: int, memory: int) -> int:
+    """How many of ``pairs`` arrive while a learner's buffer is in a burst with its memory
+    drawable (the ring full), by the buffer alone."""
+    buf = ReplayBuffer(ring + memory, 1, 1, memory=memory)
+    count = 0
+    for pair in pairs:
+        buf.add(make_pair(pair.id, [0.0], [0.0], labels=list(pair.labels)))
+        count += buf.drawable() > buf.recent
+    return count
+
+
+def test_cmos_replays_remembered_queries_during_a_burst_only() -> None:
     pairs = sorted(class_stream(600, 8, 4, seed=6), key=lambda p: p.labels[0])
     plain = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 0}, seed=0,
                           buffer_capacity=120, buffer_memory=80)
@@ -106,34 +118,85 @@ def test_cmos_replay_learns_remembered_queries_and_is_checked() -> None:
     rehearsed = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 2}, seed=0,
                               buffer_capacity=120, buffer_memory=80)
     rehearsed.learn(pairs)
-    # Up to two more triplets per pair once the memory holds pairs (after the first 40); fewer
-    # while it holds too few classes for a negative.
+    # Up to two more triplets per pair that arrives in a burst (fewer where a remembered query
+    # finds no negative), none otherwise.
+    bursts = burst_pairs(pairs, 120, 80)
     extra = sum(rehearsed.stats.triplets.values()) - sum(plain.stats.triplets.values())
-    assert 600 - 40 <= extra <= 2 * (600 - 40)
+    assert 200 <= bursts < 600 and bursts <= extra <= 2 * bursts
     with pytest.raises(ValueError, match="replay"):
         StreamLearner("cmos", 8, 4, {"replay": -1})
 
 
+@pytest.mark.parametrize("model", ["cmos", "cmomks", "pairwise", "pairwise:marginal"])
+def test_a_well_mixed_stream_is_learned_exactly_as_without_memory(model: str) -> None:
+    """The memory is drawn from during a burst only: on a stream whose classes are mixed
+    (never a burst) a learner with a memory learns bit for bit as one with the ring alone,
+    so the file-order figures do not move; in class order the two part."""
+    params = {"budget": 40, "landmarks": 20} if model == "cmomks" else None
+    mixed = class_stream(500, 8, 4, seed=3)
+    ring_only = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=0)
+    remembering = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120,
+                                buffer_memory=120)
+    for learner in (ring_only, remembering):
+        learner.learn(mixed)
+    assert burst_pairs(mixed, 120, 120) == 0
+    ring_arrays, _ = ring_only.model.state()
+    memory_arrays, _ = remembering.model.state()
+    for name, array in ring_arrays.items():
+        assert np.array_equal(array, memory_arrays[name]), name
+    bursty = sorted(mixed, key=lambda p: p.labels[0])
+    for learner in (ring_only, remembering):
+        learner.learn(bursty)
+    ring_arrays, _ = ring_only.model.state()
+    memory_arrays, _ = remembering.model.state()
+    assert any(not np.array_equal(a, memory_arrays[k]) for k, a in ring_arrays.items())
+
+
+def test_the_burst_signal_tells_a_topic_burst_from_a_mixed_stream() -> None:
+    """``burst`` is the total variation distance between the last 100 arrivals' class mix and
+    the whole stream's: exact on a hand-made stream, small on a mixed one, large in a burst,
+    zero for unlabelled pairs, and the same after a checkpoint."""
+    buf = ReplayBuffer(300, 1, 1, memory=100)
+    for i in range(300):  # 150 of class 0, then 150 alternating 1, 2
+        label = 0 if i < 150 else 1 + i % 2
+        buf.add(make_pair(str(i), [0.0], [0.0], labels=[label]))
+    # window: 50 of class 1, 50 of class 2; stream: 150 / 75 / 75 of 300.
+    assert buf.burst() == pytest.approx(0.5 * (0.5 + 0.25 + 0.25))
+    assert buf.bursty() and buf.drawable() == 300
+    arrays, meta = buf.state()
+    restored = ReplayBuffer.from_state(arrays, json.loads(json.dumps(meta)))
+    assert restored.burst() == buf.burst() and restored.window == buf.window
+    rng = np.random.default_rng(0)
+    mixed = ReplayBuffer(300, 1, 1, memory=100)
+    for i in range(3000):
+        mixed.add(make_pair(str(i), [0.0], [0.0], labels=[int(rng.integers(10))]))
+        assert not mixed.bursty()
+    assert mixed.drawable() == mixed.recent == 200
+    unlabelled = ReplayBuffer(300, 1, 1, memory=100)
+    for i in range(400):
+        unlabelled.add(make_pair(str(i), [0.0], [0.0]))
+    assert unlabelled.burst() == 0.0 and unlabelled.drawable() == 200
+
 
 @pytest.mark.parametrize("model", ["cmos", "pairwise", "pairwise:marginal", "cca"])
 def test_each_model_gets_its_own_memory_unless_told(model: str) -> None:
-    """CMOS replays remembered queries, so by default its buffer keeps a class-balanced memory
-    (15%) and it replays one per pair; the others keep the ring their figures were tuned on.
-    An explicit size, 0 included, wins; a checkpoint keeps the size it was written with."""
+    """The models that draw from the buffer keep a class-balanced memory beside the ring by
+    default (the marginal model twice the ring); the order-free ones none. An explicit size,
+    0 included, wins; a checkpoint keeps the size it was written with."""
     learner = StreamLearner(model, 8, 4, seed=0, buffer_capacity=200)
-    expected = 30 if model == "cmos" else 0
-    assert learner.buffer.memory == expected
+    expected = {"cmos": 200, "pairwise": 200, "pairwise:marginal": 400, "cca": 0}[model]
+    assert learner.buffer.memory == expected and learner.buffer.recent == 200
     if model == "cmos":
-        assert learner.model.params()["replay"] == 1
+        assert learner.model.params()["replay"] == 2
     assert StreamLearner(model, 8, 4, seed=0, buffer_capacity=200,
                          buffer_memory=0).buffer.memory == 0
     assert StreamLearner(model, 8, 4, seed=0, buffer_capacity=200,
                          buffer_memory=50).buffer.memory == 50
     learner.learn(sorted(class_stream(400, 8, 4, seed=2), key=lambda p: p.labels[0]))
-    if expected:  # the classes that stopped arriving are still remembered, beside the last one
+    if expected:  # the classes that stopped arriving are still remembered, beside the last ones
         remembered = set(learner.buffer.labels[learner.buffer.recent :, 0].tolist())
-        assert remembered == {0, 1, 2}
-        assert set(learner.buffer.labels[: learner.buffer.size, 0].tolist()) == {0, 1, 2, 3}
+        assert remembered == {0, 1, 2, 3}
+        assert set(learner.buffer.labels[: learner.buffer.recent, 0].tolist()) <= {1, 2, 3}
 
 
 def test_bench_order_checks_each_model_against_the_reference(tmp_path: Path) -> None:
@@ -158,7 +221,7 @@ def test_bench_order_checks_each_model_against_the_reference(tmp_path: Path) -> 
     rows = {row["model"]: row for row in result["models"]}
     assert list(rows) == ["cmos", "scsm"]
     assert rows["scsm"]["noisy"] is None  # it never reads a label
-    assert rows["cmos"]["noisy"] is not None and rows["cmos"]["file"]["buffer_memory"] == 75
+    assert rows["cmos"]["noisy"] is not None and rows["cmos"]["file"]["buffer_memory"] == 500
     for row in rows.values():
         f, c = row["file"], row["class"]
         for d in ("map_i2t", "map_t2i"):
@@ -192,4 +255,16 @@ def test_a_cmos_checkpoint_from_before_replay_continues_as_it_learned() -> None:
     then.learn(pairs[250:])
     assert_same_learner(restored, then)
     fresh = StreamLearner("cmos", 8, 4, seed=0, buffer_capacity=120, buffer_memory=80)
-    assert fresh.model.params()["replay"] == 1  # the default only for a fresh learner
+    assert fresh.model.params()["replay"] == 2  # the default only for a fresh learner
+
+
+def test_a_blank_memory_setting_means_the_models_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamxm.config import Settings
+
+    monkeypatch.setenv("STREAMXM_BUFFER_MEMORY", "")
+    assert Settings(_env_file=None).buffer_memory is None  # type: ignore[call-arg]
+    monkeypatch.setenv("STREAMXM_BUFFER_MEMORY", "250")
+    assert Settings(_env_file=None).buffer_memory == 250  # type: ignore[call-arg]
+    monkeypatch.setenv("STREAMXM_BUFFER_MEMORY", "-1")
+    with pytest.raises(ValueError, match="buffer_memory"):
+        Settings(_env_file=None)  # type: ignore[call-arg]

@@ -32,15 +32,15 @@ UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0,
 
 
 def default_memory(model: CrossModalModel, capacity: int) -> int:
-    """Memory slots of a buffer of ``capacity`` when none are asked for: the model's
-    ``memory_share``, leaving at least one slot to the ring of recent pairs.
+    """Memory slots beside a ring of ``capacity`` recent pairs when none are asked for: the
+    model's ``memory_share`` of the ring.
 
     >>> from streamxm.models import create_model
     >>> cmos, cca = create_model("cmos", 4, 3), create_model("cca", 4, 3)
-    >>> default_memory(cmos, 500), default_memory(cca, 500), default_memory(cmos, 2)
-    (75, 0, 0)
+    >>> default_memory(cmos, 500), default_memory(cca, 500)
+    (500, 0)
     """
-    return min(int(capacity * model.memory_share), capacity - 1)
+    return int(capacity * model.memory_share)
 
 
 class LearnFailed(RuntimeError):
@@ -80,14 +80,13 @@ class StreamLearner:
     params
         Model constructor parameters.
     buffer_capacity
-        Pairs in the replay buffer, recent and remembered together.
+        Pairs in the replay buffer's ring of the most recent pairs.
     buffer_memory
-        Of those, slots of the class-balanced memory of the whole history
-        (:class:`~streamxm.learning.replay.ReplayBuffer`); 0: the buffer is a ring of the most
-        recent pairs only; ``None`` (default): the model's own share of the capacity
-        (:attr:`~streamxm.models.base.CrossModalModel.memory_share`: 15% for CMOS, which
-        replays queries from it, none for the others). ``docs/benchmarks.md`` ("Stream order")
-        measures what it buys.
+        Slots of the class-balanced memory of the whole history beside the ring
+        (:class:`~streamxm.learning.replay.ReplayBuffer`), which the models draw from during a
+        burst of few classes only; 0: the ring alone; ``None`` (default): the model's own
+        share of the ring (:attr:`~streamxm.models.base.CrossModalModel.memory_share`).
+        ``docs/benchmarks.md`` ("Stream order") measures what it buys.
     seed
         Seed of the learner's RNG (triplet sampling); its state is checkpointed.
 
@@ -121,7 +120,7 @@ class StreamLearner:
         self.model: CrossModalModel = create_model(model, img_dim, txt_dim, params)
         if buffer_memory is None:
             buffer_memory = default_memory(self.model, buffer_capacity)
-        self.buffer = ReplayBuffer(buffer_capacity, img_dim, txt_dim, max_labels,
+        self.buffer = ReplayBuffer(buffer_capacity + buffer_memory, img_dim, txt_dim, max_labels,
                                    memory=buffer_memory, seed=seed)
         self.rng = np.random.default_rng(seed)
         self.seed = seed
@@ -155,7 +154,8 @@ class StreamLearner:
 
     def _evaluate_before_learning(self, pair: Pair) -> None:
         self.flush()
-        order = self.buffer.order()[-self.eval_gallery :]
+        # The newest pairs of the ring: the memory holds copies of some of them.
+        order = self.buffer.order()[self.buffer.stored :][-self.eval_gallery :]
         imgs = np.vstack([pair.img[None, :], self.buffer.img[order]])
         txts = np.vstack([pair.txt[None, :], self.buffer.txt[order]])
         relevant = np.zeros(len(order) + 1, dtype=bool)
@@ -244,10 +244,11 @@ class StreamLearner:
     def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> StreamLearner:
         buffer_arrays = {k[7:]: v for k, v in arrays.items() if k.startswith("buffer.")}
         params = {**model_class(meta["model"]).checkpoint_defaults, **meta["params"]}
+        memory = int(meta["buffer_meta"].get("memory", 0))
         learner = cls(
             meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), params,
-            buffer_capacity=int(meta["buffer_meta"]["capacity"]), seed=int(meta["seed"]),
-            buffer_memory=int(meta["buffer_meta"].get("memory", 0)),
+            buffer_capacity=int(meta["buffer_meta"]["capacity"]) - memory, seed=int(meta["seed"]),
+            buffer_memory=memory,
             eval_every=int(meta["eval_every"]), eval_gallery=int(meta["eval_gallery"]),
             rolling_window=int(meta["rolling_window"]),
             max_labels=buffer_arrays["labels"].shape[1],

@@ -74,10 +74,11 @@ class CrossModalModel(ABC):
     online: ClassVar[bool] = True
     #: Whether image and text embeddings live in one space (same-modality search makes sense).
     shared_space: ClassVar[bool] = False
-    #: Share of the learner's replay buffer kept as a class-balanced memory of the whole history
-    #: when the learner is not told (``buffer_memory=None``): models that learn from it by
-    #: default (CMOS's replayed queries) ask for some; the others keep a ring of recent pairs,
-    #: which their file-order figures were tuned on (``docs/benchmarks.md``, "Stream order").
+    #: Size of the class-balanced memory of the whole history that the learner keeps beside its
+    #: ring of recent pairs when it is not told (``buffer_memory=None``), as a multiple of the
+    #: ring: models that draw triplets, partners or replays from the buffer ask for one and use
+    #: it during bursts of few classes only (:meth:`~streamxm.learning.replay.ReplayBuffer.
+    #: drawable`); the order-free models (statistics, their own reservoir) need none.
     memory_share: ClassVar[float] = 0.0
     #: Whether learning reads the pairs' labels (wrong labels can then hurt it).
     reads_labels: ClassVar[bool] = True
