@@ -182,6 +182,7 @@ def _learner_parts(learner: StreamLearner) -> MergeParts:
     parts: MergeParts = {
         "learner.pairs_seen": ("sum", np.asarray(learner.pairs_seen)),
         "learner.pairs_unlabelled": ("sum", np.asarray(learner.pairs_unlabelled)),
+        "learner.pairs_in_burst": ("sum", np.asarray(learner.pairs_in_burst)),
         "learner.update_seconds": ("sum", np.asarray(learner.update_seconds)),
         "learner.update_hist": ("sum", np.asarray(learner.update_hist)),
     }
@@ -194,6 +195,7 @@ def _learner_parts(learner: StreamLearner) -> MergeParts:
 def _set_learner_parts(learner: StreamLearner, merged: dict[str, NDArray[Any]]) -> None:
     learner.pairs_seen = int(merged["learner.pairs_seen"])
     learner.pairs_unlabelled = int(merged["learner.pairs_unlabelled"])
+    learner.pairs_in_burst = int(merged["learner.pairs_in_burst"])
     learner.update_seconds = float(merged["learner.update_seconds"])
     learner.update_hist = [int(x) for x in merged["learner.update_hist"]]
     for key in ("triplets", "mistakes", "loss", "updates"):

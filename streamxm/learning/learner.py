@@ -130,6 +130,7 @@ class StreamLearner:
         self.stats = LearnStats()
         self.pairs_seen = 0
         self.pairs_unlabelled = 0
+        self.pairs_in_burst = 0  # arrived while the buffer said the stream was bursty
         self.update_seconds = 0.0
         self.update_hist = [0] * len(UPDATE_BUCKETS)
         self.rolling_ap: dict[str, deque[float]] = {
@@ -185,6 +186,7 @@ class StreamLearner:
                 if self.pairs_seen % self.eval_every == 0 and len(self.buffer) > 0:
                     self._evaluate_before_learning(pair)
                 slot = self.buffer.add(pair)
+                self.pairs_in_burst += self.buffer.bursty()
                 self.model.update(pair, slot, self.buffer, self.rng, self.stats)
             except Exception as exc:  # any bug or MemoryError: the caller must know where
                 raise LearnFailed(index, pair.id, exc) from exc
@@ -234,6 +236,7 @@ class StreamLearner:
             "stats": self.stats.as_dict(),
             "pairs_seen": self.pairs_seen,
             "pairs_unlabelled": self.pairs_unlabelled,
+            "pairs_in_burst": self.pairs_in_burst,
             "update_seconds": self.update_seconds,
             "update_hist": self.update_hist,
             "drift": self.drift.state(),
@@ -263,6 +266,7 @@ class StreamLearner:
         learner.stats = LearnStats.from_dict(meta["stats"])
         learner.pairs_seen = int(meta["pairs_seen"])
         learner.pairs_unlabelled = int(meta["pairs_unlabelled"])
+        learner.pairs_in_burst = int(meta.get("pairs_in_burst", 0))  # absent: written before
         learner.update_seconds = float(meta["update_seconds"])
         learner.update_hist = [int(x) for x in meta["update_hist"]]
         if "drift" in meta:  # checkpoints written before drift detection have none

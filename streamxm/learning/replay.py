@@ -26,9 +26,9 @@ The first label keys the class; an unlabelled stream is one class and never burs
 
 Slots ``0 .. recent-1`` are the ring, ``recent .. capacity-1`` the memory. Models draw from the
 first :meth:`ReplayBuffer.drawable` slots, which are always occupied: the ring's, or during a
-burst (once the ring is full) the whole buffer's. Labels are kept as a padded int matrix (-1 = no label) so that the whole
-buffer is plain arrays and checkpoints without pickle; the memory's RNG is its own (seeded), so
-the models' random streams do not depend on it.
+burst (once the ring is full) the whole buffer's. Labels are kept as a padded int matrix (-1 = no
+label) so that the whole buffer is plain arrays and checkpoints without pickle; the memory's RNG
+is its own (seeded), so the models' random streams do not depend on it.
 """
 
 from __future__ import annotations

@@ -150,6 +150,10 @@ class StreamCollector(Collector):
         drifts = CounterMetricFamily(
             "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
             labels=["model"])
+        bursts = CounterMetricFamily(
+            "streamxm_pairs_in_burst", "pairs learned while the stream was in a burst of few "
+            "classes (the models then draw from their memory of the whole history)",
+            labels=["model"])
         ranks = GaugeMetricFamily("streamxm_distributed_ranks",
                                   "ranks of a distributed learner (streamxm worker --world-size)",
                                   labels=["model"])
@@ -205,6 +209,7 @@ class StreamCollector(Collector):
             done = stats.pairs_processed + stats.dead_letters
             processed.add_metric([model], stats.pairs_processed)
             drifts.add_metric([model], stats.drift_detected)
+            bursts.add_metric([model], stats.pairs_in_burst)
             for d in DIRECTIONS:
                 triplets.add_metric([model, d], stats.triplets[d])
                 mistakes.add_metric([model, d], stats.mistakes[d])
@@ -236,8 +241,8 @@ class StreamCollector(Collector):
                         [model, direction],
                         float(self.server.champion.champions.get(direction) == model))
         yield from (processed, triplets, mistakes, rolling, age, ckpt_version, served_version,
-                    lag, pending, update, gallery, drifts, champion, ranks, rounds, collective,
-                    generations)
+                    lag, pending, update, gallery, drifts, bursts, champion, ranks, rounds,
+                    collective, generations)
 
         corrupt = CounterMetricFamily(
             "streamxm_checkpoint_corrupt",

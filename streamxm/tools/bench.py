@@ -106,6 +106,7 @@ def quality(
             "triplets": dict(learner.stats.triplets),
             "rolling_map": learner.rolling_map(),
             "drift_detections": learner.drift.detections,
+            "pairs_in_burst": learner.pairs_in_burst,
             "params": learner.model.params(),
             "train_seconds": round(seconds, 3),
         }
@@ -151,6 +152,7 @@ def stream_order(
                          progress=progress)
         return {"map_i2t": float(result["map_i2t"]), "map_t2i": float(result["map_t2i"]),
                 "mean": _mean_map(result), "drift_detections": result["drift_detections"],
+                "pairs_in_burst": result["pairs_in_burst"],
                 "buffer_memory": result["buffer_memory"]}
 
     ref = {"class": run(reference, "class", 0.0), "noisy": run(reference, "file", label_noise)}

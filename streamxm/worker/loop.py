@@ -538,6 +538,7 @@ class LearnerWorker:
             return base.to_hash()
         return replace(
             base, pairs_processed=learner.pairs_seen, pairs_unlabelled=learner.pairs_unlabelled,
+            pairs_in_burst=learner.pairs_in_burst,
             update_seconds_sum=learner.update_seconds, drift_detected=learner.drift.detections,
             triplets=dict(learner.stats.triplets), mistakes=dict(learner.stats.mistakes),
             loss=dict(learner.stats.loss), rolling_map=learner.rolling_map(),

@@ -39,6 +39,9 @@ class WorkerStats:
     consumer: str = ""
     pairs_processed: int = 0
     pairs_unlabelled: int = 0
+    #: Pairs that arrived while the learner's buffer said the stream was in a burst of few
+    #: classes (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`).
+    pairs_in_burst: int = 0
     update_seconds_sum: float = 0.0
     drift_detected: int = 0
     triplets: dict[str, int] = field(default_factory=_zeros)
@@ -53,6 +56,7 @@ class WorkerStats:
         fields = {"last_id": self.last_id, "dead_letters": str(self.dead_letters),
                   "consumer": self.consumer, "pairs_processed": str(self.pairs_processed),
                   "pairs_unlabelled": str(self.pairs_unlabelled),
+                  "pairs_in_burst": str(self.pairs_in_burst),
                   "update_seconds_sum": repr(self.update_seconds_sum),
                   "drift_detected": str(self.drift_detected)}
         if self.version is not None:
@@ -86,6 +90,7 @@ class WorkerStats:
             dead_letters=int(number("dead_letters")), consumer=raw.get("consumer", ""),
             pairs_processed=int(number("pairs_processed")),
             pairs_unlabelled=int(number("pairs_unlabelled")),
+            pairs_in_burst=int(number("pairs_in_burst")),
             update_seconds_sum=number("update_seconds_sum"),
             drift_detected=int(number("drift_detected")),
             triplets={d: int(number(f"triplets_{d}")) for d in DIRECTIONS},
