@@ -279,34 +279,3 @@ def test_offline_quality_on_wikipedia() -> None:
     assert result["map_i2t"] > 0.275 and result["map_t2i"] > 0.222
     assert result["map_i2t"] + result["map_t2i"] > 0.5
 
-
-
-def test_bursts_draw_the_least_drawn_rows_and_mixed_streams_are_untouched() -> None:
-    """During a burst of few classes the reservoir's rows are drawn with weight
-    ``(1 + draws so far) ** -rebalance`` (the counts are checkpointed, so a restored learner
-    continues exactly); on a mixed stream ``rebalance`` changes nothing."""
-    mixed = class_stream(600, 7, 5, seed=12)
-    even = [StreamLearner("sam", 7, 5, {**SMALL, "rebalance": r}, seed=2) for r in (0.0, 1.0)]
-    for learner in even:
-        learner.learn(mixed)
-    a, b = (learner_state(learner) for learner in even)
-    assert all(np.array_equal(a[key], b[key]) for key in a)
-    bursty = sorted(mixed, key=lambda p: p.labels[0])
-    parted = [StreamLearner("sam", 7, 5, {**SMALL, "rebalance": r}, seed=2) for r in (0.0, 1.0)]
-    parted[1].learn(bursty[:450])
-    arrays, meta = parted[1].state()
-    ckpt = decode_blob(encode_blob(Checkpoint(version=1, arrays=arrays, meta=meta)))
-    restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
-    assert restored.buffer.bursty() and np.array_equal(restored.model.visits,
-                                                        parted[1].model.visits)
-    for learner in (parted[1], restored):
-        learner.learn(bursty[450:])
-    parted[0].learn(bursty)
-    a, b, c = (learner_state(learner) for learner in (parted[1], restored, parted[0]))
-    assert all(np.array_equal(a[key], b[key]) for key in a)
-    assert not all(np.array_equal(a[key], c[key]) for key in a)
-    # Every draw is counted: the fills of all steps, no more.
-    visits = parted[1].model.visits
-    assert visits.sum() > 0 and visits[parted[1].model.reservoir.size :].sum() == 0
-    with pytest.raises(ValueError, match="rebalance"):
-        SAM(7, 5, rebalance=-1.0)

@@ -71,8 +71,9 @@ class Learner:
     seed
         Seed of every random choice (triplet sampling, initialisation).
     buffer_capacity, buffer_memory
-        Replay buffer size, and how much of it keeps a class-balanced memory of the history
-        (``None``: the model's default, :class:`~streamxm.learning.learner.StreamLearner`).
+        Replay buffer of recent pairs, and the class-balanced memory of the whole history
+        beside it, drawn from during bursts of few classes (``None``: the model's default,
+        :class:`~streamxm.learning.learner.StreamLearner`).
     **params
         The model's constructor parameters (its docstring lists them).
 

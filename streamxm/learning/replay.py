@@ -20,8 +20,8 @@ variation distance between the class mix of the last ``BURST_WINDOW`` (100) arri
 the whole stream so far. On the Wikipedia training pairs in file order (close to random) it stays
 below 0.18 at every point of the stream; streamed one class at a time its median is 0.83. Above
 ``BURST_THRESHOLD`` (0.4) the stream counts as a burst (:meth:`ReplayBuffer.bursty`), and the
-models that can rebalance what they learn from (replays from the memory instead of the ring, a
-class-balanced mini-batch) do so only then: on a well-mixed stream they learn exactly as before.
+models that draw from the buffer draw from the memory too, and rehearse what it holds, only then
+(:meth:`ReplayBuffer.drawable`): on a well-mixed stream they learn exactly as from the ring.
 The first label keys the class; an unlabelled stream is one class and never bursty.
 
 Slots ``0 .. recent-1`` are the ring, ``recent .. capacity-1`` the memory. Models draw from the

@@ -167,13 +167,6 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       sample (``replay`` pairs, uniform over the whole stream so far), into which the pending
       pairs then go. Pairs still pending are in the checkpoint. ``flush`` does not force a step,
       so when steps happen depends on the pair count only.
-    - **Bursts** (the learner's buffer says the last pairs are of few classes,
-      :meth:`~streamxm.learning.replay.ReplayBuffer.bursty`): the classes that arrived last have
-      been in the reservoir for the shortest time, so they have been drawn least and, arriving
-      one after the other, are learned less than the first ones. During a burst the fill draws
-      a row with weight ``(1 + its draws so far) ** -rebalance`` instead of uniformly (the draw
-      counts are checkpointed). On a mixed stream nothing changes. Seed 0 on Wikipedia in class
-      order: 0.2705 / 0.2211 against 0.2628 / 0.2179 uniform (``docs/benchmarks.md``).
     - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
       each time, the same step as the stream.
     - **Weights**: Glorot-uniform, zero biases, drawn when learning starts from a seed taken
@@ -216,9 +209,6 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         Offline passes.
     epoch_pairs, step_every, replay
         Streaming: the clock's unit, new pairs per step, reservoir size.
-    rebalance
-        During a burst of few classes, reservoir rows are drawn with weight
-        ``(1 + draws so far) ** -rebalance`` (0: uniform, as on a mixed stream).
     centroid_rate
         Weight of a mini-batch's class means in the centroids.
     max_classes
@@ -253,13 +243,11 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         centroid_rate: float = 0.1,
         max_classes: int = 1000,
         power_img: float | None = 0.5, power_txt: float | None = None,
-        rebalance: float = 1.0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         require(locals(), dim=">= 1", hidden=">= 1", batch_size=">= 2", epochs=">= 0",
                 epoch_pairs=">= 1", dropout="in [0, 1)", lr="> 0", momentum="in [0, 1)",
-                decay=">= 0", lam="in [0, 1]", step_every=">= 1", centroid_rate="in (0, 1]",
-                rebalance=">= 0")
+                decay=">= 0", lam="in [0, 1]", step_every=">= 1", centroid_rate="in (0, 1]")
         if alpha is not None:
             require(locals(), alpha="in [0, 1]")
         if step_every > batch_size:
@@ -279,7 +267,6 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.classes = ClassIndex(max_classes)
         self.power_img = None if power_img is None else float(power_img)
         self.power_txt = None if power_txt is None else float(power_txt)
-        self.rebalance = float(rebalance)
 
         self.img_tower = Tower(img_dim, self.hidden, self.dim)
         self.txt_tower = Tower(txt_dim, self.hidden, self.dim)
@@ -295,7 +282,6 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.cent_seen = torch.zeros(0, dtype=torch.bool)
         self.reservoir = ReplayBuffer(self.replay, img_dim, txt_dim)
         self.reservoir_seen = 0
-        self.visits = np.zeros(self.replay, dtype=np.int64)  # draws of each reservoir slot
         self.pending: list[Pair] = []
         self.steps = 0
         self.clock = 0.0  # epochs (offline) or epoch-equivalents (stream) learned
@@ -327,12 +313,11 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     def _keep(self, pair: Pair, rng: np.random.Generator) -> None:
         """Reservoir sampling (Algorithm R): every pair so far is in it with equal chance."""
         if self.reservoir.size < self.replay:
-            self.visits[self.reservoir.add(pair)] = 0
+            self.reservoir.add(pair)
         else:
             j = int(rng.integers(self.reservoir_seen + 1))
             if j < self.replay:
                 self.reservoir.put(j, pair)
-                self.visits[j] = 0
         self.reservoir_seen += 1
 
     def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
@@ -344,13 +329,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             return
         fresh, self.pending = self.pending, []
         fill = min(self.batch_size - len(fresh), self.reservoir.size)
-        weights = None
-        if self.rebalance and fill and buffer.bursty():
-            # The classes that arrived last have been drawn least: lean towards them.
-            w = (1.0 + self.visits[: self.reservoir.size]) ** -self.rebalance
-            weights = w / w.sum()
-        slots = rng.choice(self.reservoir.size, size=fill, replace=False, p=weights)
-        self.visits[slots] += 1
+        slots = rng.choice(self.reservoir.size, size=fill, replace=False)
         img = np.vstack([np.stack([p.img for p in fresh]), self.reservoir.img[slots]])
         txt = np.vstack([np.stack([p.txt for p in fresh]), self.reservoir.txt[slots]])
         labels = [p.labels for p in fresh] + self._stored_labels(slots)
@@ -581,7 +560,6 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         arrays["torch_rng"] = self.generator.get_state().numpy().copy()
         reservoir_arrays, reservoir_meta = self.reservoir.state()
         arrays.update({f"reservoir.{k}": v for k, v in reservoir_arrays.items()})
-        arrays["visits"] = self.visits.copy()
         pending = ReplayBuffer(max(len(self.pending), 1), self.img_dim, self.txt_dim)
         for pair in self.pending:
             pending.add(pair)
@@ -611,8 +589,6 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             {k[10:]: v for k, v in arrays.items() if k.startswith("reservoir.")},
             meta["reservoir"])
         self.reservoir_seen = int(meta["reservoir_seen"])
-        # Checkpoints from before the visit counts: as if no slot had been drawn yet.
-        self.visits = np.array(arrays.get("visits", np.zeros(self.replay)), dtype=np.int64)
         self.pending = [
             make_pair(f"pending-{i}", arrays["pending.img"][i], arrays["pending.txt"][i],
                       labels=[int(x) for x in arrays["pending.labels"][i] if x >= 0])
