@@ -37,9 +37,14 @@ def test_names_build_the_right_classes() -> None:
 def test_formed_pairs_are_uniform_over_the_buffer_without_the_arriving_pair() -> None:
     model = PairwiseLogistic(3, 2, negatives=10)
     rng = np.random.default_rng(0)
-    draws = np.concatenate([model.draw_partners(4, 9, rng) for _ in range(9000)])
+    draws = np.concatenate([model.draw_partners([4], 9, rng) for _ in range(9000)])
     assert 4 not in draws and draws.min() == 0 and draws.max() == 8
     counts = np.bincount(draws, minlength=9)[[0, 1, 2, 3, 5, 6, 7, 8]]
+    assert np.all(np.abs(counts / counts.mean() - 1) < 0.05), counts
+    # During a burst the arriving pair also has a copy in the memory: neither is a partner.
+    draws = np.concatenate([model.draw_partners([2, 7], 9, rng) for _ in range(9000)])
+    assert not {2, 7} & set(draws.tolist()) and draws.min() == 0 and draws.max() == 8
+    counts = np.bincount(draws, minlength=9)[[0, 1, 3, 4, 5, 6, 8]]
     assert np.all(np.abs(counts / counts.mean() - 1) < 0.05), counts
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streamxm.learning.learner import StreamLearner
-from streamxm.learning.replay import ReplayBuffer
+from streamxm.learning.replay import BURST_THRESHOLD, ReplayBuffer
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
@@ -125,7 +125,8 @@ def test_cmos_replays_remembered_queries_during_a_burst_only() -> None:
     assert 200 <= bursts < 600 and bursts <= extra <= 2 * bursts
     # The learner counts the pairs that arrived in a burst (the ring need not be full).
     assert bursts <= rehearsed.pairs_in_burst < 600
-    assert rehearsed.state()[1]["pairs_in_burst"] == rehearsed.pairs_in_burst
+    arrays, meta = rehearsed.state()
+    assert StreamLearner.from_state(arrays, meta).pairs_in_burst == rehearsed.pairs_in_burst
     with pytest.raises(ValueError, match="replay"):
         StreamLearner("cmos", 8, 4, {"replay": -1})
 
@@ -156,29 +157,59 @@ def test_a_well_mixed_stream_is_learned_exactly_as_without_memory(model: str) ->
 
 
 def test_the_burst_signal_tells_a_topic_burst_from_a_mixed_stream() -> None:
-    """``burst`` is the total variation distance between the last 100 arrivals' class mix and
-    the whole stream's: exact on a hand-made stream, small on a mixed one, large in a burst,
-    zero for unlabelled pairs, and the same after a checkpoint."""
+    """``burst`` is how much more the last 100 arrivals are concentrated on few classes than a
+    random sample of the stream's mix: exact on a hand-made stream, decided in integers (the
+    same after a checkpoint), quiet on random streams of 10 or 1,000 classes (a distance between
+    the mixes would call the latter a burst forever), loud when topics come one at a time."""
     buf = ReplayBuffer(300, 1, 1, memory=100)
-    for i in range(300):  # 150 of class 0, then 150 alternating 1, 2
-        label = 0 if i < 150 else 1 + i % 2
+    for i in range(400):  # 30 of each of ten classes, then classes 3 and 4 alternating
+        label = i % 10 if i < 300 else 3 + i % 2
         buf.add(make_pair(str(i), [0.0], [0.0], labels=[label]))
-    # window: 50 of class 1, 50 of class 2; stream: 150 / 75 / 75 of 300.
-    assert buf.burst() == pytest.approx(0.5 * (0.5 + 0.25 + 0.25))
+    # window: 50 / 50, S = 0.5; stream: 80, 80 and eight classes of 30 out of 400.
+    p = (2 * 80**2 + 8 * 30**2) / 400**2
+    expected = p + (1 - p) / 100
+    assert buf.burst() == pytest.approx((0.5 - expected) / (1 - expected))  # 0.42
     assert buf.bursty() and buf.drawable() == 300
     arrays, meta = buf.state()
     restored = ReplayBuffer.from_state(arrays, json.loads(json.dumps(meta)))
-    assert restored.burst() == buf.burst() and restored.window == buf.window
+    assert restored.burst() == buf.burst() and restored.bursty()
+    assert (restored.window, restored.window_sq, restored.arrived_sq) == (
+        buf.window, buf.window_sq, buf.arrived_sq)
     rng = np.random.default_rng(0)
-    mixed = ReplayBuffer(300, 1, 1, memory=100)
-    for i in range(3000):
-        mixed.add(make_pair(str(i), [0.0], [0.0], labels=[int(rng.integers(10))]))
-        assert not mixed.bursty()
-    assert mixed.drawable() == mixed.recent == 200
+    for classes in (10, 1000):
+        mixed = ReplayBuffer(300, 1, 1, memory=100)
+        for i in range(3000):
+            mixed.add(make_pair(str(i), [0.0], [0.0], labels=[int(rng.integers(classes))]))
+            assert not mixed.bursty(), (classes, i, mixed.burst())
+        assert mixed.drawable() == mixed.recent == 200
+    topics = ReplayBuffer(300, 1, 1, memory=100)
+    flags = []
+    for i in range(3000):  # 50 classes, 60 pairs each, one after the other
+        topics.add(make_pair(str(i), [0.0], [0.0], labels=[i // 60]))
+        flags.append(topics.bursty())
+        assert flags[-1] == (topics.burst() > BURST_THRESHOLD)
+    assert sum(flags[100:]) >= 0.9 * 2900
     unlabelled = ReplayBuffer(300, 1, 1, memory=100)
     for i in range(400):
         unlabelled.add(make_pair(str(i), [0.0], [0.0]))
     assert unlabelled.burst() == 0.0 and unlabelled.drawable() == 200
+
+
+def test_a_checkpoint_from_before_the_burst_signal_offers_its_ring_to_the_memory() -> None:
+    """Such a buffer (memory filled from the pairs the ring evicted; no ``arrived``) restores
+    with its ring's pairs offered to the memory, as the new buffer offers every arrival, and
+    the stream's mix is what the memory has been offered."""
+    buf = ReplayBuffer(60, 1, 1, memory=20, seed=3)
+    for i in range(200):
+        buf.add(make_pair(str(i), [float(i)], [0.0], labels=[i // 50]))
+    arrays, meta = buf.state()
+    del meta["arrived"]
+    old = ReplayBuffer.from_state(arrays, meta)
+    assert sum(old.seen.values()) == sum(buf.seen.values()) + 40  # the ring, offered once more
+    assert old.arrived == old.seen and old.arrived_sq == sum(n * n for n in old.seen.values())
+    assert old.size == old.recent + old.stored and old.stored == 20
+    old.add(make_pair("next", [1.0], [0.0], labels=[3]))  # and it goes on, counting as it goes
+    assert old.arrived == old.seen
 
 
 @pytest.mark.parametrize("model", ["cmos", "pairwise", "pairwise:marginal", "cca"])

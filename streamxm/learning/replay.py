@@ -15,11 +15,16 @@ Pairs key on their first label; unlabelled pairs form one group of their own, so
 unlabelled stream the memory is a plain reservoir: a uniform sample of the whole history, which
 keeps the older parts of the feature space in proportion to how much of the stream they were.
 
-The buffer also says how *bursty* the stream is right now (:meth:`ReplayBuffer.burst`): the total
-variation distance between the class mix of the last ``BURST_WINDOW`` (100) arrivals and that of
-the whole stream so far. On the Wikipedia training pairs in file order (close to random) it stays
-below 0.18 at every point of the stream; streamed one class at a time its median is 0.83. Above
-``BURST_THRESHOLD`` (0.4) the stream counts as a burst (:meth:`ReplayBuffer.bursty`), and the
+The buffer also says how *bursty* the stream is right now (:meth:`ReplayBuffer.burst`): how much
+more concentrated on few classes the last ``BURST_WINDOW`` (100) arrivals are than a random
+sample of that size from the whole stream's class mix would be. With ``S`` the window's Simpson
+concentration (``sum_g w_g^2``, the chance that two of its pairs share a class), ``P`` the
+stream's and ``E = P + (1 - P) / W`` what a random window of ``W`` pairs has on average, the
+burst is ``(S - E) / (1 - E)``: about 0 for pairs in random order however many classes the
+stream has, 1 for a window of one class, about 0.44 for two classes alternating out of ten.
+(A distance between the two mixes would not do: a window of 100 cannot show a mix of 1,000
+classes, so a random stream of many classes would look like a burst all the time.) Above
+``BURST_THRESHOLD`` (0.3) the stream counts as a burst (:meth:`ReplayBuffer.bursty`), and the
 models that draw from the buffer draw from the memory too, and rehearse what it holds, only then
 (:meth:`ReplayBuffer.drawable`): on a well-mixed stream they learn exactly as from the ring.
 The first label keys the class; an unlabelled stream is one class and never bursty.
@@ -34,6 +39,7 @@ is its own (seeded), so the models' random streams do not depend on it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -47,7 +53,8 @@ __all__ = ["BURST_THRESHOLD", "BURST_WINDOW", "ReplayBuffer", "TripletSampler",
 #: Arrivals whose class mix :meth:`ReplayBuffer.burst` compares with the whole stream's.
 BURST_WINDOW = 100
 #: :meth:`ReplayBuffer.burst` above which the stream is in a burst of few classes.
-BURST_THRESHOLD = 0.4
+BURST_THRESHOLD = 0.3
+_THRESHOLD = Fraction(str(BURST_THRESHOLD))  # bursty() decides in integers: exactly
 
 
 def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float32]:
@@ -95,10 +102,10 @@ class ReplayBuffer:
     >>> sorted(set(ring.tolist())), np.bincount(memory).tolist()
     ([9], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4])
 
-    The last 100 of those were all class 9, a tenth of the stream: a burst.
+    The last 100 of those were all class 9: a burst.
 
     >>> round(buf.burst(), 3), buf.bursty()
-    (0.9, True)
+    (1.0, True)
     """
 
     def __init__(self, capacity: int, img_dim: int, txt_dim: int, max_labels: int = 64,
@@ -114,8 +121,14 @@ class ReplayBuffer:
         self.seen: dict[int, int] = {}  # pairs offered to the memory, per group
         self.arrived: dict[int, int] = {}  # pairs added, per group: the whole stream's mix
         self.window: dict[int, int] = {}  # the last burst_window arrivals, per group
+        self.arrived_sq = 0  # sum of the squared counts, kept as pairs arrive: burst() is O(1)
+        self.window_sq = 0
         self.burst_window = min(BURST_WINDOW, self.recent)
-        self._burst: float | None = None  # burst() since the last add
+        self._bursty: bool | None = None  # bursty() since the last add
+        #: Memory slot holding a copy of the pair just added (-1: none), so that a model does not
+        #: draw the arriving pair's own copy as its partner or negative.
+        self.newest_copy = -1
+        self.newest = -1  # ring slot of the pair just added
         self.stored = 0  # occupied memory slots
         self.img = np.zeros((capacity, img_dim), dtype=np.float32)
         self.txt = np.zeros((capacity, txt_dim), dtype=np.float32)
@@ -136,15 +149,22 @@ class ReplayBuffer:
         slot = self.head
         ring = self.size - self.stored
         group = int(pair.labels[0]) if pair.labels else -1
-        self._burst = None
-        self.arrived[group] = self.arrived.get(group, 0) + 1
+        self._bursty = None
+        self.newest_copy = -1
+        count = self.arrived.get(group, 0)
+        self.arrived[group] = count + 1
+        self.arrived_sq += 2 * count + 1
         if ring >= self.burst_window:  # the pair burst_window arrivals back leaves the window
             leaving = self._group((self.head - self.burst_window) % self.recent)
+            self.window_sq -= 2 * self.window[leaving] - 1
             self.window[leaving] -= 1
             if not self.window[leaving]:
                 del self.window[leaving]
-        self.window[group] = self.window.get(group, 0) + 1
+        count = self.window.get(group, 0)
+        self.window[group] = count + 1
+        self.window_sq += 2 * count + 1
         self.put(slot, pair)
+        self.newest = slot
         self.head = (self.head + 1) % self.recent
         if self.memory:
             self._remember(slot)
@@ -152,25 +172,32 @@ class ReplayBuffer:
         return slot
 
     def burst(self) -> float:
-        """Total variation distance between the class mix of the last ``burst_window`` arrivals
-        and the whole stream's: 0 while fewer have arrived or the two agree, near 1 when the
-        window holds one class that is a small part of the stream."""
-        if self._burst is None:
-            in_window = sum(self.window.values())
-            if in_window < self.burst_window:
-                self._burst = 0.0
-            else:
-                total = sum(self.arrived.values())
-                # Classes outside the window add their whole stream share: O(window classes).
-                inside = [(n / in_window, self.arrived[g] / total)
-                          for g, n in self.window.items()]
-                self._burst = 0.5 * (sum(abs(w - h) for w, h in inside) + 1.0
-                                     - sum(h for _, h in inside))
-        return self._burst
+        """How much more the last ``burst_window`` arrivals are concentrated on few classes than
+        a random sample of the stream's mix would be (module docstring): about 0 for a mixed
+        stream, 1 when the window holds one class; 0 while fewer have arrived."""
+        if not self._window_full():
+            return 0.0
+        w, t = self.burst_window, sum(self.arrived.values())
+        s, p = self.window_sq / w**2, self.arrived_sq / t**2
+        expected = p + (1.0 - p) / w
+        return max(0.0, (s - expected) / (1.0 - expected)) if expected < 1.0 else 0.0
 
     def bursty(self) -> bool:
-        """Whether :meth:`burst` is above ``BURST_THRESHOLD``."""
-        return self.burst() > BURST_THRESHOLD
+        """Whether :meth:`burst` is above ``BURST_THRESHOLD``, decided in integers (so a restored
+        buffer decides as the saved one did, to the last pair)."""
+        if self._bursty is None:
+            self._bursty = False
+            if self._window_full():
+                w, t = self.burst_window, sum(self.arrived.values())
+                num, den = _THRESHOLD.numerator, _THRESHOLD.denominator
+                # S - E > theta (1 - E), times den W^2 T^2, with S = window_sq / W^2 and
+                # E = (arrived_sq (W - 1) / T^2 + 1) / W.
+                self._bursty = (den * self.window_sq * t * t - num * w * w * t * t
+                                > (den - num) * w * (self.arrived_sq * (w - 1) + t * t))
+        return self._bursty
+
+    def _window_full(self) -> bool:
+        return sum(self.window.values()) >= self.burst_window
 
     def stream_mix(self, slots: NDArray[np.intp]) -> NDArray[np.float64]:
         """Probabilities over ``slots`` that draw each class as often as it arrived in the
@@ -193,6 +220,13 @@ class ReplayBuffer:
         if self.stored and ring == self.recent and self.bursty():
             return self.size
         return ring
+
+    def others(self, slot: int, count: int) -> list[int]:
+        """The slots below ``count`` that are not the pair at ``slot`` (nor, when it is the pair
+        just added, its copy in the memory), sorted: what a pair's partners and negatives may
+        be."""
+        copy = self.newest_copy if slot == self.newest else -1
+        return sorted(s for s in {slot, copy} if 0 <= s < count)
 
     def _group(self, slot: int) -> int:
         return int(self.labels[slot, 0])  # first label; -1: unlabelled
@@ -219,6 +253,7 @@ class ReplayBuffer:
                 return
             target = self.recent + int(slots[self.rng.integers(len(slots))])
         self._copy(slot, target)
+        self.newest_copy = target
 
     def _copy(self, source: int, target: int) -> None:
         for rows in (self.img, self.txt, self.labels, self.img_norm, self.txt_norm):
@@ -290,12 +325,21 @@ class ReplayBuffer:
         ring = [buf._group(int(slot)) for slot in buf.order()[buf.stored :]]
         for group in ring[len(ring) - min(len(ring), buf.burst_window) :]:
             buf.window[group] = buf.window.get(group, 0) + 1
+        buf.window_sq = sum(n * n for n in buf.window.values())
         if "arrived" in meta:
             buf.arrived = {int(g): int(n) for g, n in meta["arrived"]}
-        else:  # written before the burst signal: the stream's mix as far as the buffer knows
-            buf.arrived = dict(buf.seen)
-            for group in ring:
-                buf.arrived[group] = buf.arrived.get(group, 0) + 1
+        else:  # written before the burst signal, when a pair met the memory as it left the ring
+            if buf.memory:  # offer the ring's pairs now, as they arrived: none is skipped
+                for slot in buf.order()[buf.stored :]:
+                    buf._remember(int(slot))
+                buf.size = len(ring) + buf.stored
+                buf.newest_copy = -1
+                buf.arrived = dict(buf.seen)  # now every pair the buffer has been offered
+            else:
+                buf.arrived = {}
+                for group in ring:
+                    buf.arrived[group] = buf.arrived.get(group, 0) + 1
+        buf.arrived_sq = sum(n * n for n in buf.arrived.values())
         buf.img_norm[:] = _row_norms(buf.img)
         buf.txt_norm[:] = _row_norms(buf.txt)
         return buf
@@ -311,6 +355,7 @@ class TripletSampler:
     def __init__(self, buffer: ReplayBuffer, query_slot: int, labels: tuple[int, ...]) -> None:
         self.size = buffer.drawable()
         self.query_slot = query_slot
+        self.not_negative = buffer.others(query_slot, self.size)
         self.kind = "unlabelled" if not labels else "single" if len(labels) == 1 else "multi"
         self.pos = self.neg = self.shared = np.zeros(0, dtype=np.int64)
         if self.kind == "unlabelled" or self.size < 2:
@@ -340,8 +385,12 @@ class TripletSampler:
         if n < 2:
             return None
         if self.kind == "unlabelled":
-            neg = int(rng.integers(n - 1))
-            return self.query_slot, neg + (neg >= self.query_slot)
+            if n <= len(self.not_negative):
+                return None
+            neg = int(rng.integers(n - len(self.not_negative)))
+            for skipped in self.not_negative:  # sorted: each shift lands past the next
+                neg += neg >= skipped
+            return self.query_slot, neg
         if self.kind == "single":
             if len(self.neg) == 0:
                 return None

@@ -7,7 +7,7 @@ Sec. 3.4.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -240,6 +240,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
     """
 
     memory_share = 1.0
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0}  # came later, off
 
     def __init__(
         self, img_dim: int, txt_dim: int,
@@ -403,8 +404,10 @@ class CMOMKS(CrossModalModel, name="cmomks"):
                     side.pool_sq[b][side.pool_size] = np.einsum("ij,ij->i", part, part)[0]
                 side.pool_size += 1
         queries = [(slot, pair.labels, self.triplets_per_pair, stats)]
-        if self.rehearse and buffer.drawable() > buffer.recent:  # a burst: rehearse the rest
-            for q in rng.integers(buffer.recent, len(buffer), size=self.rehearse):
+        # A burst: rehearse the rest (once learning has started: waiting triplets are counted).
+        if self.rehearse and self.pool_full and buffer.drawable() > buffer.recent:
+            for q in rng.integers(buffer.recent, buffer.recent + buffer.stored,
+                                  size=self.rehearse):
                 labels = tuple(int(x) for x in buffer.labels[int(q)] if x >= 0)
                 queries.append((int(q), labels, 1, LearnStats()))
         for qslot, qlabels, count, qstats in queries:

@@ -6,7 +6,7 @@ SDM 2015, Sec. 4 (Eq. 4.6 and 4.7) and Sec. 5.1.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -126,6 +126,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     """
 
     memory_share = 1.0
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0}  # came later, off
 
     def __init__(
         self, img_dim: int, txt_dim: int,
@@ -193,9 +194,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         if self.schedule.due(self.moments.n):
             self._refresh_whitener()
         drawable = buffer.drawable()
-        if drawable < 2:
+        if drawable <= len(buffer.others(slot, drawable)):
             return
-        others = self.draw_partners(slot, drawable, rng)
+        others = self.draw_partners(buffer.others(slot, drawable), drawable, rng)
         agree = np.zeros(self.negatives, dtype=bool)
         if pair.labels:
             agree = buffer.shared_label_counts(pair.labels, drawable)[others] > 0
@@ -210,7 +211,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
                      rng: np.random.Generator) -> None:
         """One step with the pair stored at slot ``q`` as the positive and partners drawn from
         the first ``drawable`` slots; not counted in the metrics (it is not an arriving pair)."""
-        others = self.draw_partners(q, drawable, rng)
+        others = self.draw_partners(buffer.others(q, drawable), drawable, rng)
         labels = tuple(int(x) for x in buffer.labels[q] if x >= 0)
         agree = np.zeros(self.negatives, dtype=bool)
         if labels:
@@ -219,11 +220,14 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         self.step(self.image_features(buffer.img[rows]), self.text_features(buffer.txt[rows]),
                   agree, LearnStats())
 
-    def draw_partners(self, slot: int, size: int, rng: np.random.Generator) -> NDArray[np.intp]:
+    def draw_partners(self, skip: list[int], size: int,
+                      rng: np.random.Generator) -> NDArray[np.intp]:
         """``negatives`` buffer slots, uniform with replacement over the first ``size`` slots
-        without ``slot`` (the arriving pair)."""
-        draws = rng.integers(0, size - 1, size=self.negatives)
-        return np.asarray(draws + (draws >= slot), dtype=np.intp)
+        without those in ``skip`` (sorted: the positive, and its copy in the memory)."""
+        draws = rng.integers(0, size - len(skip), size=self.negatives)
+        for skipped in skip:
+            draws += draws >= skipped
+        return np.asarray(draws, dtype=np.intp)
 
     def loss_and_grad(
         self, fx: NDArray[np.float32], fy: NDArray[np.float32], agree: NDArray[np.bool_]

@@ -151,8 +151,8 @@ class StreamCollector(Collector):
             "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
             labels=["model"])
         bursts = CounterMetricFamily(
-            "streamxm_pairs_in_burst", "pairs learned while the stream was in a burst of few "
-            "classes (the models then draw from their memory of the whole history)",
+            "streamxm_pairs_in_burst", "pairs that arrived while the stream was in a burst of few "
+            "classes (the models with a memory of the whole history then also draw from it)",
             labels=["model"])
         ranks = GaugeMetricFamily("streamxm_distributed_ranks",
                                   "ranks of a distributed learner (streamxm worker --world-size)",

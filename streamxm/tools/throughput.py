@@ -73,9 +73,9 @@ def throughput(
 
     For CMOS the default is ``triplets_per_pair=2`` (one triplet per direction, so the limit is
     the two matrix-vector products per pair of the issue) and ``replay=0`` (a replayed query
-    would be a third); pass ``params`` to change them. The buffer is the model's default (for
-    CMOS a memory of 15%, which without replay changes where candidates come from, not the
-    work).
+    would be a third); pass ``params`` to change them. The buffer is the model's default: its
+    memory of the whole history is drawn from during bursts of few classes only, and the
+    benchmark's stream has none.
     The untimed warm-up fills the replay buffer (100 pairs) and, for CMOMKS, its landmark pool
     and support budget, so the figure is the steady state.
     """
