@@ -57,8 +57,9 @@ class CMOS(CrossModalModel, name="cmos"):
       remembered pair (uniform over the memory), drawn and solved like the others. Outside a
       burst CMOS learns exactly by the paper's rule: on Wikipedia in file order the figure is
       the paper rule's to the bit (0.2809 / 0.2150); streamed one class at a time it keeps
-      101% / 97.8% of it (seed 0; 94.6% / 90.2% for the paper's rule; ``docs/benchmarks.md``,
-      "Stream order"). ``buffer_memory = 0`` gives the paper's rule in bursts too.
+      99.9% / 96.2% of it (seed 0; 99.9% / 96.3% over seeds 0-2; 94.6% / 90.2% for the paper's
+      rule; ``docs/benchmarks.md``, "Stream order"). ``buffer_memory = 0`` gives the paper's
+      rule in bursts too.
     - A triplet whose ``||V||_F^2`` is 0 (identical positive and negative) is counted but never
       updates ``W``: PA's step is undefined there.
     - ``W`` is float32 by default (``dtype``): the two products per triplet are memory-bound, and

@@ -53,7 +53,7 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
       image->text where replay 4 reaches 0.297 and no replay 0.272.
     - **Bursts**: the model asks its learner for a class-balanced memory of the whole history
       twice the size of the ring (``memory_share = 2``: 1,000 slots beside 500; with 500, class
-      order kept 99.0% / 94.4%, with 1,000 99.5% / 101.6%). While the buffer says the stream is in
+      order kept 99.2% / 95.7%, with 1,000 99.6% / 100.3%). While the buffer says the stream is in
       a burst of few classes (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`) the ring
       holds the class arriving now, so the replayed pairs are drawn from the ring and the
       memory together with each class as likely as its share of the whole stream

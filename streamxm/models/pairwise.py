@@ -78,8 +78,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       partners come from the ring and the memory together, and ``rehearse`` more steps per
       pair (8) take a stored pair, drawn uniformly from both, as the positive; they are not
       counted in the metrics. On Wikipedia in class order (seed 0) the logistic variant keeps
-      94.5% / 96.6% of its file-order figure (81% / 83% without), the bipartite one 98.6% /
-      98.4% (96.5% / 95%; ``docs/benchmarks.md``, "Stream order"), at the cost of nine steps
+      93.3% / 97.1% of its file-order figure (81% / 83% without), the bipartite one 97.8% /
+      99.4% (96.5% / 95%; ``docs/benchmarks.md``, "Stream order"), at the cost of nine steps
       instead of one per pair during a burst. Outside a burst nothing changes.
     - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64.
     - **Several ranks** (``streamxm worker --world-size N``): the moments are summed (exact) and
