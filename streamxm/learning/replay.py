@@ -48,7 +48,7 @@ from numpy.typing import NDArray
 from streamxm.stream.messages import Pair
 
 __all__ = ["BURST_THRESHOLD", "BURST_WINDOW", "ReplayBuffer", "TripletSampler",
-           "sample_triplet_slots"]
+           "sample_triplet_slots", "skip_past"]
 
 #: Arrivals whose class mix :meth:`ReplayBuffer.burst` compares with the whole stream's.
 BURST_WINDOW = 100
@@ -279,8 +279,12 @@ class ReplayBuffer:
         return np.concatenate([np.arange(self.recent, self.recent + self.stored),
                                ring_order]).astype(np.intp)
 
+    def labels_at(self, slot: int) -> tuple[int, ...]:
+        """The labels of the pair stored at ``slot``."""
+        return tuple(int(x) for x in self.labels[slot] if x >= 0)
+
     def labels_list(self) -> list[tuple[int, ...]]:
-        return [tuple(int(x) for x in row if x >= 0) for row in self.labels[self.order()]]
+        return [self.labels_at(int(slot)) for slot in self.order()]
 
     def labelled(self, count: int | None = None) -> NDArray[np.bool_]:
         """Per slot (the first ``count`` slots, default :meth:`drawable`): whether the stored
@@ -387,10 +391,8 @@ class TripletSampler:
         if self.kind == "unlabelled":
             if n <= len(self.not_negative):
                 return None
-            neg = int(rng.integers(n - len(self.not_negative)))
-            for skipped in self.not_negative:  # sorted: each shift lands past the next
-                neg += neg >= skipped
-            return self.query_slot, neg
+            neg = skip_past(rng.integers(n - len(self.not_negative)), self.not_negative)
+            return self.query_slot, int(neg)
         if self.kind == "single":
             if len(self.neg) == 0:
                 return None
@@ -403,6 +405,14 @@ class TripletSampler:
         if self.shared[a] == self.shared[b]:
             return None
         return (a, b) if self.shared[a] > self.shared[b] else (b, a)
+
+
+def skip_past(draws: Any, skip: list[int]) -> Any:
+    """Uniform draws over ``0 .. n - len(skip) - 1`` (an int or an array) moved onto the slots
+    ``0 .. n - 1`` that are not in ``skip`` (sorted: each shift lands past the next)."""
+    for skipped in skip:
+        draws = draws + (draws >= skipped)
+    return draws
 
 
 def sample_triplet_slots(

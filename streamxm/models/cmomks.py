@@ -408,7 +408,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         if self.rehearse and self.pool_full and buffer.drawable() > buffer.recent:
             for q in rng.integers(buffer.recent, buffer.recent + buffer.stored,
                                   size=self.rehearse):
-                labels = tuple(int(x) for x in buffer.labels[int(q)] if x >= 0)
+                labels = buffer.labels_at(int(q))
                 queries.append((int(q), labels, 1, LearnStats()))
         for qslot, qlabels, count, qstats in queries:
             sampler = TripletSampler(buffer, qslot, qlabels)

@@ -304,7 +304,7 @@ class CMOS(CrossModalModel, name="cmos"):
         memory), so that classes no longer arriving keep being learned as queries too."""
         for _ in range(self.replay):
             q = buffer.recent + int(rng.integers(buffer.stored))
-            labels = tuple(int(x) for x in buffer.labels[q] if x >= 0)
+            labels = buffer.labels_at(q)
             sampler = TripletSampler(buffer, q, labels)
             for is_text, pos, neg in sampler.directed(rng, 1, self.n_triplets):
                 if is_text:

@@ -178,7 +178,7 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
                 for j in rng.choice(labelled, size=self.replay, p=mix):
                     imgs.append(buffer.img[j])
                     txts.append(buffer.txt[j])
-                    labels.append(tuple(int(x) for x in buffer.labels[j] if x >= 0))
+                    labels.append(buffer.labels_at(int(j)))
         self.learn_labelled(np.stack(imgs), np.stack(txts), labels, stats)
 
     def learn_labelled(self, imgs: NDArray[np.floating], txts: NDArray[np.floating],

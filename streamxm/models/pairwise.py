@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.special import expit
 
-from streamxm.learning.replay import ReplayBuffer
+from streamxm.learning.replay import ReplayBuffer, skip_past
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.moments import (
     ResolveSchedule,
@@ -212,7 +212,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         """One step with the pair stored at slot ``q`` as the positive and partners drawn from
         the first ``drawable`` slots; not counted in the metrics (it is not an arriving pair)."""
         others = self.draw_partners(buffer.others(q, drawable), drawable, rng)
-        labels = tuple(int(x) for x in buffer.labels[q] if x >= 0)
+        labels = buffer.labels_at(q)
         agree = np.zeros(self.negatives, dtype=bool)
         if labels:
             agree = buffer.shared_label_counts(labels, drawable)[others] > 0
@@ -225,9 +225,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         """``negatives`` buffer slots, uniform with replacement over the first ``size`` slots
         without those in ``skip`` (sorted: the positive, and its copy in the memory)."""
         draws = rng.integers(0, size - len(skip), size=self.negatives)
-        for skipped in skip:
-            draws += draws >= skipped
-        return np.asarray(draws, dtype=np.intp)
+        return np.asarray(skip_past(draws, skip), dtype=np.intp)
 
     def loss_and_grad(
         self, fx: NDArray[np.float32], fy: NDArray[np.float32], agree: NDArray[np.bool_]
