@@ -52,13 +52,11 @@ def default_kernels() -> list[dict[str, Any]]:
 
 
 class _Side:
-    """Kernel machinery of one modality: its blocks, landmark pool, basis and support points.
+    """Kernel machinery of one modality: its blocks, landmark pool and support points.
 
     Points are stored per distinct block, already mapped and normalised. ``k~`` is the kernel
     centred on the landmark pool: ``k~(x, y) = k(x, y) - m(x) - m(y) + c`` with
-    ``m(x) = mean_r k(x, r)`` and ``c = mean_{r, r'} k(r, r')``. The *basis* is the points whose
-    span the projected triplets live in: the pool itself until :meth:`rebase` replaces it (the
-    centring stays on the pool, so ``k~`` never changes).
+    ``m(x) = mean_r k(x, r)`` and ``c = mean_{r, r'} k(r, r')``.
     """
 
     def __init__(self, dim: int, blocks: list[tuple[int, int]], block_of: list[int],
@@ -76,10 +74,7 @@ class _Side:
         self.support_m = np.zeros((m, budget, 2), dtype=np.float64)  # m(x) of support points
         self.c = np.zeros(m, dtype=np.float64)
         self.pool_m = np.zeros((m, landmarks), dtype=np.float64)  # m(r) of the pool points
-        # The basis: None while it is the pool; its points' m, and the pinv of its centred Gram.
-        self.basis: list[NDArray[np.float32]] | None = None
-        self.basis_m = self.pool_m
-        self.pinv = np.zeros((m, landmarks, landmarks), dtype=np.float64)
+        self.pinv = np.zeros((m, landmarks, landmarks), dtype=np.float64)  # of centred pool Gram
 
     def prep(self, x: NDArray[np.floating]) -> list[NDArray[np.float32]]:
         """Per block: the rows of ``x`` mapped by the power and L2-normalised."""
@@ -109,43 +104,21 @@ class _Side:
     def pool_points(self) -> list[NDArray[np.float32]]:
         return [p[: self.pool_size] for p in self.pool]
 
-    def centred_to_basis(self, parts: list[NDArray[np.float32]]) -> tuple[F64, F64]:
-        """``k~(x, r)`` for every basis point ``r``, (M, n, P), and ``m(x)``, (M, n)."""
-        to_pool = self.kernels(parts, self.pool_points(),
-                               [q[: self.pool_size] for q in self.pool_sq])
-        m_x = to_pool.mean(axis=2)
-        k = to_pool if self.basis is None else self.kernels(parts, self.basis)
-        return k - m_x[:, :, None] - self.basis_m[:, None, :] + self.c[:, None, None], m_x
+    def centred_to_pool(self, parts: list[NDArray[np.float32]]) -> tuple[F64, F64]:
+        """``k~(x, r)`` for every pool point ``r``, (M, n, P), and ``m(x)``, (M, n)."""
+        k = self.kernels(parts, self.pool_points(), [q[: self.pool_size] for q in self.pool_sq])
+        m_x = k.mean(axis=2)
+        return k - m_x[:, :, None] - self.pool_m[:, None, :] + self.c[:, None, None], m_x
 
     def close_pool(self) -> None:
-        """Derive the centring constants from the full pool, then the basis's pinv."""
         k = self.kernels(self.pool_points(), self.pool_points())
         self.pool_m = k.mean(axis=2)
         self.c = k.mean(axis=(1, 2))
-        self._close_basis()  # recomputes the pool's kernels: once per pool, not worth sharing
-
-    def _close_basis(self) -> None:
-        if self.basis is None:
-            points, self.basis_m = self.pool_points(), self.pool_m
-        else:
-            points = self.basis
-            to_pool = self.kernels(points, self.pool_points(),
-                                   [q[: self.pool_size] for q in self.pool_sq])
-            self.basis_m = to_pool.mean(axis=2)
-        k = self.kernels(points, points)
+        n = self.pool_size
         for j in range(len(self.block_of)):
-            centred = k[j] - self.basis_m[j][:, None] - self.basis_m[j][None]
+            centred = k[j] - self.pool_m[j][:, None] - self.pool_m[j][None]
             centred += self.c[j]
-            self.pinv[j] = np.linalg.pinv(centred, rcond=1e-6, hermitian=True)
-
-    def rebase(self, parts: list[NDArray[np.float32]]) -> F64:
-        """Make the prepared rows ``parts`` (one per basis point) the new basis; return, per
-        kernel pair, the matrix (M, P', P) that takes coordinates on the old basis to those of
-        their projection onto the new one: ``K~_B'B'^+ K~_B'B``."""
-        cross, _ = self.centred_to_basis(parts)
-        self.basis = [np.array(p, dtype=np.float32) for p in parts]
-        self._close_basis()
-        return np.asarray(np.einsum("mpq,mqr->mpr", self.pinv, cross))
+            self.pinv[j, :n, :n] = np.linalg.pinv(centred, rcond=1e-6, hermitian=True)
 
     def centred_to_support(self, parts: list[NDArray[np.float32]], m_x: F64, used: int) -> F64:
         """``sum_c coef_kc k~(x, x_kc)`` for every support triplet ``k``: (M, n, used)."""
@@ -267,8 +240,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
     """
 
     memory_share = 1.0
-    # Both came later: a checkpoint written before them goes on as it was learned.
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0, "rebase_every": 0}
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0}  # came later, off
 
     def __init__(
         self, img_dim: int, txt_dim: int,
@@ -281,15 +253,13 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         triplets_per_pair: int = 10,
         power: float = 0.5,
         rehearse: int = 10,
-        rebase_every: int = 500,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         specs = [KernelPair.from_json(k) for k in (kernels or default_kernels())]
         if not specs:
             raise ValueError("kernels must name at least one kernel pair")
         require(locals(), C="> 0", margin="> 0", beta="in (0, 1)", power="> 0", budget=">= 1",
-                landmarks=">= 2", triplets_per_pair=">= 1", rehearse=">= 0",
-                rebase_every=">= 0")
+                landmarks=">= 2", triplets_per_pair=">= 1", rehearse=">= 0")
         for k in specs:
             for block, dim in ((k.img_block, img_dim), (k.txt_block, txt_dim)):
                 if block is not None and not 0 <= block[0] < block[1] <= dim:
@@ -301,7 +271,6 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self.budget, self.landmarks = int(budget), int(landmarks)
         self.triplets_per_pair = int(triplets_per_pair)
         self.rehearse = int(rehearse)
-        self.rebase_every = int(rebase_every)
         self.img_side = self._side(img_dim, [k.img_block for k in specs],
                                    [k.img_gamma for k in specs])
         self.txt_side = self._side(txt_dim, [k.txt_block for k in specs],
@@ -316,9 +285,6 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self.head = 0  # ring slot of the next support triplet
         self.n_triplets = 0
         self.projected = 0
-        self.rebases = 0
-        self._since_rebase = 0  # pairs learned since the last rebase check
-        self._burst_since_rebase = 0  # of which arrived in a burst
         # Triplets that arrived before the pool was full: image rows, text rows, is_text.
         self._waiting: list[tuple[NDArray[np.float32], NDArray[np.float32], bool]] = []
 
@@ -343,7 +309,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         """Per kernel pair: centred kernels to the pool (M, n, P) and the support terms
         (M, n, used) of the rows of ``x``."""
         parts = side.prep(x)
-        to_pool, m_x = side.centred_to_basis(parts)
+        to_pool, m_x = side.centred_to_pool(parts)
         return to_pool, side.centred_to_support(parts, m_x, self.support_size)
 
     def _image_terms(self, x: NDArray[np.floating]) -> F64:
@@ -369,7 +335,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
                     ) -> tuple[F64, F64, F64, F64]:
         """For two prepared rows: centred kernels to the pool (M, 2, P), support terms
         (M, 2, used), ``m`` of the rows (M, 2) and ``k(row0, row1)`` (M,)."""
-        to_pool, m_x = side.centred_to_basis(parts)
+        to_pool, m_x = side.centred_to_pool(parts)
         support = side.centred_to_support(parts, m_x, self.support_size)
         k01 = side.kernels([p[:1] for p in parts], [p[1:] for p in parts])[:, 0, 0]
         return to_pool, support, m_x, k01
@@ -421,7 +387,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         coords = []
         for side in (self.img_side, self.txt_side):
             parts = [s[slot] for s in side.support]  # the two points, prepared
-            to_pool, _ = side.centred_to_basis(parts)  # (M, 2, P)
+            to_pool, _ = side.centred_to_pool(parts)  # (M, 2, P)
             combined = np.einsum("mcp,c->mp", to_pool, side.coef[slot])
             coords.append(np.einsum("mpq,mq->mp", side.pinv, combined))
         self.A += self.tau[:, slot, None, None] * coords[0][:, :, None] * coords[1][:, None, :]
@@ -464,25 +430,6 @@ class CMOMKS(CrossModalModel, name="cmomks"):
             waiting, self._waiting = self._waiting, []
             for triplet in waiting:
                 self.learn_triplet(*triplet, stats)
-        if self.pool_full and self.rebase_every:
-            self._since_rebase += 1
-            self._burst_since_rebase += buffer.drawable() > buffer.recent
-            if self._since_rebase >= self.rebase_every:
-                if self._burst_since_rebase and len(buffer) >= self.landmarks:
-                    self._rebase(buffer)
-                self._since_rebase = self._burst_since_rebase = 0
-
-    def _rebase(self, buffer: ReplayBuffer) -> None:
-        """Move the projected triplets onto a basis of the buffer's memory (class-balanced over
-        the whole history), topped up with the newest pairs of the ring:
-        ``A' = T^v A T^t^T`` with each side's ``T = K~_B'B'^+ K~_B'B``."""
-        ring = (buffer.head - 1 - np.arange(buffer.size - buffer.stored)) % buffer.recent
-        slots = np.concatenate([np.arange(buffer.recent, buffer.recent + buffer.stored),
-                                ring])[: self.landmarks]
-        to_img = self.img_side.rebase(self.img_side.prep(buffer.img[slots]))
-        to_txt = self.txt_side.rebase(self.txt_side.prep(buffer.txt[slots]))
-        self.A = np.einsum("mpq,mqr,msr->mps", to_img, self.A, to_txt)
-        self.rebases += 1
 
     # -- serving -----------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
@@ -517,8 +464,6 @@ class CMOMKS(CrossModalModel, name="cmomks"):
             for b in range(len(side.blocks)):
                 arrays[f"{name}.pool.{b}"] = side.pool[b]
                 arrays[f"{name}.support.{b}"] = side.support[b]
-                if side.basis is not None:
-                    arrays[f"{name}.basis.{b}"] = side.basis[b]
         if self._waiting:
             arrays["waiting.img"] = np.stack([w[0] for w in self._waiting])
             arrays["waiting.txt"] = np.stack([w[1] for w in self._waiting])
@@ -526,8 +471,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         return arrays, {"support_size": self.support_size, "head": self.head,
                         "n_triplets": self.n_triplets, "projected": self.projected,
                         "vote_mistakes": self.vote_mistakes,
-                        "pool_size": self.img_side.pool_size, "rebases": self.rebases,
-                        "since_rebase": [self._since_rebase, self._burst_since_rebase]}
+                        "pool_size": self.img_side.pool_size}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         self.tau = np.array(arrays["tau"], dtype=np.float64)
@@ -544,18 +488,11 @@ class CMOMKS(CrossModalModel, name="cmomks"):
                 flat = side.support[b].reshape(-1, side.support[b].shape[2])
                 side.support_sq[b] = np.einsum("ij,ij->i", flat, flat)
             side.pool_size = int(meta["pool_size"])
-            side.basis = None  # the pool, unless the checkpoint has one
-            if f"{name}.basis.0" in arrays:
-                side.basis = [np.array(arrays[f"{name}.basis.{b}"], dtype=np.float32)
-                              for b in range(len(side.blocks))]
             if side.pool_size >= self.landmarks:
                 side.close_pool()  # derived: centring constants and the pool Gram inverse
         self.support_size, self.head = int(meta["support_size"]), int(meta["head"])
         self.n_triplets, self.projected = int(meta["n_triplets"]), int(meta["projected"])
         self.vote_mistakes = int(meta["vote_mistakes"])
-        self.rebases = int(meta.get("rebases", 0))  # older checkpoints: never rebased
-        self._since_rebase, self._burst_since_rebase = (int(n) for n in
-                                                        meta.get("since_rebase", (0, 0)))
         self._waiting = []
         if "waiting.is_text" in arrays:
             self._waiting = [(arrays["waiting.img"][i], arrays["waiting.txt"][i], bool(flag))
