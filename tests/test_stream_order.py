@@ -138,9 +138,11 @@ def test_a_well_mixed_stream_is_learned_exactly_as_without_memory(model: str) ->
     so the file-order figures do not move; in class order the two part."""
     params = {"budget": 40, "landmarks": 20} if model == "cmomks" else None
     mixed = class_stream(500, 8, 4, seed=3)
-    ring_only = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=0)
+    # No rolling evaluation: it learns nothing, and for CMOMKS it is most of the time.
+    ring_only = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=0,
+                              eval_every=10**9)
     remembering = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120,
-                                buffer_memory=120)
+                                buffer_memory=120, eval_every=10**9)
     for learner in (ring_only, remembering):
         learner.learn(mixed)
     assert burst_pairs(mixed, 120, 120) == 0 == remembering.pairs_in_burst
