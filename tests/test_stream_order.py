@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streamxm.learning.learner import StreamLearner
-from streamxm.learning.replay import BURST_THRESHOLD, ReplayBuffer
+from streamxm.learning.replay import BURST_THRESHOLD, MAX_GROUPS, ReplayBuffer
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
@@ -195,6 +195,34 @@ def test_the_burst_signal_tells_a_topic_burst_from_a_mixed_stream() -> None:
     for i in range(400):
         unlabelled.add(make_pair(str(i), [0.0], [0.0]))
     assert unlabelled.burst() == 0.0 and unlabelled.drawable() == 200
+
+
+def test_the_counts_per_class_stay_bounded_however_many_labels_arrive() -> None:
+    """Labels may be ids up to a million: the buffer's counts (and the checkpoint's JSON) keep
+    at most 2 * MAX_GROUPS + 1 keys, a random order of 50,000 distinct labels still reads as no
+    burst, ids arriving one topic at a time still read as bursts, and a checkpoint written with a
+    count per label restores summed onto the bounded keys."""
+    rng = np.random.default_rng(1)
+    ids = rng.choice(1_000_001, size=50_000, replace=False)
+    mixed = ReplayBuffer(300, 1, 1, memory=100)
+    for i, label in enumerate(ids.tolist()):
+        mixed.add(make_pair(str(i), [0.0], [0.0], labels=[label]))
+        assert not mixed.bursty(), (i, mixed.burst())
+    assert len(mixed.arrived) <= 2 * MAX_GROUPS and len(mixed.seen) <= 2 * MAX_GROUPS
+    assert sum(mixed.arrived.values()) == sum(mixed.seen.values()) == len(ids)
+    _, meta = mixed.state()
+    assert len(json.dumps(meta)) < 300_000  # ~27 bytes a key, not one per label
+    topics = ReplayBuffer(300, 1, 1, memory=100)
+    flags = []
+    for i in range(3000):  # 30 topics of 100 pairs, each topic one large id
+        topics.add(make_pair(str(i), [0.0], [0.0], labels=[int(ids[i // 100])]))
+        flags.append(topics.bursty())
+    assert sum(flags[100:]) >= 0.9 * 2900
+    arrays, meta = topics.state()
+    meta["arrived"] = [[int(ids[t]), 100] for t in range(30)]  # as written before the bound
+    restored = ReplayBuffer.from_state(arrays, json.loads(json.dumps(meta)))
+    assert restored.arrived == topics.arrived and restored.arrived_sq == topics.arrived_sq
+    assert restored.bursty() == topics.bursty()
 
 
 def test_a_checkpoint_from_before_the_burst_signal_offers_its_ring_to_the_memory() -> None:

@@ -27,7 +27,14 @@ classes, so a random stream of many classes would look like a burst all the time
 ``BURST_THRESHOLD`` (0.3) the stream counts as a burst (:meth:`ReplayBuffer.bursty`), and the
 models that draw from the buffer draw from the memory too, and rehearse what it holds, only then
 (:meth:`ReplayBuffer.drawable`): on a well-mixed stream they learn exactly as from the ring.
-The first label keys the class; an unlabelled stream is one class and never bursty.
+The first label keys the class; an unlabelled stream is one class and never bursty. The counts
+per class (for the memory and the burst signal) are kept for at most ``2 * MAX_GROUPS`` keys:
+labels below ``MAX_GROUPS`` (4,096) key their own class, larger ones share ``MAX_GROUPS`` keys by
+their value modulo ``MAX_GROUPS`` (:func:`group_keys`). Labels may be any value up to the message
+limit (a million: product or user ids, say), and a count per value seen would grow the learner,
+and every checkpoint's JSON, with every new one; a memory of a few hundred slots cannot balance
+thousands of classes anyway, and the burst signal compares like with like (the window's and the
+stream's concentrations over the same keys), so a random order still reads about 0.
 
 Slots ``0 .. recent-1`` are the ring, ``recent .. capacity-1`` the memory. Models draw from the
 first :meth:`ReplayBuffer.drawable` slots, which are always occupied: the ring's, or during a
@@ -43,18 +50,29 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
 from streamxm.stream.messages import Pair
 
-__all__ = ["BURST_THRESHOLD", "BURST_WINDOW", "ReplayBuffer", "TripletSampler",
-           "sample_triplet_slots", "skip_past"]
+__all__ = ["BURST_THRESHOLD", "BURST_WINDOW", "MAX_GROUPS", "ReplayBuffer", "TripletSampler",
+           "group_keys", "sample_triplet_slots", "skip_past"]
 
 #: Arrivals whose class mix :meth:`ReplayBuffer.burst` compares with the whole stream's.
 BURST_WINDOW = 100
 #: :meth:`ReplayBuffer.burst` above which the stream is in a burst of few classes.
 BURST_THRESHOLD = 0.3
 _THRESHOLD = Fraction(str(BURST_THRESHOLD))  # bursty() decides in integers: exactly
+#: First labels below this key their own class in the buffer's counts; larger ones share keys.
+MAX_GROUPS = 4096
+
+
+def group_keys(first_labels: ArrayLike) -> NDArray[np.int64]:
+    """The count key of each first label (-1: unlabelled): the label itself below
+    ``MAX_GROUPS``, else ``MAX_GROUPS + label % MAX_GROUPS``; so at most ``2 * MAX_GROUPS + 1``
+    keys however many distinct labels a stream carries."""
+    first_labels = np.asarray(first_labels, dtype=np.int64)
+    return np.where(first_labels < MAX_GROUPS, first_labels,
+                    MAX_GROUPS + first_labels % MAX_GROUPS)
 
 
 def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float32]:
@@ -148,7 +166,7 @@ class ReplayBuffer:
         which keeps a copy or not; return its ring slot."""
         slot = self.head
         ring = self.size - self.stored
-        group = int(pair.labels[0]) if pair.labels else -1
+        group = int(group_keys(pair.labels[0])) if pair.labels else -1
         self._bursty = None
         self.newest_copy = -1
         count = self.arrived.get(group, 0)
@@ -203,7 +221,7 @@ class ReplayBuffer:
         """Probabilities over ``slots`` that draw each class as often as it arrived in the
         whole stream (:attr:`arrived`), uniform within a class: a class-balanced memory drawn
         with them gives the stream's class mix back, not the memory's even one."""
-        groups = self.labels[slots, 0]
+        groups = group_keys(self.labels[slots, 0])
         values, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
         share = np.array([self.arrived.get(int(g), 0) for g in values], dtype=np.float64)
         weights = share[inverse] / counts[inverse]
@@ -229,7 +247,7 @@ class ReplayBuffer:
         return sorted(s for s in {slot, copy} if 0 <= s < count)
 
     def _group(self, slot: int) -> int:
-        return int(self.labels[slot, 0])  # first label; -1: unlabelled
+        return int(group_keys(self.labels[slot, 0]))  # of the first label; -1: unlabelled
 
     def _remember(self, slot: int) -> None:
         """Offer the pair just stored at ring ``slot`` to the memory (which keeps a copy or
@@ -240,7 +258,7 @@ class ReplayBuffer:
             target = self.recent + self.stored
             self.stored += 1
         else:
-            groups = self.labels[self.recent :, 0]
+            groups = group_keys(self.labels[self.recent :, 0])
             counts = dict(zip(*np.unique(groups, return_counts=True), strict=True))
             largest = max(counts.values())
             if counts.get(group, 0) < largest:
@@ -322,7 +340,7 @@ class ReplayBuffer:
         buf.labels[:] = arrays["labels"]
         buf.size, buf.head = int(meta["size"]), int(meta["head"])
         buf.stored = int(meta.get("stored", 0))  # absent: a checkpoint of a plain ring
-        buf.seen = {int(g): int(n) for g, n in meta.get("seen", [])}
+        buf.seen = _counts_by_key(meta.get("seen", []))
         if "rng" in meta:
             buf.rng.bit_generator.state = meta["rng"]
         buf.label_width = int((buf.labels >= 0).sum(axis=1).max(initial=0))
@@ -331,7 +349,7 @@ class ReplayBuffer:
             buf.window[group] = buf.window.get(group, 0) + 1
         buf.window_sq = sum(n * n for n in buf.window.values())
         if "arrived" in meta:
-            buf.arrived = {int(g): int(n) for g, n in meta["arrived"]}
+            buf.arrived = _counts_by_key(meta["arrived"])
         else:  # written before the burst signal, when a pair met the memory as it left the ring
             if buf.memory:  # offer the ring's pairs now, as they arrived: none is skipped
                 for slot in buf.order()[buf.stored :]:
@@ -347,6 +365,16 @@ class ReplayBuffer:
         buf.img_norm[:] = _row_norms(buf.img)
         buf.txt_norm[:] = _row_norms(buf.txt)
         return buf
+
+
+def _counts_by_key(counts: list[list[int]]) -> dict[int, int]:
+    """Checkpointed ``[label, count]`` rows summed by :func:`group_keys` (a checkpoint written
+    before the keys were bounded counts per label)."""
+    out: dict[int, int] = {}
+    for group, n in counts:
+        key = int(group_keys(group))
+        out[key] = out.get(key, 0) + int(n)
+    return out
 
 
 class TripletSampler:
