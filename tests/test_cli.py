@@ -12,6 +12,7 @@ import redis
 from streamxm.config import Settings
 from streamxm.service import build_worker
 from streamxm.stream.keys import Keys
+from streamxm.tools.throughput import throughput
 from tests.conftest import PY, SHARED_WIKI, free_port
 
 
@@ -59,12 +60,28 @@ def test_bench_throughput_reports_learner_limit_and_baseline(tmp_path: Path) -> 
     result = json.loads(out.stdout)
     assert result["img_dim"] == 64 and result["threads"] == 1
     assert result["params"]["triplets_per_pair"] == 2 and result["triplets_per_pair"] > 1.9
-    # The issue's two products per pair: no replayed query on top (CMOS's default is 1).
+    # The issue's two products per pair: no replayed query on top (CMOS replays in bursts).
     assert result["params"]["replay"] == 0 and result["triplets_per_pair"] < 2.01
     for key in ("pairs_per_s", "limit_pairs_per_s", "baseline_pairs_per_s"):
         assert result[key] > 0
     assert result["ratio_to_limit"] == pytest.approx(
         result["pairs_per_s"] / result["limit_pairs_per_s"], rel=0.01, abs=1e-3)
+    assert result["order"] == "file" and result["timed_pairs_in_burst"] == 0
+    assert "slowdown" not in result
+
+
+def test_bench_throughput_times_a_burst_beside_the_same_pairs_mixed() -> None:
+    """``--order class``: the pairs arrive one class at a time after a warm-up that fills the
+    ring, so the timed pairs arrive in a burst and CMOS replays its default two remembered
+    queries per pair; the same pairs in their own order are timed in the same run."""
+    result = throughput("cmos", img_dim=64, txt_dim=32, pairs=300, baseline_pairs=20,
+                        repeats=1, order="class")
+    assert result["warmup_pairs"] == 500 and result["params"]["replay"] == 2
+    assert result["timed_pairs_in_burst"] >= 0.9 * 300
+    assert result["triplets_per_pair"] > 2.5  # two per pair plus the replays of the burst
+    assert result["file_order_pairs_per_s"] > 0
+    assert result["slowdown"] == pytest.approx(
+        result["file_order_pairs_per_s"] / result["pairs_per_s"], rel=0.05)
 
 
 def test_push_rejects_a_missing_dataset(tmp_path: Path) -> None:

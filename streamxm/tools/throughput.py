@@ -8,6 +8,11 @@ matrix-vector product with ``W`` (the margin ``a^T W b``); the *limit* is the ti
 those products, one per triplet, measured on the same ``W`` in the same run. The *baseline* is the
 same pipeline with the paper's loop transcribed literally (``solver="paper"``). Everything runs
 under a one-thread BLAS limit. Each figure is the median of ``repeats`` runs.
+
+With ``order="class"`` the same pairs arrive one class at a time, as a topic burst does: the
+models that draw from the buffer's memory and rehearse during a burst do more work per pair
+then, and the figure is set beside the same pairs in their own (mixed) order, timed in the same
+run, repeat by repeat.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from threadpoolctl import threadpool_limits
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import create_model, split_name
 from streamxm.stream.messages import Pair
-from streamxm.tools.datasets import synthetic_pairs
+from streamxm.tools.datasets import stream_order, synthetic_pairs
 
 __all__ = ["throughput"]
 
@@ -33,17 +38,20 @@ def _median_seconds(run: Callable[[], float], repeats: int) -> float:
 
 
 def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
-                   seed: int) -> tuple[float, StreamLearner]:
-    """Seconds per pair over ``pairs[warmup:]`` (the buffer fills during the warm-up)."""
+                   seed: int) -> tuple[float, StreamLearner, int]:
+    """Seconds per pair over ``pairs[warmup:]`` (the buffer fills during the warm-up), the
+    learner, and how many of the timed pairs arrived in a burst."""
     img_dim, txt_dim = pairs[0].img.shape[0], pairs[0].txt.shape[0]
     learner = StreamLearner(model, img_dim, txt_dim, params, seed=seed, eval_every=len(pairs) + 1)
     learner.learn(pairs[:warmup])
     learner.flush()
+    before = learner.pairs_in_burst
     start = time.perf_counter()
     for i in range(warmup, len(pairs), 256):
         learner.learn(pairs[i : i + 256])
     learner.flush()
-    return (time.perf_counter() - start) / (len(pairs) - warmup), learner
+    seconds = (time.perf_counter() - start) / (len(pairs) - warmup)
+    return seconds, learner, learner.pairs_in_burst - before
 
 
 def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
@@ -68,43 +76,59 @@ def throughput(
     repeats: int = 3,
     params: dict[str, Any] | None = None,
     seed: int = 0,
+    order: str = "file",
 ) -> dict[str, Any]:
     """Measure the learner, the BLAS limit and (for CMOS) the literal baseline; return JSON.
 
     For CMOS the default is ``triplets_per_pair=2`` (one triplet per direction, so the limit is
-    the two matrix-vector products per pair of the issue) and ``replay=0`` (a replayed query
-    would be a third); pass ``params`` to change them. The buffer is the model's default: its
+    the two matrix-vector products per pair of the issue) and, in file order, ``replay=0`` (a
+    replayed query would be a third; CMOS replays only in bursts anyway); pass ``params`` to
+    change them. The buffer is the model's default: its
     memory of the whole history is drawn from during bursts of few classes only, and the
     benchmark's stream has none.
-    The untimed warm-up fills the replay buffer (100 pairs) and, for CMOMKS, its landmark pool
-    and support budget, so the figure is the steady state.
+    The untimed warm-up fills the replay buffer (100 pairs; with another ``order``, its whole
+    ring of 500, so that a burst draws from the memory) and, for CMOMKS, its landmark pool and
+    support budget, so the figure is the steady state. With another ``order`` (``class``:
+    :func:`~streamxm.tools.datasets.stream_order`) the pairs arrive in it, and the same pairs in
+    their own order are timed beside them in each repeat (``file_order_pairs_per_s``,
+    ``slowdown``: the ratio of the medians); ``timed_pairs_in_burst`` counts the timed pairs
+    that arrived in a burst.
     """
     base, _ = split_name(model)
     params = dict(params or {})
     if base == "cmos":
         params.setdefault("triplets_per_pair", 2)
-        params.setdefault("replay", 0)
+        if order == "file":  # no burst: replay=0 is the default's work; in bursts it is not
+            params.setdefault("replay", 0)
     if warmup is None:
-        warmup = 100
+        warmup = 100 if order == "file" else 500
         if base == "cmomks":
             probe = create_model(model, img_dim, txt_dim, params).params()
             warmup += probe["landmarks"] + -(-probe["budget"] // probe["triplets_per_pair"])
     data = synthetic_pairs(warmup + pairs, img_dim, txt_dim, seed=seed)
+    ordered = [data[i] for i in stream_order(np.array([p.labels[0] for p in data]), order, seed)]
     result: dict[str, Any] = {"model": model, "img_dim": img_dim, "txt_dim": txt_dim,
                               "pairs": pairs, "warmup_pairs": warmup, "repeats": repeats,
-                              "threads": 1}
+                              "threads": 1, "order": order}
     with threadpool_limits(limits=1):
-        learned: list[StreamLearner] = []
+        learned: list[tuple[StreamLearner, int]] = []
+        file_order: list[float] = []
 
         def run_learner() -> float:
-            seconds, learner = _time_learning(model, data, warmup, params, seed)
-            learned.append(learner)
+            if order != "file":  # the reference, in the same repeat
+                file_order.append(_time_learning(model, data, warmup, params, seed)[0])
+            seconds, learner, in_burst = _time_learning(model, ordered, warmup, params, seed)
+            learned.append((learner, in_burst))
             return seconds
 
         per_pair = _median_seconds(run_learner, repeats)
-        learner = learned[-1]
+        learner, in_burst = learned[-1]
         result.update(params=learner.model.params(), pairs_per_s=round(1 / per_pair, 1),
-                      seconds_per_pair=per_pair)
+                      seconds_per_pair=per_pair, timed_pairs_in_burst=in_burst)
+        if file_order:
+            reference = statistics.median(file_order)
+            result.update(file_order_pairs_per_s=round(1 / reference, 1),
+                          slowdown=round(per_pair / reference, 2))
         if base == "cmos":
             triplets = sum(learner.stats.triplets.values()) / learner.pairs_seen
             W = learner.model.W  # type: ignore[attr-defined]
