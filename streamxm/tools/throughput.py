@@ -136,7 +136,7 @@ def throughput(
             # One product per triplet; a pair of directions is one W @ x plus one y @ W.
             limit_per_pair = matvec / 2 * triplets
             paper_params = {**params, "solver": "paper"}
-            base_data = data[: warmup + baseline_pairs]
+            base_data = ordered[: warmup + baseline_pairs]  # the same stream, paper loop
             baseline = _median_seconds(
                 lambda: _time_learning(model, base_data, warmup, paper_params, seed)[0], repeats)
             result.update(
