@@ -88,8 +88,8 @@ def test_sum_models_two_ranks_equal_one_learner(settings: Settings, r: redis.Red
     # the ranks re-solve at round ends, not at the pair counts one learner stops at.
     g, w = got.model, want.model
     if model == "cca":
-        for key, value in w.moments.state("").items():  # type: ignore[attr-defined]
-            np.testing.assert_allclose(g.moments.state("")[key], value,  # type: ignore[attr-defined]
+        for key, value in w.moments.sums("").items():  # type: ignore[attr-defined]
+            np.testing.assert_allclose(g.moments.sums("")[key], value,  # type: ignore[attr-defined]
                                        rtol=1e-10, atol=1e-10, err_msg=key)
         g.solve()  # type: ignore[attr-defined]
         w.solve()  # type: ignore[attr-defined]

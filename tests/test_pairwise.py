@@ -12,6 +12,8 @@ from streamxm.learning.replay import ReplayBuffer
 from streamxm.models import create_model
 from streamxm.models.cca import CCA
 from streamxm.models.marginal import MarginalMatching
+from streamxm.models.moments import RunningMoments
+from streamxm.models.optim import adagrad_step
 from streamxm.models.pairwise import PairwiseLogistic
 from streamxm.service import build_worker, open_store
 from streamxm.stream.client import StreamClient
@@ -257,3 +259,61 @@ def test_marginal_counts_labels_beyond_max_classes_once_per_arriving_pair() -> N
     third = 40 - sum(1 for p in class_stream(40, 6, 4, seed=10, n_classes=3)
                      if p.labels[0] in model.classes)
     assert model.ignored_labels == third > 0
+
+
+# -- arithmetic that must not change with speed -----------------------------------------------
+def test_adagrad_step_is_the_formula_bit_for_bit() -> None:
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        w = rng.standard_normal((40, 30)).astype(dtype)
+        sq = np.abs(rng.standard_normal((40, 30))).astype(dtype)
+        grad = rng.standard_normal((40, 30)).astype(dtype)
+        w_ref, sq_ref = w.copy(), sq.copy()
+        for lr, lam in ((0.1, 1e-4), (0.5, 0.0)):
+            adagrad_step(w, sq, grad, lr, lam)
+            g = grad + lam * w_ref
+            sq_ref += g * g
+            w_ref -= lr * g / (np.sqrt(sq_ref) + 1e-8)
+            assert w.dtype == dtype and np.array_equal(w, w_ref) and np.array_equal(sq, sq_ref)
+
+
+def test_moments_fold_pending_rows_and_save_them_apart() -> None:
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((150, 5)), rng.standard_normal((150, 3))
+    m = RunningMoments(5, 3)
+    for i in range(100):  # one block folded, 36 rows pending
+        m.add(x[i], y[i])
+    saved = m.state("m.")
+    assert saved["m.pending_x"].shape == (100 - RunningMoments.BLOCK, 5)
+    restored = RunningMoments(5, 3)
+    restored.load_state(saved, "m.")
+    m.add(x[100:], y[100:])
+    restored.add(x[100:], y[100:])
+    for key, value in m.sums("").items():
+        assert np.array_equal(restored.sums("")[key], value), key
+    np.testing.assert_allclose(m.cov_xy(), np.cov(x.T, y.T, bias=True)[:5, 5:], atol=1e-12)
+    np.testing.assert_allclose(m.mean_x(), x.mean(axis=0), atol=1e-12)
+    assert m.n == 150 and not m.state("")["pending_x"].size  # reading folded everything
+
+
+def test_cached_features_are_those_of_the_pairs_stored_now() -> None:
+    """Whitened features are cached per buffer slot: after slots are overwritten, copied into
+    the memory, the whitener refreshed and the buffer restored, every cached row is still the
+    features of the pair its slot holds."""
+    pairs = sorted(class_stream(400, 6, 4, seed=3), key=lambda p: p.labels[0])  # bursts
+    learner = StreamLearner("pairwise", 6, 4, {"whiten_first": 16, "whiten_every": 50},
+                            seed=0, buffer_capacity=40, buffer_memory=40, eval_every=10**9)
+
+    def check(learner: StreamLearner) -> None:
+        model, buffer = learner.model, learner.buffer
+        rows = np.arange(len(buffer))
+        fx, fy = model.buffer_features(buffer, rows)  # type: ignore[attr-defined]
+        np.testing.assert_allclose(fx, model.image_features(buffer.img[rows]), atol=1e-6)
+        np.testing.assert_allclose(fy, model.text_features(buffer.txt[rows]), atol=1e-6)
+
+    for start in range(0, 400, 37):
+        learner.learn(pairs[start : start + 37])
+        check(learner)
+    assert learner.pairs_in_burst > 0 and learner.buffer.stored == 40
+    restored = StreamLearner.from_state(*learner.state())
+    check(restored)

@@ -45,6 +45,7 @@ is its own (seeded), so the models' random streams do not depend on it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
@@ -62,6 +63,7 @@ BURST_WINDOW = 100
 #: :meth:`ReplayBuffer.burst` above which the stream is in a burst of few classes.
 BURST_THRESHOLD = 0.3
 _THRESHOLD = Fraction(str(BURST_THRESHOLD))  # bursty() decides in integers: exactly
+_WRITES = itertools.count(1)  # slot versions: every write of every buffer takes the next
 #: First labels below this key their own class in the buffer's counts; larger ones share keys.
 MAX_GROUPS = 4096
 
@@ -157,6 +159,9 @@ class ReplayBuffer:
         self.label_width = 0  # the most labels any stored pair has had: columns worth comparing
         self.size = 0
         self.head = 0  # slot the next pair goes to
+        #: Per slot, a number that changes whenever the slot is written, unique across buffers:
+        #: what a model caching something derived from a stored pair checks it against.
+        self.versions = np.full(capacity, next(_WRITES), dtype=np.int64)
 
     def __len__(self) -> int:
         return self.size
@@ -276,6 +281,7 @@ class ReplayBuffer:
     def _copy(self, source: int, target: int) -> None:
         for rows in (self.img, self.txt, self.labels, self.img_norm, self.txt_norm):
             rows[target] = rows[source]
+        self.versions[target] = next(_WRITES)
 
     def put(self, slot: int, pair: Pair) -> None:
         """Overwrite the pair at an occupied ``slot`` (a reservoir's replacement step)."""
@@ -286,6 +292,7 @@ class ReplayBuffer:
         self.label_width = max(self.label_width, len(pair.labels))
         self.img_norm[slot] = _row_norms(pair.img[None, :])[0]
         self.txt_norm[slot] = _row_norms(pair.txt[None, :])[0]
+        self.versions[slot] = next(_WRITES)
 
     def order(self) -> NDArray[np.intp]:
         """Slots from the oldest to the newest pair: the memory (slot order), then the ring."""
@@ -364,6 +371,7 @@ class ReplayBuffer:
         buf.arrived_sq = sum(n * n for n in buf.arrived.values())
         buf.img_norm[:] = _row_norms(buf.img)
         buf.txt_norm[:] = _row_norms(buf.txt)
+        buf.versions[:] = next(_WRITES)
         return buf
 
 

@@ -150,7 +150,7 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         return self._embed(x, self.mean_y, self.proj_y)
 
     def merge_parts(self) -> MergeParts:
-        return {k: ("sum", np.asarray(v)) for k, v in self.moments.state("moments.").items()}
+        return {k: ("sum", np.asarray(v)) for k, v in self.moments.sums("moments.").items()}
 
     def set_merged(self, merged: Arrays) -> None:
         self.moments.load_state(merged, "moments.")

@@ -165,6 +165,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         self.mean_y = np.zeros(txt_dim)
         self.white_x = np.eye(img_dim)
         self.white_y = np.eye(txt_dim)
+        self._cache = _FeatureCache()
 
 
     # -- features ----------------------------------------------------------------------------
@@ -179,12 +180,19 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     def text_features(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._features(x, self.mean_y, self.white_y)
 
+    def buffer_features(self, buffer: ReplayBuffer, rows: NDArray[np.intp]
+                        ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+        """:meth:`image_features` and :meth:`text_features` of the pairs stored at ``rows``,
+        each stored pair whitened once per whitener (:class:`_FeatureCache`)."""
+        return self._cache.features(self, buffer, rows)
+
     def _refresh_whitener(self) -> None:
         m = self.moments
         self.mean_x, self.mean_y = m.mean_x(), m.mean_y()
         if self.whiten:
             self.white_x = ridge_whitener(m.cov_xx(), self.ridge)
             self.white_y = ridge_whitener(m.cov_yy(), self.ridge)
+        self._cache.clear()
 
     # -- learning ----------------------------------------------------------------------------
     def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
@@ -200,9 +208,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         agree = np.zeros(self.negatives, dtype=bool)
         if pair.labels:
             agree = buffer.shared_label_counts(pair.labels, drawable)[others] > 0
-        fx = self.image_features(np.vstack([pair.img[None, :], buffer.img[others]]))
-        fy = self.text_features(np.vstack([pair.txt[None, :], buffer.txt[others]]))
-        self.step(fx, fy, agree, stats)
+        self.step(*self.buffer_features(buffer, np.concatenate([[slot], others])), agree, stats)
         if self.rehearse and drawable > buffer.recent:  # a burst: rehearse the whole history
             for q in rng.integers(drawable, size=self.rehearse):
                 self.learn_stored(int(q), drawable, buffer, rng)
@@ -216,9 +222,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         agree = np.zeros(self.negatives, dtype=bool)
         if labels:
             agree = buffer.shared_label_counts(labels, drawable)[others] > 0
-        rows = np.concatenate([[q], others])
-        self.step(self.image_features(buffer.img[rows]), self.text_features(buffer.txt[rows]),
-                  agree, LearnStats())
+        self.step(*self.buffer_features(buffer, np.concatenate([[q], others])), agree,
+                  LearnStats())
 
     def draw_partners(self, skip: list[int], size: int,
                       rng: np.random.Generator) -> NDArray[np.intp]:
@@ -305,7 +310,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
 
     def merge_parts(self) -> MergeParts:
         parts: MergeParts = {k: ("sum", np.asarray(v))
-                             for k, v in self.moments.state("moments.").items()}
+                             for k, v in self.moments.sums("moments.").items()}
         parts.update({"W": ("mean", self.W), "G": ("mean", self.G)})
         return parts
 
@@ -330,3 +335,36 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         self.G = np.array(arrays["G"], dtype=np.float32)
         for key in ("mean_x", "mean_y", "white_x", "white_y"):
             setattr(self, key, np.array(arrays[key], dtype=np.float64))
+        self._cache.clear()
+
+
+class _FeatureCache:
+    """Whitened features of the pairs in a replay buffer, one row per slot, kept until the slot
+    is written (:attr:`~streamxm.learning.replay.ReplayBuffer.versions`) or the whitener changes.
+
+    Every step whitens 11 stored pairs and a burst's rehearsal steps whiten only stored pairs;
+    at 4096-d a whitening is a pass over a 134 MB matrix, so a pair is whitened once (when it
+    arrives) instead of at every step that draws it. The cache holds as many rows as the
+    buffer (float32, the size of the buffer's own vectors); it is derived, never checkpointed.
+    """
+
+    def __init__(self) -> None:
+        self.fx = np.zeros((0, 0), dtype=np.float32)
+        self.fy = np.zeros((0, 0), dtype=np.float32)
+        self.versions = np.zeros(0, dtype=np.int64)
+
+    def clear(self) -> None:
+        self.versions[:] = 0  # no slot's version: versions start at 1
+
+    def features(self, model: PairwiseLogistic, buffer: ReplayBuffer, rows: NDArray[np.intp]
+                 ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+        if len(self.versions) != buffer.capacity:
+            self.fx = np.zeros((buffer.capacity, model.img_dim + 1), dtype=np.float32)
+            self.fy = np.zeros((buffer.capacity, model.txt_dim + 1), dtype=np.float32)
+            self.versions = np.zeros(buffer.capacity, dtype=np.int64)
+        stale = np.unique(rows[self.versions[rows] != buffer.versions[rows]])
+        if len(stale):
+            self.fx[stale] = model.image_features(buffer.img[stale])
+            self.fy[stale] = model.text_features(buffer.txt[stale])
+            self.versions[stale] = buffer.versions[stale]
+        return self.fx[rows], self.fy[rows]
