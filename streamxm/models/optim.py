@@ -26,6 +26,7 @@ def adagrad_step(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: 
     # The formula's operations in its order, in two scratch arrays instead of five temporaries:
     # bit for bit the formula when all three share a dtype (every caller's case), at half the
     # memory traffic on a 4M-entry W. A gradient of another dtype is cast to ``w``'s.
+    lr, lam = float(lr), float(lam)  # Python floats: a numpy float64 would promote float32 w
     g = np.multiply(w, lam)
     g += grad
     step = np.multiply(g, g)

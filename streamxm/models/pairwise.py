@@ -362,9 +362,11 @@ class _FeatureCache:
             self.fx = np.zeros((buffer.capacity, model.img_dim + 1), dtype=np.float32)
             self.fy = np.zeros((buffer.capacity, model.txt_dim + 1), dtype=np.float32)
             self.versions = np.zeros(buffer.capacity, dtype=np.int64)
-        stale = np.unique(rows[self.versions[rows] != buffer.versions[rows]])
-        if len(stale):
-            self.fx[stale] = model.image_features(buffer.img[stale])
-            self.fy[stale] = model.text_features(buffer.txt[stale])
-            self.versions[stale] = buffer.versions[stale]
+        # One row at a time: a product's last bits depend on how many rows it holds, and which
+        # rows are stale together differs between a learner and its restored copy (whose cache
+        # starts empty); row by row both compute every row alike, bit for bit.
+        for slot in np.unique(rows[self.versions[rows] != buffer.versions[rows]]):
+            self.fx[slot] = model.image_features(buffer.img[slot])[0]
+            self.fy[slot] = model.text_features(buffer.txt[slot])[0]
+            self.versions[slot] = buffer.versions[slot]
         return self.fx[rows], self.fy[rows]
