@@ -11,8 +11,9 @@ under a one-thread BLAS limit. Each figure is the median of ``repeats`` runs.
 
 With ``order="class"`` the same pairs arrive one class at a time, as a topic burst does: the
 models that draw from the buffer's memory and rehearse during a burst do more work per pair
-then, and the figure is set beside the same pairs in their own (mixed) order, timed in the same
-run, repeat by repeat.
+then, and the figure is set beside the same stream in its own (mixed) order, timed in the same
+run, repeat by repeat (each order has its own warm-up: the timed pairs are the same number, not
+the same pairs).
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ def throughput(
     memory of the whole history is drawn from during bursts of few classes only, and the
     benchmark's stream has none.
     The untimed warm-up fills the replay buffer (100 pairs; with another ``order``, its whole
-    ring of 500, so that a burst draws from the memory) and, for CMOMKS, its landmark pool and
-    support budget, so the figure is the steady state. With another ``order`` (``class``:
-    :func:`~streamxm.tools.datasets.stream_order`) the pairs arrive in it, and the same pairs in
-    their own order are timed beside them in each repeat (``file_order_pairs_per_s``,
-    ``slowdown``: the ratio of the medians); ``timed_pairs_in_burst`` counts the timed pairs
+    ring of 500, the learner's default, so that a burst draws from the memory) and, for CMOMKS,
+    its landmark pool and support budget, so the figure is the steady state. With another
+    ``order`` (``class``: :func:`~streamxm.tools.datasets.stream_order`) the pairs arrive in it,
+    and the same stream in its own order is timed beside it in each repeat, after its own
+    warm-up of as many pairs (``file_order_pairs_per_s``, ``slowdown``: the ratio of the
+    medians); ``timed_pairs_in_burst`` counts the timed pairs
     that arrived in a burst.
     """
     base, _ = split_name(model)
