@@ -81,7 +81,10 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       93.3% / 97.1% of its file-order figure (81% / 83% without), the bipartite one 97.8% /
       99.4% (96.5% / 95%; ``docs/benchmarks.md``, "Stream order"), at the cost of nine steps
       instead of one per pair during a burst. Outside a burst nothing changes.
-    - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64.
+    - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64,
+      folded in blocks of rows (:class:`~streamxm.models.moments.RunningMoments`). Each stored
+      pair is whitened once per whitener and cached per buffer slot (:class:`_FeatureCache`):
+      at 4096-d a whitening reads a 134 MB matrix, and a step draws 10 stored partners.
     - **Several ranks** (``streamxm worker --world-size N``): the moments are summed (exact) and
       ``W`` and the AdaGrad sums averaged after each round, weighted by the pairs each rank
       learned (iterative parameter mixing: SGD steps from one start on disjoint data); the
