@@ -12,6 +12,7 @@ import pytest
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.learning.replay import BURST_THRESHOLD, MAX_GROUPS, ReplayBuffer
+from streamxm.models.sam import SAM
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
@@ -337,3 +338,48 @@ def test_a_blank_memory_setting_means_the_models_own(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("STREAMXM_BUFFER_MEMORY", "-1")
     with pytest.raises(ValueError, match="buffer_memory"):
         Settings(_env_file=None)  # type: ignore[call-arg]
+
+
+_SMALL_SAM = {"hidden": 16, "dim": 8, "batch_size": 30, "replay": 600, "epoch_pairs": 100}
+
+
+class _RecordingSAM(SAM):
+    """SAM that keeps the labels of every mini-batch's reservoir rows (instrumentation only)."""
+
+    fills: list[list[int]]
+
+    def step(self, img, txt, labels, new, stats, epoch):  # type: ignore[no-untyped-def]
+        self.fills = getattr(self, "fills", [])
+        self.fills.append([lab[0] for lab, n in zip(labels, new, strict=True) if not n])
+        return super().step(img, txt, labels, new, stats, epoch)
+
+
+def test_sam_fills_its_batches_class_balanced_during_a_burst_only() -> None:
+    """In a burst the reservoir rows of a mini-batch come from every class alike (the arriving
+    class, just begun, is a small share of the reservoir); on a mixed stream SAM learns bit for
+    bit as with ``balance=False``."""
+    mixed = class_stream(400, 8, 4, seed=2)
+    learners = [StreamLearner("sam", 8, 4, {**_SMALL_SAM, "balance": b}, seed=0,
+                              eval_every=10**9) for b in (True, False)]
+    for learner in learners:
+        learner.learn(mixed)
+    assert learners[0].pairs_in_burst == 0
+    on, off = (learner.model.state()[0] for learner in learners)
+    assert all(np.array_equal(a, off[k]) for k, a in on.items())
+
+    bursty = sorted(class_stream(600, 8, 4, seed=2), key=lambda p: p.labels[0])
+    shares = {}
+    for balance in (True, False):
+        model = _RecordingSAM(8, 4, **_SMALL_SAM, balance=balance)
+        learner = StreamLearner("sam", 8, 4, {**_SMALL_SAM, "balance": balance}, seed=0,
+                                eval_every=10**9)
+        learner.model = model
+        learner.learn(bursty)
+        last = bursty[-1].labels[0]
+        # The last class's first 60 pairs (a burst): its share of the fill's rows.
+        start = next(i for i, p in enumerate(bursty) if p.labels[0] == last)
+        steps = model.fills[(start + 10) // 2 : (start + 60) // 2]
+        rows = [c for fill in steps for c in fill]
+        shares[balance] = rows.count(last) / len(rows)
+    # Uniform: the class is at most 60 of ~500 stored rows; balanced: about 1 in 4 classes.
+    assert shares[False] < 0.12 < 0.18 < shares[True], shares

@@ -46,7 +46,7 @@ is its own (seeded), so the models' random streams do not depend on it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
 
@@ -226,10 +226,30 @@ class ReplayBuffer:
         """Probabilities over ``slots`` that draw each class as often as it arrived in the
         whole stream (:attr:`arrived`), uniform within a class: a class-balanced memory drawn
         with them gives the stream's class mix back, not the memory's even one."""
+        return self._class_mix(slots, lambda values: np.array(
+            [self.arrived.get(int(g), 0) for g in values], dtype=np.float64))
+
+    def balanced_mix(self, slots: NDArray[np.intp]) -> NDArray[np.float64]:
+        """Probabilities over ``slots`` that draw every class (the group of the first label;
+        unlabelled pairs are one group) equally often, uniform within a class.
+
+        >>> from streamxm.stream.messages import make_pair
+        >>> buf = ReplayBuffer(10, 1, 1)
+        >>> for c in (0, 0, 0, 1):
+        ...     _ = buf.add(make_pair(str(c), [0.0], [0.0], labels=[c]))
+        >>> buf.balanced_mix(np.arange(4)).round(3).tolist()
+        [0.167, 0.167, 0.167, 0.5]
+        """
+        return self._class_mix(slots, lambda values: np.ones(len(values)))
+
+    def _class_mix(self, slots: NDArray[np.intp],
+                   class_weight: Callable[[NDArray[np.int64]], NDArray[np.float64]]
+                   ) -> NDArray[np.float64]:
+        """Each class's weight (of the group keys present) spread evenly over its slots,
+        normalised; uniform if every weight is 0."""
         groups = group_keys(self.labels[slots, 0])
         values, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
-        share = np.array([self.arrived.get(int(g), 0) for g in values], dtype=np.float64)
-        weights = share[inverse] / counts[inverse]
+        weights = class_weight(values)[inverse] / counts[inverse]
         total = weights.sum()
         if total <= 0:
             return np.full(len(slots), 1.0 / len(slots))
