@@ -173,7 +173,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       balanced_mix`) instead of uniformly. One pass over a reservoir draws a pair less the later
       it arrives, so in class order the last classes are learned least; a class-balanced fill
       gives the arriving class its share from the start of its burst. Wikipedia in class order,
-      seeds 0-5: 0.2742 / 0.2199 against 0.2670 / 0.2181 uniform (``docs/benchmarks.md``). A
+      seeds 0-5: 0.2731 / 0.2192 against 0.2664 / 0.2173 uniform (``docs/benchmarks.md``). A
       well-mixed stream is never in a burst and is learned exactly as before.
     - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
       each time, the same step as the stream.
