@@ -98,6 +98,7 @@ class RunningMoments:
         self.syy = np.zeros((dy, dy))
         self.sxy = np.zeros((dx, dy)) if cross else np.zeros((0, 0))
         self._pending: list[tuple[NDArray[np.float64], NDArray[np.float64]]] = []
+        self._pending_rows = 0
 
     def add(self, x: NDArray[np.floating], y: NDArray[np.floating]) -> None:
         """Add rows ``x`` (n, dx) and ``y`` (n, dy) (copied: a caller may reuse its arrays)."""
@@ -105,7 +106,8 @@ class RunningMoments:
         rows_y = np.atleast_2d(np.array(y, dtype=np.float64))
         self.n += rows_x.shape[0]
         self._pending.append((rows_x, rows_y))
-        if sum(len(p[0]) for p in self._pending) >= self.BLOCK:
+        self._pending_rows += rows_x.shape[0]
+        if self._pending_rows >= self.BLOCK:
             self.fold()
 
     def fold(self) -> None:
@@ -114,7 +116,7 @@ class RunningMoments:
             return
         x = np.vstack([p[0] for p in self._pending])
         y = np.vstack([p[1] for p in self._pending])
-        self._pending = []
+        self._pending, self._pending_rows = [], 0
         self.sum_x += x.sum(axis=0)
         self.sum_y += y.sum(axis=0)
         self.sxx += x.T @ x
@@ -152,6 +154,9 @@ class RunningMoments:
     def sums(self, prefix: str) -> Arrays:
         """The count and sums with every pending row folded in: what ranks add up."""
         self.fold()
+        return self._sums(prefix)
+
+    def _sums(self, prefix: str) -> Arrays:
         return {f"{prefix}sum_x": self.sum_x, f"{prefix}sum_y": self.sum_y,
                 f"{prefix}sxx": self.sxx, f"{prefix}syy": self.syy, f"{prefix}sxy": self.sxy,
                 f"{prefix}n": np.asarray(self.n, dtype=np.int64)}
@@ -161,10 +166,7 @@ class RunningMoments:
         change when the sums take their rows)."""
         pending_x = [p[0] for p in self._pending] or [np.zeros((0, len(self.sum_x)))]
         pending_y = [p[1] for p in self._pending] or [np.zeros((0, len(self.sum_y)))]
-        return {f"{prefix}sum_x": self.sum_x, f"{prefix}sum_y": self.sum_y,
-                f"{prefix}sxx": self.sxx, f"{prefix}syy": self.syy, f"{prefix}sxy": self.sxy,
-                f"{prefix}n": np.asarray(self.n, dtype=np.int64),
-                f"{prefix}pending_x": np.vstack(pending_x),
+        return {**self._sums(prefix), f"{prefix}pending_x": np.vstack(pending_x),
                 f"{prefix}pending_y": np.vstack(pending_y)}
 
     def load_state(self, arrays: Arrays, prefix: str) -> None:
@@ -173,10 +175,11 @@ class RunningMoments:
         self.n = int(arrays[f"{prefix}n"])
         for key in ("sum_x", "sum_y", "sxx", "syy", "sxy"):
             setattr(self, key, np.array(arrays[f"{prefix}{key}"], dtype=np.float64))
-        self._pending = []
+        self._pending, self._pending_rows = [], 0
         if f"{prefix}pending_x" in arrays and len(arrays[f"{prefix}pending_x"]):
             self._pending = [(np.array(arrays[f"{prefix}pending_x"], dtype=np.float64),
                               np.array(arrays[f"{prefix}pending_y"], dtype=np.float64))]
+            self._pending_rows = len(self._pending[0][0])
 
 
 class FeatureScaler:

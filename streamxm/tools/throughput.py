@@ -93,8 +93,7 @@ def throughput(
     ``order`` (``class``: :func:`~streamxm.tools.datasets.stream_order`) the pairs arrive in it,
     and the same stream in its own order is timed beside it in each repeat, after its own
     warm-up of as many pairs (``file_order_pairs_per_s``, ``slowdown``: the ratio of the
-    medians); ``timed_pairs_in_burst`` counts the timed pairs
-    that arrived in a burst.
+    medians); ``timed_pairs_in_burst`` counts the timed pairs that arrived in a burst.
     """
     base, _ = split_name(model)
     params = dict(params or {})
