@@ -51,11 +51,11 @@ class Settings(BaseSettings):
     block_ms: int = Field(default=200, ge=1)
     lease_ttl_ms: int = Field(default=10_000, ge=100)
     consumer: str | None = Field(default=None, description="consumer name; default host-pid")
-    dist_host: str | None = Field(
-        default=None, description="address the other ranks of a distributed learner reach "
-        "rank 0 at (its rendezvous store); default: rank 0's host name")
-    dist_port: int = Field(default=0, ge=0, le=65_535, description="rank 0's rendezvous "
-                           "store port; 0 picks a free one (published through Redis)")
+    dist_host: str = Field(
+        default="127.0.0.1", min_length=1, description="address a rank of a distributed "
+        "learner binds its collective (gloo) sockets to and the other ranks reach it at; "
+        "loopback keeps every rank on one machine. The rendezvous goes through Redis, so no "
+        "other port is opened; rank traffic is unencrypted and belongs on a private network")
     dist_timeout_s: float = Field(
         default=60.0, gt=0, description="how long a distributed learner's collective waits "
         "for a rank that hangs before every rank drops its state and reloads (a rank that dies "

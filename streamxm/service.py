@@ -62,7 +62,7 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
         from streamxm.worker.distributed import DistributedLearner
 
         kind = DistributedLearner
-        extra = {"world": world, "host": settings.dist_host, "port": settings.dist_port,
+        extra = {"world": world, "host": settings.dist_host,
                  "timeout_s": settings.dist_timeout_s}
     return kind(
         client, open_store(settings, client), model, namespace=settings.namespace,

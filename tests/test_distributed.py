@@ -271,3 +271,79 @@ def test_two_ranks_map_close_to_one(model: str) -> None:
     assert two["split_rounds"] >= 3
     mean = lambda run: (run["map_i2t"] + run["map_t2i"]) / 2  # noqa: E731
     assert mean(two) >= (1 - _MAP_TOLERANCE[model]) * mean(one), result
+
+
+_INTRUDER = r"""
+import datetime, os, socket, sys, time
+import psutil
+from torch.distributed import TCPStore
+
+pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+deadline, tried = time.monotonic() + seconds, set()
+while time.monotonic() < deadline:
+    try:
+        ports = {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN}
+    except psutil.NoSuchProcess:
+        break
+    for port in ports:
+        # What the outside test did: a store client that claims rank 1 of every generation.
+        try:
+            store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=1))
+            for gen in range(1, 20):
+                if store.add(f"g{gen}/claim/1", 1) == 1:
+                    print(f"claimed rank 1 of generation {gen} on port {port}", flush=True)
+        except Exception:
+            pass
+        for junk in (b"\x00" * 64, os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n"):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(junk)
+                tried.add(port)
+            except OSError:
+                pass
+    time.sleep(0.2)
+print(f"ports probed: {sorted(tried)}", flush=True)
+"""
+
+
+def test_process_without_redis_credentials_cannot_join_the_ranks(settings: Settings,
+                                                                 r: redis.Redis) -> None:
+    """An intruder with no Redis access probes every port rank 0 listens on while it forms its
+    group (store claims for rank 1 and junk bytes). It claims nothing, the real rank 1 joins
+    and the ranks learn the whole stream together; every rank socket listens on loopback only
+    (``STREAMXM_DIST_HOST``), none on all interfaces."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    keys = Keys(settings.namespace)
+    pairs = synthetic_pairs(1500, 32, 16, seed=11)
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+    env = worker_env(settings, STREAMXM_DIST_HOST="127.0.0.1", STREAMXM_DIST_TIMEOUT_S="20",
+                     STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2", STREAMXM_READ_BATCH="32",
+                     OMP_NUM_THREADS="1")
+    children = [_rank(env, "cmos", 2, 0, [])]
+    listening: set[str] = set()
+    try:
+        # Rank 0 alone: it reads, publishes a generation and waits for rank 1.
+        wait_for(lambda: r.hget(keys.dist("cmos"), "gen") is not None, 60, "a generation")
+        intruder = subprocess.run([sys.executable, "-c", _INTRUDER, str(children[0].pid), "8"],
+                                  capture_output=True, text=True, timeout=120,
+                                  env={k: v for k, v in env.items()
+                                       if not k.startswith("STREAMXM_")})
+        assert "claimed" not in intruder.stdout, intruder.stdout
+        children.append(_rank(env, "cmos", 2, 1, []))
+        _learned(r, keys, "cmos", 300, children)
+        for child in children:
+            listening |= {c.laddr.ip for c in psutil.Process(child.pid).net_connections("tcp")
+                          if c.status == psutil.CONN_LISTEN}
+        _learned(r, keys, "cmos", len(pairs), children)
+    finally:
+        for child in children:
+            child.stop()
+    assert listening == {"127.0.0.1"}, listening
+    assert int(stats(r, keys, "cmos")["dist_split_rounds"]) > 0
+    assert _latest(settings, r, "cmos").pairs_seen == len(pairs)

@@ -17,6 +17,7 @@ Everything that travels between ranks is plain arrays: shares are message v1 fra
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import time
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from numpy.typing import NDArray
-from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import Store  # type: ignore[attr-defined]
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import DIRECTIONS
@@ -36,9 +37,8 @@ from streamxm.models.base import MergeParts
 from streamxm.stream.messages import Pair, decode_frames, decode_pair, encode_frames
 from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 
-__all__ = ["LearnerMerge", "RankGroup", "Store", "TCPStore", "balanced_first", "decode_learner",
-           "decode_share",
-           "encode_learner", "encode_share", "open_store", "split_share"]
+__all__ = ["LearnerMerge", "RankGroup", "balanced_first", "decode_learner", "decode_share",
+           "encode_learner", "encode_share", "split_share"]
 
 _OPS = ("sum", "mix", "mean", "total", "max")
 
@@ -46,21 +46,39 @@ _OPS = ("sum", "mix", "mean", "total", "max")
 class RankGroup:
     """The process group of one distributed learner and the few collectives a round needs.
 
-    ``store`` is the rendezvous store (a ``TCPStore`` prefixed per formation); ``timeout`` bounds
-    every collective, so a rank that hangs fails the round within it (one that dies closes its
-    sockets, which the others see at once).
+    ``store`` is the generation's rendezvous store (in Redis:
+    :class:`~streamxm.worker.rendezvous.RedisStore`); ``host`` the address this rank's gloo
+    sockets bind to and the others reach it at; ``timeout`` bounds every collective, so a rank
+    that hangs fails the round within it (one that dies closes its sockets, which the others see
+    at once). The group is gloo's process group itself, not ``torch.distributed``'s global one,
+    so nothing outlives :meth:`close`.
     """
 
-    def __init__(self, store: Store, generation: int, rank: int, world: int,
-                 timeout_s: float) -> None:
+    def __init__(self, store: Store, rank: int, world: int, timeout_s: float,
+                 host: str = "127.0.0.1") -> None:
         self.rank, self.world = rank, world
-        dist.init_process_group("gloo", store=PrefixStore(f"g{generation}", store), rank=rank,
-                                world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        # torch's stubs omit the gloo group's options and collectives: typed as Any.
+        gloo: Any = dist.ProcessGroupGloo
+        options = gloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        options._devices = [gloo.create_device(hostname=host)]
+        self.pg: Any = gloo(store, rank, world, options)
+
+    def _pg(self) -> Any:
+        if self.pg is None:
+            raise RuntimeError("the process group is closed")
+        return self.pg
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            with contextlib.suppress(RuntimeError):
+                pg.shutdown()
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        self._pg().broadcast([tensor], options).wait()
 
     def broadcast_ints(self, values: Sequence[int] | None, size: int) -> list[int]:
         """Rank 0's ``values`` (``size`` of them) on every rank."""
@@ -68,7 +86,7 @@ class RankGroup:
         if self.rank == 0:
             assert values is not None and len(values) == size
             t[:] = torch.tensor(list(values), dtype=torch.int64)
-        dist.broadcast(t, src=0)
+        self._broadcast(t)
         return [int(x) for x in t.tolist()]
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
@@ -78,35 +96,34 @@ class RankGroup:
         if self.rank == 0 and size:
             buf[:] = torch.frombuffer(bytearray(data or b""), dtype=torch.uint8)
         if size:
-            dist.broadcast(buf, src=0)
+            self._broadcast(buf)
         return bytes(buf.numpy().tobytes())
 
     def send_bytes(self, data: bytes, dst: int) -> None:
         if data:
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst)
+            self._pg().send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dst,
+                            0).wait()
 
     def recv_bytes(self, size: int, src: int = 0) -> bytes:
         buf = torch.zeros(size, dtype=torch.uint8)
         if size:
-            dist.recv(buf, src=src)
+            self._pg().recv([buf], src, 0).wait()
         return bytes(buf.numpy().tobytes())
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any) -> None:
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self._pg().allreduce([tensor], options).wait()
 
     def sum_ints(self, values: Sequence[int]) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(t)
+        self._all_reduce(t, dist.ReduceOp.SUM)
         return [int(x) for x in t.tolist()]
 
     def all_reduce_(self, flat: NDArray[Any], op: str = "sum") -> None:
         """Reduce a contiguous array in place (``op``: ``"sum"`` or ``"max"``)."""
-        dist.all_reduce(torch.from_numpy(flat),
-                        op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-
-
-def open_store(host: str, port: int, server: bool, timeout_s: float) -> TCPStore:
-    """Rank 0's rendezvous store (``server``: listen on ``port``, 0 for a free one) or a
-    client of it. Each formation of the group uses its own key prefix (its generation)."""
-    return TCPStore(host, port, is_master=server, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+        self._all_reduce(torch.from_numpy(flat),
+                         dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
 # -- what travels ----------------------------------------------------------------------------------

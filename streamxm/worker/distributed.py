@@ -15,11 +15,15 @@ Failures:
   (one that hangs fails it after ``STREAMXM_DIST_TIMEOUT_S``). Rank 0 drops its state (nothing
   of the round was committed), reloads the checkpoint and replays the stream after it, as after
   any lost state; the others drop theirs and rejoin.
-- Formation and rejoining go through Redis: rank 0 runs a rendezvous store (``TCPStore``) and
-  publishes a new *generation* with its address in ``sxm:{<ns>}:dist:<model>`` each time it
-  forms the group. A rank joins the newest generation, claiming its rank number in it; a
-  generation whose rank is already claimed (formed before that rank died) is skipped, so a
-  restarted rank waits for the next one, which rank 0 publishes as soon as it notices the loss.
+- Formation and rejoining go through Redis and nothing else (:mod:`streamxm.worker.rendezvous`:
+  no rendezvous port is opened): rank 0 publishes a new *generation* in
+  ``sxm:{<ns>}:dist:<model>`` each time it forms the group, and the ranks exchange their gloo
+  addresses through that generation's keys. A rank joins the newest generation, claiming its
+  rank number in it; a generation whose rank is already claimed (formed before that rank died)
+  is skipped, so a restarted rank waits for the next one, which rank 0 publishes as soon as it
+  notices the loss. Each rank's gloo sockets bind to its ``host`` (``STREAMXM_DIST_HOST``,
+  loopback by default); what they carry is unencrypted, so ranks on several machines belong on
+  a private network.
 - The world is fixed: rank 0 learns only when all ``N`` ranks are present (after each loss it
   waits for the missing rank to come back). A second process started as rank 0 is a standby, as
   for a single learner: it takes over when the lease expires.
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 import time
 from typing import Any
@@ -46,22 +49,20 @@ import redis
 from streamxm.learning.distributed import (
     LearnerMerge,
     RankGroup,
-    TCPStore,
     balanced_first,
     decode_learner,
     decode_share,
     encode_learner,
     encode_share,
-    open_store,
     split_share,
 )
 from streamxm.learning.learner import LearnFailed, StreamLearner
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
-from streamxm.stream.redis_conn import text
 from streamxm.worker.loop import EntryFailed, LearnerWorker
+from streamxm.worker.rendezvous import Rendezvous
 
-__all__ = ["DistributedLearner", "RankFollower", "Rendezvous"]
+__all__ = ["DistributedLearner", "RankFollower"]
 
 log = logging.getLogger(__name__)
 
@@ -70,47 +71,20 @@ log = logging.getLogger(__name__)
 _IDLE, _ROUND, _STOP = 0, 1, 2
 
 
-class Rendezvous:
-    """The Redis side of forming a distributed learner's process group."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, model: str) -> None:
-        self.r = client
-        self.key = keys.dist(model)
-
-    def publish(self, address: str, world: int) -> int:
-        """Rank 0: a new generation at ``address`` (host:port of its store); returns it."""
-        with self.r.pipeline(transaction=True) as pipe:
-            pipe.hincrby(self.key, "gen", 1)
-            pipe.hset(self.key, mapping={"address": address, "world": world})
-            gen, _ = pipe.execute()
-        return int(gen)
-
-    def current(self) -> tuple[int, str, int] | None:
-        raw = {text(k): text(v) for k, v in self.r.hgetall(self.key).items()}
-        if not raw.get("gen") or not raw.get("address"):
-            return None
-        return int(raw["gen"]), raw["address"], int(raw.get("world", 0))
-
-    def record(self, fields: dict[str, str]) -> None:
-        self.r.hset(self.key, mapping=fields)  # type: ignore[arg-type]
-
-
 class DistributedLearner(LearnerWorker):
     """Rank 0 of ``world`` ranks (see the module docstring); the other arguments are
     :class:`LearnerWorker`'s, ``read_batch`` per rank."""
 
-    def __init__(self, *args: Any, world: int, host: str | None = None, port: int = 0,
+    def __init__(self, *args: Any, world: int, host: str = "127.0.0.1",
                  timeout_s: float = 60.0, **kwargs: Any) -> None:
         if world < 2:
             raise ValueError("a distributed learner needs world >= 2")
         super().__init__(*args, **kwargs)
         self.world = world
         self.read_batch *= world  # rank 0 reads a round: every rank's share
-        self.host = host or socket.gethostname()
-        self.port = port
+        self.host = host
         self.timeout_s = timeout_s
         self.rendezvous = Rendezvous(self.r, self.keys, self.model)
-        self._store: TCPStore | None = None
         self._group: RankGroup | None = None
         self._merge: LearnerMerge | None = None
         self._synced = False
@@ -132,15 +106,14 @@ class DistributedLearner(LearnerWorker):
     # -- the group -------------------------------------------------------------------------
     def _form(self) -> bool:
         """Publish a new generation and wait (up to the timeout) for every rank to join."""
-        if self._store is None:
-            self._store = open_store("0.0.0.0", self.port, True, self.timeout_s)
-        gen = self.rendezvous.publish(f"{self.host}:{self._store.port}", self.world)
-        self._store.add(f"g{gen}/claim/0", 1)
-        log.info("rank 0 of %s: forming generation %d of %d ranks at %s:%d", self.model, gen,
-                 self.world, self.host, self._store.port)
+        gen = self.rendezvous.publish(self.world)
+        store = self.rendezvous.store(gen, self.timeout_s)
+        store.add("claim/0", 1)
+        log.info("rank 0 of %s: forming generation %d of %d ranks on %s", self.model, gen,
+                 self.world, self.host)
         try:
             with self._lease_heartbeat() as lost:
-                group = RankGroup(self._store, gen, 0, self.world, self.timeout_s)
+                group = RankGroup(store, 0, self.world, self.timeout_s, self.host)
         except (RuntimeError, ValueError) as exc:  # DistStoreError: a rank did not come
             log.warning("rank 0 of %s: generation %d not formed (%s)", self.model, gen, exc)
             return False
@@ -350,11 +323,12 @@ class RankFollower:
     through Redis and learns the shares it is sent, until ``stop``."""
 
     def __init__(self, client: redis.Redis, model: str, rank: int, world: int,
-                 namespace: str = "default", timeout_s: float = 60.0) -> None:
+                 namespace: str = "default", timeout_s: float = 60.0,
+                 host: str = "127.0.0.1") -> None:
         if not 0 < rank < world:
             raise ValueError(f"a following rank is in 1..{world - 1}, got {rank}")
         self.model, self.rank, self.world = model, rank, world
-        self.timeout_s = timeout_s
+        self.timeout_s, self.host = timeout_s, host
         self.rendezvous = Rendezvous(client, Keys(namespace), model)
         self.learner: StreamLearner | None = None
         self.rounds = 0
@@ -366,19 +340,18 @@ class RankFollower:
             if current is None or current[0] <= after:
                 stop.wait(0.2)
                 continue
-            gen, address, world = current
+            gen, world = current
             if world != self.world:
                 log.error("rank %d of %s: rank 0 runs %d ranks, this one was started for %d",
                           self.rank, self.model, world, self.world)
                 stop.wait(1.0)
                 continue
-            host, _, port = address.rpartition(":")
             try:
-                store = open_store(host, int(port), False, min(10.0, self.timeout_s))
-                if store.add(f"g{gen}/claim/{self.rank}", 1) != 1:
+                store = self.rendezvous.store(gen, self.timeout_s)
+                if store.add(f"claim/{self.rank}", 1) != 1:
                     after = gen  # formed before this rank left: wait for the next one
                     continue
-                group = RankGroup(store, gen, self.rank, self.world, self.timeout_s)
+                group = RankGroup(store, self.rank, self.world, self.timeout_s, self.host)
             except (RuntimeError, ValueError, OSError) as exc:
                 log.warning("rank %d of %s: joining generation %d failed (%s)", self.rank,
                             self.model, gen, exc)

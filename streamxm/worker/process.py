@@ -42,7 +42,7 @@ def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = N
         from streamxm.worker.distributed import RankFollower  # torch: the ``sam`` extra
 
         RankFollower(client, model, rank, world, namespace=settings.namespace,
-                     timeout_s=settings.dist_timeout_s).run(stop)
+                     timeout_s=settings.dist_timeout_s, host=settings.dist_host).run(stop)
         return 0
     build_worker(settings, client, model, params=params, world=world).run(stop)
     return 0
