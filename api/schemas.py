@@ -267,8 +267,25 @@ class ModelInfo(BaseModel):
         default_factory=list, description="directions in which this model answers model=auto")
 
 
+class GalleryHealth(BaseModel):
+    """Whether the search gallery lost rows to corrupt segments (``degraded``): search serves
+    every other segment and the stream after them."""
+
+    degraded: bool = False
+    corrupt_segments: list[int] = Field(default_factory=list, description="sequence numbers "
+                                        "of the segments found corrupt and quarantined")
+    rows_lost: int = Field(default=0, description="gallery rows those segments held")
+
+    @classmethod
+    def of(cls, corrupt: dict[str, int]) -> GalleryHealth:
+        seqs = sorted(int(field.split(":", 1)[0]) for field in corrupt)
+        return cls(degraded=bool(corrupt), corrupt_segments=seqs,
+                   rows_lost=sum(corrupt.values()))
+
+
 class ModelsOut(BaseModel):
     models: list[ModelInfo]
+    gallery: GalleryHealth = Field(default_factory=GalleryHealth)
     champions: dict[str, str | None] = Field(
         default_factory=dict, description="direction -> the model answering model=auto (null "
         "until a model has enough pairs behind its rolling mAP)")
@@ -287,6 +304,7 @@ class HealthOut(BaseModel):
 class ReadyOut(BaseModel):
     status: str
     models: list[str] = Field(default_factory=list, description="models being served")
+    gallery: GalleryHealth = Field(default_factory=GalleryHealth)
 
 
 _ERRORS = {

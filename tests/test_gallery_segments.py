@@ -158,3 +158,59 @@ def test_an_api_started_before_the_indexer_moves_to_segments_without_loss(
         assert read_manifest(r, Keys(settings.namespace)).rows == 500  # type: ignore[union-attr]
         time.sleep(1.0)  # a few refreshes: the API now serves segments plus the stream after
         assert ids_found() == want
+
+
+def test_a_corrupt_segment_is_quarantined_and_the_rest_of_the_gallery_served(
+        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    """Two segment files replaced by garbage: the indexer (a real process) finds the one it
+    merges, the API the one it opens; both are recorded with their rows and dropped from the
+    manifest, the indexer keeps indexing, the API stays ready (``degraded``, naming them) and
+    serves every other row, and only the two segments' rows are lost."""
+    ckpt = tmp_path / "ckpt"
+    cfg = settings.model_copy(update={"checkpoint_store": "dir", "checkpoint_dir": ckpt})
+    keys = Keys(cfg.namespace)
+    pairs = fx.class_stream(800, fx.IMG, fx.TXT, seed=6)
+    for batch in (pairs[:600], pairs[600:700]):  # segments of 600 and 100 rows
+        _push(cfg, r, batch)
+        build_indexer(cfg, r).run(until_idle=True)
+    build_worker(cfg, r, "cmos").run(until_idle=True)
+    manifest = read_manifest(r, keys)
+    assert manifest is not None and [s.rows for s in manifest.segments] == [600, 100]
+    for ref in manifest.segments:
+        (path,) = (ckpt / cfg.namespace / SEGMENTS).glob(f"v{ref.seq:012d}-*")
+        path.write_bytes(np.random.default_rng(ref.seq).bytes(path.stat().st_size))
+    env = fx.worker_env(cfg, STREAMXM_CHECKPOINT_STORE="dir", STREAMXM_CHECKPOINT_DIR=str(ckpt))
+    _push(cfg, r, pairs[700:750])  # the indexer merges the 100-row segment with these
+    indexer = fx.Child("indexer", env=env, watch=True)
+    try:
+        fx.wait_for(lambda: read_manifest(r, keys).last_id  # type: ignore[union-attr]
+                    != manifest.last_id, 30, "the indexer's first commit")
+        with fx.ApiServer(cfg) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+            fx.wait_for(lambda: http.get("/readyz").json()["status"] == "degraded", 30,
+                        "the API to open the segments")
+            ready = http.get("/readyz")
+            assert ready.status_code == 200
+            assert ready.json()["gallery"] == {"degraded": True, "corrupt_segments": [1, 2],
+                                               "rows_lost": 700}
+            _push(cfg, r, pairs[750:])  # the next commit drops segment 1 from the manifest
+            fx.wait_for(lambda: read_manifest(r, keys).rows == 100,  # type: ignore[union-attr]
+                        30, "the corrupt segments out of the manifest")
+            build_worker(cfg, r, "cmos").run(until_idle=True)
+            models = http.get("/v1/models").json()
+            assert models["gallery"]["degraded"] and models["gallery"]["rows_lost"] == 700
+            fx.wait_for(lambda: http.get("/v1/models").json()["models"][0]["gallery_items"]
+                        == 100, 30, "the rest of the gallery served")
+            hits = http.post("/v1/search", json={"modality": "image", "k": 1000,
+                                                 "vector": pairs[0].img.tolist()}).json()
+            assert sorted(h["id"] for h in hits["results"]) == sorted(p.id for p in pairs[700:])
+            # A model with no learner is unknown (404), not "not ready".
+            assert http.post("/v1/search", json={"modality": "image", "model": "cca",
+                                                 "vector": pairs[0].img.tolist()}
+                             ).status_code == 404
+            scrape = http.get("/metrics").text
+        assert fx.metric(scrape, "streamxm_gallery_segments_corrupt_total") == 2
+        assert fx.metric(scrape, "streamxm_gallery_rows_lost_total") == 700
+        assert indexer.alive(), indexer.tail()
+    finally:
+        assert indexer.stop() == 0, indexer.tail()
+    assert _indexed_ids(cfg, r) == [p.id for p in pairs[700:]]

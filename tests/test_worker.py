@@ -129,3 +129,32 @@ def test_directory_checkpoints_resume_too(r: redis.Redis, settings: Settings) ->
     assert second.learner is not None and second.learner.pairs_seen == 400
     assert np.array_equal(second.learner.model.W, _reference(pairs).model.W)  # type: ignore[attr-defined]
     assert r.xpending(keys.pairs, "cmos")["pending"] == 0
+
+
+def test_every_dead_letter_series_exists_at_zero_before_the_first(
+        r: redis.Redis, settings: Settings) -> None:
+    """Each registered model's ``streamxm_dead_letters_total`` is scraped at 0 for every reason
+    before anything is dead-lettered (so ``increase()`` sees the first one), then counts it."""
+    import httpx
+
+    from streamxm.stream.messages import REASONS
+    from tests.conftest import ApiServer, metric
+
+    keys = Keys(settings.namespace)
+    client = StreamClient(r, settings.namespace)
+    rng = np.random.default_rng(1)
+    client.push("good-0", rng.random(4), rng.random(3), labels=[1])
+    build_worker(settings, r, "cmos").run(until_idle=True)
+    with ApiServer(settings) as api:
+        before = httpx.get(f"{api.url}/metrics", timeout=10).text
+        assert metric(before, "streamxm_checkpoint_corrupt_total", model="cmos") == 0
+        for reason in REASONS:
+            assert metric(before, "streamxm_dead_letters_total", model="cmos",
+                          reason=reason) == 0, reason
+        r.xadd(keys.pairs, {"v": "1", "id": "no-txt",  # type: ignore[arg-type]
+                            "img": np.ones(4, "<f4").tobytes()})
+        build_worker(settings, r, "cmos").run(until_idle=True)
+        after = httpx.get(f"{api.url}/metrics", timeout=10).text
+    assert metric(after, "streamxm_dead_letters_total", model="cmos",
+                  reason="missing_field") == 1
+    assert metric(after, "streamxm_dead_letters_total", model="cmos", reason="bad_labels") == 0

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import Context
-from api.schemas import HealthOut, ReadyOut
+from api.schemas import GalleryHealth, HealthOut, ReadyOut
 
 router = APIRouter()
 
@@ -27,7 +27,11 @@ async def readyz(context: Context) -> JSONResponse:
     if context.settings.api_role == "ingest":  # takes pairs from the start; serves no model
         return JSONResponse({"status": "ready", "models": []})
     if server.ready:
-        return JSONResponse({"status": "ready", "models": sorted(server.served)})
+        # Ready but degraded: search serves every segment but the corrupt ones (named).
+        gallery = GalleryHealth.of(server.gallery_corrupt)
+        return JSONResponse({"status": "degraded" if gallery.degraded else "ready",
+                             "models": sorted(server.served),
+                             "gallery": gallery.model_dump()})
     return JSONResponse({"status": "waiting for a model checkpoint", "models": []},
                         status_code=503)
 

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from api.deps import ApiContext, Context, matrix, unprocessable
 from api.schemas import (
+    GalleryHealth,
     Hit,
     ModelInfo,
     ModelsOut,
@@ -48,7 +49,8 @@ def models(context: Context) -> ModelsOut:
             gallery_items=served.gallery_size if served else 0,
             champion_of=[d for d, m in server.champion.champions.items() if m == name],
         ))
-    return ModelsOut(models=out, champions=dict(server.champion.champions))
+    return ModelsOut(models=out, champions=dict(server.champion.champions),
+                     gallery=GalleryHealth.of(server.gallery_corrupt))
 
 
 def _model_name(context: ApiContext, name: str | None, direction: str) -> str:

@@ -31,8 +31,10 @@ from redis.exceptions import RedisClusterException
 
 from streamxm.learning.learner import UPDATE_BUCKETS
 from streamxm.models import DIRECTIONS
+from streamxm.serving.segments import CorruptSegments
 from streamxm.serving.server import ModelServer
 from streamxm.stream.keys import Keys
+from streamxm.stream.messages import REASONS
 from streamxm.stream.redis_conn import str_hash, str_set, text
 from streamxm.stream.retention import entry_id_key
 from streamxm.worker.stats import WorkerStats
@@ -248,13 +250,30 @@ class StreamCollector(Collector):
             "streamxm_checkpoint_corrupt",
             "checkpoint versions that failed their checksum or did not parse (the previous good "
             "version was used)", labels=["model"])
-        for model, count in sorted(str_hash(self.r.hgetall(self.keys.checkpoint_corrupt)).items()):
-            corrupt.add_metric([model], int(count))
+        # Every counter someone alerts on exists at 0 from the start (per registered model and
+        # reason), so increase() sees the first event, not only the second.
+        models = sorted(str_set(self.r.smembers(self.keys.models)))
+        counts = str_hash(self.r.hgetall(self.keys.checkpoint_corrupt))
+        for model in sorted({*models, *counts}):
+            corrupt.add_metric([model], int(counts.get(model, 0)))
         yield corrupt
 
         dead = CounterMetricFamily("streamxm_dead_letters", "entries dead-lettered, by reason",
                                    labels=["model", "reason"])
-        for key, count in sorted(str_hash(self.r.hgetall(self.keys.dead_counts)).items()):
-            model, _, reason = key.partition("|")
-            dead.add_metric([model, reason], int(count))
+        letters = {tuple(key.partition("|")[::2]): int(count)
+                   for key, count in str_hash(self.r.hgetall(self.keys.dead_counts)).items()}
+        for model, reason in sorted({*((m, r) for m in models for r in REASONS), *letters}):
+            dead.add_metric([model, reason], letters.get((model, reason), 0))
         yield dead
+
+        lost = CorruptSegments(self.r, self.keys).read()
+        segments = CounterMetricFamily(
+            "streamxm_gallery_segments_corrupt", "gallery segments found missing or corrupt and "
+            "quarantined (search serves the rest)", labels=["namespace"])
+        segments.add_metric([self.keys.namespace], len(lost))
+        yield segments
+        rows = CounterMetricFamily(
+            "streamxm_gallery_rows_lost", "gallery rows lost with corrupt segments",
+            labels=["namespace"])
+        rows.add_metric([self.keys.namespace], sum(lost.values()))
+        yield rows

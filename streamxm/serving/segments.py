@@ -14,6 +14,7 @@ that changes with every commit (readers poll it and reread the rest only when it
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +25,12 @@ from numpy.typing import NDArray
 from streamxm.serving.gallery import GalleryChunk
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash, text
-from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
+from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, decode_blob, encode_blob
 
-__all__ = ["SEGMENTS", "Manifest", "SegmentRef", "decode_segment", "encode_segment",
-           "read_manifest"]
+log = logging.getLogger(__name__)
+
+__all__ = ["SEGMENTS", "CorruptSegments", "Manifest", "SegmentRef", "decode_segment",
+           "encode_segment", "open_segment", "read_manifest"]
 
 #: The name segments are stored under in the checkpoint store.
 SEGMENTS = "_gallery"
@@ -54,6 +57,10 @@ class Manifest:
     @property
     def rows(self) -> int:
         return sum(s.rows for s in self.segments) - self.skip
+
+    def live_rows(self, ref: SegmentRef) -> int:
+        """The rows of ``ref`` the gallery holds (the first segment's retired ones are not)."""
+        return ref.rows - (self.skip if self.segments and ref == self.segments[0] else 0)
 
     def fields(self) -> dict[str, str]:
         return {"segments": ",".join(f"{s.seq}:{s.sha}:{s.rows}" for s in self.segments),
@@ -104,3 +111,43 @@ def decode_segment(blob: bytes) -> GalleryChunk:
                for f in ("unit_img", "unit_txt", "norm_img", "norm_txt")):
         raise ValueError("segment arrays disagree on their number of rows")
     return chunk
+
+
+def open_segment(store: CheckpointStore, ref: SegmentRef) -> GalleryChunk | None:
+    """The rows of a stored segment; ``None`` when its file is missing, fails its checksum or
+    does not parse (nothing in it was unpickled, so nothing else can go wrong)."""
+    blob = store.read_blob(SEGMENTS, ref.seq, ref.sha)
+    if blob is None:
+        return None
+    try:
+        chunk = decode_segment(blob)
+    except (ValueError, KeyError, UnicodeDecodeError):
+        return None
+    return chunk if len(chunk) == ref.rows else None
+
+
+class CorruptSegments:
+    """The namespace's record of corrupt gallery segments (``sxm:{<ns>}:gallery:corrupt``):
+    each one found, once, with the rows the gallery lost with it.
+
+    A reader that finds one (the indexer merging it, an API opening it) records it and goes on
+    without its rows; the indexer's next commit drops it from the manifest, so the rest of the
+    gallery, the stream after it and retention keep moving. The record stays (the loss is
+    permanent) until an operator clears the key after recovering the rows.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.r, self.key = client, keys.gallery_corrupt
+
+    @staticmethod
+    def field(ref: SegmentRef) -> str:
+        return f"{ref.seq}:{ref.sha}"
+
+    def record(self, ref: SegmentRef, rows_lost: int) -> None:
+        if self.r.hsetnx(self.key, self.field(ref), rows_lost):
+            log.error("gallery segment %d (sha %s) is missing or corrupt: quarantined, its %d "
+                      "rows are lost to search", ref.seq, ref.sha[:16], rows_lost)
+
+    def read(self) -> dict[str, int]:
+        """Every corrupt segment recorded (``<seq>:<sha>``) and the rows lost with it."""
+        return {text(k): int(text(v)) for k, v in self.r.hgetall(self.key).items()}

@@ -45,7 +45,7 @@ from streamxm.models.ensemble import (
 from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
 from streamxm.serving.index import Block, Int8Block, QueryCoalescer, index_block
-from streamxm.serving.segments import SEGMENTS, Manifest, decode_segment, read_manifest
+from streamxm.serving.segments import CorruptSegments, Manifest, open_segment, read_manifest
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
@@ -315,6 +315,13 @@ class ModelServer:
         self._segments: dict[tuple[int, str], GalleryChunk] = {}
         self._sliced: dict[tuple[int, str, int], GalleryChunk] = {}
         self._segment_chunks: tuple[GalleryChunk, ...] = ()
+        # Segments found corrupt (seq, sha) -> rows lost: never read again; the gallery is
+        # served without them (degraded) and the namespace's record counts every one.
+        self.corrupt_segments: dict[tuple[int, str], int] = {}
+        self._corrupt = CorruptSegments(client, self.keys)
+        #: The namespace's record of corrupt segments (``<seq>:<sha>`` -> rows lost): the
+        #: gallery is degraded while it is not empty.
+        self.gallery_corrupt: dict[str, int] = {}
         self._tail: list[tuple[GalleryChunk, list[str]]] = []  # rows after them, entry ids
         self._swap = threading.Lock()  # writers of self.served (refresh and re-embed threads)
         self._threads: list[threading.Thread] = []
@@ -440,21 +447,24 @@ class ModelServer:
         stream tail that the segments now cover leave the tail."""
         opened = {}
         for ref in manifest.segments:
-            chunk = self._segments.get((ref.seq, ref.sha))
-            if chunk is None:
-                blob = self.store.read_blob(SEGMENTS, ref.seq, ref.sha)
-                if blob is None:
-                    raise RuntimeError(f"gallery segment {ref.seq} is missing or corrupt")
-                chunk = decode_segment(blob)
-            opened[(ref.seq, ref.sha)] = chunk
+            key = (ref.seq, ref.sha)
+            chunk = self._segments.get(key)
+            if chunk is None and key not in self.corrupt_segments:
+                chunk = open_segment(self.store, ref)
+                if chunk is None:  # quarantined: the rest of the gallery is served
+                    self.corrupt_segments[key] = manifest.live_rows(ref)
+                    self._corrupt.record(ref, manifest.live_rows(ref))
+            if chunk is not None:
+                opened[key] = chunk
         self._segments = opened
-        chunks = [opened[(r.seq, r.sha)] for r in manifest.segments]
-        if chunks and manifest.skip:
-            first = manifest.segments[0]
-            key = (first.seq, first.sha, manifest.skip)
-            self._sliced = {key: self._sliced.get(key) or chunks[0].sliced(
+        self.gallery_corrupt = self._corrupt.read()
+        chunks = [opened[(r.seq, r.sha)] for r in manifest.segments if (r.seq, r.sha) in opened]
+        first = manifest.segments[0] if manifest.segments else None
+        if chunks and manifest.skip and first is not None and (first.seq, first.sha) in opened:
+            sliced = (first.seq, first.sha, manifest.skip)
+            self._sliced = {sliced: self._sliced.get(sliced) or chunks[0].sliced(
                 slice(manifest.skip, None))}
-            chunks[0] = self._sliced[key]
+            chunks[0] = self._sliced[sliced]
         self._segment_chunks = tuple(chunks)
         if self._revision is None:  # from the stream alone to segments: the tail is reread
             self.last_gallery_id, self._tail = manifest.last_id, []

@@ -59,6 +59,10 @@ class Keys:
     models = _Key("models", "Set of model names with a learner in this namespace.")
     gallery = _Key("gallery", "Hash: the search gallery's manifest (live segments, rows retired, "
                    "stream position covered, revision)")
+    gallery_corrupt = _Key(
+        "gallery:corrupt", "Hash: gallery segments found corrupt, <seq>:<sha> -> rows lost "
+        "(written once per segment by whoever read it first; the indexer then drops it from "
+        "the manifest)")
     retention = _Key("retention", "Hash: the last trim of the pairs stream (position, time, "
                      "entries trimmed in all)")
     replicated = _Key("replicated", "Counter written just before a WAIT (the write the WAIT "

@@ -35,10 +35,22 @@ REQUIRED_FIELDS = (b"v", b"id", b"img", b"txt")
 KNOWN_FIELDS = (*REQUIRED_FIELDS, b"labels", b"ts")
 
 
+#: Every reason a pair is refused or dead-lettered for: the ``reason`` label of
+#: ``streamxm_dead_letters_total``, exported at 0 for each model from the start so an alert on
+#: its increase fires on the first one.
+REASONS = ("bad_frame", "bad_id", "bad_labels", "bad_length", "bad_shape", "bad_ts",
+           "bad_version", "dim_mismatch", "duplicate_field", "empty", "learn_error",
+           "missing_field", "non_finite", "not_numeric", "too_large", "too_many_pairs",
+           "unknown_field")
+
+
 class InvalidPair(ValueError):
-    """A pair that breaks message v1. ``reason`` is a short code used as a metric label."""
+    """A pair that breaks message v1. ``reason`` is a short code used as a metric label, one
+    of :data:`REASONS`."""
 
     def __init__(self, field: str, reason: str, detail: str, index: int | None = None) -> None:
+        if reason not in REASONS:  # a new code must be exported (at 0) like the others
+            raise AssertionError(f"unregistered dead-letter reason {reason!r}")
         where = field if index is None else f"pairs[{index}].{field}"
         super().__init__(f"{where}: {detail}")
         self.field = field

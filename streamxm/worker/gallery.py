@@ -8,7 +8,10 @@ loses only its buffer; its successor reads again from the manifest's position, s
 lands in exactly one live segment. Segments merge tier by tier as they are written (the newest
 few while they are small, up to ``max_segment_rows``), and the oldest rows retire once the
 gallery passes ``max_items``. Entries that do not decode are skipped (the learners dead-letter
-them).
+them). A segment found corrupt (by this indexer merging it, or by an API opening it) is
+quarantined: recorded with the rows lost (:class:`~streamxm.serving.segments.CorruptSegments`)
+and dropped from the manifest at the next commit, so one bad file costs its own rows and
+nothing else.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import redis
 from streamxm.serving.gallery import CHUNK_MAX, GalleryChunk, merge_count
 from streamxm.serving.segments import (
     SEGMENTS,
+    CorruptSegments,
     Manifest,
     SegmentRef,
-    decode_segment,
     encode_segment,
+    open_segment,
     read_manifest,
 )
 from streamxm.stream.client import decode_entries
@@ -82,6 +86,7 @@ class GalleryIndexer:
         self.block_ms = block_ms
         self.limits = limits
         self.lease = Lease(client, self.keys.lease(SEGMENTS), self.consumer, lease_ttl_ms)
+        self.corrupt = CorruptSegments(client, self.keys)
         self.manifest = Manifest()
         self.position = "0-0"
         self.skipped = 0
@@ -153,7 +158,7 @@ class GalleryIndexer:
         old = self.manifest
         if self.position == old.last_id:
             return
-        segments, skip, dropped = list(old.segments), old.skip, []
+        segments, skip, dropped = self._quarantined(old)
         seq, blob = old.next_seq, None
         if self._buffer:
             ids, imgs, txts = zip(*self._buffer, strict=True)
@@ -161,12 +166,13 @@ class GalleryIndexer:
             merged = merge_count([s.rows for s in segments], len(chunk), self.max_segment_rows)
             parts = []
             for i in range(len(segments) - merged, len(segments)):
-                part = self._segment(segments[i])
-                if i == 0 and skip:
-                    part, skip = part.sliced(slice(skip, None)), 0
-                parts.append(part)
-            dropped, segments = segments[len(segments) - merged :], segments[: len(segments)
-                                                                               - merged]
+                part = self._segment(segments[i], skip if i == 0 else 0)
+                if part is not None:
+                    parts.append(part.sliced(slice(skip, None)) if i == 0 and skip else part)
+                if i == 0:
+                    skip = 0
+            dropped += segments[len(segments) - merged :]
+            segments = segments[: len(segments) - merged]
             chunk = GalleryChunk.joined([*parts, chunk])
             blob = encode_segment(seq, chunk, self.position)
             segments.append(SegmentRef(seq, blob_sha(blob), len(chunk)))
@@ -192,9 +198,23 @@ class GalleryIndexer:
                   self.keys.namespace, manifest.revision, manifest.rows, len(segments),
                   self.position)
 
-    def _segment(self, ref: SegmentRef) -> GalleryChunk:
-        blob = self.store.read_blob(SEGMENTS, ref.seq, ref.sha)
-        if blob is None:
-            raise RuntimeError(f"gallery segment {ref.seq} is missing or corrupt")
-        return decode_segment(blob)
+    def _quarantined(self, manifest: Manifest) -> tuple[list[SegmentRef], int, list[SegmentRef]]:
+        """The manifest's segments less those recorded corrupt, the first one's retired rows,
+        and the segments left out (deleted with the commit)."""
+        corrupt = self.corrupt.read()
+        segments, skip, dropped = [], manifest.skip, []
+        for i, ref in enumerate(manifest.segments):
+            if CorruptSegments.field(ref) in corrupt:
+                dropped.append(ref)
+                skip = 0 if i == 0 else skip
+            else:
+                segments.append(ref)
+        return segments, skip, dropped
 
+    def _segment(self, ref: SegmentRef, skip: int) -> GalleryChunk | None:
+        """A segment's rows to merge; ``None`` (recorded, its rows past ``skip`` lost) when it
+        is corrupt."""
+        chunk = open_segment(self.store, ref)
+        if chunk is None:
+            self.corrupt.record(ref, ref.rows - skip)
+        return chunk
