@@ -495,11 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--gallery-max", type=int, default=20_000)
     sk.add_argument("--sample-seconds", type=float, default=60.0)
     sk.add_argument("--warmup-minutes", type=float, default=5.0)
-    ho = bench_sub.add_parser("hostile", help="junk bodies of growing size: answer size, API "
-                              "memory and /healthz latency meanwhile, beside it at rest")
+    ho = bench_sub.add_parser("hostile", help="junk bodies of growing size and a labels bomb: "
+                              "answer size, API memory and /healthz latency meanwhile, beside "
+                              "it at rest")
     ho.add_argument("--sizes", default="1,4,24,64", help="body sizes, MiB, comma-separated")
     ho.add_argument("--repeats", type=int, default=3)
     ho.add_argument("--probes", type=int, default=200, help="/healthz probes at rest")
+    ho.add_argument("--labels-mib", type=float, default=11.5, help="size of the labels bomb: "
+                    "one frame whose labels field is this many MiB, to /v1/pairs/frames")
     sc = bench_sub.add_parser("scan", help="the search candidate scan's backends side by side "
                               "(float32, bfloat16, FAISS when installed), one thread")
     sc.add_argument("--rows", type=int, default=1_000_000)

@@ -325,3 +325,41 @@ def test_an_internal_error_is_a_500_with_its_traceback_logged(
     assert "a bug, not a bad request" not in answer.text  # internals stay in the log
     text = httpx.get(f"{api.url}/metrics").text
     assert metric(text, "streamxm_requests_total", route="/v1/search", status="500") == 1.0
+
+
+def _labels_bomb(n_labels: int = 6_000_000) -> dict[bytes, bytes]:
+    """The reported frame: a valid pair whose ``labels`` value is ``1,1,1,...`` (12 MB)."""
+    fields = encode_pair(make_pair("bomb", [0.5] * 8, [0.5] * 4))
+    fields[b"labels"] = b"1," * (n_labels - 1) + b"1"
+    return fields
+
+
+def test_a_labels_bomb_is_refused_on_its_length_before_parsing(
+        api: ApiServer, r: redis.Redis, settings: Settings) -> None:
+    """A 12 MB ``labels`` field: the decoder refuses it on its byte length (too_large) with
+    less than a megabyte allocated, where it used to split it into 6 million ints; over HTTP
+    the frame is answered 422 naming the field, and a stream entry holding it is
+    dead-lettered by the worker as too_large."""
+    import tracemalloc
+
+    from streamxm.stream.messages import FRAMES_MEDIA_TYPE, InvalidPair, decode_pair, encode_frame
+
+    fields = _labels_bomb()
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidPair) as refused:
+            decode_pair(fields)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert refused.value.reason == "too_large" and refused.value.field == "labels"
+    assert peak < 1 << 20, peak
+    answer = httpx.post(f"{api.url}/v1/pairs/frames", content=encode_frame(fields), timeout=60,
+                        headers={"Content-Type": FRAMES_MEDIA_TYPE})
+    assert answer.status_code == 422, answer.text
+    assert "labels" in answer.text and "too_large" in answer.text
+    keys = Keys(settings.namespace)
+    r.xadd(keys.pairs, fields)  # type: ignore[arg-type]  # a producer that skips the API
+    build_worker(settings, r, "cmos").run(until_idle=True)
+    (_, letter), = r.xrange(keys.dead)
+    assert letter[b"reason"] == b"too_large", letter

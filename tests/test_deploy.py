@@ -102,6 +102,7 @@ def promql_metric_names(expr: str) -> set[str]:
     expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
     expr = re.sub(r"\{[^}]*\}", "", expr)
     expr = re.sub(r"\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\boffset\s+-?[0-9a-z]+", " ", expr)
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
     names = set()
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
@@ -114,8 +115,8 @@ def promql_metric_names(expr: str) -> set[str]:
 
 def test_promql_name_parser() -> None:
     expr = ('histogram_quantile(0.99, sum by (route, le) (rate(streamxm_x_bucket{a="b{c}"}[5m])))'
-            " / on (model) group_left streamxm_y > bool 2")
-    assert promql_metric_names(expr) == {"streamxm_x_bucket", "streamxm_y"}
+            " / on (model) group_left streamxm_y > bool 2 unless streamxm_z offset 5m")
+    assert promql_metric_names(expr) == {"streamxm_x_bucket", "streamxm_y", "streamxm_z"}
 
 
 def exported_names(r: redis.Redis) -> set[str]:

@@ -19,11 +19,13 @@ from numpy.typing import ArrayLike, NDArray
 __all__ = [
     "FRAMES_MEDIA_TYPE",
     "MESSAGE_VERSION",
+    "REASONS",
     "InvalidPair",
     "Limits",
     "Pair",
     "decode_frames",
     "decode_pair",
+    "encode_frame",
     "encode_frames",
     "encode_pair",
     "field_name",
@@ -67,6 +69,15 @@ class Limits:
     max_labels: int = 64
     max_label_value: int = 1_000_000
     max_id_length: int = 256
+
+    def field_bytes(self, name: bytes) -> int:
+        """The most bytes a message v1 field may hold: checked before the field is parsed, so
+        a huge value costs a length comparison, not a parse (UTF-8 ids up to 4 bytes a
+        character, labels up to 18 digits and a comma each, as the decoder's pattern admits).
+        Vectors are not parsed: their length is checked against the namespace's dimension
+        (``dim_mismatch``) or :attr:`max_dim` (``too_large``) before they are viewed."""
+        return {b"v": 8, b"id": 4 * self.max_id_length, b"labels": 19 * self.max_labels,
+                b"ts": 64}.get(name, 1 << 62)
 
 
 @dataclass(frozen=True)
@@ -169,13 +180,15 @@ def encode_pair(pair: Pair) -> dict[bytes, bytes]:
     return fields
 
 
-def _decode_vector(name: str, raw: bytes, dim: int | None, copy: bool = True
+def _decode_vector(name: str, raw: bytes, dim: int | None, limits: Limits, copy: bool = True
                    ) -> NDArray[np.float32]:
     if len(raw) % 4:
         raise InvalidPair(name, "bad_length", f"{len(raw)} bytes is not a whole number of float32")
     n = len(raw) // 4
     if dim is not None and n != dim:
         raise InvalidPair(name, "dim_mismatch", f"{n} values, the namespace expects {dim}")
+    if n > limits.max_dim:
+        raise InvalidPair(name, "too_large", f"{n} values exceed the limit {limits.max_dim}")
     # Checked once, by make_pair, like a vector from any other door.
     return np.frombuffer(raw, dtype="<f4").astype(np.float32, copy=copy)
 
@@ -221,10 +234,13 @@ def decode_pair(
     if fields[b"v"] != MESSAGE_VERSION:
         raise InvalidPair("v", "bad_version",
                           f"unsupported message version {fields[b'v'][:32]!r}")
-    for name in fields:
+    for name, value in fields.items():
         if name not in KNOWN_FIELDS:
             raise InvalidPair(field_name(name), "unknown_field", "not a field of message v1 "
                               "(v, id, img, txt, labels, ts)")
+        if len(value) > limits.field_bytes(name):
+            raise InvalidPair(name.decode(), "too_large", f"{len(value)} bytes exceed the "
+                              f"field's limit of {limits.field_bytes(name)}")
     try:
         pair_id = fields[b"id"].decode("utf-8")
     except UnicodeDecodeError:
@@ -234,6 +250,9 @@ def decode_pair(
     if raw_labels:
         if not _LABELS.fullmatch(raw_labels):
             raise InvalidPair("labels", "bad_labels", "not comma-separated decimal integers")
+        if raw_labels.count(b",") >= limits.max_labels:
+            raise InvalidPair("labels", "bad_labels", f"{raw_labels.count(b',') + 1} labels "
+                              f"exceed {limits.max_labels}")
         labels = [int(x) for x in raw_labels.split(b",")]
     ts: float | None = None
     if fields.get(b"ts"):
@@ -242,8 +261,8 @@ def decode_pair(
         ts = float(fields[b"ts"])
     return make_pair(
         pair_id,
-        _decode_vector("img", fields[b"img"], img_dim, copy),
-        _decode_vector("txt", fields[b"txt"], txt_dim, copy),
+        _decode_vector("img", fields[b"img"], img_dim, limits, copy),
+        _decode_vector("txt", fields[b"txt"], txt_dim, limits, copy),
         labels=labels,
         ts=ts,
         limits=limits,
@@ -266,13 +285,16 @@ def encode_frames(pairs: Iterable[Pair]) -> bytes:
     >>> [decode_pair(f).labels for f in decode_frames(body, max_pairs=10)]
     [(3,)]
     """
-    out = bytearray()
-    for pair in pairs:
-        fields = encode_pair(pair)
-        out += len(fields).to_bytes(2, "little")
-        for name, value in fields.items():
-            out += len(name).to_bytes(1, "little") + name
-            out += len(value).to_bytes(4, "little") + value
+    return b"".join(encode_frame(encode_pair(pair)) for pair in pairs)
+
+
+def encode_frame(fields: Mapping[bytes, bytes]) -> bytes:
+    """One frame of :func:`encode_frames` holding ``fields`` as they are (not validated: what
+    a producer that builds its own frames would send)."""
+    out = bytearray(len(fields).to_bytes(2, "little"))
+    for name, value in fields.items():
+        out += len(name).to_bytes(1, "little") + name
+        out += len(value).to_bytes(4, "little") + value
     return bytes(out)
 
 

@@ -54,7 +54,14 @@ from streamxm.service import open_store
 from streamxm.serving.segments import SEGMENTS, read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import FRAMES_MEDIA_TYPE, Pair, encode_frames, make_pair
+from streamxm.stream.messages import (
+    FRAMES_MEDIA_TYPE,
+    Pair,
+    encode_frame,
+    encode_frames,
+    encode_pair,
+    make_pair,
+)
 from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash, text
 from streamxm.stream.retention import entry_id_key
 from streamxm.tools.datasets import synthetic_arrays, synthetic_pairs
@@ -822,12 +829,61 @@ def _junk_body(mib: float) -> bytes:
     return b'{"images":[[' + b",".join([b'"a"'] * n) + b']],"texts":[[1]]}'
 
 
+def _labels_bomb(mib: float) -> bytes:
+    """One message v1 frame of a valid pair whose ``labels`` field is ``1,1,1,...`` (``mib``
+    MiB): it used to be split into ints before the 64-label limit applied."""
+    fields = encode_pair(make_pair("bomb", [0.5] * 64, [0.5] * 32))
+    fields[b"labels"] = b",".join([b"1"] * max(1, int(mib * (1 << 20)) // 2))
+    return encode_frame(fields)
+
+
+def _under_junk(url: str, api_pid: int, path: str, body: bytes, content_type: str,
+                repeats: int) -> dict[str, Any]:
+    """``repeats`` posts of ``body`` to ``path`` while a thread probes ``/healthz`` and samples
+    the API's resident memory every 10 ms: statuses, answer size and time, probe latency."""
+    during: list[float] = []
+    peak = [rss_mb(api_pid)]
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(timeout=120) as own:
+            while not done.is_set():
+                start = time.perf_counter()
+                own.get(f"{url}/healthz")
+                during.append((time.perf_counter() - start) * 1000)
+                peak.append(rss_mb(api_pid))
+                done.wait(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    seconds, sizes_out, statuses = [], [], set()
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            answer = httpx.post(f"{url}{path}", content=body, timeout=120,
+                                headers={"content-type": content_type})
+            seconds.append(time.perf_counter() - start)
+            sizes_out.append(len(answer.content))
+            statuses.add(answer.status_code)
+    finally:
+        done.set()
+        watcher.join()
+    return {"status": sorted(statuses), "answer_bytes_max": max(sizes_out),
+            "answer_seconds_p50": round(statistics.median(seconds), 4),
+            "healthz_during_p50_ms": round(_percentile(during, 50), 2),
+            "healthz_during_max_ms": round(max(during), 2) if during else None,
+            "api_rss_peak_mb": round(max(peak), 1), "api_rss_after_mb": round(
+                rss_mb(api_pid), 1)}
+
+
 def hostile(sizes: str = "1,4,24,64", repeats: int = 3, probes: int = 200,
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, labels_mib: float = 11.5) -> dict[str, Any]:
     """Junk bodies of each size (MiB) to ``POST /v1/similarity`` of a serving API, ``repeats``
     times each, while one thread probes ``/healthz``; beside the probe latency at rest in the
-    same run. Reports the answer's status and size, the time to answer, the probe latency while
-    junk is being processed, and the API's resident memory (peak sampled every 10 ms)."""
+    same run. Then the labels bomb: one frame whose ``labels`` field is ``labels_mib`` MiB to
+    ``POST /v1/pairs/frames`` (inside the default body limit). Reports the answer's status and
+    size, the time to answer, the probe latency while junk is being processed, and the API's
+    resident memory (peak sampled every 10 ms)."""
     mibs = [float(x) for x in sizes.split(",") if x.strip()]
     data = synthetic_pairs(500, 64, 32, seed=seed)
     with stack(checkpoint_every_seconds=0.5) as st, httpx.Client(timeout=120) as http:
@@ -844,45 +900,16 @@ def hostile(sizes: str = "1,4,24,64", repeats: int = 3, probes: int = 200,
 
         rest = [probe_ms() for _ in range(probes)]
         rss_rest = rss_mb(api_pid)
-        results = []
-        for mib in tqdm(mibs, desc="junk bodies", file=sys.stderr):
-            body = _junk_body(mib)
-            during: list[float] = []
-            peak = [rss_mb(api_pid)]
-            done = threading.Event()
-
-            def watch(rss: list[float] = peak, lat: list[float] = during,
-                      stop: threading.Event = done) -> None:
-                with httpx.Client(timeout=120) as own:
-                    while not stop.is_set():
-                        start = time.perf_counter()
-                        own.get(f"{url}/healthz")
-                        lat.append((time.perf_counter() - start) * 1000)
-                        rss.append(rss_mb(api_pid))
-                        stop.wait(0.01)
-
-            watcher = threading.Thread(target=watch)
-            watcher.start()
-            seconds, sizes_out, statuses = [], [], set()
-            try:
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    answer = httpx.post(f"{url}/v1/similarity", content=body, timeout=120,
-                                        headers={"content-type": "application/json"})
-                    seconds.append(time.perf_counter() - start)
-                    sizes_out.append(len(answer.content))
-                    statuses.add(answer.status_code)
-            finally:
-                done.set()
-                watcher.join()
-            results.append({
-                "body_mib": mib, "status": sorted(statuses), "answer_bytes_max": max(sizes_out),
-                "answer_seconds_p50": round(statistics.median(seconds), 4),
-                "healthz_during_p50_ms": round(_percentile(during, 50), 2),
-                "healthz_during_max_ms": round(max(during), 2) if during else None,
-                "api_rss_peak_mb": round(max(peak), 1), "api_rss_after_mb": round(
-                    rss_mb(api_pid), 1)})
+        results = [{"body_mib": mib, **_under_junk(url, api_pid, "/v1/similarity",
+                                                   _junk_body(mib), "application/json",
+                                                   repeats)}
+                   for mib in tqdm(mibs, desc="junk bodies", file=sys.stderr)]
+        bomb = _labels_bomb(labels_mib)
+        labels = {"labels_mib": labels_mib, "body_bytes": len(bomb),
+                  **_under_junk(url, api_pid, "/v1/pairs/frames", bomb, FRAMES_MEDIA_TYPE,
+                                repeats)}
         return {"benchmark": "hostile", "max_body_bytes": st.settings.max_body_bytes,
                 "healthz_rest_p50_ms": round(_percentile(rest, 50), 2),
                 "healthz_rest_p99_ms": round(_percentile(rest, 99), 2),
-                "api_rss_rest_mb": round(rss_rest, 1), "bodies": results}
+                "api_rss_rest_mb": round(rss_rest, 1), "bodies": results,
+                "labels_bomb": labels}
