@@ -79,6 +79,25 @@ class _Limits:
             request_limits.reset(token)
 
 
+class _PlainPath:
+    """Refuses a path with an encoded slash or backslash (``%2F``, ``%5C``): the server decodes
+    them before routing, so ``/v1%2Fpairs`` would reach ``/v1/pairs`` past a proxy that guards
+    writes by the raw path's prefix."""
+
+    _ENCODED = (b"%2f", b"%5c")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = (scope.get("raw_path") or b"").lower() if scope["type"] == "http" else b""
+        if any(code in raw for code in self._ENCODED):
+            await JSONResponse({"detail": "an encoded slash (%2F) or backslash (%5C) in the "
+                                "path is refused"}, status_code=400)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class _Observe:
     """Request latency and status per route template (plain ASGI: a ``BaseHTTPMiddleware``
     costs a task and a body copy per request, a large share of a search's time)."""
@@ -171,6 +190,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                               "from the newest online model.")
     app.state.context = context
     app.add_middleware(_Limits, limits=RequestLimits.from_settings(settings))
+    app.add_middleware(_PlainPath)
 
     # Only routers that do check a token declare the bearer scheme and its 401, so the OpenAPI
     # schema tells clients the truth about which calls need one.

@@ -135,9 +135,11 @@ def _check_k(k: int) -> int:
 
 
 class _Strict(BaseModel):
-    """Strict types: a string is never a number, nor a boolean an integer."""
+    """Strict types: a string is never a number, nor a boolean an integer; and closed, like
+    message v1: a field the body does not define is refused (a misspelt ``verison`` must not
+    quietly answer with the newest version)."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class PairIn(_Strict):

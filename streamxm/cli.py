@@ -144,6 +144,8 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
         head = store.head(args.model) or {}
         print(json.dumps({"model": args.model, "version": head.get("version"),
                           "kept": store.kept_versions(args.model),
+                          "unreadable": {str(v): why for v, why in
+                                         store.unreadable_versions(args.model).items()},
                           "history": history(client, keys, args.model)}))
         return 0
     try:

@@ -363,3 +363,38 @@ def test_a_labels_bomb_is_refused_on_its_length_before_parsing(
     build_worker(settings, r, "cmos").run(until_idle=True)
     (_, letter), = r.xrange(keys.dead)
     assert letter[b"reason"] == b"too_large", letter
+
+
+def test_a_misspelt_query_field_is_refused_naming_it(api: ApiServer) -> None:
+    """``verison`` for ``version`` answered 200 with the newest version; now 422 naming it,
+    in every query body (the pairs' JSON too, as frames already were)."""
+    query = {"modality": "image", "vector": [0.5] * 8, "verison": 1}
+    answer = httpx.post(f"{api.url}/v1/search", json=query, timeout=30)
+    assert answer.status_code == 422, answer.text
+    (error,) = answer.json()["detail"]
+    assert error["loc"] == ["body", "verison"] and error["type"] == "extra_forbidden"
+    answer = httpx.post(f"{api.url}/v1/similarity", timeout=30, json={
+        "images": [[0.5] * 8], "texts": [[0.5] * 4], "mod": "matrix"})
+    assert answer.status_code == 422 and "mod" in answer.text
+    answer = httpx.post(f"{api.url}/v1/pairs", timeout=30, json={"pairs": [
+        {"id": "p", "img": [0.5] * 8, "txt": [0.5] * 4, "label": [1]}]})
+    assert answer.status_code == 422 and "label" in answer.text
+
+
+@pytest.mark.parametrize("path", ["/v1%2Fpairs%2Fframes", "/v1%2fpairs", "/v1%5Csearch",
+                                  "/v1/pairs%2F"])
+def test_an_encoded_slash_in_the_path_is_refused(api: ApiServer, path: str) -> None:
+    """The server decodes ``%2F`` before routing, so a proxy guarding ``/v1/pairs`` by its raw
+    prefix could be bypassed: such paths are refused with 400, whatever they decode to."""
+    host, port = api.url.removeprefix("http://").split(":")
+    body = b'{"pairs": []}'
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                     + body)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b"encoded slash" in reply
+    assert httpx.get(f"{api.url}/v1/models?next=%2Fv1%2Fpairs", timeout=10).status_code == 200

@@ -105,6 +105,25 @@ def test_worker_rejects_an_unknown_model_before_registering_it(
     assert r.smembers(keys.models) == set() and not r.exists(keys.pairs)
 
 
+@pytest.mark.parametrize(("param", "message"), [
+    ("C=-1", "C must be > 0, got -1"),
+    ("Cx=1", "unexpected keyword argument 'Cx'; its parameters: C, center"),
+])
+def test_worker_rejects_a_bad_param_before_anything_starts(
+        tmp_path: Path, settings: Settings, r: redis.Redis, param: str, message: str) -> None:
+    """Against a running Redis: exit 2 naming the parameter, with no lease taken and nothing
+    registered (it used to take the lease and fail at the first pair, or wait as a standby)."""
+    env = {**_env(tmp_path), "STREAMXM_REDIS_URL": str(settings.redis_url),
+           "STREAMXM_NAMESPACE": settings.namespace}
+    for world in ("1", "2"):
+        out = subprocess.run([*PY, "worker", "--model", "cmos", "--param", param,
+                              "--world-size", world], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+    keys = Keys(settings.namespace)
+    assert not r.exists(keys.lease("cmos")) and r.smembers(keys.models) == set()
+
+
 @pytest.mark.parametrize("token", ["", "   "])
 def test_api_refuses_to_start_with_an_empty_token(tmp_path: Path, token: str) -> None:
     env = {**_env(tmp_path), "STREAMXM_API_TOKEN": token}

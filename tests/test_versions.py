@@ -178,3 +178,38 @@ def test_rollback_under_a_live_worker_replays_the_stream_after_the_kept_version(
     assert_same_learner(latest(settings, r), reference(pairs))
     events = history(r, keys, "cmos")
     assert events[0]["event"] == "rollback" and events[0]["to_version"] == target
+
+
+def test_a_kept_but_corrupt_version_is_named_unreadable_counted_and_listed(
+        r: redis.Redis, settings: Settings) -> None:
+    """Version V kept but its blob garbled: a query pinning it answers 404 "kept but
+    unreadable" (not "not kept; kept versions: ..., V"), the corruption is counted in
+    ``streamxm_checkpoint_corrupt_total``, the rollback listing names it unreadable, and a
+    rollback to it exits 2 saying so."""
+    from tests.conftest import metric
+
+    settings = settings.model_copy(update={"checkpoint_keep": 10})
+    pairs = class_stream(400, 8, 4, seed=6)
+    client = StreamClient(r, settings.namespace)
+    keys = Keys(settings.namespace)
+    for half in (pairs[:200], pairs[200:]):
+        client.push_pairs(half)
+        build_worker(settings, r, "cmos").run(until_idle=True)
+    newest, *_, oldest = _kept(settings, r)
+    r.set(keys.checkpoint_blob("cmos", oldest), b"garbage")
+    with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+        wait_for(lambda: http.get("/readyz").status_code == 200, 30, "ready")
+        query = {"modality": "image", "vector": pairs[0].img.tolist(), "version": oldest}
+        answer = http.post("/v1/search", json=query)
+        assert answer.status_code == 404
+        assert f"version {oldest} is kept but unreadable (checksum mismatch)" in answer.text
+        scrape = http.get("/metrics").text
+    assert metric(scrape, "streamxm_checkpoint_corrupt_total", model="cmos") == 1
+    env = worker_env(settings)
+    listing = subprocess.run([*PY, "rollback", "--model", "cmos"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert json.loads(listing.stdout)["unreadable"] == {str(oldest): "checksum mismatch"}
+    refused = subprocess.run([*PY, "rollback", "--model", "cmos", "--to", str(oldest)],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "kept but unreadable" in refused.stderr
+    assert _kept(settings, r)[0] == newest  # nothing was rolled back

@@ -20,8 +20,8 @@ from streamxm.models.pairwise import PairwiseLogistic
 from streamxm.models.scsm import SCSM
 from streamxm.models.sdsrl import SDSRL
 
-__all__ = ["DIRECTIONS", "MODELS", "MODEL_NAMES", "CrossModalModel", "LearnStats", "create_model",
-           "model_class", "split_name"]
+__all__ = ["DIRECTIONS", "MODELS", "MODEL_NAMES", "CrossModalModel", "LearnStats", "check_params",
+           "create_model", "model_class", "split_name"]
 
 MODELS: dict[str, type[CrossModalModel]] = {
     m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA, SDSRL, SCSM)
@@ -69,6 +69,19 @@ def create_model(
     if variant is not None:
         kwargs["variant"] = variant
     return model_class(name)(img_dim, txt_dim, **kwargs)
+
+
+def check_params(name: str, params: dict[str, Any] | None) -> None:
+    """Refuse a model name or parameters before anything starts: the model is built once at
+    two dimensions a side (its checks do not depend on the dimensions), so a ``--param`` out of
+    range or unknown raises the same :class:`ValueError` the first pair would have."""
+    try:
+        create_model(name, 2, 2, params)
+    except ImportError as exc:  # an extra that is not installed: the pip line that fixes it
+        raise ValueError(str(exc)) from None
+    except TypeError as exc:  # an unexpected keyword: say which parameters there are
+        known = ", ".join(sorted(create_model(name, 2, 2).params()))
+        raise ValueError(f"model {name!r}: {exc}; its parameters: {known}") from None
 
 
 def model_class(name: str) -> type[CrossModalModel]:

@@ -52,6 +52,8 @@ __all__ = [
     "DirectoryCheckpointStore",
     "LeaseLost",
     "RedisCheckpointStore",
+    "VersionNotKept",
+    "VersionUnreadable",
     "blob_sha",
     "decode_blob",
     "encode_blob",
@@ -110,6 +112,11 @@ def blob_sha(blob: bytes) -> str:
 
 class VersionNotKept(LookupError):
     """A version of a model that its store does not keep (any more, or ever)."""
+
+
+class VersionUnreadable(VersionNotKept):
+    """A version the store keeps whose bytes are missing, fail their checksum or do not parse
+    (logged and counted in ``streamxm_checkpoint_corrupt_total`` when found)."""
 
 
 class LeaseLost(RuntimeError):
@@ -224,46 +231,68 @@ class CheckpointStore(ABC):
         blob = self._read(name, version, sha)
         return blob if blob is not None and blob_sha(blob) == sha else None
 
+    def _verified(self, model: str, version: int, sha: str) -> Checkpoint | str:
+        """A kept version's checkpoint, or what is wrong with it (logged and counted)."""
+        blob = self._read(model, version, sha)
+        if blob is None:
+            problem = "missing"
+        elif blob_sha(blob) != sha:
+            problem = "checksum mismatch"
+        else:
+            try:
+                return decode_blob(blob)
+            except (ValueError, OSError, KeyError) as exc:
+                problem = f"unreadable ({exc})"
+        log.error("checkpoint %s v%d %s", model, version, problem)
+        # Counting is best effort: a Redis hiccup must not hide a good version.
+        with contextlib.suppress(redis.RedisError):
+            self.r.hincrby(self.keys.checkpoint_corrupt, model, 1)
+        return problem
+
     def load(self, model: str, version: int) -> Checkpoint | None:
         """One kept version whose bytes verify; ``None`` when it is not kept (or corrupt)."""
         for kept, sha in self._versions(model):
             if kept == version:
-                blob = self.read_blob(model, version, sha)
-                return None if blob is None else decode_blob(blob)
+                ckpt = self._verified(model, version, sha)
+                return ckpt if isinstance(ckpt, Checkpoint) else None
         return None
 
     def kept_versions(self, model: str) -> list[int]:
         """The model's kept versions, newest first."""
         return [v for v, _ in self._versions(model)]
 
+    def unreadable_versions(self, model: str) -> dict[int, str]:
+        """Kept versions whose bytes do not verify, and why (reads every kept version)."""
+        out = {}
+        for version, sha in self._versions(model):
+            ckpt = self._verified(model, version, sha)
+            if not isinstance(ckpt, Checkpoint):
+                out[version] = ckpt
+        return out
+
     def load_kept(self, model: str, version: int) -> Checkpoint:
-        """:meth:`load`, or :class:`VersionNotKept` naming the version and the kept ones."""
-        ckpt = self.load(model, version)
-        if ckpt is None:
-            kept = ", ".join(map(str, self.kept_versions(model))) or "none"
-            raise VersionNotKept(f"model {model!r} version {version} is not kept; kept "
-                                 f"versions: {kept}")
-        return ckpt
+        """:meth:`load`, or :class:`VersionNotKept` naming the version and the kept ones
+        (:class:`VersionUnreadable` when it is kept but its bytes do not verify)."""
+        versions = self._versions(model)
+        kept = ", ".join(str(v) for v, _ in versions) or "none"
+        for candidate, sha in versions:
+            if candidate == version:
+                ckpt = self._verified(model, version, sha)
+                if isinstance(ckpt, Checkpoint):
+                    return ckpt
+                raise VersionUnreadable(f"model {model!r} version {version} is kept but "
+                                        f"unreadable ({ckpt}); kept versions: {kept}")
+        raise VersionNotKept(f"model {model!r} version {version} is not kept; kept "
+                             f"versions: {kept}")
 
     def load_latest(self, model: str) -> Checkpoint | None:
         """The newest version whose bytes verify; older good ones replace corrupt ones."""
         for version, sha in self._versions(model):
-            blob = self._read(model, version, sha)
-            problem = None
-            if blob is None:
-                problem = "missing"
-            elif blob_sha(blob) != sha:
-                problem = "checksum mismatch"
-            else:
-                try:
-                    return decode_blob(blob)
-                except (ValueError, OSError, KeyError) as exc:
-                    problem = f"unreadable ({exc})"
-            log.error("checkpoint %s v%d %s; falling back to the previous version",
-                      model, version, problem)
-            # Counting is best effort: a Redis hiccup must not hide the good version.
-            with contextlib.suppress(redis.RedisError):
-                self.r.hincrby(self.keys.checkpoint_corrupt, model, 1)
+            ckpt = self._verified(model, version, sha)
+            if isinstance(ckpt, Checkpoint):
+                return ckpt
+            log.error("checkpoint %s: falling back from v%d to the previous version", model,
+                      version)
         return None
 
     def corrupt_count(self, model: str) -> int:

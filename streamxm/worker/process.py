@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from streamxm.config import Settings
+from streamxm.models import check_params
 from streamxm.service import build_indexer, build_worker
 from streamxm.stream.redis_conn import connect
 
@@ -35,6 +36,7 @@ def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = N
     With ``world > 1`` this process is rank ``rank`` of a distributed learner."""
     if not 0 <= rank < max(world, 1):
         raise SystemExit(f"--rank must be in 0..{world - 1}, got {rank}")
+    check_params(model, params)  # before the lease, the ranks or a standby's wait
     stop = _stop_on_signals()
     # No silent command retries: the worker handles a lost connection itself (reload, replay).
     client = connect(settings, retries=0)
