@@ -566,6 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     from streamxm.stream.migrate import LegacyKeys, MigrationConflict
 
     try:
+        from streamxm.config import get_settings
+        from streamxm.threads import apply_threads
+
+        apply_threads(get_settings().threads)  # before any pool spins up
         return int(args.func(args))
     except ValidationError as exc:  # the settings: name each variable that is wrong
         for error in exc.errors():

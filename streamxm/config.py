@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default=Path(".streamxm"),
                            description="embedded Redis data and local files")
     namespace: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    threads: int = Field(default=1, ge=1, le=1024, description="threads of every numeric "
+                         "pool in each process (BLAS, OpenMP, PyTorch): processes share a "
+                         "machine, so one each unless a process has the machine to itself")
     redis_wait_replicas: int = Field(
         default=0, ge=0, le=16, description="replicas that must hold a push or a checkpoint "
         "commit before it counts as done (Redis WAIT); 0: replication is asynchronous")

@@ -23,8 +23,13 @@ from streamxm.serving.httpserver import server_options
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
+from streamxm.threads import apply_threads
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import free_port, wait_for
+
+# The suite computes as the service does (STREAMXM_THREADS, one thread per pool unless set), so
+# it passes on a machine whose cores are shared; child processes inherit it.
+apply_threads(int(os.environ.get("STREAMXM_THREADS", "1")))
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_WIKI = ROOT.parent / "shared" / "datasets" / "wiki_sift128_lda10.npz"

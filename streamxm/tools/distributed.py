@@ -64,8 +64,7 @@ def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: in
     with stack(eval_every=eval_every, read_batch=read_batch, seed=seed,
                dist_host="127.0.0.1", lease_ttl_ms=5000) as st:
         StreamClient(st.r, NAMESPACE).push_pairs(pairs)
-        threads_env = {name: str(threads) for name in
-                       ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+        threads_env = {"STREAMXM_THREADS": str(threads)}
         extra = [arg for key, value in (params or {}).items()
                  for arg in ("--param", f"{key}={json.dumps(value)}")]
         for rank in range(ranks):

@@ -137,7 +137,7 @@ def stack(**settings: Any) -> Iterator[Stack]:
     cfg = Settings(_env_file=None, **values)  # type: ignore[call-arg]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
     env.update({f"STREAMXM_{k.upper()}": str(v) for k, v in values.items()},
-               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+               STREAMXM_THREADS="1")
     st = Stack(root, server, cfg, connect(cfg), env, [])
     try:
         yield st

@@ -12,6 +12,7 @@ from streamxm.config import Settings
 from streamxm.models import check_params
 from streamxm.service import build_indexer, build_worker
 from streamxm.stream.redis_conn import connect
+from streamxm.threads import thread_report
 
 __all__ = ["run_indexer", "run_worker"]
 
@@ -37,6 +38,7 @@ def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = N
     if not 0 <= rank < max(world, 1):
         raise SystemExit(f"--rank must be in 0..{world - 1}, got {rank}")
     check_params(model, params)  # before the lease, the ranks or a standby's wait
+    log.info("worker for %s: compute threads %s", model, thread_report())
     stop = _stop_on_signals()
     # No silent command retries: the worker handles a lost connection itself (reload, replay).
     client = connect(settings, retries=0)
