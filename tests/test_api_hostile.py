@@ -398,3 +398,29 @@ def test_an_encoded_slash_in_the_path_is_refused(api: ApiServer, path: str) -> N
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     assert b"encoded slash" in reply
     assert httpx.get(f"{api.url}/v1/models?next=%2Fv1%2Fpairs", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("pair_id", ["nul\x00id", "line\r\nFORGED", "\x1b[31mred", "tab\tid"])
+def test_an_id_with_a_control_character_is_refused_at_every_door(
+        api: ApiServer, r: redis.Redis, settings: Settings, pair_id: str) -> None:
+    """The id contract: printable characters only. JSON and frames answer 422 ``bad_id``; a
+    stream entry written past the API is dead-lettered ``bad_id`` by the worker. Glob
+    characters are ordinary characters and go through."""
+    from streamxm.stream.messages import FRAMES_MEDIA_TYPE, encode_frame
+
+    pair = {"id": pair_id, "img": [0.5] * 8, "txt": [0.5] * 4}
+    answer = httpx.post(f"{api.url}/v1/pairs", json={"pairs": [pair]}, timeout=30)
+    assert answer.status_code == 422 and "bad_id" in answer.text, answer.text
+    fields = encode_pair(make_pair("placeholder", [0.5] * 8, [0.5] * 4))
+    fields[b"id"] = pair_id.encode()
+    answer = httpx.post(f"{api.url}/v1/pairs/frames", content=encode_frame(fields),
+                        headers={"Content-Type": FRAMES_MEDIA_TYPE}, timeout=30)
+    assert answer.status_code == 422 and "bad_id" in answer.text, answer.text
+    keys = Keys(settings.namespace)
+    r.xadd(keys.pairs, fields)  # type: ignore[arg-type]
+    glob = httpx.post(f"{api.url}/v1/pairs", timeout=30, json={"pairs": [
+        {**pair, "id": "photos/*?[ab]-{1}"}]})
+    assert glob.status_code == 202, glob.text
+    build_worker(settings, r, "cmos").run(until_idle=True)
+    (_, letter), = r.xrange(keys.dead)
+    assert letter[b"reason"] == b"bad_id", letter

@@ -84,7 +84,12 @@ def mutation(draw: st.DrawFn) -> Case:
         fields[b"id"] = draw(st.one_of(
             st.just(b""),
             st.binary(min_size=1, max_size=8).map(lambda b: b"\xff" + b),  # not UTF-8
+            st.text(min_size=1, max_size=20).map(lambda t: (t + "\x00").encode()),
+            st.sampled_from([b"a\r\nb", b"\x1b[31mred", b"tab\tid", b"\x7f"]),
+            # Too long: by characters, or past the most bytes 256 characters take (too_large).
             st.text(min_size=257, max_size=300).map(str.encode)))
+        if len(fields[b"id"]) > 4 * 256:
+            return fields, "too_large", "id"
         return fields, "bad_id", "id"
     if which in ("img", "txt"):
         update, reason, name = draw(bad_vector(which, IMG if which == "img" else TXT))

@@ -128,10 +128,18 @@ def _labels(value: Iterable[object] | None, limits: Limits) -> tuple[int, ...]:
 
 
 def _pair_id(value: object, limits: Limits) -> str:
+    """The id contract (docs/design.md): 1 to ``max_id_length`` printable characters. Control
+    characters (NUL, CR/LF, ESC, TAB, ...) are refused, so an id can neither cut a log line nor
+    carry terminal escapes; any other Unicode is the producer's, glob characters included
+    (nothing matches patterns against ids). Ids are not keys: a reused id is another pair."""
     if not isinstance(value, str) or not value:
         raise InvalidPair("id", "bad_id", "must be a non-empty string")
     if len(value) > limits.max_id_length:
         raise InvalidPair("id", "bad_id", f"longer than {limits.max_id_length} characters")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise InvalidPair("id", "bad_id", f"holds the control character {bad!r}: ids are "
+                          "printable characters only")
     return value
 
 
