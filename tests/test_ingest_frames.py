@@ -32,7 +32,11 @@ from tests.conftest import ApiServer, class_stream, latest, wait_for
 FRAMES = {"content-type": FRAMES_MEDIA_TYPE}
 
 
-@given(st.lists(st.tuples(st.text(min_size=1, max_size=20),
+#: Ids as the contract allows them: any printable characters (docs/design.md).
+_IDS = st.text(st.characters(codec="utf-8").filter(str.isprintable), min_size=1, max_size=20)
+
+
+@given(st.lists(st.tuples(_IDS,
                           st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=6),
                           st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=6),
                           st.lists(st.integers(0, 1000), max_size=3)), min_size=1, max_size=8))
