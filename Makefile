@@ -19,6 +19,7 @@ demo: install
 test: install
 	$(PY) -m ruff check streamxm api workers tests
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 clean:

@@ -24,12 +24,13 @@ from api.schemas import RequestLimits, error_responses, request_limits
 from streamxm.config import Settings, get_settings
 from streamxm.service import limits_from, open_namespace, open_store
 from streamxm.serving.champion import ChampionRule
+from streamxm.serving.httpserver import freeze_startup_objects
 from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import InvalidModelName, ModelNotReady, ModelServer, UnknownModel
+from streamxm.storage.checkpoint import VersionNotKept
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import UNAVAILABLE, Replication, connect, resolve_url
-from streamxm.worker.checkpoint import VersionNotKept
 
 log = logging.getLogger(__name__)
 
@@ -239,4 +240,12 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         return JSONResponse({"detail": [{"loc": ["body", "model"], "msg": str(exc),
                                          "type": "unknown_model"}]}, status_code=422)
 
+    return app
+
+
+def serve_app() -> FastAPI:
+    """The app ``streamxm api`` serves: :func:`create_app` from the environment's settings, then
+    the objects made at import and start-up frozen out of later garbage collections."""
+    app = create_app()
+    freeze_startup_objects()
     return app

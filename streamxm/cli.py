@@ -63,7 +63,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
-    from streamxm.worker.process import run_worker
+    from streamxm.run import run_worker
 
     # torchrun (and similar launchers) say the rank and world size in the environment.
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -74,7 +74,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_indexer(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
-    from streamxm.worker.process import run_indexer
+    from streamxm.run import run_indexer
 
     return run_indexer(get_settings())
 
@@ -82,13 +82,12 @@ def _cmd_indexer(args: argparse.Namespace) -> int:
 def _cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    import api.app  # noqa: F401  (imported here so that its objects are frozen below)
     from streamxm.config import get_settings
-    from streamxm.serving.httpserver import freeze_startup_objects, server_options
+    from streamxm.serving.httpserver import server_options
 
     settings = get_settings()  # invalid settings stop here, with the setting named
-    freeze_startup_objects()
-    uvicorn.run("api.app:create_app", factory=True, host=args.host or settings.api_host,
+    # The app is named, not imported: the library never imports the api package.
+    uvicorn.run("api.app:serve_app", factory=True, host=args.host or settings.api_host,
                 port=args.port or settings.api_port, log_level="info",
                 **server_options(settings))
     return 0
@@ -129,10 +128,10 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
 
     from streamxm.config import get_settings
     from streamxm.service import open_store
+    from streamxm.storage.checkpoint import VersionNotKept
     from streamxm.stream.keys import Keys
     from streamxm.stream.migrate import require_migrated
     from streamxm.stream.redis_conn import connect
-    from streamxm.worker.checkpoint import VersionNotKept
     from streamxm.worker.rollback import history, rollback
 
     settings = get_settings()

@@ -7,15 +7,15 @@ from typing import Any
 import redis
 
 from streamxm.config import Settings
-from streamxm.stream.keys import Keys
-from streamxm.stream.messages import Limits
-from streamxm.stream.migrate import require_migrated
-from streamxm.stream.redis_conn import Replication
-from streamxm.worker.checkpoint import (
+from streamxm.storage.checkpoint import (
     CheckpointStore,
     DirectoryCheckpointStore,
     RedisCheckpointStore,
 )
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Limits
+from streamxm.stream.migrate import require_migrated
+from streamxm.stream.redis_conn import Replication
 from streamxm.worker.gallery import GalleryIndexer
 from streamxm.worker.loop import LearnerWorker
 

@@ -19,7 +19,7 @@ from redis.crc import key_slot
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
 from streamxm.service import build_indexer, build_worker
-from streamxm.serving.segments import read_manifest
+from streamxm.storage.segments import read_manifest
 from streamxm.stream.client import StreamClient, decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits, Pair

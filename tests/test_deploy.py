@@ -20,10 +20,10 @@ from streamxm.config import Settings
 from streamxm.service import build_worker
 from streamxm.serving.metrics import ApiMetrics
 from streamxm.serving.server import ModelServer
+from streamxm.storage.checkpoint import RedisCheckpointStore
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import make_pair
-from streamxm.worker.checkpoint import RedisCheckpointStore
 from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

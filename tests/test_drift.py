@@ -7,8 +7,8 @@ import pytest
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import MODEL_NAMES
+from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, make_pair
-from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 from tests.conftest import class_stream
 
 # Small models where the defaults would dwarf a 16-d toy stream; the behaviour under test is the

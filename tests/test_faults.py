@@ -20,11 +20,11 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import build_worker
+from streamxm.storage.checkpoint import RedisCheckpointStore
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair, decode_pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
-from streamxm.worker.checkpoint import RedisCheckpointStore
 from tests.conftest import (
     IMG,
     PY,
@@ -310,7 +310,7 @@ def test_corrupt_checkpoint_falls_back_replays_and_counts(
         assert 'streamxm_checkpoint_corrupt_total{model="cmos"}' in metrics
     # A worker falls back too, replays what the bad version had covered, and carries on.
     client.push_pairs(pairs[600:])
-    caplog.set_level(logging.ERROR, logger="streamxm.worker.checkpoint")
+    caplog.set_level(logging.ERROR, logger="streamxm.storage.checkpoint")
     worker = build_worker(every, r, "cmos")
     worker.run(until_idle=True)
     assert any("checksum mismatch" in rec.getMessage() for rec in caplog.records)

@@ -14,7 +14,7 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import build_indexer, build_worker, open_store
-from streamxm.serving.segments import SEGMENTS, decode_segment, read_manifest
+from streamxm.storage.segments import SEGMENTS, decode_segment, read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 import redis
 
-from streamxm.stream.keys import Keys
-from streamxm.stream.messages import InvalidPair, decode_pair, encode_pair, make_pair
-from streamxm.worker.checkpoint import (
+from streamxm.storage.checkpoint import (
     Checkpoint,
     DirectoryCheckpointStore,
     LeaseLost,
@@ -18,6 +16,8 @@ from streamxm.worker.checkpoint import (
     decode_blob,
     encode_blob,
 )
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import InvalidPair, decode_pair, encode_pair, make_pair
 
 
 def test_message_round_trip() -> None:

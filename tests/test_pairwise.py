@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import redis
 
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
-from streamxm.learning.replay import ReplayBuffer
 from streamxm.models import create_model
 from streamxm.models.cca import CCA
 from streamxm.models.marginal import MarginalMatching

@@ -23,10 +23,10 @@ from streamxm.models.sam import (
     semantic_margin,
 )
 from streamxm.service import build_worker
+from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.bench import quality
-from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
 
 SMALL = {"dim": 8, "hidden": 32, "batch_size": 16, "replay": 64, "step_every": 3,

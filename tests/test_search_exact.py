@@ -16,10 +16,10 @@ from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import MODEL_NAMES
 from streamxm.service import open_store
+from streamxm.storage.checkpoint import Checkpoint
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
-from streamxm.worker.checkpoint import Checkpoint
 from tests.conftest import IMG, TXT, ApiServer, class_stream, wait_for
 from tests.test_model_contract import SMALL
 

@@ -216,7 +216,7 @@ def test_gallery_chunks_merge_tier_by_tier_and_the_cap_holds() -> None:
 def test_unit_rows_of_tiny_and_zero_vectors_stay_finite() -> None:
     """A valid pair may carry a vector of norm 1e-40 (finite, so accepted): its unit row is
     computed in float64, where 1 / norm does not overflow."""
-    from streamxm.serving.gallery import _unit_rows
+    from streamxm.storage.rows import _unit_rows
 
     unit, norms = _unit_rows(np.array([[1e-40, 0, 0], [3, 4, 0], [0, 0, 0]], dtype=np.float32))
     assert np.isfinite(unit).all()

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from streamxm.buffer.replay import BURST_THRESHOLD, MAX_GROUPS, ReplayBuffer
 from streamxm.learning.learner import StreamLearner
-from streamxm.learning.replay import BURST_THRESHOLD, MAX_GROUPS, ReplayBuffer
 from streamxm.models.sam import SAM
+from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
-from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 from tests.conftest import PY, assert_same_learner, class_stream
 
 

@@ -16,10 +16,10 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import build_worker, open_store
+from streamxm.storage.checkpoint import VersionNotKept
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.retention import entry_id_key
-from streamxm.worker.checkpoint import VersionNotKept
 from streamxm.worker.rollback import history, rollback
 from tests.conftest import (
     PY,

@@ -16,6 +16,7 @@ from api.schemas import (
     SimilarityOut,
     error_responses,
 )
+from streamxm.learning.stats import WorkerStats
 from streamxm.models.ensemble import is_ensemble
 from streamxm.serving.server import (
     EnsembleUnsupported,
@@ -26,7 +27,6 @@ from streamxm.serving.server import (
     other_modality,
 )
 from streamxm.stream.redis_conn import str_hash, str_set
-from streamxm.worker.stats import WorkerStats
 
 router = APIRouter()
 

@@ -12,7 +12,7 @@ stay per rank, and rank 0's are the ones checkpointed.
 
 Everything that travels between ranks is plain arrays: shares are message v1 frames
 (:func:`~streamxm.stream.messages.encode_frames`), a learner's whole state is a checkpoint blob
-(arrays + JSON, :func:`~streamxm.worker.checkpoint.encode_blob`). Nothing is pickled.
+(arrays + JSON, :func:`~streamxm.storage.checkpoint.encode_blob`). Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import DIRECTIONS
 from streamxm.models.base import MergeParts
+from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, decode_frames, decode_pair, encode_frames
-from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 
 __all__ = ["LearnerMerge", "RankGroup", "balanced_first", "decode_learner", "decode_share",
            "encode_learner", "encode_share", "split_share"]

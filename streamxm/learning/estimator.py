@@ -21,8 +21,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import DIRECTIONS, split_name
+from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, make_pair
-from streamxm.worker.checkpoint import Checkpoint, decode_blob, encode_blob
 
 __all__ = ["LearnReport", "Learner", "SearchHit"]
 

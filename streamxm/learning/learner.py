@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.buffer.replay import ReplayBuffer
+from streamxm.faults import raise_point
 from streamxm.learning.drift import DriftMonitor
 from streamxm.learning.evaluation import average_precision
-from streamxm.learning.replay import ReplayBuffer
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model, model_class
 from streamxm.stream.messages import Pair
-from streamxm.worker.faults import raise_point
 
 __all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner", "default_memory"]
 
@@ -83,7 +83,7 @@ class StreamLearner:
         Pairs in the replay buffer's ring of the most recent pairs.
     buffer_memory
         Slots of the class-balanced memory of the whole history beside the ring
-        (:class:`~streamxm.learning.replay.ReplayBuffer`), which the models draw from during a
+        (:class:`~streamxm.buffer.replay.ReplayBuffer`), which the models draw from during a
         burst of few classes only; 0: the ring alone; ``None`` (default): the model's own
         share of the ring (:attr:`~streamxm.models.base.CrossModalModel.memory_share`).
         ``docs/benchmarks.md`` ("Stream order") measures what it buys.

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.learning.replay import ReplayBuffer, TripletSampler
+from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.stream.messages import Pair
 
 __all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "MergeParts", "observe_triplet",
@@ -77,7 +77,7 @@ class CrossModalModel(ABC):
     #: Size of the class-balanced memory of the whole history that the learner keeps beside its
     #: ring of recent pairs when it is not told (``buffer_memory=None``), as a multiple of the
     #: ring: models that draw triplets, partners or replays from the buffer ask for one and use
-    #: it during bursts of few classes only (:meth:`~streamxm.learning.replay.ReplayBuffer.
+    #: it during bursts of few classes only (:meth:`~streamxm.buffer.replay.ReplayBuffer.
     #: drawable`); the order-free models (statistics, their own reservoir) need none.
     memory_share: ClassVar[float] = 0.0
     #: Whether learning reads the pairs' labels (wrong labels can then hurt it).
@@ -260,7 +260,7 @@ def observe_triplet(model: CrossModalModel, pair: Pair, slot: int, buffer: Repla
     """Score one triplet of the arriving pair with the current model and record it, without
     learning from it: the mistake metrics of models whose updates are not per triplet.
 
-    The triplet is drawn as the online models draw theirs (:class:`~streamxm.learning.replay.
+    The triplet is drawn as the online models draw theirs (:class:`~streamxm.buffer.replay.
     TripletSampler`, directions alternating over the stream); its loss is the zero-margin hinge
     ``max(0, s(q, n) - s(q, p))``, since such models have no margin of their own.
     """

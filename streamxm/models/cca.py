@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.learning.replay import ReplayBuffer
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import (
     Arrays,
     CrossModalModel,

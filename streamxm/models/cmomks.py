@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.learning.replay import ReplayBuffer, TripletSampler
+from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.stream.messages import Pair
 
@@ -182,7 +182,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
       cannot underflow on long streams.
     - **Triplets** come from the replay buffer as for CMOS, ``triplets_per_pair`` per pair,
       directions alternating. During a burst of few classes
-      (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`) they are drawn from the whole
+      (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) they are drawn from the whole
       buffer, its class-balanced memory included, and ``rehearse`` more triplets per pair take
       a remembered pair as the query (as CMOS's ``replay``), so the exact support is not all of
       the arriving class. The landmark pool is still the stream's first pairs: in class order

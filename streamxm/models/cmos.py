@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.learning.replay import ReplayBuffer, TripletSampler
+from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.stream.messages import Pair
 
@@ -43,7 +43,7 @@ class CMOS(CrossModalModel, name="cmos"):
       the mean includes the arriving pair). Centring only moves the query vector: the
       difference ``t+ - t-`` is unchanged by it. The means are part of the state.
     - **Triplets per pair**: each arriving pair yields ``triplets_per_pair`` triplets (default 10),
-      drawn from the replay buffer by :func:`streamxm.learning.replay.sample_triplet_slots` (uniform
+      drawn from the replay buffer by :func:`streamxm.buffer.replay.sample_triplet_slots` (uniform
       candidates from the learner's ring of the last 500 pairs), the arriving pair being the
       query; directions alternate across all triplets.
     - **Bursts** (not in the paper; ``replay = 2`` by default): the paper learns only from
@@ -52,7 +52,7 @@ class CMOS(CrossModalModel, name="cmos"):
       candidates any more and slip. CMOS asks its learner for a class-balanced memory of the
       whole history beside the ring (``memory_share = 1``: 500 slots beside 500). While the
       buffer says the stream is in a burst of few classes
-      (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`), the triplets' candidates come from
+      (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`), the triplets' candidates come from
       the ring and the memory together, and each pair adds ``replay`` triplets whose query is a
       remembered pair (uniform over the memory), drawn and solved like the others. Outside a
       burst CMOS learns exactly by the paper's rule: on Wikipedia in file order the figure is

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.special import softmax
 
-from streamxm.learning.replay import ReplayBuffer
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import append_constant, power_normalize
@@ -54,10 +54,10 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
     - **Bursts**: the model asks its learner for a class-balanced memory of the whole history
       twice the size of the ring (``memory_share = 2``: 1,000 slots beside 500; with 500, class
       order kept 99.2% / 95.7%, with 1,000 99.6% / 100.3%). While the buffer says the stream is in
-      a burst of few classes (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`) the ring
+      a burst of few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the ring
       holds the class arriving now, so the replayed pairs are drawn from the ring and the
       memory together with each class as likely as its share of the whole stream
-      (:meth:`~streamxm.learning.replay.ReplayBuffer.stream_mix`): replaying the ring would
+      (:meth:`~streamxm.buffer.replay.ReplayBuffer.stream_mix`): replaying the ring would
       deepen the bias towards the arriving class, and the memory's even mix of classes costs
       text->image a few percent against the stream's own mix. Outside a burst the replays come
       from the ring, exactly as without a memory.

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.special import expit
 
-from streamxm.learning.replay import ReplayBuffer, skip_past
+from streamxm.buffer.replay import ReplayBuffer, skip_past
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.moments import (
     ResolveSchedule,
@@ -74,7 +74,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       arrives one topic at a time every positive is of the arriving class, and the others fade.
       The model asks its learner for a class-balanced memory of the whole history beside the
       ring (``memory_share = 1``: 500 slots beside 500). While the buffer says the stream is in
-      a burst of few classes (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`) the
+      a burst of few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the
       partners come from the ring and the memory together, and ``rehearse`` more steps per
       pair (8) take a stored pair, drawn uniformly from both, as the positive; they are not
       counted in the metrics. On Wikipedia in class order (seed 0) the logistic variant keeps
@@ -343,7 +343,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
 
 class _FeatureCache:
     """Whitened features of the pairs in a replay buffer, one row per slot, kept until the slot
-    is written (:attr:`~streamxm.learning.replay.ReplayBuffer.versions`) or the whitener changes.
+    is written (:attr:`~streamxm.buffer.replay.ReplayBuffer.versions`) or the whitener changes.
 
     Every step whitens 11 stored pairs and a burst's rehearsal steps whiten only stored pairs;
     at 4096-d a whitening is a pass over a 134 MB matrix, so a pair is whitened once (when it

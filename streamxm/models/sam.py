@@ -16,7 +16,7 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor, nn
 
-from streamxm.learning.replay import ReplayBuffer
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler, power_normalize
@@ -168,8 +168,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       pairs then go. Pairs still pending are in the checkpoint. ``flush`` does not force a step,
       so when steps happen depends on the pair count only.
     - **Bursts** (``balance=True``): while the learner's buffer says the stream is in a burst of
-      few classes (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`), the fill is drawn
-      with every class equally likely (:meth:`~streamxm.learning.replay.ReplayBuffer.
+      few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`), the fill is drawn
+      with every class equally likely (:meth:`~streamxm.buffer.replay.ReplayBuffer.
       balanced_mix`) instead of uniformly. One pass over a reservoir draws a pair less the later
       it arrives, so in class order the last classes are learned least; a class-balanced fill
       gives the arriving class its share from the start of its burst. Wikipedia in class order,

@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import linear_sum_assignment
 
-from streamxm.learning.replay import ReplayBuffer
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.scsm_solver import Problem

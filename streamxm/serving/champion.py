@@ -1,7 +1,7 @@
 """Which model answers ``model: "auto"``: the champion of each direction, by evidence.
 
 The evidence is each model's rolling test-then-train mAP in that direction (every learner
-scores each pair before it learns it, :class:`~streamxm.worker.stats.WorkerStats`), read with
+scores each pair before it learns it, :class:`~streamxm.learning.stats.WorkerStats`), read with
 its pairs processed. The rule, per direction:
 
 - a model is *eligible* once ``min_pairs`` pairs stand behind its rolling mAP;

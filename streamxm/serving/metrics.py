@@ -30,14 +30,14 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisClusterException
 
 from streamxm.learning.learner import UPDATE_BUCKETS
+from streamxm.learning.stats import WorkerStats
 from streamxm.models import DIRECTIONS
-from streamxm.serving.segments import CorruptSegments
 from streamxm.serving.server import ModelServer
+from streamxm.storage.segments import CorruptSegments
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import REASONS
 from streamxm.stream.redis_conn import str_hash, str_set, text
 from streamxm.stream.retention import entry_id_key
-from streamxm.worker.stats import WorkerStats
 
 __all__ = ["ApiMetrics", "StreamCollector", "method_label"]
 

@@ -33,6 +33,7 @@ import redis
 from numpy.typing import NDArray
 
 from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stats import WorkerStats
 from streamxm.models import DIRECTIONS, CrossModalModel, split_name
 from streamxm.models.ensemble import (
     REFERENCE_ITEMS,
@@ -45,14 +46,13 @@ from streamxm.models.ensemble import (
 from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
 from streamxm.serving.index import Block, Int8Block, QueryCoalescer, index_block
-from streamxm.serving.segments import CorruptSegments, Manifest, open_segment, read_manifest
+from streamxm.storage.checkpoint import CheckpointStore
+from streamxm.storage.segments import CorruptSegments, Manifest, open_segment, read_manifest
 from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 from streamxm.stream.redis_conn import str_hash, str_set, stream_entries, text
 from streamxm.stream.retention import entry_id_key
-from streamxm.worker.checkpoint import CheckpointStore
-from streamxm.worker.stats import WorkerStats
 
 __all__ = ["AUTO", "EmbeddedGallery", "EnsembleUnsupported", "InvalidModelName", "ModelNotReady",
            "ModelServer", "SameModalityUnsupported", "SearchAnswer", "ServedEnsemble",
@@ -450,10 +450,12 @@ class ModelServer:
             key = (ref.seq, ref.sha)
             chunk = self._segments.get(key)
             if chunk is None and key not in self.corrupt_segments:
-                chunk = open_segment(self.store, ref)
-                if chunk is None:  # quarantined: the rest of the gallery is served
+                rows = open_segment(self.store, ref)
+                if rows is None:  # quarantined: the rest of the gallery is served
                     self.corrupt_segments[key] = manifest.live_rows(ref)
                     self._corrupt.record(ref, manifest.live_rows(ref))
+                else:
+                    chunk = GalleryChunk.from_rows(rows)
             if chunk is not None:
                 opened[key] = chunk
         self._segments = opened
@@ -551,7 +553,7 @@ class ModelServer:
 
     def get(self, name: str, version: int | None = None) -> ServedModel:
         """The served version of ``name``, or the kept ``version`` of it (loaded from the store
-        on first use; :class:`~streamxm.worker.checkpoint.VersionNotKept` when the store no
+        on first use; :class:`~streamxm.storage.checkpoint.VersionNotKept` when the store no
         longer keeps it)."""
         served = self._served(name)
         if version is None or version == served.version:

@@ -23,9 +23,9 @@ import time
 
 import redis
 
+from streamxm.faults import pause_point
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash, str_set, text
-from streamxm.worker.faults import pause_point
 
 __all__ = ["BEFORE_TRIM", "entry_id_key", "retention_bound", "trim_stream"]
 

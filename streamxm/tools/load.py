@@ -51,7 +51,7 @@ from streamxm.learning.learner import StreamLearner
 from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import REFERENCE_ITEMS
 from streamxm.service import open_store
-from streamxm.serving.segments import SEGMENTS, read_manifest
+from streamxm.storage.segments import SEGMENTS, read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import (

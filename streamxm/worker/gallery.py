@@ -9,7 +9,7 @@ lands in exactly one live segment. Segments merge tier by tier as they are writt
 few while they are small, up to ``max_segment_rows``), and the oldest rows retire once the
 gallery passes ``max_items``. Entries that do not decode are skipped (the learners dead-letter
 them). A segment found corrupt (by this indexer merging it, or by an API opening it) is
-quarantined: recorded with the rows lost (:class:`~streamxm.serving.segments.CorruptSegments`)
+quarantined: recorded with the rows lost (:class:`~streamxm.storage.segments.CorruptSegments`)
 and dropped from the manifest at the next commit, so one bad file costs its own rows and
 nothing else.
 """
@@ -25,8 +25,9 @@ import time
 import numpy as np
 import redis
 
-from streamxm.serving.gallery import CHUNK_MAX, GalleryChunk, merge_count
-from streamxm.serving.segments import (
+from streamxm.storage.checkpoint import CheckpointStore, LeaseLost, blob_sha
+from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
+from streamxm.storage.segments import (
     SEGMENTS,
     CorruptSegments,
     Manifest,
@@ -40,7 +41,6 @@ from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import UNAVAILABLE, NotReplicated, stream_entries
-from streamxm.worker.checkpoint import CheckpointStore, LeaseLost, blob_sha
 from streamxm.worker.lease import Lease
 
 __all__ = ["GalleryIndexer"]
@@ -162,7 +162,7 @@ class GalleryIndexer:
         seq, blob = old.next_seq, None
         if self._buffer:
             ids, imgs, txts = zip(*self._buffer, strict=True)
-            chunk = GalleryChunk.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
+            chunk = GalleryRows.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
             merged = merge_count([s.rows for s in segments], len(chunk), self.max_segment_rows)
             parts = []
             for i in range(len(segments) - merged, len(segments)):
@@ -173,7 +173,7 @@ class GalleryIndexer:
                     skip = 0
             dropped += segments[len(segments) - merged :]
             segments = segments[: len(segments) - merged]
-            chunk = GalleryChunk.joined([*parts, chunk])
+            chunk = GalleryRows.joined([*parts, chunk])
             blob = encode_segment(seq, chunk, self.position)
             segments.append(SegmentRef(seq, blob_sha(blob), len(chunk)))
         # Retire the oldest rows past the cap: whole segments, then rows of the first.
@@ -211,7 +211,7 @@ class GalleryIndexer:
                 segments.append(ref)
         return segments, skip, dropped
 
-    def _segment(self, ref: SegmentRef, skip: int) -> GalleryChunk | None:
+    def _segment(self, ref: SegmentRef, skip: int) -> GalleryRows | None:
         """A segment's rows to merge; ``None`` (recorded, its rows past ``skip`` lost) when it
         is corrupt."""
         chunk = open_segment(self.store, ref)

@@ -46,7 +46,9 @@ from typing import Any
 import redis
 
 from streamxm.learning.learner import LearnFailed, StreamLearner
+from streamxm.learning.stats import WorkerStats
 from streamxm.models import split_name
+from streamxm.storage.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
@@ -60,9 +62,7 @@ from streamxm.stream.redis_conn import (
     wait_replicated,
 )
 from streamxm.stream.retention import entry_id_key, trim_stream
-from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.worker.lease import REFRESH_LEASE, RELEASE_LEASE
-from streamxm.worker.stats import WorkerStats
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
 

@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 import redis
 
 from streamxm.learning.learner import StreamLearner
+from streamxm.storage.checkpoint import Checkpoint, CheckpointStore
 from streamxm.stream.keys import Keys
-from streamxm.worker.checkpoint import Checkpoint, CheckpointStore
 from streamxm.worker.lease import RELEASE_LEASE
 
 __all__ = ["HISTORY_MAX", "Rollback", "history", "rollback"]
@@ -54,7 +54,7 @@ class Rollback:
 def rollback(client: redis.Redis, store: CheckpointStore, keys: Keys, model: str,
              to_version: int, lease_ms: int = 30_000) -> Rollback:
     """Make kept version ``to_version`` of ``model`` the newest (see the module docstring);
-    :class:`~streamxm.worker.checkpoint.VersionNotKept` when the store does not keep it."""
+    :class:`~streamxm.storage.checkpoint.VersionNotKept` when the store does not keep it."""
     ckpt = store.load_kept(model, to_version)
     owner = f"rollback-{uuid.uuid4().hex[:12]}"
     lease_key = keys.lease(model)

@@ -41,10 +41,10 @@ import numpy as np
 import redis
 from numpy.typing import NDArray
 
+from streamxm.faults import pause_point
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import Replication, str_hash, text, wait_replicated
 from streamxm.stream.retention import entry_id_key
-from streamxm.worker.faults import pause_point
 
 __all__ = [
     "Checkpoint",

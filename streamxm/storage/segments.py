@@ -1,9 +1,9 @@
 """The search gallery as immutable segments: what the gallery indexer writes and API replicas
 open, so that no replica replays the stream.
 
-A segment is a checkpoint blob (:func:`~streamxm.worker.checkpoint.encode_blob`: arrays + JSON,
+A segment is a checkpoint blob (:func:`~streamxm.storage.checkpoint.encode_blob`: arrays + JSON,
 never a pickle, verified by SHA-256) of gallery rows: ids (UTF-8 bytes and end offsets), unit
-rows and norms of both modalities (:class:`~streamxm.serving.server.GalleryChunk`). Segments are
+rows and norms of both modalities (:class:`~streamxm.storage.rows.GalleryRows`). Segments are
 stored like checkpoints (Redis or the checkpoint directory) under the name ``_gallery``.
 
 The manifest (``sxm:{<ns>}:gallery``, a Redis hash written only in the indexer's lease-fenced
@@ -22,10 +22,10 @@ import numpy as np
 import redis
 from numpy.typing import NDArray
 
-from streamxm.serving.gallery import GalleryChunk
+from streamxm.storage.checkpoint import Checkpoint, CheckpointStore, decode_blob, encode_blob
+from streamxm.storage.rows import GalleryRows
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash, text
-from streamxm.worker.checkpoint import Checkpoint, CheckpointStore, decode_blob, encode_blob
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def read_manifest(r: redis.Redis, keys: Keys, if_not: int | None = None) -> Mani
     return Manifest.parse(raw) if raw else None
 
 
-def encode_segment(seq: int, chunk: GalleryChunk, last_id: str) -> bytes:
+def encode_segment(seq: int, chunk: GalleryRows, last_id: str) -> bytes:
     """One segment's blob."""
     encoded = [i.encode() for i in chunk.ids.tolist()]
     arrays: dict[str, NDArray[Any]] = {"ids_utf8": np.frombuffer(b"".join(encoded), dtype=np.uint8),
@@ -99,13 +99,13 @@ def encode_segment(seq: int, chunk: GalleryChunk, last_id: str) -> bytes:
     return encode_blob(Checkpoint(seq, arrays, {"rows": len(chunk)}, last_id=last_id))
 
 
-def decode_segment(blob: bytes) -> GalleryChunk:
+def decode_segment(blob: bytes) -> GalleryRows:
     """The rows of a segment blob (checked: every array has one row per id)."""
     a = decode_blob(blob).arrays
     raw = bytes(a["ids_utf8"])
     ends = a["ids_end"].tolist()
     ids = [raw[s:e].decode() for s, e in zip([0, *ends[:-1]], ends, strict=True)]
-    chunk = GalleryChunk(np.asarray(ids, dtype=np.str_), a["unit_img"], a["unit_txt"],
+    chunk = GalleryRows(np.asarray(ids, dtype=np.str_), a["unit_img"], a["unit_txt"],
                          a["norm_img"], a["norm_txt"])
     if not all(len(getattr(chunk, f)) == len(ids)
                for f in ("unit_img", "unit_txt", "norm_img", "norm_txt")):
@@ -113,7 +113,7 @@ def decode_segment(blob: bytes) -> GalleryChunk:
     return chunk
 
 
-def open_segment(store: CheckpointStore, ref: SegmentRef) -> GalleryChunk | None:
+def open_segment(store: CheckpointStore, ref: SegmentRef) -> GalleryRows | None:
     """The rows of a stored segment; ``None`` when its file is missing, fails its checksum or
     does not parse (nothing in it was unpickled, so nothing else can go wrong)."""
     blob = store.read_blob(SEGMENTS, ref.seq, ref.sha)

@@ -40,7 +40,7 @@ class WorkerStats:
     pairs_processed: int = 0
     pairs_unlabelled: int = 0
     #: Pairs that arrived while the learner's buffer said the stream was in a burst of few
-    #: classes (:meth:`~streamxm.learning.replay.ReplayBuffer.bursty`).
+    #: classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`).
     pairs_in_burst: int = 0
     update_seconds_sum: float = 0.0
     drift_detected: int = 0
