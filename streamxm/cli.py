@@ -314,11 +314,8 @@ def _cmd_redis(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streamxm", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The service's processes: demo, worker, indexer, api."""
     demo = sub.add_parser("demo", help="embedded Redis + worker + API on the Wikipedia pairs")
     demo.add_argument("--pairs", type=int, default=None, help="train pairs to replay (default all)")
     demo.add_argument("--json", action="store_true", help="print the final figures as JSON")
@@ -348,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, default=None)
     api.set_defaults(func=_cmd_api)
 
+
+def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """What an operator runs beside the service: report, top, rollback, migrate-keys, push,
+    redis."""
     rep = sub.add_parser("report", help="stream-protocol plots and a summary table for models")
     rep.add_argument("--dataset", required=True, help=DATASET_HELP)
     rep.add_argument("--models", required=True, help="comma-separated model names")
@@ -387,8 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--id-prefix", default="train", help="pair ids are PREFIX-<row>")
     push.set_defaults(func=_cmd_push)
 
-    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    rd = sub.add_parser("redis", help="the embedded Redis server")
+    rd.add_argument("action", choices=["start", "stop", "status"])
+    rd.set_defaults(func=_cmd_redis)
+
+
+def _bench_learning_commands(
+        bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Benchmarks of learning: quality, order, database, throughput."""
     q = bench_sub.add_parser("quality", help="test-split mAP on a benchmark file")
     q.add_argument("--dataset", required=True, help=DATASET_HELP)
     q.add_argument("--model", required=True,
@@ -451,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_throughput)
 
+
+def _bench_service_commands(
+        bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Benchmarks of the running service: ingest, end-to-end, query, soak, hostile, scan,
+    ensemble-recall."""
     ing = bench_sub.add_parser("ingest", help="pairs/s via the client and POST /v1/pairs beside "
                                "redis-benchmark's XADD on the same server")
     ing.add_argument("--img-dim", type=int, default=4096)
@@ -526,6 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
         p.set_defaults(func=_cmd_bench_load)
 
+
+def _bench_distributed_command(
+        bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``bench distributed``: one model learned by several ranks."""
     di = bench_sub.add_parser("distributed", help="pairs/s of one model learned by 1, 2, ... "
                               "ranks (streamxm worker --world-size N) from the same backlog, "
                               "with the time per round in the collective; test mAP with "
@@ -546,9 +562,18 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
     di.set_defaults(func=_cmd_bench_distributed)
 
-    rd = sub.add_parser("redis", help="the embedded Redis server")
-    rd.add_argument("action", choices=["start", "stop", "status"])
-    rd.set_defaults(func=_cmd_redis)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamxm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _service_commands(sub)
+    _operator_commands(sub)
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    _bench_learning_commands(bench_sub)
+    _bench_service_commands(bench_sub)
+    _bench_distributed_command(bench_sub)
     return parser
 
 

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from streamxm import defaults as D
+
 # Ceilings of the input bounds: the request schemas declare them, the settings may only lower.
 MAX_DIM_CEILING = 65_536
 MAX_BATCH_CEILING = 4096
@@ -47,12 +49,12 @@ class Settings(BaseSettings):
     # Learner worker
     checkpoint_store: Literal["redis", "dir"] = "redis"
     checkpoint_dir: Path = Path(".streamxm/checkpoints")
-    checkpoint_every_pairs: int = Field(default=2000, ge=1)
-    checkpoint_every_seconds: float = Field(default=2.0, gt=0)
-    checkpoint_keep: int = Field(default=3, ge=1)
-    read_batch: int = Field(default=256, ge=1, le=10_000)
-    block_ms: int = Field(default=200, ge=1)
-    lease_ttl_ms: int = Field(default=10_000, ge=100)
+    checkpoint_every_pairs: int = Field(default=D.CHECKPOINT_EVERY_PAIRS, ge=1)
+    checkpoint_every_seconds: float = Field(default=D.CHECKPOINT_EVERY_SECONDS, gt=0)
+    checkpoint_keep: int = Field(default=D.CHECKPOINT_KEEP, ge=1)
+    read_batch: int = Field(default=D.READ_BATCH, ge=1, le=10_000)
+    block_ms: int = Field(default=D.BLOCK_MS, ge=1)
+    lease_ttl_ms: int = Field(default=D.LEASE_TTL_MS, ge=100)
     consumer: str | None = Field(default=None, description="consumer name; default host-pid")
     dist_host: str = Field(
         default="127.0.0.1", min_length=1, description="address a rank of a distributed "
@@ -99,19 +101,19 @@ class Settings(BaseSettings):
     champion_confirmations: int = Field(
         default=3, ge=1, description="consecutive refreshes the challenger must lead by the "
         "margin")
-    gallery_max: int = Field(default=100_000, ge=1)
+    gallery_max: int = Field(default=D.GALLERY_MAX, ge=1)
     stream_retention: bool = Field(
         default=True, description="workers trim the pairs stream after each checkpoint to "
         "the oldest entry a learner or the gallery (the newest gallery_max entries) still needs")
     reembed_seconds: float = Field(
-        default=10.0, ge=0, description="least seconds between two re-embeddings of the "
-        "gallery for a model without a fixed space (sam, cmomks, cca, scsm, sdsrl, "
-        "pairwise:marginal); between them the last index proposes candidates and the served "
-        "version re-ranks them exactly")
+        default=D.REEMBED_SECONDS, ge=0, description="least seconds between two "
+        "re-embeddings of the gallery for a model without a fixed space (sam, cmomks, cca, "
+        "scsm, sdsrl, pairwise:marginal); between them the last index proposes candidates "
+        "and the served version re-ranks them exactly")
     search_candidates: int = Field(
-        default=100, ge=1, le=10_000, description="candidates re-ranked per search: "
-        "max(this, 4 k); a fixed-space model's bfloat16 scan proposes at least one per 2,500 "
-        "gallery rows")
+        default=D.SEARCH_CANDIDATES, ge=1, le=10_000, description="candidates re-ranked per "
+        "search: max(this, 4 k); a fixed-space model's bfloat16 scan proposes at least one "
+        "per 2,500 gallery rows")
     reload_interval_seconds: float = Field(default=0.25, gt=0)
     query_threads: int = Field(default=32, ge=1, le=256,
                                description="threads for similarity and search, apart from "

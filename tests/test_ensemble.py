@@ -11,13 +11,13 @@ import redis
 from streamxm.config import Settings
 from streamxm.models.ensemble import REFERENCE_ITEMS, parse_ensemble
 from streamxm.service import build_worker, open_store
-from streamxm.serving.server import (
+from streamxm.serving.served import (
     EnsembleUnsupported,
     InvalidModelName,
-    ModelServer,
     SameModalityUnsupported,
     UnknownModel,
 )
+from streamxm.serving.server import ModelServer
 from streamxm.stream.client import StreamClient
 from streamxm.tools.bench import quality
 from tests.conftest import ApiServer, class_stream, metric, wait_for

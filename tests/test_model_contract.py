@@ -124,3 +124,21 @@ def test_a_bad_parameter_raises_an_error_naming_it(model: str) -> None:
         Learner(model + "x", IMG, TXT)
     with pytest.raises(ValueError, match="img_dim"):
         Learner(model, 0, TXT)
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_a_served_model_from_a_checkpoint_scores_as_the_learner_does(model: str) -> None:
+    """The server obtains a model from a checkpoint without building a learner around it
+    (``model_from_state``): its scores are the restored learner's, bit for bit, even with
+    learning deferred in the checkpoint (CMOS's and the moments' pending blocks)."""
+    from streamxm.learning.learner import StreamLearner, model_from_state
+
+    imgs, txts, labels = _stream(170)  # not a multiple of any flush or solve period
+    learner = _learner(model)
+    learner.learn_many(imgs, txts, labels)
+    arrays, meta = learner._learner.state()  # as the worker checkpoints: no flush first
+    restored = StreamLearner.from_state(arrays, meta)
+    restored.flush()
+    served = model_from_state(arrays, meta)
+    np.testing.assert_array_equal(served.similarity(imgs[:20], txts),
+                                  restored.model.similarity(imgs[:20], txts))

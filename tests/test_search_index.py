@@ -15,7 +15,7 @@ from streamxm.serving.index import (
     top_k,
     top_k_bounded,
 )
-from streamxm.serving.server import _proven_complete
+from streamxm.serving.search import _proven_complete
 
 torch = pytest.importorskip("torch")
 

@@ -15,10 +15,10 @@ from streamxm.stream.messages import (
     make_pair,
 )
 
-router = APIRouter()
+router = APIRouter(prefix="/v1/pairs", tags=["ingest"])
 
 
-@router.post("/v1/pairs", response_model=PairsOut, status_code=202,
+@router.post("", response_model=PairsOut, status_code=202,
              responses=error_responses(400, 413, 503))
 async def pairs(body: PairsIn, context: Context) -> PairsOut:
     def accept() -> PairsOut:
@@ -34,7 +34,7 @@ async def pairs(body: PairsIn, context: Context) -> PairsOut:
 
 
 @router.post(
-    "/v1/pairs/frames", response_model=PairsOut, status_code=202,
+    "/frames", response_model=PairsOut, status_code=202,
     responses=error_responses(400, 413, 415, 422, 503),
     openapi_extra={"requestBody": {"required": True, "content": {
         FRAMES_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api.deps import Context
 from api.schemas import GalleryHealth, HealthOut, ReadyOut
 
-router = APIRouter()
+router = APIRouter(tags=["probes"])
 
 
 # Probes are async and touch nothing but memory: they answer on the event loop even when every

@@ -16,9 +16,8 @@ from api.schemas import (
     SimilarityOut,
     error_responses,
 )
-from streamxm.learning.stats import WorkerStats
 from streamxm.models.ensemble import is_ensemble
-from streamxm.serving.server import (
+from streamxm.serving.served import (
     EnsembleUnsupported,
     SameModalityUnsupported,
     ServedEnsemble,
@@ -26,19 +25,17 @@ from streamxm.serving.server import (
     direction_of,
     other_modality,
 )
-from streamxm.stream.redis_conn import str_hash, str_set
 
-router = APIRouter()
+router = APIRouter(prefix="/v1", tags=["queries"])
 
 _QUERY_ERRORS = error_responses(400, 404, 413, 503)
 
 
-@router.get("/v1/models", response_model=ModelsOut, responses=error_responses(503))
+@router.get("/models", response_model=ModelsOut, responses=error_responses(503))
 def models(context: Context) -> ModelsOut:
-    r, keys, server = context.r, context.keys, context.server
+    server = context.server
     out = []
-    for name in str_set(r.smembers(keys.models)):
-        stats = WorkerStats.from_hash(str_hash(r.hgetall(keys.stats(name))))
+    for name, stats in server.model_stats().items():
         served = server.served.get(name)
         out.append(ModelInfo(
             name=name, loaded=served is not None,
@@ -58,7 +55,7 @@ def _model_name(context: ApiContext, name: str | None, direction: str) -> str:
     return context.server.resolve(name or context.settings.default_model, direction)
 
 
-@router.post("/v1/similarity", response_model=SimilarityOut, responses=_QUERY_ERRORS)
+@router.post("/similarity", response_model=SimilarityOut, responses=_QUERY_ERRORS)
 async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
     def score() -> SimilarityOut:
         name = _model_name(context, body.model, body.direction)
@@ -79,7 +76,7 @@ async def similarity(body: SimilarityIn, context: Context) -> SimilarityOut:
         raise unprocessable([exc.field], "ensemble", str(exc)) from None
 
 
-@router.post("/v1/search", response_model=SearchOut, responses=_QUERY_ERRORS)
+@router.post("/search", response_model=SearchOut, responses=_QUERY_ERRORS)
 async def search(body: SearchIn, context: Context) -> SearchOut:
     # On the event loop: only light steps run here (validation, the query transform, the exact
     # re-rank of ~100 candidates); the scan is awaited and heavy work goes to the query threads.

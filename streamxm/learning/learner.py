@@ -25,7 +25,7 @@ from streamxm.learning.evaluation import average_precision
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model, model_class
 from streamxm.stream.messages import Pair
 
-__all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner", "default_memory"]
+__all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner", "default_memory", "model_from_state"]
 
 #: Upper bounds (seconds) of the per-pair update latency histogram.
 UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
@@ -246,7 +246,7 @@ class StreamLearner:
     @classmethod
     def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> StreamLearner:
         buffer_arrays = {k[7:]: v for k, v in arrays.items() if k.startswith("buffer.")}
-        params = {**model_class(meta["model"]).checkpoint_defaults, **meta["params"]}
+        params = _checkpoint_params(meta)
         memory = int(meta["buffer_meta"].get("memory", 0))
         learner = cls(
             meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), params,
@@ -256,9 +256,7 @@ class StreamLearner:
             rolling_window=int(meta["rolling_window"]),
             max_labels=buffer_arrays["labels"].shape[1],
         )
-        learner.model.load_state(
-            {k[6:]: v for k, v in arrays.items() if k.startswith("model.")}, meta["model_meta"]
-        )
+        _load_model_state(learner.model, arrays, meta)
         learner.buffer = ReplayBuffer.from_state(buffer_arrays, meta["buffer_meta"])
         learner.rng.bit_generator.state = meta["rng"]
         for d in DIRECTIONS:
@@ -272,3 +270,26 @@ class StreamLearner:
         if "drift" in meta:  # checkpoints written before drift detection have none
             learner.drift = DriftMonitor.from_state(meta["drift"])
         return learner
+
+
+def _checkpoint_params(meta: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's model parameters, with the defaults of parameters added since it was
+    written (their earlier behaviour)."""
+    return {**model_class(meta["model"]).checkpoint_defaults, **meta["params"]}
+
+
+def _load_model_state(model: CrossModalModel, arrays: dict[str, NDArray[Any]],
+                      meta: dict[str, Any]) -> None:
+    model.load_state({k[6:]: v for k, v in arrays.items() if k.startswith("model.")},
+                     meta["model_meta"])
+
+
+def model_from_state(arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> CrossModalModel:
+    """The model of a learner checkpoint with its deferred learning applied, ready to score:
+    what :meth:`StreamLearner.from_state` followed by :meth:`StreamLearner.flush` holds as its
+    ``model``, without the replay buffer, random generator and statistics around it."""
+    model = create_model(meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]),
+                         _checkpoint_params(meta))
+    _load_model_state(model, arrays, meta)
+    model.flush(LearnStats.from_dict(meta["stats"]))
+    return model

@@ -111,6 +111,17 @@ class StreamCollector(Collector):
         yield from families
 
     def _collect(self) -> Iterator[Metric]:
+        models = sorted(str_set(self.r.smembers(self.keys.models)))
+        stats = {m: str_hash(self.r.hgetall(self.keys.stats(m))) for m in models}
+        parsed = {m: WorkerStats.from_hash(raw) for m, raw in stats.items()}
+        yield from self._stream_families(parsed)
+        yield from self._learning_families(parsed)
+        yield from self._serving_families(models)
+        yield from self._distributed_families(stats)
+        yield from self._failure_families(models)
+
+    def _stream_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
+        """The stream: pairs ingested, its length and each model's lag in it, retention."""
         ns = self.keys.namespace
         ingested = int(text(self.r.get(self.keys.ingested) or 0))
         m_ingested = CounterMetricFamily(
@@ -118,56 +129,6 @@ class StreamCollector(Collector):
             labels=["namespace"])
         m_ingested.add_metric([ns], ingested)
         yield m_ingested
-
-        processed = CounterMetricFamily("streamxm_pairs_processed",
-                                        "pairs applied by the model's learner", labels=["model"])
-        triplets = CounterMetricFamily("streamxm_triplets", "triplets learned from",
-                                       labels=["model", "direction"])
-        mistakes = CounterMetricFamily(
-            "streamxm_mistakes", "triplets ranked wrongly before the update (s(q,p)-s(q,n)<=0)",
-            labels=["model", "direction"])
-        rolling = GaugeMetricFamily("streamxm_rolling_map",
-                                    "test-then-train rolling mAP (0..1)",
-                                    labels=["model", "direction"])
-        age = GaugeMetricFamily("streamxm_checkpoint_age_seconds",
-                                "seconds since the newest checkpoint", labels=["model"])
-        ckpt_version = GaugeMetricFamily("streamxm_checkpoint_version",
-                                         "newest checkpoint version", labels=["model"])
-        served_version = GaugeMetricFamily("streamxm_model_version",
-                                           "model version the API serves", labels=["model"])
-        champion = GaugeMetricFamily(
-            "streamxm_champion", "1 for the model that answers model=auto in a direction (its "
-            "rolling mAP leads, with hysteresis), 0 for the other served models",
-            labels=["model", "direction"])
-        lag = GaugeMetricFamily("streamxm_stream_lag",
-                                "stream entries, from any producer, the model's learner has not "
-                                "yet applied and checkpointed", labels=["model"])
-        pending = GaugeMetricFamily("streamxm_stream_pending",
-                                    "entries delivered to the group but not acknowledged",
-                                    labels=["model"])
-        update = HistogramMetricFamily("streamxm_update_duration_seconds",
-                                       "time to test-then-train one pair", labels=["model"])
-        gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
-                                    labels=["model"])
-        drifts = CounterMetricFamily(
-            "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
-            labels=["model"])
-        bursts = CounterMetricFamily(
-            "streamxm_pairs_in_burst", "pairs that arrived while the stream was in a burst of few "
-            "classes (the models with a memory of the whole history then also draw from it)",
-            labels=["model"])
-        ranks = GaugeMetricFamily("streamxm_distributed_ranks",
-                                  "ranks of a distributed learner (streamxm worker --world-size)",
-                                  labels=["model"])
-        rounds = CounterMetricFamily(
-            "streamxm_distributed_rounds", "rounds the ranks learned and merged, as of the "
-            "newest checkpoint (since rank 0 started)", labels=["model"])
-        collective = CounterMetricFamily(
-            "streamxm_distributed_collective_seconds", "seconds rank 0 spent in the merge and "
-            "the wait for the slowest rank (since rank 0 started)", labels=["model"])
-        generations = CounterMetricFamily(
-            "streamxm_distributed_generations", "times the ranks' group was formed: the first, "
-            "then once after every lost or restarted rank", labels=["model"])
 
         # The stream's own counts, not the project's ingest counter: entries written by other
         # producers are lag too.
@@ -184,7 +145,7 @@ class StreamCollector(Collector):
         scans = CounterMetricFamily(
             "streamxm_search_exact_scans", "searches whose reduced-precision candidates could "
             "not be proven complete, answered by a float32 scan instead")
-        scans.add_metric([], self.server.exact_scans)
+        scans.add_metric([], self.server.searcher.exact_scans)
         yield scans
         retention = str_hash(self.r.hgetall(self.keys.retention))
         trimmed = CounterMetricFamily("streamxm_stream_trimmed",
@@ -198,17 +159,51 @@ class StreamCollector(Collector):
                 "oldest entry retention keeps", labels=["namespace"])
             position.add_metric([ns], entry_id_key(retention["trimmed_to"])[0] / 1000)
             yield position
+        lag = GaugeMetricFamily("streamxm_stream_lag",
+                                "stream entries, from any producer, the model's learner has not "
+                                "yet applied and checkpointed", labels=["model"])
+        pending = GaugeMetricFamily("streamxm_stream_pending",
+                                    "entries delivered to the group but not acknowledged",
+                                    labels=["model"])
+        for model, stats in models.items():
+            group = groups.get(model, {})
+            waiting = int(group.get("pending", 0))  # type: ignore[call-overload]
+            undelivered = group.get("lag")  # Redis >= 7; None where it cannot tell
+            if undelivered is not None:
+                lag.add_metric([model], int(undelivered) + waiting)  # type: ignore[call-overload]
+            else:  # exact while the stream keeps every entry
+                done = stats.pairs_processed + stats.dead_letters
+                lag.add_metric([model], max(0.0, length - done))
+            pending.add_metric([model], waiting)
+        yield from (lag, pending)
+
+    def _learning_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
+        """What each model's learner wrote with its newest checkpoint."""
+        processed = CounterMetricFamily("streamxm_pairs_processed",
+                                        "pairs applied by the model's learner", labels=["model"])
+        triplets = CounterMetricFamily("streamxm_triplets", "triplets learned from",
+                                       labels=["model", "direction"])
+        mistakes = CounterMetricFamily(
+            "streamxm_mistakes", "triplets ranked wrongly before the update (s(q,p)-s(q,n)<=0)",
+            labels=["model", "direction"])
+        rolling = GaugeMetricFamily("streamxm_rolling_map",
+                                    "test-then-train rolling mAP (0..1)",
+                                    labels=["model", "direction"])
+        age = GaugeMetricFamily("streamxm_checkpoint_age_seconds",
+                                "seconds since the newest checkpoint", labels=["model"])
+        ckpt_version = GaugeMetricFamily("streamxm_checkpoint_version",
+                                         "newest checkpoint version", labels=["model"])
+        update = HistogramMetricFamily("streamxm_update_duration_seconds",
+                                       "time to test-then-train one pair", labels=["model"])
+        drifts = CounterMetricFamily(
+            "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
+            labels=["model"])
+        bursts = CounterMetricFamily(
+            "streamxm_pairs_in_burst", "pairs that arrived while the stream was in a burst of few "
+            "classes (the models with a memory of the whole history then also draw from it)",
+            labels=["model"])
         now = time.time()
-        for model in str_set(self.r.smembers(self.keys.models)):
-            raw = str_hash(self.r.hgetall(self.keys.stats(model)))
-            stats = WorkerStats.from_hash(raw)
-            if raw.get("dist_world"):
-                ranks.add_metric([model], int(raw["dist_world"]))
-                rounds.add_metric([model], int(raw.get("dist_split_rounds", 0)))
-                collective.add_metric([model], float(raw.get("dist_collective_seconds", 0.0)))
-                generation = text(self.r.hget(self.keys.dist(model), "gen") or 0)
-                generations.add_metric([model], int(generation))
-            done = stats.pairs_processed + stats.dead_letters
+        for model, stats in models.items():
             processed.add_metric([model], stats.pairs_processed)
             drifts.add_metric([model], stats.drift_detected)
             bursts.add_metric([model], stats.pairs_in_burst)
@@ -221,19 +216,25 @@ class StreamCollector(Collector):
             if stats.checkpoint_time is not None:
                 age.add_metric([model], max(0.0, now - stats.checkpoint_time))
                 ckpt_version.add_metric([model], stats.version or 0)
-            group = groups.get(model, {})
-            waiting = int(group.get("pending", 0))  # type: ignore[call-overload]
-            undelivered = group.get("lag")  # Redis >= 7; None where it cannot tell
-            if undelivered is not None:
-                lag.add_metric([model], int(undelivered) + waiting)  # type: ignore[call-overload]
-            else:  # exact while the stream keeps every entry
-                lag.add_metric([model], max(0.0, length - done))
-            pending.add_metric([model], waiting)
             buckets, cumulative = [], 0.0
             for bound, in_bucket in zip(UPDATE_BUCKETS, stats.update_buckets, strict=True):
                 cumulative += in_bucket
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             update.add_metric([model], buckets, stats.update_seconds_sum)
+        yield from (processed, triplets, mistakes, rolling, age, ckpt_version, update, drifts,
+                    bursts)
+
+    def _serving_families(self, models: list[str]) -> Iterator[Metric]:
+        """What this API serves: versions, gallery sizes, champions."""
+        served_version = GaugeMetricFamily("streamxm_model_version",
+                                           "model version the API serves", labels=["model"])
+        champion = GaugeMetricFamily(
+            "streamxm_champion", "1 for the model that answers model=auto in a direction (its "
+            "rolling mAP leads, with hysteresis), 0 for the other served models",
+            labels=["model", "direction"])
+        gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
+                                    labels=["model"])
+        for model in models:
             served = self.server.served.get(model)
             if served is not None:
                 served_version.add_metric([model], served.version)
@@ -242,17 +243,40 @@ class StreamCollector(Collector):
                     champion.add_metric(
                         [model, direction],
                         float(self.server.champion.champions.get(direction) == model))
-        yield from (processed, triplets, mistakes, rolling, age, ckpt_version, served_version,
-                    lag, pending, update, gallery, drifts, bursts, champion, ranks, rounds,
-                    collective, generations)
+        yield from (served_version, gallery, champion)
 
+    def _distributed_families(self, stats: dict[str, dict[str, str]]) -> Iterator[Metric]:
+        """Distributed learners: ranks, rounds, time in the collective, formations."""
+        ranks = GaugeMetricFamily("streamxm_distributed_ranks",
+                                  "ranks of a distributed learner (streamxm worker --world-size)",
+                                  labels=["model"])
+        rounds = CounterMetricFamily(
+            "streamxm_distributed_rounds", "rounds the ranks learned and merged, as of the "
+            "newest checkpoint (since rank 0 started)", labels=["model"])
+        collective = CounterMetricFamily(
+            "streamxm_distributed_collective_seconds", "seconds rank 0 spent in the merge and "
+            "the wait for the slowest rank (since rank 0 started)", labels=["model"])
+        generations = CounterMetricFamily(
+            "streamxm_distributed_generations", "times the ranks' group was formed: the first, "
+            "then once after every lost or restarted rank", labels=["model"])
+
+        for model, raw in stats.items():
+            if raw.get("dist_world"):
+                ranks.add_metric([model], int(raw["dist_world"]))
+                rounds.add_metric([model], int(raw.get("dist_split_rounds", 0)))
+                collective.add_metric([model], float(raw.get("dist_collective_seconds", 0.0)))
+                generation = text(self.r.hget(self.keys.dist(model), "gen") or 0)
+                generations.add_metric([model], int(generation))
+        yield from (ranks, rounds, collective, generations)
+
+    def _failure_families(self, models: list[str]) -> Iterator[Metric]:
+        """What went wrong: corrupt checkpoints and segments, dead letters. Every counter
+        someone alerts on exists at 0 from the start (per registered model and reason), so
+        increase() sees the first event, not only the second."""
         corrupt = CounterMetricFamily(
             "streamxm_checkpoint_corrupt",
             "checkpoint versions that failed their checksum or did not parse (the previous good "
             "version was used)", labels=["model"])
-        # Every counter someone alerts on exists at 0 from the start (per registered model and
-        # reason), so increase() sees the first event, not only the second.
-        models = sorted(str_set(self.r.smembers(self.keys.models)))
         counts = str_hash(self.r.hgetall(self.keys.checkpoint_corrupt))
         for model in sorted({*models, *counts}):
             corrupt.add_metric([model], int(counts.get(model, 0)))

@@ -41,6 +41,7 @@ import numpy as np
 import redis
 from numpy.typing import NDArray
 
+from streamxm import defaults as D
 from streamxm.faults import pause_point
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import Replication, str_hash, text, wait_replicated
@@ -141,7 +142,7 @@ class CheckpointStore(ABC):
     #: Fail point just before the commit transaction is sent.
     before_exec_point = "checkpoint.before_exec"
 
-    def __init__(self, client: redis.Redis, keys: Keys, keep: int = 3,
+    def __init__(self, client: redis.Redis, keys: Keys, keep: int = D.CHECKPOINT_KEEP,
                  replication: Replication = Replication()) -> None:
         self.r = client
         self.keys = keys
@@ -327,7 +328,8 @@ class DirectoryCheckpointStore(CheckpointStore):
     #: are deleted by the next commit; younger ones may belong to a commit in flight.
     orphan_seconds = 3600.0
 
-    def __init__(self, client: redis.Redis, keys: Keys, root: str | Path, keep: int = 3,
+    def __init__(self, client: redis.Redis, keys: Keys, root: str | Path,
+                 keep: int = D.CHECKPOINT_KEEP,
                  replication: Replication = Replication()) -> None:
         super().__init__(client, keys, keep, replication)
         self.root = Path(root) / keys.namespace

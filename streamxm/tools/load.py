@@ -682,7 +682,8 @@ def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,
     sample)."""
     from streamxm.models.ensemble import parse_ensemble
     from streamxm.service import build_worker
-    from streamxm.serving.server import ModelServer, direction_of, other_modality
+    from streamxm.serving.served import direction_of, other_modality
+    from streamxm.serving.server import ModelServer
 
     spec = parse_ensemble(model)
     pairs = synthetic_pairs(gallery, img_dim, txt_dim, n_classes=100, seed=seed)

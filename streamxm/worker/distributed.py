@@ -41,6 +41,7 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -181,94 +182,27 @@ class DistributedLearner(LearnerWorker):
         return True
 
     def _round(self, pairs: list[Pair], pair_entries: list[str], may_commit: bool) -> bool:
+        """One round: plan the shares, send them, commit the rounds before (while the others
+        learn), learn rank 0's share, merge. False when the round failed and the state was
+        dropped (it is replayed from the checkpoint)."""
         if self._group is None and not self._form():
             self._drop_state()
             return False
-        assert self._group is not None and self._merge is not None
         self._sent = True
         if self._round_end is not None:
             self.between_seconds += time.perf_counter() - self._round_end
         if self.learner is None:  # cannot happen after _learn; never skip pairs silently
             self._drop_state()
             return False
-        learner = self.learner
-        # No flush here: a round rank 0 learns alone must be the single learner's exact work.
-        split = learner.model.merge_parts() is not None
-        # The checkpoint of the rounds before this one is written while the others learn their
-        # shares, and rank 0's share is sized so that it finishes with them: smaller by what
-        # the commit and sending the shares cost it, and by the ranks' measured speeds.
-        commit_now = may_commit and LearnerWorker._commit_due(self)
-        extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
-        first = balanced_first(len(pairs), self.world, self._pair_seconds,
-                               self._peer_pair_seconds, extra)
-        shares = (split_share(len(pairs), self.world, first) if split
-                  else [(0, len(pairs))] + [(len(pairs), len(pairs))] * (self.world - 1))
-        labels = [p.labels for p in pairs]
-        payloads = [encode_share(pairs[a:b], labels) if split else b""
-                    for a, b in shares[1:]]
-        sync = split and not self._synced
-        failed: LearnFailed | None = None
+        plan = self._plan(pairs, may_commit)
         try:
             with self._lease_heartbeat() as lost:
-                start = time.perf_counter()
-                self._group.broadcast_ints(
-                    self._header(_ROUND, sync, split, [len(p) for p in payloads]), self.world + 2)
-                if sync:
-                    self._group.broadcast_bytes(encode_learner(learner, self.version,
-                                                               self.last_id))
-                    self._merge.reset(learner)
-                    self._synced = True
-                for rank, payload in enumerate(payloads, start=1):
-                    self._group.send_bytes(payload, rank)
-                took = time.perf_counter() - start
-                self.scatter_seconds += took
-                if split:
-                    self._scatter_seconds = _ema(self._scatter_seconds, took)
-                if commit_now:
-                    start = time.perf_counter()
-                    self.commit()
-                    if not self.leader:  # the commit lost the lease: state and group dropped
-                        return False
-                    took = time.perf_counter() - start
-                    self._commit_seconds = _ema(self._commit_seconds, took)
-                    self.commit_seconds += took
-                if split:
-                    learner.model.register_labels(labels)
-                a, b = shares[0]
-                learn_start = time.perf_counter()
-                try:
-                    learner.learn(pairs[a:b])
-                except LearnFailed as exc:
-                    failed = exc
-                learn_ms = int(1000 * (time.perf_counter() - learn_start))
-                if b > a and failed is None:
-                    self._pair_seconds = _ema(self._pair_seconds, learn_ms / 1000 / (b - a))
-                if split:
-                    start = time.perf_counter()
-                    status = [0] * (3 * self.world)
-                    status[2 * self.world] = learn_ms
-                    if failed is not None:
-                        status[0], status[self.world] = 1, failed.index + 1
-                    status = self._group.sum_ints(status)
-                    self.learn_seconds += learn_ms / 1000
-                    self.peer_learn_seconds += max(status[2 * self.world + 1 :]) / 1000
-                    peer = max((status[2 * self.world + r] / 1000 / (shares[r][1] - shares[r][0])
-                                for r in range(1, self.world) if shares[r][1] > shares[r][0]),
-                               default=0.0)
-                    if peer:
-                        self._peer_pair_seconds = _ema(self._peer_pair_seconds, peer)
-                    bad = [r for r in range(self.world) if status[r]]
-                    if bad:
-                        rank = bad[0]
-                        index = shares[rank][0] + status[self.world + rank] - 1
-                        detail = (str(failed.__cause__) if rank == 0 and failed is not None
-                                  else f"learning raised on rank {rank}")
-                        self._drop_state()
-                        raise EntryFailed(pair_entries[index], detail)
-                    report = self._merge.merge(learner, b - a)
-                    self.collective_seconds += time.perf_counter() - start
-                    self.merge_bytes = report.bytes
-                    self.split_rounds += 1
+                self._send(plan)
+                if plan.commit_now and not self._commit_in_round():
+                    return False
+                failed, learn_ms = self._learn_share(plan)
+                if plan.split:
+                    self._merge_split(plan, pair_entries, failed, learn_ms)
                 else:
                     self._synced = False  # the others' copies are behind rank 0 now
                     if failed is not None:
@@ -292,9 +226,109 @@ class DistributedLearner(LearnerWorker):
             return False
         return True
 
+    def _plan(self, pairs: list[Pair], may_commit: bool) -> _RoundPlan:
+        """Who learns which pairs. The checkpoint of the rounds before this one is written
+        while the others learn their shares, and rank 0's share is sized so that it finishes
+        with them: smaller by what the commit and sending the shares cost it, and by the
+        ranks' measured speeds."""
+        assert self.learner is not None
+        # No flush here: a round rank 0 learns alone must be the single learner's exact work.
+        split = self.learner.model.merge_parts() is not None
+        commit_now = may_commit and self._checkpoint_due()
+        extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
+        first = balanced_first(len(pairs), self.world, self._pair_seconds,
+                               self._peer_pair_seconds, extra)
+        shares = (split_share(len(pairs), self.world, first) if split
+                  else [(0, len(pairs))] + [(len(pairs), len(pairs))] * (self.world - 1))
+        labels = [p.labels for p in pairs]
+        payloads = [encode_share(pairs[a:b], labels) if split else b""
+                    for a, b in shares[1:]]
+        return _RoundPlan(pairs, labels, shares, payloads, split, commit_now,
+                          sync=split and not self._synced)
+
+    def _send(self, plan: _RoundPlan) -> None:
+        """The round's header, rank 0's whole state when the others need it, their shares."""
+        assert self._group is not None and self._merge is not None and self.learner is not None
+        start = time.perf_counter()
+        self._group.broadcast_ints(self._header(_ROUND, plan.sync, plan.split,
+                                                [len(p) for p in plan.payloads]), self.world + 2)
+        if plan.sync:
+            self._group.broadcast_bytes(encode_learner(self.learner, self.version,
+                                                       self.last_id))
+            self._merge.reset(self.learner)
+            self._synced = True
+        for rank, payload in enumerate(plan.payloads, start=1):
+            self._group.send_bytes(payload, rank)
+        took = time.perf_counter() - start
+        self.scatter_seconds += took
+        if plan.split:
+            self._scatter_seconds = _ema(self._scatter_seconds, took)
+
+    def _commit_in_round(self) -> bool:
+        """Checkpoint the rounds before this one; False when the commit lost the lease (the
+        state and the group are dropped then)."""
+        start = time.perf_counter()
+        self.commit()
+        if not self.leader:
+            return False
+        took = time.perf_counter() - start
+        self._commit_seconds = _ema(self._commit_seconds, took)
+        self.commit_seconds += took
+        return True
+
+    def _learn_share(self, plan: _RoundPlan) -> tuple[LearnFailed | None, int]:
+        """Rank 0 learns its share; what failed (if anything) and the milliseconds it took."""
+        assert self.learner is not None
+        if plan.split:
+            self.learner.model.register_labels(plan.labels)
+        a, b = plan.shares[0]
+        failed: LearnFailed | None = None
+        start = time.perf_counter()
+        try:
+            self.learner.learn(plan.pairs[a:b])
+        except LearnFailed as exc:
+            failed = exc
+        learn_ms = int(1000 * (time.perf_counter() - start))
+        if b > a and failed is None:
+            self._pair_seconds = _ema(self._pair_seconds, learn_ms / 1000 / (b - a))
+        return failed, learn_ms
+
+    def _merge_split(self, plan: _RoundPlan, pair_entries: list[str],
+                     failed: LearnFailed | None, learn_ms: int) -> None:
+        """Every rank's outcome and time, then the merge; a pair that failed on any rank is
+        raised as :class:`EntryFailed` (every rank drops its state)."""
+        assert self._group is not None and self._merge is not None and self.learner is not None
+        start = time.perf_counter()
+        status = [0] * (3 * self.world)
+        status[2 * self.world] = learn_ms
+        if failed is not None:
+            status[0], status[self.world] = 1, failed.index + 1
+        status = self._group.sum_ints(status)
+        self.learn_seconds += learn_ms / 1000
+        self.peer_learn_seconds += max(status[2 * self.world + 1 :]) / 1000
+        shares = plan.shares
+        peer = max((status[2 * self.world + r] / 1000 / (shares[r][1] - shares[r][0])
+                    for r in range(1, self.world) if shares[r][1] > shares[r][0]),
+                   default=0.0)
+        if peer:
+            self._peer_pair_seconds = _ema(self._peer_pair_seconds, peer)
+        bad = [r for r in range(self.world) if status[r]]
+        if bad:
+            rank = bad[0]
+            index = shares[rank][0] + status[self.world + rank] - 1
+            detail = (str(failed.__cause__) if rank == 0 and failed is not None
+                      else f"learning raised on rank {rank}")
+            self._drop_state()
+            raise EntryFailed(pair_entries[index], detail)
+        a, b = shares[0]
+        report = self._merge.merge(self.learner, b - a)
+        self.collective_seconds += time.perf_counter() - start
+        self.merge_bytes = report.bytes
+        self.split_rounds += 1
+
     def _commit_due(self) -> bool:
         # After a round the next round commits (inside it); an idle step commits here.
-        return not self._sent and super()._commit_due()
+        return not self._sent and self._checkpoint_due()
 
     def _stats_fields(self) -> dict[str, str]:
         fields = super()._stats_fields()
@@ -308,6 +342,21 @@ class DistributedLearner(LearnerWorker):
                        "dist_between_seconds": repr(self.between_seconds),
                        "dist_commit_seconds": repr(self.commit_seconds)})
         return fields
+
+
+@dataclass(frozen=True)
+class _RoundPlan:
+    """One round's pairs, their labels (every rank numbers classes alike), each rank's
+    ``[start, stop)`` share and the encoded shares of the others; whether the round is split,
+    commits the rounds before it, and sends rank 0's whole state first."""
+
+    pairs: list[Pair]
+    labels: list[tuple[int, ...]]
+    shares: list[tuple[int, int]]
+    payloads: list[bytes]
+    split: bool
+    commit_now: bool
+    sync: bool
 
 
 def _ema(previous: float, value: float, rate: float = 0.3) -> float:

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import redis
 
+from streamxm import defaults as D
 from streamxm.storage.checkpoint import CheckpointStore, LeaseLost, blob_sha
 from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
 from streamxm.storage.segments import (
@@ -70,10 +71,12 @@ class GalleryIndexer:
     """
 
     def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
-                 consumer: str | None = None, max_items: int = 100_000,
-                 flush_seconds: float = 2.0, segment_rows: int = 16_384,
-                 max_segment_rows: int = CHUNK_MAX, read_batch: int = 2000, block_ms: int = 200,
-                 lease_ttl_ms: int = 10_000, limits: Limits = Limits()) -> None:
+                 consumer: str | None = None, max_items: int = D.GALLERY_MAX,
+                 flush_seconds: float = D.INDEXER_FLUSH_SECONDS,
+                 segment_rows: int = D.INDEXER_SEGMENT_ROWS,
+                 max_segment_rows: int = CHUNK_MAX, read_batch: int = D.INDEXER_READ_BATCH,
+                 block_ms: int = D.BLOCK_MS, lease_ttl_ms: int = D.LEASE_TTL_MS,
+                 limits: Limits = Limits()) -> None:
         self.r = client
         self.store = store
         self.keys = Keys(namespace)

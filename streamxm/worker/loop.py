@@ -45,6 +45,7 @@ from typing import Any
 
 import redis
 
+from streamxm import defaults as D
 from streamxm.learning.learner import LearnFailed, StreamLearner
 from streamxm.learning.stats import WorkerStats
 from streamxm.models import split_name
@@ -133,10 +134,11 @@ class LearnerWorker:
         params: dict[str, Any] | None = None,
         learner_options: dict[str, Any] | None = None,
         seed: int = 0,
-        checkpoint_every_pairs: int = 2000, checkpoint_every_seconds: float = 2.0,
-        read_batch: int = 256,
-        block_ms: int = 200,
-        lease_ttl_ms: int = 10_000,
+        checkpoint_every_pairs: int = D.CHECKPOINT_EVERY_PAIRS,
+        checkpoint_every_seconds: float = D.CHECKPOINT_EVERY_SECONDS,
+        read_batch: int = D.READ_BATCH,
+        block_ms: int = D.BLOCK_MS,
+        lease_ttl_ms: int = D.LEASE_TTL_MS,
         limits: Limits = Limits(),
         max_learn_attempts: int = 3,
         retain_entries: int | None = None,
@@ -372,6 +374,11 @@ class LearnerWorker:
         return len(entries)
 
     def _commit_due(self) -> bool:
+        """Whether this step ends with a checkpoint (a subclass may defer it)."""
+        return self._checkpoint_due()
+
+    def _checkpoint_due(self) -> bool:
+        """Pairs are pending and the checkpoint interval (pairs or seconds) has passed."""
         return bool(self._pending) and (
             self._pending.pairs >= self.every_pairs
             or time.monotonic() - self._last_commit >= self.every_seconds)

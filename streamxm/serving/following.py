@@ -1,0 +1,157 @@
+"""The search gallery kept current: from the gallery indexer's segments plus the stream after
+them, or from the stream alone when no indexer runs.
+
+:class:`GalleryFollower` is written by the server's refresh thread only; readers take its
+:attr:`~GalleryFollower.gallery`, an immutable snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import redis
+
+from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
+from streamxm.storage.checkpoint import CheckpointStore
+from streamxm.storage.segments import CorruptSegments, Manifest, open_segment, read_manifest
+from streamxm.stream.client import decode_entries
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Limits
+from streamxm.stream.redis_conn import stream_entries, text
+from streamxm.stream.retention import entry_id_key
+
+__all__ = ["GalleryFollower"]
+
+log = logging.getLogger(__name__)
+
+
+class GalleryFollower:
+    """The gallery of a namespace, brought up to its stream by :meth:`read`.
+
+    Parameters
+    ----------
+    client, store, keys
+        Redis, the store the segments live in, the namespace's keys.
+    gallery_max
+        Gallery cap (items) when the gallery is read from the stream alone (the indexer caps
+        its segments itself).
+    limits
+        Input bounds the stream's entries are decoded with (the ones that break them are
+        skipped: the learners dead-letter them).
+    read_count
+        Stream entries read per ``XREAD``.
+    """
+
+    def __init__(self, client: redis.Redis, store: CheckpointStore, keys: Keys,
+                 gallery_max: int, limits: Limits, read_count: int) -> None:
+        self.r, self.store, self.keys = client, store, keys
+        self.gallery_max, self.limits, self.read_count = gallery_max, limits, read_count
+        self.gallery = Gallery()
+        self.last_gallery_id = "0-0"
+        self.gallery_skipped = 0
+        # With a gallery indexer: the manifest revision in use, its open segments and the
+        # chunks made of them (the first one sliced by the manifest's skip).
+        self._revision: int | None = None
+        self._segments: dict[tuple[int, str], GalleryChunk] = {}
+        self._sliced: dict[tuple[int, str, int], GalleryChunk] = {}
+        self._segment_chunks: tuple[GalleryChunk, ...] = ()
+        self._tail: list[tuple[GalleryChunk, list[str]]] = []  # rows after them, entry ids
+        # Segments found corrupt (seq, sha) -> rows lost: never read again; the gallery is
+        # served without them (degraded) and the namespace's record counts every one.
+        self.corrupt_segments: dict[tuple[int, str], int] = {}
+        self._corrupt = CorruptSegments(client, keys)
+        #: The namespace's record of corrupt segments (``<seq>:<sha>`` -> rows lost): the
+        #: gallery is degraded while it is not empty.
+        self.gallery_corrupt: dict[str, int] = {}
+
+    def read(self) -> bool:
+        """Bring the gallery up to the stream: from the indexer's segments plus the stream
+        after them when a gallery indexer runs, else from the stream itself."""
+        revision = self.r.hget(self.keys.gallery, "revision")
+        if revision is None:
+            return self._read_stream()
+        changed = False
+        if int(text(revision)) != self._revision:
+            manifest = read_manifest(self.r, self.keys)
+            if manifest is not None:
+                self._open(manifest)
+                changed = True
+        return self._read_stream() or changed
+
+    def _open(self, manifest: Manifest) -> None:
+        """Use the manifest's segments (those already open are kept, not reread); rows of the
+        stream tail that the segments now cover leave the tail."""
+        opened = {}
+        for ref in manifest.segments:
+            key = (ref.seq, ref.sha)
+            chunk = self._segments.get(key)
+            if chunk is None and key not in self.corrupt_segments:
+                rows = open_segment(self.store, ref)
+                if rows is None:  # quarantined: the rest of the gallery is served
+                    self.corrupt_segments[key] = manifest.live_rows(ref)
+                    self._corrupt.record(ref, manifest.live_rows(ref))
+                else:
+                    chunk = GalleryChunk.from_rows(rows)
+            if chunk is not None:
+                opened[key] = chunk
+        self._segments = opened
+        self.gallery_corrupt = self._corrupt.read()
+        chunks = [opened[(r.seq, r.sha)] for r in manifest.segments if (r.seq, r.sha) in opened]
+        first = manifest.segments[0] if manifest.segments else None
+        if chunks and manifest.skip and first is not None and (first.seq, first.sha) in opened:
+            sliced = (first.seq, first.sha, manifest.skip)
+            self._sliced = {sliced: self._sliced.get(sliced) or chunks[0].sliced(
+                slice(manifest.skip, None))}
+            chunks[0] = self._sliced[sliced]
+        self._segment_chunks = tuple(chunks)
+        if self._revision is None:  # from the stream alone to segments: the tail is reread
+            self.last_gallery_id, self._tail = manifest.last_id, []
+        covered = entry_id_key(manifest.last_id)
+        tail = []
+        for chunk, entries in self._tail:
+            keep = [i for i, e in enumerate(entries) if entry_id_key(e) > covered]
+            if len(keep) == len(entries):
+                tail.append((chunk, entries))
+            elif keep:
+                tail.append((chunk.sliced(slice(keep[0], None)), entries[keep[0]:]))
+        self._tail = tail
+        if entry_id_key(self.last_gallery_id) < covered:
+            self.last_gallery_id = manifest.last_id
+        self._revision = manifest.revision
+        self._publish()
+
+    def _publish(self) -> None:
+        self.gallery = Gallery((*self._segment_chunks, *(c for c, _ in self._tail)))
+
+    def _read_stream(self, budget: int = 50_000) -> bool:
+        """Read up to ``budget`` new stream entries into the gallery."""
+        changed = False
+        while budget > 0:
+            reply = self.r.xread({self.keys.pairs: self.last_gallery_id},
+                                 count=min(self.read_count, budget))
+            entries = stream_entries(reply)
+            if not entries:
+                return changed
+            budget -= len(entries)
+            pairs, skipped = decode_entries(self.r, self.keys, entries, self.limits)
+            self.gallery_skipped += skipped
+            self.last_gallery_id = entries[-1][0]
+            if pairs:
+                at = [entry_id for entry_id, _ in pairs]
+                chunk = GalleryChunk.of(np.asarray([p.id for _, p in pairs]),
+                                        np.vstack([p.img for _, p in pairs]),
+                                        np.vstack([p.txt for _, p in pairs]))
+                if self._revision is None:
+                    self.gallery = self.gallery.appended(chunk, self.gallery_max)
+                else:  # the indexer caps the segments; the tail after them only grows here
+                    merged = merge_count([len(c) for c, _ in self._tail], len(chunk), CHUNK_MAX)
+                    if merged:
+                        older = self._tail[len(self._tail) - merged :]
+                        chunk = GalleryChunk.joined([*(c for c, _ in older), chunk])
+                        at = [e for _, entries in older for e in entries] + at
+                        self._tail = self._tail[: len(self._tail) - merged]
+                    self._tail.append((chunk, at))
+                    self._publish()
+                changed = True
+        return changed

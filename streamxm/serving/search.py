@@ -1,0 +1,326 @@
+"""Top-k search of the gallery, exact for the served version: candidates from a
+version-independent index, re-ranked by the served version's own scores.
+
+A model whose score is bilinear in the gallery's unit rows (``fixed_space``: cmos, pairwise,
+pairwise:bipartite) moves the *query* into the target modality's unit rows with the served
+version, O(model), and the rows are the index; a reduced-precision scan of them is proven
+complete or redone in float32. The other models search an index of embeddings made by some
+version (:class:`~streamxm.serving.served.EmbeddedGallery`), rebuilt in the background. Either
+way the candidates are re-ranked exactly, so scores are the similarity's and ties keep gallery
+order. A search is a generator of steps (scans, heavy work) that a driver runs: on a thread
+(:meth:`Searcher.search`) or on an event loop (:meth:`Searcher.search_async`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm import defaults as D
+from streamxm.models import CrossModalModel
+from streamxm.models.ensemble import REFERENCE_ITEMS, is_ensemble
+from streamxm.serving.gallery import CHUNK_MAX, Gallery
+from streamxm.serving.index import Block, Int8Block, QueryCoalescer
+from streamxm.serving.served import (
+    EmbeddedGallery,
+    ModelNotReady,
+    SameModalityUnsupported,
+    SearchAnswer,
+    ServedEnsemble,
+    ServedModel,
+    direction_of,
+    other_modality,
+)
+
+__all__ = ["Catalogue", "Searcher", "ensemble_reference", "proof_candidates"]
+
+
+class Catalogue(Protocol):
+    """What a search reads from the server: the gallery snapshot and the served versions."""
+
+    @property
+    def gallery(self) -> Gallery: ...
+
+    def get(self, name: str, version: int | None = None) -> ServedModel: ...
+
+    def is_loaded(self, name: str, version: int | None) -> bool: ...
+
+    def pin(self, name: str, version: int) -> ServedModel: ...
+
+    def ensemble(self, name: str, version: int | None = None) -> ServedEnsemble: ...
+
+
+
+#: A reduced-precision (int8 or bfloat16) scan of a fixed space proposes at least one candidate
+#: per this many gallery rows (400 at 1,000,000). The rows whose scores the error bound cannot
+#: tell from the k-th best lie in a band of fixed width, so their number grows with the
+#: gallery; with 100 candidates at 1M, 15% of searches in ``bench query`` could not be proven
+#: complete and paid a float32 pass (0.15-0.27 s at 512 dimensions). With chunks offering half
+#: the re-ranked count and the grouped selection of
+#: :func:`~streamxm.serving.index.top_k_bounded`, 400 cost no more per bfloat16 pass than a
+#: plain top 100 did.
+_ROWS_PER_PROOF_CANDIDATE = 2_500
+
+
+def proof_candidates(gallery_rows: int, wanted: int, int8: bool = False) -> int:
+    """Candidates a reduced-precision scan of a fixed space proposes for ``wanted`` re-ranked
+    ones; at least twice ``wanted`` from an int8 scan, whose error bound is ~1.6 times as wide
+    as bfloat16's (at 100k, ``bench query`` with 100 int8 candidates sent 3,125 of 11,330
+    searches to the float32 pass, with 200 none).
+
+    >>> proof_candidates(100_000, 100), proof_candidates(1_000_000, 100), proof_candidates(50, 100)
+    (100, 400, 50)
+    >>> proof_candidates(100_000, 100, int8=True), proof_candidates(1_000_000, 100, int8=True)
+    (200, 400)
+    """
+    floor = 2 * wanted if int8 else wanted
+    return min(gallery_rows, max(floor, -(-gallery_rows // _ROWS_PER_PROOF_CANDIDATE)))
+
+
+def _exact_blocks(blocks: Any) -> bool:
+    return all(isinstance(b, np.ndarray) for b in blocks)
+
+
+def _proven_complete(ceiling: float, units: NDArray[np.float32], query: NDArray[np.float32],
+                     k: int, blocks: Any) -> bool:
+    """Whether candidates from a reduced-precision scan surely hold the exact top ``k`` of the
+    unit rows against ``query``.
+
+    No row left out scores above ``ceiling`` exactly (:func:`top_k_bounded` raises every scan
+    score by its backend's error bound): when the exact k-th best candidate is above it,
+    nothing left out can enter the top ``k``.
+    """
+    if ceiling == -np.inf or _exact_blocks(blocks):
+        return True  # nothing left out, or float32 blocks: the scan itself was exact
+    exact = units.astype(np.float64) @ query.astype(np.float64)
+    if len(exact) < k:
+        return False
+    kth = np.partition(exact, len(exact) - k)[len(exact) - k]
+    return bool(kth > ceiling)
+
+
+def _exact_scores(model: CrossModalModel, modality: str, target: str,
+                  query: NDArray[np.float32], items: NDArray[np.float32]) -> NDArray[np.float64]:
+    """The served version's own scores of one query against candidate items."""
+    if modality == "image" and target == "text":
+        return np.asarray(model.similarity(query[None, :], items)[0], dtype=np.float64)
+    if modality == "text" and target == "image":
+        return np.asarray(model.similarity(items, query[None, :])[:, 0], dtype=np.float64)
+    embed = model.embed_images if modality == "image" else model.embed_texts
+    scores = embed(items).astype(np.float64) @ embed(query[None, :]).astype(np.float64)[0]
+    return np.asarray(scores, dtype=np.float64)
+
+
+def ensemble_reference(gallery: Gallery, modality: str) -> NDArray[np.float32]:
+    """The gallery items an ensemble's member scores are standardised over (per query)."""
+    reference = gallery.reference(modality, REFERENCE_ITEMS)
+    if len(reference) < 2:
+        raise ModelNotReady("an ensemble standardises its members' scores over the gallery, "
+                            "which has fewer than 2 items yet")
+    return reference
+
+
+class Searcher:
+    """Answers top-k searches against a :class:`Catalogue`.
+
+    Parameters
+    ----------
+    catalogue
+        The gallery and the served versions (the model server).
+    lag
+        Seconds since a checkpoint newer than what answers was written (the answer's
+        ``version_lag_s``).
+    candidates
+        Candidates re-ranked per query: ``max(candidates, 4 k)``.
+    """
+
+    def __init__(self, catalogue: Catalogue,
+                 lag: Callable[[ServedModel | ServedEnsemble], float],
+                 candidates: int = D.SEARCH_CANDIDATES) -> None:
+        self.catalogue = catalogue
+        self.lag = lag
+        self.candidates = candidates
+        self.coalescer = QueryCoalescer()
+        #: Searches whose reduced-precision candidates could not be proven complete and were
+        #: answered by a float32 scan instead.
+        self.exact_scans = 0
+
+    def close(self) -> None:
+        self.coalescer.close()
+
+    def search(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+               target: str | None = None, version: int | None = None) -> SearchAnswer:
+        """The ``k`` best gallery items of modality ``target`` (default: the other modality)
+        for one query vector of ``modality``, scored by the served version exactly as
+        :meth:`similarity` scores them, ties in gallery order.
+
+        Candidates come from a version-independent index: the gallery's unit rows against
+        the query moved into them (:attr:`CrossModalModel.fixed_space`), or else the newest
+        embedded index. Same-modality search needs a model whose embeddings share one space;
+        others raise :class:`SameModalityUnsupported`. ``version`` pins a kept version.
+        """
+        steps = self._steps(name, modality, vector, k, target, version)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, _Scan):
+                    step = steps.send(self.coalescer.search(step.blocks, step.query, step.k,
+                                                            step.per_chunk))
+                else:
+                    step = steps.send(step.run())
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    async def search_async(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+                           offload: Callable[[Callable[[], Any]], Awaitable[Any]],
+                           target: str | None = None, version: int | None = None
+                           ) -> SearchAnswer:
+        """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
+        of the candidates) run on the loop, the scan is awaited from the coalescing thread,
+        and heavy work (loading a pinned version, building a missing index) goes to ``offload``.
+        Under load this saves two thread hand-offs per search (2.4 ms of API CPU a search
+        where it was 3.0, docs/benchmarks.md)."""
+        steps = self._steps(name, modality, vector, k, target, version)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, _Scan):
+                    found = await asyncio.wrap_future(
+                        self.coalescer.submit(step.blocks, step.query, step.k,
+                                              step.per_chunk))
+                else:
+                    found = await offload(step.run)
+                step = steps.send(found)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    def _steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+                      target: str | None, version: int | None
+                      ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
+        """The search, yielding each scan (and any heavy step) for a driver to run."""
+        target = target or other_modality(modality)
+        if is_ensemble(name):
+            return (yield from self._ensemble_steps(name, modality, vector, k, target, version))
+        if version is not None and not self.catalogue.is_loaded(name, version):
+            yield _Work(partial(self.catalogue.pin, name, version))  # read from the store: heavy
+        served = self.catalogue.get(name, version)
+        model = served.model
+        if target == modality and not model.shared_space:
+            raise SameModalityUnsupported(
+                f"model {name!r} embeds images and texts in different spaces: it answers "
+                f"cross-modal search only (target must be {other_modality(modality)})")
+        lag = self.lag(served)
+        if len(self.catalogue.gallery) == 0:
+            return SearchAnswer(served, [], lag, served.version)
+        gallery, rows, items, index_version = yield from self._candidates(
+            served, modality, vector, k, target)
+        scores = _exact_scores(model, modality, target, vector, items)
+        order = np.argsort(-scores, kind="stable")[:k]
+        ids = gallery.ids_at(rows[order])
+        return SearchAnswer(served, list(zip(ids, scores[order].tolist(), strict=True)), lag,
+                            index_version)
+
+    def _candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
+                    k: int, target: str
+                    ) -> Generator[_Scan | _Work, Any, tuple[Gallery, NDArray[np.int64],
+                                                             NDArray[np.float32], int]]:
+        """Rows of a gallery snapshot holding the served version's top ``k`` (or nearly, from
+        an embedded index): ``max(candidates, 4 k)`` of them, more from a reduced-precision scan
+        of a large gallery (:data:`_ROWS_PER_PROOF_CANDIDATE`), in gallery order (so that ties
+        keep it), with the snapshot, their raw vectors and the version whose index proposed
+        them."""
+        gallery, model = self.catalogue.gallery, served.model
+        wanted = min(len(gallery), max(self.candidates, 4 * k))
+        fixed = model.fixed_space and target != modality
+        if fixed:
+            transform = model.queries_for_texts if target == "text" else model.queries_for_images
+            query = transform(vector[None, :])[0][0].astype(np.float32)
+            blocks, index_version = gallery.blocks(target), served.version
+        else:
+            # The embedded index and the gallery snapshot it covers: rows that arrived since
+            # join it when the refresh thread embeds them (once, not per query).
+            index = served.index
+            if index is None:  # not built yet (a moment after a model's first load)
+                index = yield _Work(partial(EmbeddedGallery.build, served.version, model,
+                                            gallery))
+            gallery = index.gallery
+            embed = index.model.embed_images if modality == "image" else index.model.embed_texts
+            query = embed(vector[None, :])[0].astype(np.float32)
+            blocks, index_version = index.blocks(target), index.version
+        scanned, per_chunk = wanted, None
+        if fixed and not _exact_blocks(blocks):
+            scanned = proof_candidates(len(gallery), wanted, isinstance(blocks[0], Int8Block))
+            if scanned > wanted:
+                # Each chunk offers twice its expected share of the best ``scanned`` (a chunk
+                # holds at most CHUNK_MAX rows) and the best ``scanned`` of their union are
+                # re-ranked: the ceiling of a larger top at a smaller selection's cost. At 1M:
+                # 50 of each 65,536, the union's 800 hold the best 400. A gallery of a few
+                # chunks gets a plain top ``scanned`` (each chunk's share is most of it; 50
+                # per chunk left 747 of 14,383 searches unproven at 100k).
+                per_chunk = max(1, wanted // 2,
+                                -(-2 * scanned * CHUNK_MAX // len(gallery)))
+        _, rows, ceiling = yield _Scan(blocks, query, scanned, per_chunk)
+        units, norms = gallery.locate(rows, target)
+        if fixed and not _proven_complete(ceiling, units, query, k, blocks):
+            # The reduced-precision scan could have missed part of the exact top k (scores
+            # flatter than its rounding): scan the float32 rows instead.
+            self.exact_scans += 1
+            # Coalesced too: the fallbacks of concurrent searches share one pass.
+            _, rows, _ = yield _Scan(gallery.exact_blocks(target), query, wanted)
+            units, norms = gallery.locate(rows, target)
+        by_row = np.argsort(rows, kind="stable")
+        return (gallery, rows[by_row], units[by_row] * norms[by_row, None], index_version)
+
+    def _ensemble_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
+                        target: str, version: int | None
+                        ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
+        """An ensemble's search: each member proposes its candidates (as its own search
+        would), and the union is ranked by the fused score exactly."""
+        ensemble = self.catalogue.ensemble(name, version)
+        if target == modality:
+            raise SameModalityUnsupported(
+                f"ensemble {name!r} answers cross-modal search only (target must be "
+                f"{other_modality(modality)})")
+        lag = self.lag(ensemble)
+        if len(self.catalogue.gallery) == 0:
+            return SearchAnswer(ensemble, [], lag, None)
+        reference = ensemble_reference(self.catalogue.gallery, target)
+        ids: list[str] = []
+        items: list[NDArray[np.float32]] = []
+        seen: set[str] = set()
+        for served in ensemble.members:
+            gallery, rows, vectors, _ = yield from self._candidates(served, modality, vector, k,
+                                                                    target)
+            fresh = [(i, id_) for i, id_ in enumerate(gallery.ids_at(rows)) if id_ not in seen]
+            seen.update(id_ for _, id_ in fresh)
+            ids.extend(id_ for _, id_ in fresh)
+            items.append(vectors[[i for i, _ in fresh]])
+        scores = ensemble.fused.scores(direction_of(modality), vector[None, :], np.vstack(items),
+                                       reference)[0]
+        order = np.argsort(-scores, kind="stable")[:k]
+        return SearchAnswer(ensemble, [(ids[i], float(scores[i])) for i in order], lag, None)
+
+
+@dataclass(frozen=True, eq=False)
+class _Scan:
+    """A top-k scan a search needs, answered by the coalescing thread with the concurrent
+    searches' scans of the same blocks."""
+
+    blocks: tuple[Block, ...]
+    query: NDArray[np.float32]  # one query vector
+    k: int
+    per_chunk: int | None = None  # rows each chunk offers (top_k_bounded); None: k
+
+
+@dataclass(frozen=True, eq=False)
+class _Work:
+    """A heavy step of a search (loading a pinned version, building a missing index), run
+    off the event loop."""
+
+    run: Callable[[], Any]
