@@ -278,18 +278,27 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_load(args: argparse.Namespace) -> int:
-    from streamxm.tools import load, scan
+    import importlib
 
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "bench", "func", "verbose", "json")}
-    module = scan if args.bench == "scan" else load
-    result = getattr(module, args.bench.replace("-", "_"))(**options)
+    module, function = _LOAD_BENCHES[args.bench]
+    result = getattr(importlib.import_module(f"streamxm.tools.{module}"), function)(**options)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
+#: Each service benchmark: its module in ``streamxm.tools`` and its function.
+_LOAD_BENCHES = {"ingest": ("bench_ingest", "ingest"),
+                 "end-to-end": ("bench_end_to_end", "end_to_end"),
+                 "query": ("bench_query", "query"),
+                 "ensemble-recall": ("bench_query", "ensemble_recall"),
+                 "soak": ("bench_soak", "soak"), "hostile": ("bench_hostile", "hostile"),
+                 "scan": ("scan", "scan")}
+
+
 def _cmd_bench_distributed(args: argparse.Namespace) -> int:
-    from streamxm.tools.distributed import distributed
+    from streamxm.tools.bench_ranks import distributed
 
     result = distributed(
         args.model, tuple(int(x) for x in args.ranks.split(",")), img_dim=args.img_dim,

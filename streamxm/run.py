@@ -43,7 +43,7 @@ def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = N
     # No silent command retries: the worker handles a lost connection itself (reload, replay).
     client = connect(settings, retries=0)
     if rank > 0:
-        from streamxm.worker.distributed import RankFollower  # torch: the ``sam`` extra
+        from streamxm.worker.ranks import RankFollower  # torch: the ``sam`` extra
 
         RankFollower(client, model, rank, world, namespace=settings.namespace,
                      timeout_s=settings.dist_timeout_s, host=settings.dist_host).run(stop)

@@ -16,7 +16,7 @@ from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import Replication
-from streamxm.worker.gallery import GalleryIndexer
+from streamxm.worker.indexer import GalleryIndexer
 from streamxm.worker.loop import LearnerWorker
 
 __all__ = ["build_indexer", "build_worker", "limits_from", "open_namespace", "open_store"]
@@ -51,7 +51,7 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
                  learner_options: dict[str, Any] | None = None,
                  world: int = 1) -> LearnerWorker:
     """A model's learner; with ``world > 1``, rank 0 of a distributed learner
-    (:mod:`streamxm.worker.distributed`; the other ranks are :class:`RankFollower`)."""
+    (:mod:`streamxm.worker.ranks`; the other ranks are :class:`RankFollower`)."""
     learner_options = {"buffer_capacity": settings.buffer_capacity,
                        "buffer_memory": settings.buffer_memory,
                        "eval_every": settings.eval_every, **(learner_options or {})}
@@ -59,9 +59,9 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
     extra: dict[str, Any] = {}
     if world > 1:
         # torch (the ``sam`` extra) only where ranks are asked for.
-        from streamxm.worker.distributed import DistributedLearner
+        from streamxm.worker.ranks import RankZeroWorker
 
-        kind = DistributedLearner
+        kind = RankZeroWorker
         extra = {"world": world, "host": settings.dist_host,
                  "timeout_s": settings.dist_timeout_s}
     return kind(

@@ -215,7 +215,7 @@ def _settled(r: redis.Redis, keys: Keys) -> bool:
 
 
 def test_cluster_bench_ingest_reports_one_and_three_namespaces() -> None:
-    from streamxm.tools.load import ingest
+    from streamxm.tools.bench_ingest import ingest
 
     result = ingest(img_dim=16, txt_dim=8, pairs=200, repeats=1, cluster=True)
     assert result["one_namespace_pairs_per_s"] > 0 and result["three_namespaces_pairs_per_s"] > 0

@@ -16,8 +16,8 @@ from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.stream.redis_conn import text
+from streamxm.tools.bench_ranks import distributed
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
-from streamxm.tools.distributed import distributed
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import wait_for
 from tests.conftest import ApiServer, assert_same_learner, metric, stats, worker_env

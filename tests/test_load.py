@@ -8,13 +8,15 @@ import shutil
 
 import pytest
 
-from streamxm.tools import load
+from streamxm.tools.bench_ingest import ingest
+from streamxm.tools.bench_query import ensemble_recall, query
+from streamxm.tools.stack import rss_mb
 
 pytestmark = pytest.mark.slow  # whole stacks of processes: a minute or more
 
 
 def test_ingest_reports_client_http_and_redis_benchmark_rates() -> None:
-    result = load.ingest(img_dim=16, txt_dim=8, pairs=300, http_batch=50, repeats=1)
+    result = ingest(img_dim=16, txt_dim=8, pairs=300, http_batch=50, repeats=1)
     assert result["client_pairs_per_s"] > 0 and result["http_pairs_per_s"] > 0
     assert result["http_base64_pairs_per_s"] > 0 and result["http_binary_pairs_per_s"] > 0
     assert result["api_role"] == "ingest" and result["search_replica_binary_pairs_per_s"] > 0
@@ -27,18 +29,18 @@ def test_ingest_reports_client_http_and_redis_benchmark_rates() -> None:
 
 
 def test_query_serves_every_request_while_the_worker_learns() -> None:
-    result = load.query(gallery=3000, img_dim=16, txt_dim=8, clients=4, seconds=2.0)
+    result = query(gallery=3000, img_dim=16, txt_dim=8, clients=4, seconds=2.0)
     assert result["requests"] > 0 and result["errors"] == 0, result["statuses"]
     assert result["model_versions_served"] >= 1
     assert result["p50_ms"] <= result["p99_ms"] <= result["max_ms"]
 
 
 def test_rss_of_this_process() -> None:
-    assert load.rss_mb(os.getpid()) > 1
+    assert rss_mb(os.getpid()) > 1
 
 
 def test_ensemble_recall_is_exact_when_the_candidates_cover_the_gallery() -> None:
     # Each member proposing the whole gallery: the fused search must be the exact ranking.
-    result = load.ensemble_recall(gallery=400, img_dim=8, txt_dim=4, queries=10,
+    result = ensemble_recall(gallery=400, img_dim=8, txt_dim=4, queries=10,
                                   candidates=400)
     assert result["recall_at_k"] == 1.0 and result["candidates_per_member"] == 400

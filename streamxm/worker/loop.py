@@ -63,7 +63,7 @@ from streamxm.stream.redis_conn import (
     wait_replicated,
 )
 from streamxm.stream.retention import entry_id_key, trim_stream
-from streamxm.worker.lease import REFRESH_LEASE, RELEASE_LEASE
+from streamxm.worker.lease import Lease
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
 
@@ -176,8 +176,7 @@ class LearnerWorker:
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
         # committed; bounded by the entries between two checkpoints.
         self._failures: dict[str, tuple[int, str]] = {}
-        self._refresh = self.r.register_script(REFRESH_LEASE)
-        self._release = self.r.register_script(RELEASE_LEASE)
+        self.lease = Lease(self.r, self.keys.lease(self.model), self.consumer, lease_ttl_ms)
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -225,7 +224,7 @@ class LearnerWorker:
             if self.leader:
                 try:
                     self.commit()
-                    self._release(keys=[self.keys.lease(self.model)], args=[self.consumer])
+                    self.lease.release()
                 except redis.RedisError as exc:
                     log.error("worker %s: final checkpoint failed (%s); the next learner "
                               "replays from the previous one", self.consumer, exc)
@@ -258,14 +257,9 @@ class LearnerWorker:
         self.leader, self.learner, self._pending = False, None, _Pending()
         self._schema = None
 
-    def _extend_lease(self) -> bool:
-        """Extend the lease if we still hold it (atomically, by script)."""
-        return bool(self._refresh(keys=[self.keys.lease(self.model)],
-                                  args=[self.consumer, self.lease_ttl_ms]))
-
     def _refresh_lease(self) -> bool:
         """Extend the lease we hold; if it is gone, drop the state (a successor owns it)."""
-        if self._extend_lease():
+        if self.lease.extend():
             return True
         log.warning("worker %s lost the lease of %s", self.consumer, self.model)
         self._drop_state()
@@ -279,7 +273,7 @@ class LearnerWorker:
 
         def beat() -> None:
             while not done.wait(self.lease_ttl_ms / 3000):
-                if not self._extend_lease():
+                if not self.lease.extend():
                     lost.set()
                     return
 
@@ -292,12 +286,10 @@ class LearnerWorker:
             thread.join()
 
     def _hold_lease(self) -> bool:
-        key = self.keys.lease(self.model)
         if self.leader and self._refresh_lease():
             return True
         # Our own name in the key: a lease we held before a lost connection, still valid.
-        if (self.r.set(key, self.consumer, nx=True, px=self.lease_ttl_ms)
-                or self._extend_lease()):
+        if self.lease.acquire():
             self.leader = True
             self._load()
             return True

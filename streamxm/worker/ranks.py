@@ -2,9 +2,9 @@
 
 Rank 0 is a :class:`~streamxm.worker.loop.LearnerWorker` that holds the model's lease: it alone
 reads the stream, validates, dead-letters, checkpoints and acknowledges, exactly as a single
-learner does. What changes is how a batch is learned (:class:`DistributedLearner`): rank 0 reads
+learner does. What changes is how a batch is learned (:class:`RankZeroWorker`): rank 0 reads
 ``N x read_batch`` entries, sends every other rank (:class:`RankFollower`) a contiguous share,
-learns its own, and one merge (:mod:`streamxm.learning.distributed`) makes all ranks' models
+learns its own, and one merge (:mod:`streamxm.learning.ranks`) makes all ranks' models
 equal again. Only then does the round count as applied, so a checkpoint always covers a stream
 prefix that every rank has learned and merged, and its transaction acknowledges every rank's
 entries (they were all read by rank 0).
@@ -47,9 +47,10 @@ from typing import Any
 import numpy as np
 import redis
 
-from streamxm.learning.distributed import (
-    LearnerMerge,
+from streamxm.learning.learner import LearnFailed, StreamLearner
+from streamxm.learning.ranks import (
     RankGroup,
+    RankMerge,
     balanced_first,
     decode_learner,
     decode_share,
@@ -57,13 +58,12 @@ from streamxm.learning.distributed import (
     encode_share,
     split_share,
 )
-from streamxm.learning.learner import LearnFailed, StreamLearner
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.worker.loop import EntryFailed, LearnerWorker
 from streamxm.worker.rendezvous import Rendezvous
 
-__all__ = ["DistributedLearner", "RankFollower"]
+__all__ = ["RankFollower", "RankZeroWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 _IDLE, _ROUND, _STOP = 0, 1, 2
 
 
-class DistributedLearner(LearnerWorker):
+class RankZeroWorker(LearnerWorker):
     """Rank 0 of ``world`` ranks (see the module docstring); the other arguments are
     :class:`LearnerWorker`'s, ``read_batch`` per rank."""
 
@@ -87,7 +87,7 @@ class DistributedLearner(LearnerWorker):
         self.timeout_s = timeout_s
         self.rendezvous = Rendezvous(self.r, self.keys, self.model)
         self._group: RankGroup | None = None
-        self._merge: LearnerMerge | None = None
+        self._merge: RankMerge | None = None
         self._synced = False
         self._sent = False
         self.rounds = self.split_rounds = 0
@@ -121,7 +121,7 @@ class DistributedLearner(LearnerWorker):
         if lost.is_set():
             group.close()
             return False
-        self._group, self._merge, self._synced = group, LearnerMerge(group), False
+        self._group, self._merge, self._synced = group, RankMerge(group), False
         log.info("rank 0 of %s: %d ranks learning (generation %d)", self.model, self.world, gen)
         return True
 
@@ -433,7 +433,7 @@ class RankFollower:
                 group.close()
 
     def _follow(self, group: RankGroup, stop: threading.Event) -> None:
-        merge = LearnerMerge(group)
+        merge = RankMerge(group)
         while not stop.is_set():
             kind, sync, split, *sizes = group.broadcast_ints(None, self.world + 2)
             if kind == _STOP:

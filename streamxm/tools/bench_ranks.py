@@ -25,8 +25,9 @@ from streamxm.service import open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair
 from streamxm.tools.bench import evaluate_model
+from streamxm.tools.bench_end_to_end import in_process_rate
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
-from streamxm.tools.load import NAMESPACE, in_process_rate, stack
+from streamxm.tools.stack import NAMESPACE, stack
 
 __all__ = ["distributed", "independent_rate"]
 

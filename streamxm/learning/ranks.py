@@ -1,6 +1,6 @@
 """Several ranks learning one model: the collectives of a round and the merge of the ranks.
 
-A distributed learner (``streamxm worker --world-size N``, :mod:`streamxm.worker.distributed`)
+A distributed learner (``streamxm worker --world-size N``, :mod:`streamxm.worker.ranks`)
 runs in synchronous rounds. Rank 0 reads a batch from the stream and sends each rank a share;
 every rank learns its share from the same model; then one merge makes the ranks equal again.
 What each model merges, and how, it says itself (:meth:`~streamxm.models.base.CrossModalModel.
@@ -37,8 +37,16 @@ from streamxm.models.base import MergeParts
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, decode_frames, decode_pair, encode_frames
 
-__all__ = ["LearnerMerge", "RankGroup", "balanced_first", "decode_learner", "decode_share",
-           "encode_learner", "encode_share", "split_share"]
+__all__ = [
+    "RankGroup",
+    "RankMerge",
+    "balanced_first",
+    "decode_learner",
+    "decode_share",
+    "encode_learner",
+    "encode_share",
+    "split_share",
+]
 
 _OPS = ("sum", "mix", "mean", "total", "max")
 
@@ -236,7 +244,7 @@ class MergeReport:
     bytes: int
 
 
-class LearnerMerge:
+class RankMerge:
     """Merges one rank's :class:`StreamLearner` with the other ranks' after each round.
 
     :meth:`reset` after the ranks were made equal (a state sent from rank 0, or a merge) takes

@@ -1,0 +1,239 @@
+"""``streamxm bench query``: ``/v1/search`` latency and throughput from concurrent clients over
+a large gallery while a worker learns and the API swaps new checkpoints in, with recall@10
+against the served version's exact ranking; ``ensemble_recall`` for an ensemble's search."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from streamxm.learning.learner import StreamLearner
+from streamxm.models import CrossModalModel
+from streamxm.models.ensemble import REFERENCE_ITEMS
+from streamxm.service import open_store
+from streamxm.storage.segments import read_manifest
+from streamxm.stream.client import StreamClient
+from streamxm.stream.messages import (
+    make_pair,
+)
+from streamxm.stream.redis_conn import text
+from streamxm.stream.retention import entry_id_key
+from streamxm.tools.datasets import synthetic_arrays, synthetic_pairs
+from streamxm.tools.rawhttp import Answer, run_clients
+from streamxm.tools.stack import (
+    NAMESPACE,
+    Stack,
+    cpu_seconds,
+    percentile,
+    rss_mb,
+    stack,
+)
+from streamxm.tools.waiting import wait_for
+
+__all__ = ["ensemble_recall", "metric_value", "query"]
+
+
+def metric_value(text: str, name: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return None
+
+
+def _embedded(model: CrossModalModel, modality: str, rows: NDArray[np.float32]
+              ) -> NDArray[np.float64]:
+    embed = model.embed_images if modality == "image" else model.embed_texts
+    return np.concatenate([embed(rows[i : i + 50_000]).astype(np.float64)
+                           for i in range(0, len(rows), 50_000)])
+
+
+def _recall(st: Stack, model: str, answers: list[Answer], queries: list[tuple[str, Any]],
+            imgs: NDArray[np.float32], txts: NDArray[np.float32], k: int, sample: int,
+            seed: int) -> float | None:
+    """Mean recall@k of sampled answers against the exact ranking (ties in row order) by the
+    version that served each, loaded from the store, which the benchmark tells to keep every
+    version. Scores are inner products of embeddings (the models' contract: they equal the
+    similarity); each version embeds the gallery once."""
+    if not answers:
+        return None
+    store = open_store(st.settings, st.r)
+    rng = np.random.default_rng(seed)
+    picked = [answers[i] for i in rng.choice(len(answers), min(sample, len(answers)),
+                                             replace=False)]
+    picked.sort(key=lambda a: a.version)
+    recalls: list[float] = []
+    version, current = -1, None
+    gallery_of: dict[str, NDArray[np.float64]] = {}
+    for answer in tqdm(picked, desc="recall against exact rankings", file=sys.stderr):
+        if answer.version != version:
+            version, gallery_of = answer.version, {}
+            ckpt = store.load(model, version)
+            current = None
+            if ckpt is not None:
+                learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+                learner.flush()
+                current = learner.model
+        if current is None:
+            continue
+        modality, vector = queries[answer.body]
+        target = "text" if modality == "image" else "image"
+        if target not in gallery_of:
+            gallery_of[target] = _embedded(current, target, txts if target == "text" else imgs)
+        scores = gallery_of[target] @ _embedded(current, modality, vector[None, :])[0]
+        exact = np.argsort(-scores, kind="stable")[:k].tolist()
+        got = {int(i[1:]) for i in answer.ids}  # ids are "s<row>"
+        recalls.append(len(got & set(exact)) / k)
+    return round(float(np.mean(recalls)), 4) if recalls else None
+
+
+def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, clients: int = 32,
+          seconds: float = 30.0, k: int = 10, model: str = "cmos", recall_sample: int = 200,
+          candidates: int = 100, seed: int = 0) -> dict[str, Any]:
+    """``/v1/search`` under ``clients`` concurrent connections for ``seconds`` while a worker
+    learns from the stream and checkpoints every 2 s; image and text queries alternate.
+
+    The gallery is :func:`~streamxm.tools.datasets.synthetic_pairs` (non-negative rows around
+    100 cluster centres, like bag-of-words histograms), so an index that relies on the items'
+    structure gets the structure real features have. A gallery indexer writes the segments the
+    API opens; the load starts once the API serves the whole gallery and the indexer has
+    covered every pushed pair (steady state). Afterwards a second API process is started on
+    the same data and timed until it serves the whole gallery (``replica_ready_s``), and a
+    sample of answers is compared with the exact ranking of the version that served each
+    (``recall_at_10``).
+    """
+    imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    queries: list[tuple[str, Any]] = []
+    for j in range(64):
+        row = int(rng.integers(gallery))
+        queries.append(("image", imgs[row]) if j % 2 else ("text", txts[row]))
+    bodies = [json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
+              for m, v in queries]
+    # Checkpoints and segments on disk (the directory store): Redis then holds only the stream.
+    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000,
+               checkpoint_store="dir", search_candidates=candidates) as st:
+        client = StreamClient(st.r, NAMESPACE)
+        for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
+            client.push_pairs([make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
+                               for j in range(i, min(gallery, i + 5000))])
+        st.spawn("worker", "--model", model)
+        st.spawn("indexer")
+        url = st.api()
+
+        def served(at: str = url) -> bool:
+            response = httpx.get(f"{at}/v1/models", timeout=10)
+            if response.status_code != 200:  # 503 while Redis is busy with the gallery load
+                return False
+            models = response.json()["models"]
+            return any(m["name"] == model and m["loaded"] and m["gallery_items"] >= gallery
+                       for m in models)
+
+        wait_for(served, 900, "the API to load a model and the whole gallery")
+        # Steady state: the indexer has written every pushed pair into segments (the API can
+        # serve the whole gallery earlier, from the stream tail, while the indexer catches up).
+        pushed = text(st.r.xinfo_stream(st.keys.pairs)["last-generated-id"])
+
+        def indexed() -> bool:
+            manifest = read_manifest(st.r, st.keys)
+            return manifest is not None and entry_id_key(manifest.last_id) >= entry_id_key(pushed)
+
+        wait_for(indexed, 900, "the gallery indexer to cover every pushed pair")
+        before = st.processed(model)
+        pids = {"worker": st.procs[0].pid, "indexer": st.procs[1].pid, "api": st.procs[2].pid,
+                "load_generator": None}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        start = time.perf_counter()
+        latencies, statuses, answers = asyncio.run(run_clients(url, bodies, clients, seconds))
+        elapsed = time.perf_counter() - start
+        cpu = {name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
+               for name, pid in pids.items()}
+        learned = st.processed(model) - before
+        api_rss = rss_mb(st.procs[2].pid)
+        exact_scans = metric_value(httpx.get(f"{url}/metrics", timeout=30).text,
+                                    "streamxm_search_exact_scans_total")
+        ready_start = time.perf_counter()
+        replica = st.api()
+        wait_for(lambda: served(replica), 900, "a second API to load the whole gallery")
+        replica_ready = time.perf_counter() - ready_start
+        recall = _recall(st, model, answers, queries, imgs, txts, k, recall_sample, seed)
+    ms = [x * 1000 for x in latencies]
+    lags = [a.lag_s for a in answers]
+    errors = sum(n for code, n in statuses.items() if code != "200")
+    return {
+        "benchmark": "query", "gallery": gallery, "img_dim": img_dim, "txt_dim": txt_dim,
+        "model": model, "k": k, "clients": clients, "candidates": candidates,
+        "seconds": round(elapsed, 2),
+        "requests": len(ms), "requests_per_s": round(len(ms) / elapsed, 1),
+        "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
+        "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2) if ms else None,
+        "errors": errors, "statuses": statuses, "recall_at_10": recall,
+        "served_version_lag_p99_s": round(percentile(lags, 99), 3) if lags else None,
+        "model_versions_served": len({a.version for a in answers}),
+        "pairs_learned_meanwhile": learned, "api_rss_mb": round(api_rss, 1),
+        "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
+        "replica_ready_s": round(replica_ready, 2),
+        # Cores each process used during the load (the machine has os.cpu_count() of them).
+        "cores_used": cpu, "cores": os.cpu_count(),
+        "api_cpu_ms_per_request": round(1000 * cpu["api"] * elapsed / max(1, len(ms)), 2),
+        # Searches whose int8/bfloat16 candidates were not proven complete: a float32 scan answered.
+        "exact_scans": exact_scans,
+    }
+
+
+def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,
+                    img_dim: int = 128, txt_dim: int = 32, queries: int = 100, k: int = 10,
+                    candidates: int = 100, seed: int = 0) -> dict[str, Any]:
+    """Recall@k of an ensemble's search against the exact fused ranking of the whole gallery.
+
+    Every member learns the gallery's pairs (:func:`~streamxm.tools.datasets.synthetic_pairs`,
+    100 topics) in-process from a private Redis; a :class:`ModelServer` then answers
+    ``queries`` searches (image and text alternating, each a gallery item's own vector) the way
+    the API does, each member proposing ``max(candidates, 4k)`` candidates; the reference is
+    every gallery item scored by the same fused score (same members' versions, same reference
+    sample)."""
+    from streamxm.models.ensemble import parse_ensemble
+    from streamxm.service import build_worker
+    from streamxm.serving.served import direction_of, other_modality
+    from streamxm.serving.server import ModelServer
+
+    spec = parse_ensemble(model)
+    pairs = synthetic_pairs(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
+    vectors = {"image": np.stack([p.img for p in pairs]),
+               "text": np.stack([p.txt for p in pairs])}
+    with stack(gallery_max=gallery) as st:
+        StreamClient(st.r, NAMESPACE).push_pairs(pairs)
+        for member in tqdm(spec.members, desc="members learning", file=sys.stderr):
+            build_worker(st.settings, st.r, member).run(until_idle=True)
+        server = ModelServer(st.r, open_store(st.settings, st.r), NAMESPACE,
+                             gallery_max=gallery, candidates=candidates)
+        while len(server.gallery) < gallery or len(server.served) < len(spec.members):
+            server.refresh()
+        server.reembed()  # the members' embedded indexes by their served versions
+        fused = server.ensemble(model)
+        rng = np.random.default_rng(seed + 1)
+        recalls = []
+        for j in tqdm(range(queries), desc="queries", file=sys.stderr):
+            modality = "image" if j % 2 else "text"
+            query = vectors[modality][int(rng.integers(gallery))]
+            found = {i for i, _ in server.search(model, modality, query, k).hits}
+            target = other_modality(modality)
+            exact = fused.fused.scores(direction_of(modality), query[None, :], vectors[target],
+                                       server.gallery.reference(target, REFERENCE_ITEMS))[0]
+            best = {pairs[i].id for i in np.argsort(-exact, kind="stable")[:k]}
+            recalls.append(len(found & best) / k)
+    return {"benchmark": "ensemble-recall", "model": model, "gallery": gallery,
+            "img_dim": img_dim, "txt_dim": txt_dim, "queries": queries, "k": k,
+            "candidates_per_member": max(candidates, 4 * k),
+            "recall_at_k": round(float(np.mean(recalls)), 4),
+            "min_recall_at_k": round(float(np.min(recalls)), 2)}
