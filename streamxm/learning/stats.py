@@ -5,8 +5,9 @@ API's ``/v1/models`` and the metrics collector read it with :meth:`from_hash`.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from streamxm.learning.learner import UPDATE_BUCKETS
+from streamxm.learning.learner import UPDATE_BUCKETS, StreamLearner
 from streamxm.models import DIRECTIONS
 
 __all__ = ["WorkerStats"]
@@ -51,6 +52,20 @@ class WorkerStats:
         default_factory=lambda: dict.fromkeys(DIRECTIONS, None))
     #: Per-pair update latency histogram: counts per bucket of ``UPDATE_BUCKETS``.
     update_buckets: tuple[int, ...] = (0,) * len(UPDATE_BUCKETS)
+
+    @classmethod
+    def of_learner(cls, learner: StreamLearner | None, **fields: Any) -> WorkerStats:
+        """The record of ``learner`` (none yet: only ``fields``), with the worker's own
+        ``fields`` (version, position, times, dead letters, consumer)."""
+        if learner is None:
+            return cls(**fields)
+        return cls(
+            **fields, pairs_processed=learner.pairs_seen,
+            pairs_unlabelled=learner.pairs_unlabelled, pairs_in_burst=learner.pairs_in_burst,
+            update_seconds_sum=learner.update_seconds, drift_detected=learner.drift.detections,
+            triplets=dict(learner.stats.triplets), mistakes=dict(learner.stats.mistakes),
+            loss=dict(learner.stats.loss), rolling_map=learner.rolling_map(),
+            update_buckets=tuple(learner.update_hist))
 
     def to_hash(self) -> dict[str, str]:
         fields = {"last_id": self.last_id, "dead_letters": str(self.dead_letters),

@@ -130,17 +130,23 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_bat
         "http_binary_runs": [round(x, 1) for x in http_rates["frames"]],
         "search_replica_binary_runs": [round(x, 1) for x in replica_rates],
     }
-    if rb_rates:
-        rb = statistics.median(rb_rates)
-        result.update(redis_benchmark_xadd_per_s=round(rb, 1),
-                      redis_benchmark_runs=[round(x, 1) for x in rb_rates],
-                      client_ratio=round(result["client_pairs_per_s"] / rb, 3),
-                      http_ratio=round(median["json"] / rb, 3),
-                      http_binary_ratio=round(median["frames"] / rb, 3))
-    else:
-        result["redis_benchmark_xadd_per_s"] = None
-        result["note"] = "redis-benchmark not found (Debian: apt-get install redis-tools)"
+    result.update(_beside_redis_benchmark(rb_rates, client_rate, median))
     return result
+
+
+def _beside_redis_benchmark(rb_rates: list[float], client_rate: float,
+                            http: dict[str, float]) -> dict[str, Any]:
+    """The reference: ``redis-benchmark``'s XADD rate for the same entries, and each path's
+    ratio to it."""
+    if not rb_rates:
+        return {"redis_benchmark_xadd_per_s": None,
+                "note": "redis-benchmark not found (Debian: apt-get install redis-tools)"}
+    rb = statistics.median(rb_rates)
+    return {"redis_benchmark_xadd_per_s": round(rb, 1),
+            "redis_benchmark_runs": [round(x, 1) for x in rb_rates],
+            "client_ratio": round(round(client_rate, 1) / rb, 3),
+            "http_ratio": round(http["json"] / rb, 3),
+            "http_binary_ratio": round(http["frames"] / rb, 3)}
 
 
 def _push_timed(url: str, namespace: str, img_dim: int, txt_dim: int, pairs: int, chunk: int,

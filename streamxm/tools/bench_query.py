@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -130,25 +131,7 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         st.spawn("worker", "--model", model)
         st.spawn("indexer")
         url = st.api()
-
-        def served(at: str = url) -> bool:
-            response = httpx.get(f"{at}/v1/models", timeout=10)
-            if response.status_code != 200:  # 503 while Redis is busy with the gallery load
-                return False
-            models = response.json()["models"]
-            return any(m["name"] == model and m["loaded"] and m["gallery_items"] >= gallery
-                       for m in models)
-
-        wait_for(served, 900, "the API to load a model and the whole gallery")
-        # Steady state: the indexer has written every pushed pair into segments (the API can
-        # serve the whole gallery earlier, from the stream tail, while the indexer catches up).
-        pushed = text(st.r.xinfo_stream(st.keys.pairs)["last-generated-id"])
-
-        def indexed() -> bool:
-            manifest = read_manifest(st.r, st.keys)
-            return manifest is not None and entry_id_key(manifest.last_id) >= entry_id_key(pushed)
-
-        wait_for(indexed, 900, "the gallery indexer to cover every pushed pair")
+        served = _steady_state(st, url, model, gallery)
         before = st.processed(model)
         pids = {"worker": st.procs[0].pid, "indexer": st.procs[1].pid, "api": st.procs[2].pid,
                 "load_generator": None}
@@ -189,6 +172,29 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         # Searches whose int8/bfloat16 candidates were not proven complete: a float32 scan answered.
         "exact_scans": exact_scans,
     }
+
+
+def _steady_state(st: Stack, url: str, model: str, gallery: int) -> Callable[[str], bool]:
+    """Wait until the API at ``url`` serves ``model`` over the whole gallery and the indexer
+    has written every pushed pair into segments (the API can serve the whole gallery earlier,
+    from the stream tail, while the indexer catches up); the check of the first, for replicas."""
+    def served(at: str) -> bool:
+        response = httpx.get(f"{at}/v1/models", timeout=10)
+        if response.status_code != 200:  # 503 while Redis is busy with the gallery load
+            return False
+        models = response.json()["models"]
+        return any(m["name"] == model and m["loaded"] and m["gallery_items"] >= gallery
+                   for m in models)
+
+    wait_for(lambda: served(url), 900, "the API to load a model and the whole gallery")
+    pushed = text(st.r.xinfo_stream(st.keys.pairs)["last-generated-id"])
+
+    def indexed() -> bool:
+        manifest = read_manifest(st.r, st.keys)
+        return manifest is not None and entry_id_key(manifest.last_id) >= entry_id_key(pushed)
+
+    wait_for(indexed, 900, "the gallery indexer to cover every pushed pair")
+    return served
 
 
 def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,

@@ -98,17 +98,7 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
         total = int(minutes * 60 / sample_seconds)
         for n in tqdm(range(total + 1), desc="soak samples", file=sys.stderr):
             stop.wait(max(0.0, start + n * sample_seconds - time.perf_counter()))
-            used = int(st.r.info("memory")["used_memory"])
-            gallery_bytes = _gallery_bytes(st)
-            samples.append({"minute": round((time.perf_counter() - start) / 60, 2),
-                            "worker_rss_mb": round(rss_mb(worker.pid), 1),
-                            "indexer_rss_mb": round(rss_mb(indexer.pid), 1),
-                            "api_rss_mb": round(rss_mb(api.pid), 1),
-                            "redis_used_mb": round(used / 2**20, 1),
-                            "gallery_segments_mb": round(gallery_bytes / 2**20, 1),
-                            "redis_less_gallery_mb": round((used - gallery_bytes) / 2**20, 1),
-                            "stream_length": int(st.r.xlen(st.keys.pairs)),
-                            "pairs_learned": st.processed("cmos")})
+            samples.append(_sample(st, start, worker.pid, indexer.pid, api.pid))
         stop.set()
         for t in threads:
             t.join(timeout=30)
@@ -118,13 +108,37 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
         "img_dim": img_dim, "txt_dim": txt_dim, "gallery_max": gallery_max,
         "warmup_minutes": warmup_minutes, **counts, "alive_at_end": alive, "samples": samples,
     }
-    late = [s for s in samples if s["minute"] >= warmup_minutes]
-    if len(late) >= 2:
-        for key in ("worker_rss_mb", "indexer_rss_mb", "api_rss_mb", "redis_used_mb",
-                    "redis_less_gallery_mb"):
-            slope = _slope(late, key)
-            mean = float(np.mean([s[key] for s in late]))
-            name = key.removesuffix("_mb")
-            result[f"{name}_slope_mb_per_min"] = round(slope, 3)
-            result[f"{name}_growth_pct_per_hour"] = round(100 * slope * 60 / mean, 2)
+    result.update(_slopes([s for s in samples if s["minute"] >= warmup_minutes]))
     return result
+
+
+def _sample(st: Stack, start: float, worker: int, indexer: int, api: int) -> dict[str, float]:
+    """One sample: each process's resident memory, Redis's with and without the segments, the
+    stream's length, the pairs learned."""
+    used = int(st.r.info("memory")["used_memory"])
+    gallery_bytes = _gallery_bytes(st)
+    return {"minute": round((time.perf_counter() - start) / 60, 2),
+            "worker_rss_mb": round(rss_mb(worker), 1),
+            "indexer_rss_mb": round(rss_mb(indexer), 1),
+            "api_rss_mb": round(rss_mb(api), 1),
+            "redis_used_mb": round(used / 2**20, 1),
+            "gallery_segments_mb": round(gallery_bytes / 2**20, 1),
+            "redis_less_gallery_mb": round((used - gallery_bytes) / 2**20, 1),
+            "stream_length": int(st.r.xlen(st.keys.pairs)),
+            "pairs_learned": st.processed("cmos")}
+
+
+def _slopes(late: list[dict[str, float]]) -> dict[str, float]:
+    """Memory growth after warm-up: per series the slope (MB a minute) and the growth it makes
+    in an hour (% of its mean)."""
+    out: dict[str, float] = {}
+    if len(late) < 2:
+        return out
+    for key in ("worker_rss_mb", "indexer_rss_mb", "api_rss_mb", "redis_used_mb",
+                "redis_less_gallery_mb"):
+        slope = _slope(late, key)
+        mean = float(np.mean([s[key] for s in late]))
+        name = key.removesuffix("_mb")
+        out[f"{name}_slope_mb_per_min"] = round(slope, 3)
+        out[f"{name}_growth_pct_per_hour"] = round(100 * slope * 60 / mean, 2)
+    return out

@@ -11,12 +11,14 @@ from typing import Any
 
 import httpx
 import numpy as np
+import redis
 from tqdm import tqdm
 
 from streamxm.config import Settings
 from streamxm.learning.evaluation import label_relevance, mean_average_precision
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
 from streamxm.tools.datasets import PUBLISHED_WIKI, bundled_wiki_path, iter_pairs, load_dataset
 from streamxm.tools.processes import Child
@@ -58,73 +60,29 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
         embedded = EmbeddedRedis(settings.data_dir / "redis")
         url = embedded.start()
     r = connect(settings, url)
-    # A fresh namespace per run: earlier demo state would mix into the figures.
-    keys = Keys(namespace)  # and under the untagged names of older versions
-    stale = [*r.scan_iter(match=f"{keys.prefix}:*", count=1000),
-             *r.scan_iter(match=f"{keys.legacy_prefix}:*", count=1000)]
-    if stale:
-        r.delete(*stale)
+    _fresh_namespace(r, Keys(namespace))
     log_dir = settings.data_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "STREAMXM_REDIS_URL": url, "STREAMXM_NAMESPACE": namespace,
            "STREAMXM_API_PORT": str(port), "STREAMXM_DEFAULT_MODEL": model}
     env.pop("STREAMXM_API_TOKEN", None)
-    base = f"http://127.0.0.1:{port}"
-    out = sys.stderr
     try:
         with (Child("worker", "--model", model, env=env, log=log_dir / "worker.log"),
               Child("api", "--host", "127.0.0.1", "--port", str(port), env=env,
                     log=log_dir / "api.log") as api,
-              httpx.Client(base_url=base, timeout=60) as http):
+              httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http):
             wait_for(lambda: api.alive() and http.get("/healthz").status_code == 200,
                      60, "the API to start", interval=0.1, tolerate=(httpx.HTTPError,))
-            client = StreamClient(r, namespace)
-            train = list(iter_pairs(ds, limit=n))
             start = time.monotonic()
-
-            def status() -> dict[str, Any]:
-                for info in http.get("/v1/models").json()["models"]:
-                    if info["name"] == model:
-                        return dict(info)
-                return {}
-
-            with tqdm(total=n, unit="pair", file=out, desc=f"{model} learned",
-                      disable=as_json, dynamic_ncols=True) as bar:
-                def show() -> dict[str, Any]:
-                    info = status()
-                    seen = int(info.get("pairs_seen", 0))
-                    bar.update(seen - bar.n)
-                    rm = info.get("rolling_map") or {}
-                    mistakes = info.get("mistakes") or {}
-                    bar.set_postfix_str(
-                        f"pairs/s {seen / max(time.monotonic() - start, 1e-9):.0f} | mistakes "
-                        f"i2t {mistakes.get('i2t', 0)} t2i {mistakes.get('t2i', 0)} | rolling mAP"
-                        f" i2t {_fmt(rm.get('i2t'))} t2i {_fmt(rm.get('t2i'))}")
-                    return info
-
-                chunk = 100
-                last_show = 0.0
-                for i in range(0, n, chunk):
-                    client.push_pairs(train[i : i + chunk])
-                    if rate:
-                        time.sleep(len(train[i : i + chunk]) / rate)
-                    if time.monotonic() - last_show > 0.5:
-                        show()
-                        last_show = time.monotonic()
-                def caught_up() -> dict[str, Any] | None:
-                    info = show()
-                    done = info.get("pairs_seen") == n
-                    return info if done and info["version"] == info["checkpoint_version"] else None
-
-                info = wait_for(caught_up, timeout, "the worker to learn every pair",
-                                interval=0.25, tolerate=(httpx.HTTPError,))
+            info = _replay(http, StreamClient(r, namespace), list(iter_pairs(ds, limit=n)),
+                           model, rate, timeout, quiet=as_json)
             learn_seconds = time.monotonic() - start
             scores, version = served_scores(http, model, ds.img_test, ds.txt_test)
     finally:
         if embedded is not None and embedded.started_here:
             embedded.stop()
     rel = label_relevance(ds.y_test, ds.y_test)
-    result: dict[str, Any] = {
+    return {
         "model": model,
         "dataset": Path(path).name,
         "pairs": n,
@@ -137,7 +95,60 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
         "published": {k: {"map_i2t": v[0], "map_t2i": v[1], "source": v[2]}
                       for k, v in PUBLISHED_WIKI.items()},
     }
-    return result
+
+
+def _fresh_namespace(r: redis.Redis, keys: Keys) -> None:
+    """Delete an earlier demo's keys (also under the untagged names of older versions): they
+    would mix into the figures."""
+    stale = [*r.scan_iter(match=f"{keys.prefix}:*", count=1000),
+             *r.scan_iter(match=f"{keys.legacy_prefix}:*", count=1000)]
+    if stale:
+        r.delete(*stale)
+
+
+def _replay(http: httpx.Client, client: StreamClient, train: list[Pair], model: str,
+            rate: float | None, timeout: float, quiet: bool) -> dict[str, Any]:
+    """Push the training pairs (at ``rate`` pairs/s if given) with a live line of what the API
+    reports, until the served version holds every pair; the model's last ``/v1/models``."""
+    n, start = len(train), time.monotonic()
+
+    def status() -> dict[str, Any]:
+        for info in http.get("/v1/models").json()["models"]:
+            if info["name"] == model:
+                return dict(info)
+        return {}
+
+    with tqdm(total=n, unit="pair", file=sys.stderr, desc=f"{model} learned",
+              disable=quiet, dynamic_ncols=True) as bar:
+        def show() -> dict[str, Any]:
+            info = status()
+            seen = int(info.get("pairs_seen", 0))
+            bar.update(seen - bar.n)
+            rm = info.get("rolling_map") or {}
+            mistakes = info.get("mistakes") or {}
+            bar.set_postfix_str(
+                f"pairs/s {seen / max(time.monotonic() - start, 1e-9):.0f} | mistakes "
+                f"i2t {mistakes.get('i2t', 0)} t2i {mistakes.get('t2i', 0)} | rolling mAP"
+                f" i2t {_fmt(rm.get('i2t'))} t2i {_fmt(rm.get('t2i'))}")
+            return info
+
+        last_show = 0.0
+        for i in range(0, n, 100):
+            client.push_pairs(train[i : i + 100])
+            if rate:
+                time.sleep(len(train[i : i + 100]) / rate)
+            if time.monotonic() - last_show > 0.5:
+                show()
+                last_show = time.monotonic()
+
+        def caught_up() -> dict[str, Any] | None:
+            info = show()
+            done = info.get("pairs_seen") == n
+            return info if done and info["version"] == info["checkpoint_version"] else None
+
+        found: dict[str, Any] = wait_for(caught_up, timeout, "the worker to learn every pair",
+                                         interval=0.25, tolerate=(httpx.HTTPError,))
+    return found
 
 
 def _fmt(value: float | None) -> str:

@@ -3,6 +3,10 @@ that act only for the holder named in the key."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import redis
 
 __all__ = ["REFRESH_LEASE", "RELEASE_LEASE", "Lease"]
@@ -40,3 +44,23 @@ class Lease:
 
     def release(self) -> None:
         self._release(keys=[self.key], args=[self.owner])
+
+    @contextmanager
+    def heartbeat(self) -> Iterator[threading.Event]:
+        """Extend the lease every third of its time from a helper thread while the body runs
+        (a long batch must not outlive it); the event yielded is set if it was lost meanwhile."""
+        lost, done = threading.Event(), threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.ttl_ms / 3000):
+                if not self.extend():
+                    lost.set()
+                    return
+
+        thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield lost
+        finally:
+            done.set()
+            thread.join()

@@ -38,9 +38,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -199,7 +197,7 @@ class LearnerWorker:
                 self.setup()
                 break
             except UNAVAILABLE as exc:
-                backoff = self._backoff(stop, backoff, exc)
+                backoff = _back_off(stop, backoff, self.consumer, exc)
         log.info("worker %s: model %s, namespace %s", self.consumer, self.model,
                  self.keys.namespace)
         try:
@@ -213,7 +211,7 @@ class LearnerWorker:
                     backoff = 0.0
                 except UNAVAILABLE as exc:
                     self._drop_state()
-                    backoff = self._backoff(stop, backoff, exc)
+                    backoff = _back_off(stop, backoff, self.consumer, exc)
                     continue
                 except EntryFailed as exc:
                     backoff = self._learn_failed(stop, backoff, exc)
@@ -232,18 +230,11 @@ class LearnerWorker:
             log.info("worker %s stopped at entry %s, version %d", self.consumer, self.last_id,
                      self.version)
 
-    def _backoff(self, stop: threading.Event, previous: float, exc: Exception) -> float:
-        delay = min(5.0, max(0.1, previous * 2))
-        log.warning("worker %s: Redis unavailable (%s); state dropped, retrying in %.1f s",
-                    self.consumer, exc, delay)
-        stop.wait(delay)
-        return delay
-
     def _learn_failed(self, stop: threading.Event, previous: float, exc: EntryFailed) -> float:
         """Count the failure against its entry, back off; the next lease reloads and replays."""
         count = self._failures.get(exc.entry_id, (0, ""))[0] + 1
         self._failures[exc.entry_id] = (count, exc.detail)
-        delay = min(5.0, max(0.1, previous * 2))
+        delay = _next_delay(previous)
         then = ("dead-lettering it" if count >= self.max_learn_attempts
                 else "reloading the checkpoint")
         log.error("worker %s: learning entry %s failed (attempt %d of %d); state dropped, %s in "
@@ -264,26 +255,6 @@ class LearnerWorker:
         log.warning("worker %s lost the lease of %s", self.consumer, self.model)
         self._drop_state()
         return False
-
-    @contextmanager
-    def _lease_heartbeat(self) -> Iterator[threading.Event]:
-        """Refresh the lease every third of its time from a helper thread while the body runs;
-        the event yielded is set if the lease was lost meanwhile."""
-        lost, done = threading.Event(), threading.Event()
-
-        def beat() -> None:
-            while not done.wait(self.lease_ttl_ms / 3000):
-                if not self.lease.extend():
-                    lost.set()
-                    return
-
-        thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
-        thread.start()
-        try:
-            yield lost
-        finally:
-            done.set()
-            thread.join()
 
     def _hold_lease(self) -> bool:
         if self.leader and self._refresh_lease():
@@ -423,7 +394,7 @@ class LearnerWorker:
         # A slow model (or a large batch) must not outlive the lease, or every commit would
         # be fenced off and the same batch retried forever: a heartbeat holds it meanwhile.
         try:
-            with self._lease_heartbeat() as lost:
+            with self.lease.heartbeat() as lost:
                 self.learner.learn(pairs)
         except LearnFailed as exc:
             # The state holds part of the batch: it must never reach a checkpoint.
@@ -529,17 +500,21 @@ class LearnerWorker:
             log.warning("stream trim failed (will retry): %s", exc)
 
     def _stats_fields(self) -> dict[str, str]:
-        learner = self.learner
-        base = WorkerStats(version=self.version, last_id=self.last_id,
-                           checkpoint_time=time.time(), learned_time=self._learned_time,
-                           dead_letters=self.dead_letters, consumer=self.consumer)
-        if learner is None:
-            return base.to_hash()
-        return replace(
-            base, pairs_processed=learner.pairs_seen, pairs_unlabelled=learner.pairs_unlabelled,
-            pairs_in_burst=learner.pairs_in_burst,
-            update_seconds_sum=learner.update_seconds, drift_detected=learner.drift.detections,
-            triplets=dict(learner.stats.triplets), mistakes=dict(learner.stats.mistakes),
-            loss=dict(learner.stats.loss), rolling_map=learner.rolling_map(),
-            update_buckets=tuple(learner.update_hist)).to_hash()
+        return WorkerStats.of_learner(
+            self.learner, version=self.version, last_id=self.last_id,
+            checkpoint_time=time.time(), learned_time=self._learned_time,
+            dead_letters=self.dead_letters, consumer=self.consumer).to_hash()
 
+
+def _next_delay(previous: float) -> float:
+    """Back-off after a failure: doubling, from 0.1 s up to 5 s."""
+    return min(5.0, max(0.1, previous * 2))
+
+
+def _back_off(stop: threading.Event, previous: float, consumer: str, exc: Exception) -> float:
+    """Wait out a lost Redis (the state was dropped); the delay waited."""
+    delay = _next_delay(previous)
+    log.warning("worker %s: Redis unavailable (%s); state dropped, retrying in %.1f s",
+                consumer, exc, delay)
+    stop.wait(delay)
+    return delay

@@ -113,7 +113,7 @@ class RankZeroWorker(LearnerWorker):
         log.info("rank 0 of %s: forming generation %d of %d ranks on %s", self.model, gen,
                  self.world, self.host)
         try:
-            with self._lease_heartbeat() as lost:
+            with self.lease.heartbeat() as lost:
                 group = RankGroup(store, 0, self.world, self.timeout_s, self.host)
         except (RuntimeError, ValueError) as exc:  # DistStoreError: a rank did not come
             log.warning("rank 0 of %s: generation %d not formed (%s)", self.model, gen, exc)
@@ -196,7 +196,7 @@ class RankZeroWorker(LearnerWorker):
             return False
         plan = self._plan(pairs, may_commit)
         try:
-            with self._lease_heartbeat() as lost:
+            with self.lease.heartbeat() as lost:
                 self._send(plan)
                 if plan.commit_now and not self._commit_in_round():
                     return False
