@@ -62,6 +62,20 @@ async def get_context(request: Request) -> ApiContext:
 
 Context = Annotated[ApiContext, Depends(get_context)]
 
+
+async def get_server(context: Context) -> ModelServer:
+    return context.server
+
+
+async def get_settings_of(context: Context) -> Settings:
+    return context.settings
+
+
+#: The model server alone, for routes that read nothing else.
+Server = Annotated[ModelServer, Depends(get_server)]
+#: The app's settings alone.
+AppSettings = Annotated[Settings, Depends(get_settings_of)]
+
 _bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import Context
+from api.deps import AppSettings, Context, Server
 from api.schemas import GalleryHealth, HealthOut, ReadyOut
 
 router = APIRouter(tags=["probes"])
@@ -22,9 +22,8 @@ async def healthz() -> HealthOut:
 
 @router.get("/readyz", response_model=ReadyOut,
             responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}})
-async def readyz(context: Context) -> JSONResponse:
-    server = context.server
-    if context.settings.api_role == "ingest":  # takes pairs from the start; serves no model
+async def readyz(server: Server, settings: AppSettings) -> JSONResponse:
+    if settings.api_role == "ingest":  # takes pairs from the start; serves no model
         return JSONResponse({"status": "ready", "models": []})
     if server.ready:
         # Ready but degraded: search serves every segment but the corrupt ones (named).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import ApiContext, Context, matrix, unprocessable
+from api.deps import ApiContext, Context, Server, matrix, unprocessable
 from api.schemas import (
     GalleryHealth,
     Hit,
@@ -32,8 +32,7 @@ _QUERY_ERRORS = error_responses(400, 404, 413, 503)
 
 
 @router.get("/models", response_model=ModelsOut, responses=error_responses(503))
-def models(context: Context) -> ModelsOut:
-    server = context.server
+def models(server: Server) -> ModelsOut:
     out = []
     for name, stats in server.model_stats().items():
         served = server.served.get(name)
