@@ -48,9 +48,8 @@ from streamxm.learning.learner import LearnFailed, StreamLearner
 from streamxm.learning.stats import WorkerStats
 from streamxm.models import split_name
 from streamxm.storage.checkpoint import Checkpoint, CheckpointStore, LeaseLost
-from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
+from streamxm.stream.messages import InvalidPair, Limits, Pair
 from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import (
     UNAVAILABLE,
@@ -61,14 +60,12 @@ from streamxm.stream.redis_conn import (
     wait_replicated,
 )
 from streamxm.stream.retention import entry_id_key, trim_stream
+from streamxm.worker.entries import EntryDecoder
 from streamxm.worker.lease import Lease
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
 
 log = logging.getLogger(__name__)
-
-_DEAD_MAX_FIELDS = 16
-_DEAD_MAX_VALUE = 1 << 20
 
 
 class EntryFailed(RuntimeError):
@@ -170,7 +167,7 @@ class LearnerWorker:
         self._pending = _Pending()
         self._last_commit = time.monotonic()
         self._learned_time: float | None = None
-        self._schema: tuple[int, int] | None = None
+        self.entries = EntryDecoder(self.r, self.keys, self.model, self.consumer, limits)
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
         # committed; bounded by the entries between two checkpoints.
         self._failures: dict[str, tuple[int, str]] = {}
@@ -246,7 +243,7 @@ class LearnerWorker:
     def _drop_state(self) -> None:
         """Forget everything not in a checkpoint; the next lease reloads and replays."""
         self.leader, self.learner, self._pending = False, None, _Pending()
-        self._schema = None
+        self.entries.forget()
 
     def _refresh_lease(self) -> bool:
         """Extend the lease we hold; if it is gone, drop the state (a successor owns it)."""
@@ -366,10 +363,10 @@ class LearnerWorker:
                 if count >= self.max_learn_attempts:
                     raise InvalidPair("", "learn_error",
                                       f"learning failed {count} times: {error}"[:1000])
-                pairs.append(self._decode(fields))
+                pairs.append(self.entries.decode(fields))
                 pair_entries.append(entry_id)
             except InvalidPair as exc:
-                dead.append(self._dead_letter(entry_id, fields, exc))
+                dead.append(self.entries.dead_letter(entry_id, fields, exc))
         if already:
             self.r.xack(self.keys.pairs, self.group, *already)
         if pairs and not self._learn(pairs, pair_entries):
@@ -409,35 +406,6 @@ class LearnerWorker:
             self._drop_state()
             return False
         return True
-
-    def _decode(self, fields: dict[bytes, bytes]) -> Pair:
-        if self._schema is None:
-            self._schema = read_schema(self.r, self.keys)
-        if self._schema is None:
-            pair = decode_pair(fields, limits=self.limits)
-            self._schema = ensure_schema(self.r, self.keys, pair.img.shape[0], pair.txt.shape[0])
-            check_dims(pair, self._schema)
-            return pair
-        return decode_pair(fields, self._schema[0], self._schema[1], self.limits)
-
-    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes],
-                     exc: InvalidPair) -> dict[str, str | bytes]:
-        log.warning("dead letter %s (%s): %s", entry_id, exc.reason, exc)
-        letter: dict[str, str | bytes] = {
-            "entry_id": entry_id, "model": self.model, "reason": exc.reason,
-            "field": exc.field, "detail": exc.detail, "consumer": self.consumer,
-        }
-        # The original fields ride along for inspection, within bounds: a garbage entry must not
-        # turn into a garbage dead letter of any size.
-        for i, (name, value) in enumerate(fields.items()):
-            if i == _DEAD_MAX_FIELDS:
-                letter["truncated"] = f"{len(fields) - i} more fields dropped"
-                break
-            if len(value) > _DEAD_MAX_VALUE:
-                letter["truncated"] = f"values cut to {_DEAD_MAX_VALUE} bytes"
-                value = value[:_DEAD_MAX_VALUE]
-            letter[f"orig.{field_name(name)}"] = value
-        return letter
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self) -> None:
