@@ -1,0 +1,90 @@
+"""The model server's parts on their own, against a real Redis and a real checkpoint store: the
+served versions (hot swap, lag), the gallery follower (the stream, then segments), and the
+pinned versions (an LRU of kept versions, refusing corrupt ones)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from streamxm.config import Settings
+from streamxm.learning.learner import StreamLearner
+from streamxm.service import build_indexer, build_worker, open_store
+from streamxm.serving.following import GalleryFollower
+from streamxm.serving.pins import PinnedVersions
+from streamxm.serving.versions import ServedVersions
+from streamxm.storage.checkpoint import VersionUnreadable
+from streamxm.stream.client import StreamClient
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Limits
+from tests.conftest import class_stream, latest
+
+
+def _learned(settings: Settings, r: redis.Redis, pairs: int, keep: int = 10) -> Settings:
+    cfg = settings.model_copy(update={"checkpoint_keep": keep})
+    data = class_stream(pairs, 8, 4, seed=3)
+    for start in range(0, pairs, 100):  # a version per 100 pairs
+        StreamClient(r, cfg.namespace).push_pairs(data[start : start + 100])
+        build_worker(cfg, r, "cmos").run(until_idle=True)
+    return cfg
+
+
+def test_served_versions_swap_to_the_newest_and_report_lag(settings: Settings,
+                                                           r: redis.Redis) -> None:
+    cfg = _learned(settings, r, 200)
+    store = open_store(cfg, r)
+    versions = ServedVersions(store)
+    follower = GalleryFollower(r, store, Keys(cfg.namespace), 1000, Limits(), 500)
+    follower.read()
+    versions.follow({"cmos"}, follower.gallery)
+    served = versions.served["cmos"]
+    newest = latest(cfg, r)
+    newest.flush()
+    assert served.version == store.head("cmos")["version"]  # type: ignore[index]
+    probe = np.random.default_rng(0).random((3, 8), dtype=np.float32)
+    texts = np.random.default_rng(1).random((5, 4), dtype=np.float32)
+    np.testing.assert_array_equal(served.model.similarity(probe, texts),
+                                  newest.model.similarity(probe, texts))
+    assert versions.lag(served) == 0.0
+    versions.newest["cmos"] = (served.version + 1, 0.0)  # a newer checkpoint, long ago
+    assert versions.lag(served) > 0
+
+
+def test_the_gallery_follower_reads_the_stream_then_the_segments(settings: Settings,
+                                                                  r: redis.Redis) -> None:
+    pairs = class_stream(300, 8, 4, seed=4)
+    StreamClient(r, settings.namespace).push_pairs(pairs[:200])
+    store = open_store(settings, r)
+    follower = GalleryFollower(r, store, Keys(settings.namespace), 1000, Limits(), 64)
+    assert follower.read() and len(follower.gallery) == 200  # no indexer: the stream itself
+    build_indexer(settings, r).run(until_idle=True)
+    StreamClient(r, settings.namespace).push_pairs(pairs[200:])
+    assert follower.read()
+    assert len(follower.gallery) == 300  # the segments, then the stream after them
+    ids = follower.gallery.ids_at(np.arange(300, dtype=np.int64))
+    assert sorted(ids) == sorted(p.id for p in pairs)
+    assert not follower.read()  # nothing new
+
+
+def test_pinned_versions_keep_the_most_recent_few_and_refuse_a_corrupt_one(
+        settings: Settings, r: redis.Redis) -> None:
+    cfg = _learned(settings, r, 400)
+    store = open_store(cfg, r)
+    kept = sorted(store.kept_versions("cmos"))
+    assert len(kept) >= 4
+    pins = PinnedVersions(store, capacity=2)
+    for version in kept[:3]:
+        pinned = pins.load("cmos", version)
+        ckpt = store.load_kept("cmos", version)
+        restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+        restored.flush()
+        probe = np.ones((1, 8), dtype=np.float32)
+        np.testing.assert_array_equal(pinned.model.similarity(probe, np.eye(4, dtype=np.float32)),
+                                      restored.model.similarity(probe,
+                                                                np.eye(4, dtype=np.float32)))
+    assert ("cmos", kept[0]) not in pins and ("cmos", kept[2]) in pins  # oldest evicted
+    assert pins.cached("cmos", kept[1]) is not None
+    r.set(Keys(cfg.namespace).checkpoint_blob("cmos", kept[3]), b"garbage")
+    with pytest.raises(VersionUnreadable, match="kept but unreadable"):
+        pins.load("cmos", kept[3])
