@@ -45,11 +45,13 @@ class RequestLimits:
     max_batch: int = 1024
     max_values: int = 1 << 19
     max_k: int = 1000
+    max_labels: int = 64
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RequestLimits:
         return cls(max_dim=settings.max_dim, max_batch=settings.max_batch,
-                   max_values=settings.max_request_values, max_k=settings.max_k)
+                   max_values=settings.max_request_values, max_k=settings.max_k,
+                   max_labels=settings.max_labels)
 
 
 #: The limits of the app serving the current request (set per request by the app).
@@ -150,6 +152,15 @@ class PairIn(_Strict):
                                        description="optional non-negative labels")
     ts: StrictFloat | None = Field(default=None, allow_inf_nan=False,
                                    description="event time, unix seconds")
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _few_labels(cls, value: Any) -> Any:
+        # Refused on its length before a single label is validated, as frames are.
+        limit = request_limits.get().max_labels
+        if isinstance(value, list) and len(value) > limit:
+            raise _too_large(f"{len(value)} labels exceed the limit {limit}")
+        return value
 
 
 class PairsIn(_Strict):

@@ -358,6 +358,12 @@ def test_a_labels_bomb_is_refused_on_its_length_before_parsing(
                         headers={"Content-Type": FRAMES_MEDIA_TYPE})
     assert answer.status_code == 422, answer.text
     assert "labels" in answer.text and "too_large" in answer.text
+    # The JSON door: the list is refused on its length before any label is validated.
+    body = ('{"pairs": [{"id": "bomb", "img": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], '
+            '"txt": [0.5, 0.5, 0.5, 0.5], "labels": [' + ",".join(["1"] * 5_000_000) + ']}]}')
+    answer = _post_raw(f"{api.url}/v1/pairs", body.encode())
+    assert answer.status_code == 422 and "5000000 labels exceed the limit 64" in answer.text
+    assert len(answer.content) < 4096
     keys = Keys(settings.namespace)
     r.xadd(keys.pairs, fields)  # type: ignore[arg-type]  # a producer that skips the API
     build_worker(settings, r, "cmos").run(until_idle=True)
