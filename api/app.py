@@ -57,8 +57,8 @@ class _PlainPath:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = (scope.get("raw_path") or b"").lower() if scope["type"] == "http" else b""
-        if any(code in raw for code in self._ENCODED):
+        raw = (scope.get("raw_path") or b"") if scope["type"] == "http" else b""
+        if b"%" in raw and any(code in raw.lower() for code in self._ENCODED):
             await JSONResponse({"detail": "an encoded slash (%2F) or backslash (%5C) in the "
                                 "path is refused"}, status_code=400)(scope, receive, send)
             return

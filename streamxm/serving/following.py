@@ -57,9 +57,9 @@ class GalleryFollower:
         self._sliced: dict[tuple[int, str, int], GalleryChunk] = {}
         self._segment_chunks: tuple[GalleryChunk, ...] = ()
         self._tail: list[tuple[GalleryChunk, list[str]]] = []  # rows after them, entry ids
-        # Segments found corrupt (seq, sha) -> rows lost: never read again; the gallery is
-        # served without them (degraded) and the namespace's record counts every one.
-        self.corrupt_segments: dict[tuple[int, str], int] = {}
+        # Segments found corrupt (seq, sha): never read again; the gallery is served without
+        # them (degraded) and the namespace's record counts every one with its rows.
+        self.corrupt_segments: set[tuple[int, str]] = set()
         self._corrupt = CorruptSegments(client, keys)
         #: The namespace's record of corrupt segments (``<seq>:<sha>`` -> rows lost): the
         #: gallery is degraded while it is not empty.
@@ -89,7 +89,7 @@ class GalleryFollower:
             if chunk is None and key not in self.corrupt_segments:
                 rows = open_segment(self.store, ref)
                 if rows is None:  # quarantined: the rest of the gallery is served
-                    self.corrupt_segments[key] = manifest.live_rows(ref)
+                    self.corrupt_segments.add(key)
                     self._corrupt.record(ref, manifest.live_rows(ref))
                 else:
                     chunk = GalleryChunk.from_rows(rows)

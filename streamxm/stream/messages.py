@@ -70,14 +70,15 @@ class Limits:
     max_label_value: int = 1_000_000
     max_id_length: int = 256
 
-    def field_bytes(self, name: bytes) -> int:
-        """The most bytes a message v1 field may hold: checked before the field is parsed, so
+    def field_bytes(self, name: bytes) -> int | None:
+        """The most bytes a parsed message v1 field may hold, checked before it is parsed, so
         a huge value costs a length comparison, not a parse (UTF-8 ids up to 4 bytes a
         character, labels up to 18 digits and a comma each, as the decoder's pattern admits).
-        Vectors are not parsed: their length is checked against the namespace's dimension
-        (``dim_mismatch``) or :attr:`max_dim` (``too_large``) before they are viewed."""
+        ``None`` for the vectors, which are never parsed: their length is checked against the
+        namespace's dimension (``dim_mismatch``) or :attr:`max_dim` (``too_large``) before
+        they are viewed."""
         return {b"v": 8, b"id": 4 * self.max_id_length, b"labels": 19 * self.max_labels,
-                b"ts": 64}.get(name, 1 << 62)
+                b"ts": 64}.get(name)
 
 
 @dataclass(frozen=True)
@@ -246,9 +247,10 @@ def decode_pair(
         if name not in KNOWN_FIELDS:
             raise InvalidPair(field_name(name), "unknown_field", "not a field of message v1 "
                               "(v, id, img, txt, labels, ts)")
-        if len(value) > limits.field_bytes(name):
+        bound = limits.field_bytes(name)
+        if bound is not None and len(value) > bound:
             raise InvalidPair(name.decode(), "too_large", f"{len(value)} bytes exceed the "
-                              f"field's limit of {limits.field_bytes(name)}")
+                              f"field's limit of {bound}")
     try:
         pair_id = fields[b"id"].decode("utf-8")
     except UnicodeDecodeError:

@@ -153,7 +153,6 @@ class LearnerWorker:
         self.read_batch = read_batch
         self.block_ms = block_ms
         self.lease_ttl_ms = lease_ttl_ms
-        self.limits = limits
         self.max_learn_attempts = max_learn_attempts
         self.retain_entries = retain_entries
         self.learner: StreamLearner | None = None
