@@ -140,7 +140,6 @@ def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
     limits = limits_from(settings)
     server = ModelServer(background, open_store(settings, background), settings.namespace,
                          gallery_max=settings.gallery_max, limits=limits,
-                         reembed_seconds=settings.reembed_seconds,
                          candidates=settings.search_candidates,
                          champion=ChampionRule(min_pairs=settings.champion_min_pairs,
                                                margin=settings.champion_margin,

@@ -259,9 +259,9 @@ class SearchOut(BaseModel):
     version_lag_s: float = Field(
         description="seconds since a checkpoint newer than `version` was written (0: none is)")
     index_version: int | None = Field(
-        description="version whose gallery index proposed the candidates: `version` for models "
-        "with a fixed space, else the last background re-embedding (the results are re-ranked "
-        "by `version` either way); null for an ensemble, whose members each propose theirs")
+        description="version whose gallery index proposed the candidates: always `version` (a "
+        "version is served once it has embedded the gallery); null for an ensemble, whose "
+        "members each propose theirs")
     results: list[Hit]
 
 

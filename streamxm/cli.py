@@ -294,7 +294,8 @@ _LOAD_BENCHES = {"ingest": ("bench_ingest", "ingest"),
                  "query": ("bench_query", "query"),
                  "ensemble-recall": ("bench_query", "ensemble_recall"),
                  "soak": ("bench_soak", "soak"), "hostile": ("bench_hostile", "hostile"),
-                 "scan": ("scan", "scan")}
+                 "scan": ("scan", "scan"),
+                 "version-cost": ("bench_version_cost", "version_cost")}
 
 
 def _cmd_bench_distributed(args: argparse.Namespace) -> int:
@@ -542,7 +543,16 @@ def _bench_service_commands(
     er.add_argument("--queries", type=int, default=100)
     er.add_argument("--k", type=int, default=10)
     er.add_argument("--candidates", type=int, default=100, help="candidates per member")
-    for p in (ing, e2e, qry, sk, ho, sc, er):
+    vc = bench_sub.add_parser("version-cost", help="what a new model version costs a search "
+                              "server: seconds to embed the whole gallery, memory of its kept "
+                              "features and embeddings, per model")
+    vc.add_argument("--gallery", type=int, default=100_000)
+    vc.add_argument("--img-dim", type=int, default=512)
+    vc.add_argument("--txt-dim", type=int, default=128)
+    vc.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated")
+    vc.add_argument("--pairs", type=int, default=1500, help="pairs each model learns first")
+    vc.add_argument("--versions", type=int, default=3, help="builds timed per model")
+    for p in (ing, e2e, qry, sk, ho, sc, er, vc):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
         p.set_defaults(func=_cmd_bench_load)

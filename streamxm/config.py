@@ -105,11 +105,6 @@ class Settings(BaseSettings):
     stream_retention: bool = Field(
         default=True, description="workers trim the pairs stream after each checkpoint to "
         "the oldest entry a learner or the gallery (the newest gallery_max entries) still needs")
-    reembed_seconds: float = Field(
-        default=D.REEMBED_SECONDS, ge=0, description="least seconds between two "
-        "re-embeddings of the gallery for a model without a fixed space (sam, cmomks, cca, "
-        "scsm, sdsrl, pairwise:marginal); between them the last index proposes candidates "
-        "and the served version re-ranks them exactly")
     search_candidates: int = Field(
         default=D.SEARCH_CANDIDATES, ge=1, le=10_000, description="candidates re-ranked per "
         "search: max(this, 4 k); a fixed-space model's bfloat16 scan proposes at least one "

@@ -87,3 +87,72 @@ def test_search_returns_the_similarity_ranking_of_the_served_version(
                 # The twins score alike wherever they rank: listed in gallery order.
                 twins = [i for i in got_ids if i.startswith("twin")]
                 assert twins == sorted(twins), context
+
+
+ENSEMBLE = "ensemble:sdsrl+pairwise:marginal+sam"
+
+
+def _exact_ranking(models: dict[str, object], name: str, modality: str, query: np.ndarray,
+                   gallery: list[Pair]) -> tuple[list[str], np.ndarray]:
+    """The exact top K of ``gallery`` for ``query`` by the local models (ties: gallery
+    order), and their scores."""
+    from streamxm.models.ensemble import Ensemble, member_scores, parse_ensemble
+
+    items = np.stack([p.txt if modality == "image" else p.img for p in gallery])
+    direction = "i2t" if modality == "image" else "t2i"
+    if name.startswith("ensemble:"):
+        fused = Ensemble(parse_ensemble(name), models)  # type: ignore[arg-type]
+        scores = fused.scores(direction, query[None, :], items, reference=items)[0]
+    else:
+        scores = member_scores(models[name], direction, query[None, :], items)[0]  # type: ignore[arg-type]
+    best = np.argsort(-scores, kind="stable")[:K]
+    return [gallery[i].id for i in best], scores[best]
+
+
+def test_every_version_answers_with_its_own_exact_ranking_as_the_gallery_grows(
+        r: redis.Redis, settings: Settings) -> None:
+    """Three versions of every model, the gallery growing between them: each answer names the
+    version that ranked it and equals that version's exact ranking of the gallery it served
+    (the ensemble: its members' versions, fused exactly). One candidate asked for: 4 k = 40
+    re-ranked of 120-240 items, so an index of another version would show."""
+    settings = settings.model_copy(update={"search_candidates": 1})
+    pairs = class_stream(240, IMG, TXT, seed=11)
+    store = open_store(settings, r)
+    learners = {name: StreamLearner(name, IMG, TXT, SMALL.get(name.split(":")[0], {}), seed=0)
+                for name in MODEL_NAMES}
+    client = StreamClient(r, settings.namespace)
+    with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=60) as http:
+        for version, upto in ((1, 120), (2, 180), (3, 240)):
+            client.push_pairs(pairs[upto - 60 if version > 1 else 0 : upto])
+            models = {}
+            for name, learner in learners.items():
+                learner.learn(pairs[upto - 60 if version > 1 else 0 : upto])
+                learner.flush()
+                arrays, meta = learner.state()
+                store.commit(name, Checkpoint(version, arrays, meta), {})
+                r.sadd(Keys(settings.namespace).models, name)
+                models[name] = StreamLearner.from_state(arrays, meta).model
+
+            def serving(v: int = version, n: int = upto) -> bool:
+                listed = http.get("/v1/models").json()["models"]
+                return len(listed) == len(MODEL_NAMES) and all(
+                    m["loaded"] and m["version"] == v and m["gallery_items"] == n
+                    for m in listed)
+
+            wait_for(serving, 60, f"version {version} of every model over {upto} items")
+            gallery = pairs[:upto]
+            for name in [*MODEL_NAMES, ENSEMBLE]:
+                for modality, query in (("image", pairs[3].img), ("text", pairs[upto - 7].txt),
+                                        ("image", pairs[upto - 30].img)):
+                    found = http.post("/v1/search", json={
+                        "model": name, "modality": modality, "k": K,
+                        "vector": query.tolist()}).json()
+                    context = f"{name} version {version} {modality} query"
+                    named = found["members"] or {name: found["version"]}
+                    assert set(named.values()) == {version}, (context, found)
+                    want_ids, want_scores = _exact_ranking(models, name, modality, query,
+                                                           gallery)
+                    assert [h["id"] for h in found["results"]] == want_ids, context
+                    np.testing.assert_allclose([h["score"] for h in found["results"]],
+                                               want_scores, rtol=1e-5, atol=1e-6,
+                                               err_msg=context)

@@ -37,7 +37,7 @@ def test_served_versions_swap_to_the_newest_and_report_lag(settings: Settings,
     versions = ServedVersions(store)
     follower = GalleryFollower(r, store, Keys(cfg.namespace), 1000, Limits(), 500)
     follower.read()
-    versions.follow({"cmos"}, follower.gallery)
+    versions.follow({"cmos"}, lambda: follower.gallery)
     served = versions.served["cmos"]
     newest = latest(cfg, r)
     newest.flush()

@@ -12,6 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
+from streamxm.models.heads import LinearHead
 from streamxm.stream.messages import Pair
 
 __all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "MergeParts", "observe_triplet",
@@ -167,6 +168,14 @@ class CrossModalModel(ABC):
                            ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Text queries as ``(q, c)`` with ``similarity(imgs, txts).T = q @ unit(imgs).T + c``."""
         raise NotImplementedError(f"{self.name} has no fixed space")
+
+    # -- embedding the gallery once per version --------------------------------------------------
+    def linear_head(self, modality: str) -> LinearHead | None:
+        """The embedding of ``modality`` (``"image"`` or ``"text"``) as ``finish(features(x) W +
+        b)`` with version-independent features (:mod:`streamxm.models.heads`), so a server keeps
+        the features of its gallery and a new version costs one product; ``None`` (the default)
+        when there is no such form now: the server then embeds the raw vectors."""
+        return None
 
     @abstractmethod
     def state(self) -> tuple[Arrays, dict[str, Any]]:

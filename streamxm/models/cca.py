@@ -19,6 +19,7 @@ from streamxm.models.base import (
     observe_triplet,
     require,
 )
+from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
 from streamxm.stream.messages import Pair
 
@@ -145,6 +146,14 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
 
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(x, self.mean_x, self.proj_x)
+
+    def linear_head(self, modality: str) -> LinearHead:
+        """:meth:`_embed` as ``l2((x - mean) P c)``: weight ``P c``, bias ``-mean P c``."""
+        mean, proj = ((self.mean_x, self.proj_x) if modality == "image"
+                      else (self.mean_y, self.proj_y))
+        if self.scale_by_correlation:
+            proj = proj * self.correlations
+        return LinearHead(power_features(self.power), proj, -(mean @ proj), "l2")
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(x, self.mean_y, self.proj_y)

@@ -151,17 +151,30 @@ class Ensemble:
         """Fused scores (n_queries, n_items), or with ``paired`` of query ``i`` and item ``i``
         (n,); each member standardised per query over its scores of ``reference`` (items of
         the same modality as ``items``, at least two)."""
+        fused = np.zeros(len(queries) if paired else (len(queries), len(items)))
+        standards = self.standardisers(direction, queries, reference)
+        for member, (mean, std) in zip(self.spec.members, standards, strict=True):
+            if not paired:
+                mean, std = mean[:, None], std[:, None]
+            scores = member_scores(self.models[member], direction, queries, items, paired)
+            fused += (scores - mean) / std
+        return fused
+
+    def standardisers(self, direction: str, queries: NDArray[np.floating],
+                      reference: NDArray[np.floating]
+                      ) -> list[tuple[NDArray[np.float64], NDArray[np.float64]]]:
+        """Per member, in order, the ``(offset, scale)`` per query that :meth:`scores` maps its
+        scores with, ``fused = sum_m (s_m - offset_m) / scale_m``: the reference mean and the
+        reference standard deviation divided by the member's weight (std 1 when it is 0).
+        Increasing in each member's score, so a bound on each member's scores bounds the
+        fused score."""
         if len(reference) < 2:
             raise ValueError("an ensemble needs at least two reference items to standardise "
                              "its members' scores")
-        fused = np.zeros(len(queries) if paired else (len(queries), len(items)))
+        out = []
         for member, weight in zip(self.spec.members, self.spec.weights, strict=True):
-            model = self.models[member]
-            ref = member_scores(model, direction, queries, reference)
+            ref = member_scores(self.models[member], direction, queries, reference)
             mean, std = ref.mean(axis=1), ref.std(axis=1)
             std[std <= 0] = 1.0
-            if not paired:
-                mean, std = mean[:, None], std[:, None]
-            fused += weight * (member_scores(model, direction, queries, items, paired) - mean) \
-                / std
-        return fused
+            out.append((mean, std / weight))
+        return out

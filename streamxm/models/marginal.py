@@ -15,6 +15,7 @@ from scipy.special import softmax
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
+from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import append_constant, power_normalize
 from streamxm.models.optim import adagrad_step
 from streamxm.stream.messages import Pair
@@ -206,6 +207,14 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self.posteriors_texts(x).astype(np.float32)
+
+    def linear_head(self, modality: str) -> LinearHead | None:
+        """The posteriors as ``softmax(x W + w_c)`` (``w_c``: the constant feature's row);
+        ``None`` before the first class."""
+        w = self.Wx if modality == "image" else self.Wy
+        if w.shape[1] == 0:
+            return None
+        return LinearHead(power_features(self.power), w[:-1], w[-1].copy(), "softmax")
 
     def register_labels(self, labels: list[tuple[int, ...]]) -> None:
         for item in labels:

@@ -15,6 +15,7 @@ from scipy.optimize import linear_sum_assignment
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
+from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.scsm_solver import Problem
 from streamxm.stream.messages import Pair
@@ -217,6 +218,14 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(self._features(x, self.power_txt), self.ub, self.mean_b)
+
+    def linear_head(self, modality: str) -> LinearHead:
+        """:meth:`_embed` as ``l2(x U + u_c - mean)`` (``u_c``: the constant feature's row)."""
+        u, mean, power = ((self.ua, self.mean_a, self.power_img) if modality == "image"
+                          else (self.ub, self.mean_b, self.power_txt))
+        if not self.solves:  # zero embeddings until the first solve
+            u, mean = np.zeros_like(u), np.zeros_like(mean)
+        return LinearHead(power_features(power), u[:-1], u[-1] - mean, "l2")
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:

@@ -21,6 +21,7 @@ from streamxm.models.base import (
     require,
 )
 from streamxm.models.classes import ClassIndex
+from streamxm.models.heads import LinearHead, RbfFeatures, power_features, rbf_kernel
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.projections import mpl_cd
 from streamxm.stream.messages import Pair
@@ -28,18 +29,6 @@ from streamxm.stream.messages import Pair
 __all__ = ["SDSRL", "NystroemMap", "rbf_kernel"]
 
 F64 = NDArray[np.float64]
-
-
-def rbf_kernel(x: NDArray[np.floating], y: NDArray[np.floating], gamma: float) -> F64:
-    """``exp(-gamma ||x - y||^2)`` for every row pair (the paper's ``sigma`` is ``gamma``).
-
-    >>> rbf_kernel(np.array([[0.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 0.0]]), gamma=1.0)
-    array([[0.36787944, 1.        ]])
-    """
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    sq = np.einsum("ij,ij->i", x, x)[:, None] + np.einsum("ij,ij->i", y, y)[None, :] - 2 * x @ y.T
-    return np.asarray(np.exp(-gamma * np.maximum(sq, 0.0)))
 
 
 class NystroemMap:
@@ -392,6 +381,16 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(x, self.serve_txt, self.power_txt, self.w_txt)
+
+    def linear_head(self, modality: str) -> LinearHead | None:
+        """:meth:`_embed` as ``k(x, landmarks) W``: the kernel rows are the features, the same
+        for every version once the landmarks freeze; ``None`` before the first solve."""
+        nm, power, w = ((self.serve_img, self.power_img, self.w_img) if modality == "image"
+                        else (self.serve_txt, self.power_txt, self.w_txt))
+        if nm is None:
+            return None
+        return LinearHead(RbfFeatures(power_features(power), nm.landmarks, nm.gamma), w, None,
+                          "none")
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:

@@ -3,11 +3,14 @@ snapshots that list them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.models.heads import FeatureMap
 from streamxm.serving.index import Block, index_block
 from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
 
@@ -18,11 +21,55 @@ __all__ = ["CHUNK_MAX", "Gallery", "GalleryChunk", "GalleryRows", "merge_count"]
 class GalleryChunk(GalleryRows):
     """Gallery rows with their search index: the unit rows of each modality as the search
     backend scans them, made once per chunk (a gallery snapshot reuses the blocks of the chunks
-    it keeps)."""
+    it keeps), and the version-independent features that models' linear heads read
+    (:mod:`streamxm.models.heads`), computed on first use and kept while a served model uses
+    them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {"image": index_block(self.unit_img),
                                             "text": index_block(self.unit_txt)})
+        object.__setattr__(self, "_features", {})
+
+    def features(self, modality: str, fmap: FeatureMap | None) -> NDArray[np.float32]:
+        """``fmap``'s features of this chunk's unit rows of ``modality`` (``None``: the unit
+        rows), each map of the chain computed once and kept (two threads computing the same
+        one at once both get equal arrays)."""
+        if fmap is None:
+            return self.unit(modality)
+        cache: dict[tuple[object, ...], NDArray[np.float32]] = self._features  # type: ignore
+        key = (modality, *fmap.key)
+        found = cache.get(key)
+        if found is None:
+            found = fmap.apply(self.features(modality, fmap.inputs))
+            cache[key] = found
+        return found
+
+    def feature_keys(self) -> set[tuple[object, ...]]:
+        return set(self._features)  # type: ignore[attr-defined]
+
+    def keep_features(self, keys: set[tuple[object, ...]]) -> None:
+        """Drop the kept features whose key is not in ``keys``."""
+        cache: dict[tuple[object, ...], NDArray[np.float32]] = self._features  # type: ignore
+        for key in list(cache):
+            if key not in keys:
+                cache.pop(key, None)
+
+    def sliced(self, rows: slice) -> Self:
+        chunk = super().sliced(rows)
+        for key, values in list(self._features.items()):  # type: ignore[attr-defined]
+            chunk._features[key] = values[rows]  # type: ignore[attr-defined]
+        return chunk
+
+    @classmethod
+    def joined(cls, chunks: Sequence[GalleryRows]) -> Self:
+        """One chunk of ``chunks``' rows; features every part has are joined, not recomputed."""
+        chunk = super().joined(chunks)
+        parts = [c for c in chunks if isinstance(c, GalleryChunk)]
+        if len(parts) == len(chunks):
+            for key in set.intersection(*(c.feature_keys() for c in parts)):
+                chunk._features[key] = np.concatenate(  # type: ignore[attr-defined]
+                    [c._features[key] for c in parts])  # type: ignore[attr-defined]
+        return chunk
 
     @classmethod
     def from_rows(cls, rows: GalleryRows) -> GalleryChunk:
@@ -102,6 +149,19 @@ class Gallery:
         starts = self.starts  # type: ignore[attr-defined]
         which = np.searchsorted(starts, rows, side="right") - 1
         return which, rows - starts[which]
+
+    def feature_bytes(self) -> int:
+        """Bytes of the features the chunks keep."""
+        kept: list[NDArray[np.float32]] = [
+            v for c in self.chunks for v in c._features.values()]  # type: ignore[attr-defined]
+        return sum(int(v.nbytes) for v in kept)
+
+    def keep_features(self, keys: Iterable[tuple[object, ...]]) -> None:
+        """Drop every chunk's kept features but those of ``keys`` (see
+        :meth:`GalleryChunk.features`)."""
+        wanted = set(keys)
+        for chunk in self.chunks:
+            chunk.keep_features(wanted)
 
     def appended(self, chunk: GalleryChunk, max_items: int) -> Gallery:
         """This gallery with ``chunk`` added and the oldest rows past ``max_items`` removed.

@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 from streamxm.learning.learner import model_from_state
-from streamxm.serving.served import ServedModel
+from streamxm.serving.served import EmbeddedGallery, ServedModel
 from streamxm.storage.checkpoint import CheckpointStore
 
 __all__ = ["PinnedVersions"]
@@ -36,6 +37,13 @@ class PinnedVersions:
             if pinned is not None:
                 self._cache.move_to_end((name, version))
         return pinned
+
+    def keep_index(self, name: str, version: int, index: EmbeddedGallery) -> None:
+        """Keep the gallery embedded by a pinned version with it (if it is still cached)."""
+        with self._lock:
+            pinned = self._cache.get((name, version))
+            if pinned is not None:
+                self._cache[(name, version)] = replace(pinned, index=index)
 
     def load(self, name: str, version: int) -> ServedModel:
         """Read kept ``version`` of ``name`` from the store

@@ -55,6 +55,8 @@ class Catalogue(Protocol):
 
     def ensemble(self, name: str, version: int | None = None) -> ServedEnsemble: ...
 
+    def index_of(self, served: ServedModel) -> EmbeddedGallery: ...
+
 
 
 #: A reduced-precision (int8 or bfloat16) scan of a fixed space proposes at least one candidate
@@ -150,6 +152,9 @@ class Searcher:
         #: Searches whose reduced-precision candidates could not be proven complete and were
         #: answered by a float32 scan instead.
         self.exact_scans = 0
+        #: Candidate scans repeated with four times as many rows because the first could not
+        #: prove the top k complete (an embedded index's or an ensemble's).
+        self.expansions = 0
 
     def close(self) -> None:
         self.coalescer.close()
@@ -210,51 +215,65 @@ class Searcher:
         if version is not None and not self.catalogue.is_loaded(name, version):
             yield _Work(partial(self.catalogue.pin, name, version))  # read from the store: heavy
         served = self.catalogue.get(name, version)
-        model = served.model
-        if target == modality and not model.shared_space:
+        if target == modality and not served.model.shared_space:
             raise SameModalityUnsupported(
                 f"model {name!r} embeds images and texts in different spaces: it answers "
                 f"cross-modal search only (target must be {other_modality(modality)})")
         lag = self.lag(served)
         if len(self.catalogue.gallery) == 0:
             return SearchAnswer(served, [], lag, served.version)
-        gallery, rows, items, index_version = yield from self._candidates(
-            served, modality, vector, k, target)
-        scores = _exact_scores(model, modality, target, vector, items)
-        order = np.argsort(-scores, kind="stable")[:k]
-        ids = gallery.ids_at(rows[order])
-        return SearchAnswer(served, list(zip(ids, scores[order].tolist(), strict=True)), lag,
-                            index_version)
+        wanted = min(len(self.catalogue.gallery), max(self.candidates, 4 * k))
+        while True:
+            found = yield from self._candidates(served, modality, vector, wanted, target, k)
+            if found.holds_top(k) or wanted >= len(found.gallery):
+                break
+            # Rows left out could still score above the k-th candidate: scan for more.
+            self.expansions += 1
+            wanted = min(len(found.gallery), 4 * wanted)
+        order = np.argsort(-found.scores, kind="stable")[:k]
+        ids = found.gallery.ids_at(found.rows[order])
+        return SearchAnswer(served, list(zip(ids, found.scores[order].tolist(), strict=True)),
+                            lag, served.version)
 
     def _candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
-                    k: int, target: str
-                    ) -> Generator[_Scan | _Work, Any, tuple[Gallery, NDArray[np.int64],
-                                                             NDArray[np.float32], int]]:
-        """Rows of a gallery snapshot holding the served version's top ``k`` (or nearly, from
-        an embedded index): ``max(candidates, 4 k)`` of them, more from a reduced-precision scan
-        of a large gallery (:data:`_ROWS_PER_PROOF_CANDIDATE`), in gallery order (so that ties
-        keep it), with the snapshot, their raw vectors and the version whose index proposed
-        them."""
+                    wanted: int, target: str, k: int | None
+                    ) -> Generator[_Scan | _Work, Any, _Candidates]:
+        """The best ``wanted`` rows of a gallery snapshot by the served version's index (more
+        from a reduced-precision scan of a large gallery, :data:`_ROWS_PER_PROOF_CANDIDATE`),
+        in gallery order (so that ties keep it), with the version's exact scores and a bound
+        on the score of every row left out.
+
+        A fixed space scans the unit rows against the query moved into them; with ``k``, a
+        reduced-precision scan that cannot be proven to hold the exact top ``k`` is redone in
+        float32. Other models scan the embeddings their served version made of the gallery
+        (:class:`~streamxm.serving.served.EmbeddedGallery`)."""
+        model = served.model
+        if model.fixed_space and target != modality:
+            return (yield from self._fixed_candidates(served, modality, vector, wanted, target,
+                                                      k))
+        index = served.index
+        if index is None or index.version != served.version:  # a pinned version's first use
+            index = yield _Work(partial(self.catalogue.index_of, served))
+        gallery = index.gallery
+        embed = model.embed_images if modality == "image" else model.embed_texts
+        query = embed(vector[None, :])[0].astype(np.float32)
+        _, rows, ceiling = yield _Scan(index.blocks(target), query, min(wanted, len(gallery)))
+        bound = float(ceiling) + scan_margin(float(ceiling)) if index.exact(target) else np.inf
+        return _Candidates.of(gallery, rows, model, modality, target, vector, bound)
+
+    def _fixed_candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
+                          wanted: int, target: str, k: int | None
+                          ) -> Generator[_Scan | _Work, Any, _Candidates]:
+        """:meth:`_candidates` of a fixed space (scan scores differ from the version's by
+        the query's constant ``c``)."""
         gallery, model = self.catalogue.gallery, served.model
-        wanted = min(len(gallery), max(self.candidates, 4 * k))
-        fixed = model.fixed_space and target != modality
-        if fixed:
-            transform = model.queries_for_texts if target == "text" else model.queries_for_images
-            query = transform(vector[None, :])[0][0].astype(np.float32)
-            blocks, index_version = gallery.blocks(target), served.version
-        else:
-            # The embedded index and the gallery snapshot it covers: rows that arrived since
-            # join it when the refresh thread embeds them (once, not per query).
-            index = served.index
-            if index is None:  # not built yet (a moment after a model's first load)
-                index = yield _Work(partial(EmbeddedGallery.build, served.version, model,
-                                            gallery))
-            gallery = index.gallery
-            embed = index.model.embed_images if modality == "image" else index.model.embed_texts
-            query = embed(vector[None, :])[0].astype(np.float32)
-            blocks, index_version = index.blocks(target), index.version
+        wanted = min(len(gallery), wanted)
+        transform = model.queries_for_texts if target == "text" else model.queries_for_images
+        moved, constant = transform(vector[None, :])
+        query, c = moved[0].astype(np.float32), float(constant[0])
+        blocks = gallery.blocks(target)
         scanned, per_chunk = wanted, None
-        if fixed and not _exact_blocks(blocks):
+        if not _exact_blocks(blocks):
             scanned = proof_candidates(len(gallery), wanted, isinstance(blocks[0], Int8Block))
             if scanned > wanted:
                 # Each chunk offers twice its expected share of the best ``scanned`` (a chunk
@@ -266,45 +285,100 @@ class Searcher:
                 per_chunk = max(1, wanted // 2,
                                 -(-2 * scanned * CHUNK_MAX // len(gallery)))
         _, rows, ceiling = yield _Scan(blocks, query, scanned, per_chunk)
-        units, norms = gallery.locate(rows, target)
-        if fixed and not _proven_complete(ceiling, units, query, k, blocks):
-            # The reduced-precision scan could have missed part of the exact top k (scores
-            # flatter than its rounding): scan the float32 rows instead.
-            self.exact_scans += 1
-            # Coalesced too: the fallbacks of concurrent searches share one pass.
-            _, rows, _ = yield _Scan(gallery.exact_blocks(target), query, wanted)
-            units, norms = gallery.locate(rows, target)
-        by_row = np.argsort(rows, kind="stable")
-        return (gallery, rows[by_row], units[by_row] * norms[by_row, None], index_version)
+        bound = float(ceiling) + scan_margin(float(ceiling)) + c
+        if k is not None:  # this model's own search: its top k is settled here
+            if not _proven_complete(float(ceiling), gallery.locate(rows, target)[0], query, k,
+                                    blocks):
+                # The reduced-precision scan could have missed part of the exact top k
+                # (scores flatter than its rounding): scan the float32 rows instead.
+                self.exact_scans += 1
+                # Coalesced too: the fallbacks of concurrent searches share one pass.
+                _, rows, _ = yield _Scan(gallery.exact_blocks(target), query, wanted)
+            bound = -np.inf
+        return _Candidates.of(gallery, rows, model, modality, target, vector, bound)
 
     def _ensemble_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
                         target: str, version: int | None
                         ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
-        """An ensemble's search: each member proposes its candidates (as its own search
-        would), and the union is ranked by the fused score exactly."""
+        """An ensemble's search: each member proposes its best candidates by its own index,
+        the union is ranked by the fused score exactly, and members propose more until the
+        fused k-th best is above what any row left out can reach (a threshold-algorithm stop:
+        the fused score increases with each member's score, so the members' bounds on rows
+        they left out bound those rows' fused score)."""
         ensemble = self.catalogue.ensemble(name, version)
         if target == modality:
             raise SameModalityUnsupported(
                 f"ensemble {name!r} answers cross-modal search only (target must be "
                 f"{other_modality(modality)})")
         lag = self.lag(ensemble)
-        if len(self.catalogue.gallery) == 0:
+        gallery = self.catalogue.gallery
+        if len(gallery) == 0:
             return SearchAnswer(ensemble, [], lag, None)
-        reference = ensemble_reference(self.catalogue.gallery, target)
-        ids: list[str] = []
-        items: list[NDArray[np.float32]] = []
-        seen: set[str] = set()
-        for served in ensemble.members:
-            gallery, rows, vectors, _ = yield from self._candidates(served, modality, vector, k,
-                                                                    target)
-            fresh = [(i, id_) for i, id_ in enumerate(gallery.ids_at(rows)) if id_ not in seen]
-            seen.update(id_ for _, id_ in fresh)
-            ids.extend(id_ for _, id_ in fresh)
-            items.append(vectors[[i for i, _ in fresh]])
-        scores = ensemble.fused.scores(direction_of(modality), vector[None, :], np.vstack(items),
-                                       reference)[0]
-        order = np.argsort(-scores, kind="stable")[:k]
+        fused = ensemble.fused
+        direction = direction_of(modality)
+        standards = fused.standardisers(direction, vector[None, :],
+                                        ensemble_reference(gallery, target))
+        wanted = min(len(gallery), max(self.candidates, 4 * k))
+        while True:
+            ids: list[str] = []
+            items: list[NDArray[np.float32]] = []
+            threshold = 0.0
+            for served, (offset, scale) in zip(ensemble.members, standards, strict=True):
+                found = yield from self._candidates(served, modality, vector, wanted, target,
+                                                    None)
+                threshold += (found.bound - offset[0]) / scale[0]
+                ids.extend(found.gallery.ids_at(found.rows))
+                items.append(found.items)
+            unique = {id_: i for i, id_ in reversed(list(enumerate(ids)))}  # first of each
+            keep = sorted(unique.values())
+            ids, union = [ids[i] for i in keep], np.vstack(items)[keep]
+            scores = fused.scores(direction, vector[None, :], union,
+                                  ensemble_reference(gallery, target))[0]
+            order = np.argsort(-scores, kind="stable")[:k]
+            if wanted >= len(gallery) or threshold == np.inf or (
+                    len(order) == k and scores[order[-1]] > threshold):
+                break  # (an infinite threshold: a member's index cannot bound its scores)
+            self.expansions += 1
+            wanted = min(len(gallery), 4 * wanted)
         return SearchAnswer(ensemble, [(ids[i], float(scores[i])) for i in order], lag, None)
+
+
+def scan_margin(score: float) -> float:
+    """How far an exact score can lie above a float32 scan's score of the same row: the scan
+    reads float32 copies (unit rows, embeddings made from float32 features) where the model
+    computes in float64 from the raw vectors. ``tests/test_exact_search.py`` checks the margin
+    on every model; it is orders of magnitude below the spread of their scores."""
+    return 1e-4 * abs(score) + 1e-7
+
+
+@dataclass(frozen=True, eq=False)
+class _Candidates:
+    """Rows a search re-ranks: in gallery order, with their raw vectors, the version's exact
+    scores, and ``bound``: no row of ``gallery`` left out scores above it (``-inf``: none can
+    enter the top; ``inf``: unknown)."""
+
+    gallery: Gallery
+    rows: NDArray[np.int64]
+    items: NDArray[np.float32]
+    scores: NDArray[np.float64]
+    bound: float
+
+    @classmethod
+    def of(cls, gallery: Gallery, rows: NDArray[np.int64], model: CrossModalModel,
+           modality: str, target: str, vector: NDArray[np.float32], bound: float
+           ) -> _Candidates:
+        rows = np.sort(rows)
+        items = gallery.vectors_at(rows, target)
+        return cls(gallery, rows, items, _exact_scores(model, modality, target, vector, items),
+                   bound)
+
+    def holds_top(self, k: int) -> bool:
+        """Whether the exact top ``k`` of the gallery is surely among these rows (or, without
+        a bound, the scan is all there is to go by)."""
+        if self.bound == -np.inf or self.bound == np.inf or len(self.scores) < k:
+            return True
+        kth = np.partition(self.scores, len(self.scores) - k)[len(self.scores) - k]
+        return bool(kth > self.bound)
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,12 +14,14 @@ import numpy as np
 
 from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import Ensemble, EnsembleSpec
+from streamxm.models.heads import LinearHead
 from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.index import Block, index_block
 
-__all__ = ["AUTO", "EmbeddedGallery", "EnsembleUnsupported", "InvalidModelName", "ModelNotReady",
-           "SameModalityUnsupported", "SearchAnswer", "ServedEnsemble", "ServedModel",
-           "UnknownModel", "direction_of", "other_modality"]
+__all__ = ["AUTO", "EXACT_SCAN_DIMS", "EmbeddedGallery", "EnsembleUnsupported",
+           "InvalidModelName", "ModelNotReady", "SameModalityUnsupported", "SearchAnswer",
+           "ServedEnsemble", "ServedModel", "UnknownModel", "direction_of", "feature_keys",
+           "other_modality"]
 
 
 class InvalidModelName(ValueError):
@@ -60,10 +62,22 @@ class EnsembleUnsupported(ValueError):
         self.field = field
 
 
+#: Widest embedding whose index is scanned in float32 (exactly); wider ones (cmomks's kernel
+#: terms) are scanned in the backend's reduced precision and re-ranked, without a proof.
+EXACT_SCAN_DIMS = 256
+
+
 @dataclass(frozen=True, eq=False)
 class EmbeddedGallery:
     """The gallery embedded by one model version: the search index of the models without a
-    fixed space (candidates from it are re-ranked exactly by the newest version)."""
+    fixed space, always the served version's own (a version is served once its index is
+    built).
+
+    A model with a linear head (:meth:`~streamxm.models.base.CrossModalModel.linear_head`)
+    embeds each chunk from the chunk's kept features, one product per version; others embed
+    the raw vectors. Embeddings up to :data:`EXACT_SCAN_DIMS` wide are scanned in float32, so
+    the scan scores are the version's embeddings' inner products (to float32 rounding).
+    """
 
     version: int
     model: CrossModalModel
@@ -81,6 +95,10 @@ class EmbeddedGallery:
     def blocks(self, modality: str) -> tuple[Block, ...]:
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
 
+    def exact(self, modality: str) -> bool:
+        """Whether ``modality``'s blocks are float32 (scan scores are the embeddings')."""
+        return all(isinstance(b, np.ndarray) for b in self.blocks(modality))
+
     def covers(self, gallery: Gallery) -> bool:
         """Whether this index is over exactly ``gallery``'s chunks (nothing to embed)."""
         return len(self.embedded) == len(gallery.chunks) and all(
@@ -92,23 +110,47 @@ class EmbeddedGallery:
         if self.covers(gallery):
             return self  # the common case on the query path: nothing to build
         known = {id(c): (c, a, b) for c, a, b in self.embedded}
+        heads = _heads(self.model)
         return EmbeddedGallery(self.version, self.model, tuple(
-            known.get(id(c)) or _embed(self.model, c) for c in gallery.chunks))
+            known.get(id(c)) or _embed(self.model, heads, c) for c in gallery.chunks))
 
     @classmethod
     def build(cls, version: int, model: CrossModalModel, gallery: Gallery) -> EmbeddedGallery:
-        return cls(version, model, tuple(_embed(model, c) for c in gallery.chunks))
+        heads = _heads(model)
+        return cls(version, model, tuple(_embed(model, heads, c) for c in gallery.chunks))
 
 
-def _embed(model: CrossModalModel, chunk: GalleryChunk) -> tuple[GalleryChunk, Block, Block]:
-    return (chunk, index_block(model.embed_images(chunk.raw("image")).astype(np.float32)),
-            index_block(model.embed_texts(chunk.raw("text")).astype(np.float32)))
+def _heads(model: CrossModalModel) -> dict[str, LinearHead | None]:
+    return {m: model.linear_head(m) for m in ("image", "text")}
+
+
+def feature_keys(model: CrossModalModel) -> set[tuple[object, ...]]:
+    """Keys of the chunk features ``model``'s linear heads read (every map of each chain)."""
+    keys: set[tuple[object, ...]] = set()
+    for modality, head in _heads(model).items():
+        fmap = head.features if head is not None else None
+        while fmap is not None:
+            keys.add((modality, *fmap.key))
+            fmap = fmap.inputs
+    return keys
+
+
+def _embed(model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: GalleryChunk
+           ) -> tuple[GalleryChunk, Block, Block]:
+    blocks = []
+    for modality, embed in (("image", model.embed_images), ("text", model.embed_texts)):
+        head = heads[modality]
+        rows = (head.embed(chunk.features(modality, head.features)) if head is not None
+                else embed(chunk.raw(modality)).astype(np.float32))
+        blocks.append(rows if rows.shape[1] <= EXACT_SCAN_DIMS else index_block(rows))
+    return chunk, blocks[0], blocks[1]
 
 
 @dataclass(frozen=True, eq=False)
 class ServedModel:
-    """One model version; for a model without a fixed space also the newest gallery index
-    embedded by some version (possibly older: it only proposes candidates)."""
+    """One model version; for a model without a fixed space also the gallery index that this
+    version embedded, and how long it took (``index_seconds``: what the version cost the
+    server)."""
 
     name: str
     version: int
@@ -117,6 +159,7 @@ class ServedModel:
     loaded_at: float
     index: EmbeddedGallery | None = None
     gallery_items: int = 0
+    index_seconds: float = 0.0
 
     @property
     def gallery_size(self) -> int:
@@ -159,6 +202,6 @@ class SearchAnswer:
     #: Seconds since a newer checkpoint than the served one was written (0 when none is; an
     #: ensemble's: its most lagging member's).
     version_lag_s: float
-    #: Version whose gallery index proposed the candidates (the served one on a fixed space;
-    #: None for an ensemble, whose members each propose theirs).
+    #: Version whose gallery index proposed the candidates (the served one; None for an
+    #: ensemble, whose members each propose theirs).
     index_version: int | None

@@ -7,8 +7,9 @@ pairs stream, and the queries against them.
 and the stream), :class:`~streamxm.serving.pins.PinnedVersions` (kept versions queries name),
 :class:`~streamxm.serving.champion.ChampionRule` (who answers ``model: "auto"``) and
 :class:`~streamxm.serving.search.Searcher` (exact top-k). Two background threads do all the
-writing: :meth:`ModelServer.refresh` loads new versions and reads new gallery rows,
-:meth:`ModelServer.reembed` rebuilds gallery indexes at a bounded rate. Readers take a reference
+writing: :meth:`ModelServer.refresh_versions` loads new versions (and embeds the gallery for
+those without a fixed space before swapping them in), :meth:`ModelServer.refresh_gallery` reads
+new gallery rows; :meth:`ModelServer.refresh` does both. Readers take a reference
 to an immutable :class:`~streamxm.serving.served.ServedModel` and
 :class:`~streamxm.serving.gallery.Gallery` and never lock, so a query sees one model version,
 never half of a swap.
@@ -41,6 +42,7 @@ from streamxm.serving.pins import PinnedVersions
 from streamxm.serving.search import Searcher, ensemble_reference
 from streamxm.serving.served import (
     AUTO,
+    EmbeddedGallery,
     EnsembleUnsupported,
     InvalidModelName,
     ModelNotReady,
@@ -77,11 +79,6 @@ class ModelServer:
         Input bounds the stream's entries are decoded with.
     read_count
         Stream entries read per ``XREAD`` of the gallery.
-    reembed_seconds
-        Least time between two re-embeddings of the whole gallery for one model without a
-        fixed space (sam, cmomks, cca, scsm, sdsrl, pairwise:marginal): the bound on what new
-        versions cost. Between them the last index proposes candidates and the served version
-        re-ranks them exactly.
     candidates
         Candidates re-ranked per query: ``max(candidates, 4 k)``.
     champion
@@ -94,14 +91,13 @@ class ModelServer:
     def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
                  gallery_max: int = D.GALLERY_MAX, limits: Limits = Limits(),
                  read_count: int = D.GALLERY_READ_COUNT,
-                 reembed_seconds: float = D.REEMBED_SECONDS,
                  candidates: int = D.SEARCH_CANDIDATES, champion: ChampionRule | None = None,
                  request_client: redis.Redis | None = None) -> None:
         self.r = client
         self.request_r = request_client or client
         self.store = store
         self.keys = Keys(namespace)
-        self.versions = ServedVersions(store, reembed_seconds)
+        self.versions = ServedVersions(store)
         self.following = GalleryFollower(client, store, self.keys, gallery_max, limits,
                                          read_count)
         self.pins = PinnedVersions(store)
@@ -154,7 +150,8 @@ class ModelServer:
                     self._stop.wait(pause)
             return loop
 
-        for name, step in (("refresh", self.refresh), ("reembed", self.reembed)):
+        for name, step in (("versions", self.refresh_versions),
+                           ("gallery", self.refresh_gallery)):
             thread = threading.Thread(target=every(step, interval), name=f"streamxm-{name}",
                                       daemon=True)
             thread.start()
@@ -167,20 +164,25 @@ class ModelServer:
         self.searcher.close()
 
     def refresh(self) -> None:
-        """Load new checkpoint versions, then read new gallery rows (a bounded amount per call,
-        so a long gallery read never holds back a new version)."""
+        """Load new checkpoint versions, then read new gallery rows (a bounded amount per
+        call)."""
+        self.refresh_versions()
+        self.refresh_gallery()
+
+    def refresh_versions(self) -> None:
+        """Load each model's new checkpoint version, if any, and swap it in (after embedding
+        the gallery, for a model without a fixed space)."""
         names = str_set(self.r.smembers(self.keys.models))
         self.known = frozenset(names)
-        self.versions.follow(set(names), self.gallery)
+        self.versions.follow(set(names), lambda: self.gallery)
         self._judge()
-        if self.following.read():
-            self.versions.cover(self.gallery)
         self.refreshed = True
 
-    def reembed(self) -> None:
-        """Re-embed the gallery for the models whose index an older version made (bounded:
-        :meth:`~streamxm.serving.versions.ServedVersions.reembed`)."""
-        self.versions.reembed(self.gallery)
+    def refresh_gallery(self) -> None:
+        """Read new gallery rows (a bounded amount per call) and embed them for the served
+        versions that need it."""
+        if self.following.read():
+            self.versions.cover(self.gallery)
 
     def _judge(self) -> None:
         """Feed the served models' rolling test-then-train mAP to the champion rule."""
@@ -215,8 +217,10 @@ class ModelServer:
         if version is None or version == served.version:
             return served
         pinned = self.pins.cached(name, version) or self.pin(name, version)
-        # Candidates for models without a fixed space come from the newest embedded index.
-        return replace(pinned, index=served.index, gallery_items=served.gallery_items)
+        index = pinned.index
+        if index is not None and not index.covers(self.gallery):
+            index = None  # the search embeds the new rows first (index_of)
+        return replace(pinned, index=index, gallery_items=served.gallery_items)
 
     def is_loaded(self, name: str, version: int | None) -> bool:
         """Whether :meth:`get` answers without reading the store."""
@@ -228,6 +232,17 @@ class ModelServer:
         """Load a kept version of ``name`` for queries that name it (a few are cached)."""
         self._served(name)
         return self.pins.load(name, version)
+
+    def index_of(self, served: ServedModel) -> EmbeddedGallery:
+        """The gallery embedded by ``served``'s version (a pinned version's: built on its
+        first search and kept with it; new rows are embedded as they arrive)."""
+        index = served.index
+        if index is not None and index.version == served.version:
+            index = index.covering(self.gallery)
+        else:
+            index = EmbeddedGallery.build(served.version, served.model, self.gallery)
+        self.pins.keep_index(served.name, served.version, index)
+        return index
 
     def ensemble(self, name: str, version: int | None = None) -> ServedEnsemble:
         """The served version of each member of the ensemble ``name``; an ensemble has no

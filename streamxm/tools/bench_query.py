@@ -225,7 +225,6 @@ def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,
                              gallery_max=gallery, candidates=candidates)
         while len(server.gallery) < gallery or len(server.served) < len(spec.members):
             server.refresh()
-        server.reembed()  # the members' embedded indexes by their served versions
         fused = server.ensemble(model)
         rng = np.random.default_rng(seed + 1)
         recalls = []

@@ -1,0 +1,151 @@
+"""Linear heads: how a model embeds the gallery from features that do not change between its
+versions.
+
+A model whose embedding is ``finish(features(x) W + b)`` (cca, scsm, sdsrl, pairwise:marginal)
+says so with :meth:`~streamxm.models.base.CrossModalModel.linear_head`. ``features`` depends on
+the inputs and a few settings only (a power map, frozen landmarks), so a server computes it once
+per gallery item and keeps it; each new version then costs one product of the kept features with
+``W`` (``k`` columns: components, classes), not a pass of the whole model over the raw vectors.
+
+Features are computed from the gallery's *unit rows* (each vector divided by its L2 norm): every
+map here starts with :func:`~streamxm.models.moments.power_normalize`, which gives the same
+result for a vector and any positive multiple of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm.models.moments import power_normalize
+
+__all__ = ["FeatureMap", "LinearHead", "PowerFeatures", "RbfFeatures", "power_features",
+           "rbf_kernel"]
+
+F32 = NDArray[np.float32]
+F64 = NDArray[np.float64]
+
+#: Rows per product in :meth:`LinearHead.embed` (bounds its float64 temporaries).
+_ROWS = 8192
+
+
+def rbf_kernel(x: NDArray[np.floating], y: NDArray[np.floating], gamma: float) -> F64:
+    """``exp(-gamma ||x - y||^2)`` for every row pair (the paper's ``sigma`` is ``gamma``).
+
+    >>> rbf_kernel(np.array([[0.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 0.0]]), gamma=1.0)
+    array([[0.36787944, 1.        ]])
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    sq = np.einsum("ij,ij->i", x, x)[:, None] + np.einsum("ij,ij->i", y, y)[None, :] - 2 * x @ y.T
+    return np.asarray(np.exp(-gamma * np.maximum(sq, 0.0)))
+
+
+class FeatureMap:
+    """Version-independent features of unit rows. ``key`` names the map (equal keys: equal
+    features, so servers share them between models); ``inputs`` is the map whose features this
+    one reads (``None``: the unit rows themselves)."""
+
+    key: tuple[object, ...]
+    inputs: FeatureMap | None
+
+    def apply(self, x: F32) -> F32:
+        """This map's features of ``inputs``' features ``x`` (float32)."""
+        raise NotImplementedError
+
+    def __call__(self, units: F32) -> F32:
+        """The features of unit rows, through every map below this one."""
+        x = units if self.inputs is None else self.inputs(units)
+        return self.apply(x)
+
+
+@dataclass(frozen=True)
+class PowerFeatures(FeatureMap):
+    """``power_normalize(x, power)``: ``sign(x) |x|^power``, L2-normalised."""
+
+    power: float
+    inputs: FeatureMap | None = None
+
+    @property
+    def key(self) -> tuple[object, ...]:  # type: ignore[override]
+        return ("power", self.power)
+
+    def apply(self, x: F32) -> F32:
+        out = np.empty_like(x, dtype=np.float32)
+        for at in range(0, len(x), _ROWS):
+            out[at : at + _ROWS] = power_normalize(x[at : at + _ROWS], self.power)
+        return out
+
+
+def power_features(power: float) -> PowerFeatures | None:
+    """The features ``power_normalize(x, power)`` of unit rows: ``None`` (the unit rows
+    themselves) for ``power = 1``."""
+    return None if power == 1.0 else PowerFeatures(power)
+
+
+@dataclass(frozen=True, eq=False)
+class RbfFeatures(FeatureMap):
+    """``exp(-gamma ||x - l||^2)`` against each landmark ``l`` (rows of ``landmarks``), of the
+    ``inputs``' features: sdsrl's kernel rows, which stay the same once its landmarks freeze."""
+
+    inputs: FeatureMap | None
+    landmarks: F64
+    gamma: float
+    key: tuple[object, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        digest = hashlib.blake2b(np.ascontiguousarray(self.landmarks, dtype=np.float64)
+                                 .tobytes(), digest_size=12).hexdigest()
+        below = self.inputs.key if self.inputs is not None else ()
+        object.__setattr__(self, "key", ("rbf", self.gamma, digest, *below))
+
+    def apply(self, x: F32) -> F32:
+        out = np.empty((len(x), len(self.landmarks)), dtype=np.float32)
+        for at in range(0, len(x), _ROWS):
+            out[at : at + _ROWS] = rbf_kernel(x[at : at + _ROWS], self.landmarks, self.gamma)
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class LinearHead:
+    """An embedding ``finish(features(x) @ weight + bias)``.
+
+    Parameters
+    ----------
+    features
+        The version-independent map (``None``: the unit rows).
+    weight
+        ``(features, k)``, this version's.
+    bias
+        ``(k,)`` or ``None``.
+    finish
+        ``"l2"`` (rows L2-normalised, a zero row stays zero), ``"softmax"`` or ``"none"``.
+    """
+
+    features: FeatureMap | None
+    weight: F64
+    bias: F64 | None
+    finish: Literal["none", "l2", "softmax"]
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return self.features.key if self.features is not None else ()
+
+    def embed(self, features: F32) -> F32:
+        """The embeddings of rows whose features are ``features`` (products in float64)."""
+        out = np.empty((len(features), self.weight.shape[1]), dtype=np.float32)
+        for at in range(0, len(features), _ROWS):
+            z = features[at : at + _ROWS].astype(np.float64) @ self.weight
+            if self.bias is not None:
+                z += self.bias
+            if self.finish == "l2":
+                z = power_normalize(z)
+            elif self.finish == "softmax":
+                z = np.exp(z - z.max(axis=1, keepdims=True))
+                z /= z.sum(axis=1, keepdims=True)
+            out[at : at + _ROWS] = z
+        return out
