@@ -156,3 +156,8 @@ def test_every_version_answers_with_its_own_exact_ranking_as_the_gallery_grows(
                     np.testing.assert_allclose([h["score"] for h in found["results"]],
                                                want_scores, rtol=1e-5, atol=1e-6,
                                                err_msg=context)
+        metrics = http.get("/metrics").text
+        assert "streamxm_search_expansions_total" in metrics
+        embedded = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("streamxm_version_embedding_seconds{")}
+        assert embedded["cmos"] == 0.0 and embedded["sdsrl"] > 0.0, embedded

@@ -147,6 +147,11 @@ class StreamCollector(Collector):
             "not be proven complete, answered by a float32 scan instead")
         scans.add_metric([], self.server.searcher.exact_scans)
         yield scans
+        expansions = CounterMetricFamily(
+            "streamxm_search_expansions", "candidate scans repeated with four times the rows "
+            "because the first could not prove the top k complete (embedding scans, ensembles)")
+        expansions.add_metric([], self.server.searcher.expansions)
+        yield expansions
         retention = str_hash(self.r.hgetall(self.keys.retention))
         trimmed = CounterMetricFamily("streamxm_stream_trimmed",
                                       "entries trimmed from the pairs stream by retention",
@@ -234,16 +239,20 @@ class StreamCollector(Collector):
             labels=["model", "direction"])
         gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
                                     labels=["model"])
+        embedding = GaugeMetricFamily(
+            "streamxm_version_embedding_seconds", "seconds the served version took to embed the "
+            "gallery before it was swapped in (0: a fixed space needs none)", labels=["model"])
         for model in models:
             served = self.server.served.get(model)
             if served is not None:
                 served_version.add_metric([model], served.version)
                 gallery.add_metric([model], served.gallery_size)
+                embedding.add_metric([model], served.index_seconds)
                 for direction in DIRECTIONS:
                     champion.add_metric(
                         [model, direction],
                         float(self.server.champion.champions.get(direction) == model))
-        yield from (served_version, gallery, champion)
+        yield from (served_version, gallery, champion, embedding)
 
     def _distributed_families(self, stats: dict[str, dict[str, str]]) -> Iterator[Metric]:
         """Distributed learners: ranks, rounds, time in the collective, formations."""

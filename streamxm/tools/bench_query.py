@@ -18,10 +18,17 @@ from numpy.typing import NDArray
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.learner import model_from_state
 from streamxm.models import CrossModalModel
-from streamxm.models.ensemble import REFERENCE_ITEMS
+from streamxm.models.ensemble import (
+    REFERENCE_ITEMS,
+    Ensemble,
+    is_ensemble,
+    member_scores,
+    parse_ensemble,
+)
 from streamxm.service import open_store
+from streamxm.storage.checkpoint import CheckpointStore
 from streamxm.storage.segments import read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import (
@@ -52,50 +59,64 @@ def metric_value(text: str, name: str) -> float | None:
     return None
 
 
-def _embedded(model: CrossModalModel, modality: str, rows: NDArray[np.float32]
-              ) -> NDArray[np.float64]:
-    embed = model.embed_images if modality == "image" else model.embed_texts
-    return np.concatenate([embed(rows[i : i + 50_000]).astype(np.float64)
-                           for i in range(0, len(rows), 50_000)])
-
-
 def _recall(st: Stack, model: str, answers: list[Answer], queries: list[tuple[str, Any]],
             imgs: NDArray[np.float32], txts: NDArray[np.float32], k: int, sample: int,
             seed: int) -> float | None:
     """Mean recall@k of sampled answers against the exact ranking (ties in row order) by the
-    version that served each, loaded from the store, which the benchmark tells to keep every
-    version. Scores are inner products of embeddings (the models' contract: they equal the
-    similarity); each version embeds the gallery once."""
+    version that served each (an ensemble: its members' versions, fused over the API's
+    reference sample), loaded from the store, which the benchmark tells to keep every
+    version. Scores are the similarity's (:func:`member_scores`); each version scores the
+    gallery once per target modality."""
     if not answers:
         return None
     store = open_store(st.settings, st.r)
     rng = np.random.default_rng(seed)
     picked = [answers[i] for i in rng.choice(len(answers), min(sample, len(answers)),
                                              replace=False)]
-    picked.sort(key=lambda a: a.version)
+    picked.sort(key=lambda a: a.versions)
     recalls: list[float] = []
-    version, current = -1, None
-    gallery_of: dict[str, NDArray[np.float64]] = {}
+    versions: tuple[tuple[str, int], ...] = ()
+    models: dict[str, CrossModalModel] | None = None
     for answer in tqdm(picked, desc="recall against exact rankings", file=sys.stderr):
-        if answer.version != version:
-            version, gallery_of = answer.version, {}
-            ckpt = store.load(model, version)
-            current = None
-            if ckpt is not None:
-                learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
-                learner.flush()
-                current = learner.model
-        if current is None:
+        if answer.versions != versions:
+            versions, models = answer.versions, _load_versions(store, answer.versions)
+        if models is None:
             continue
         modality, vector = queries[answer.body]
-        target = "text" if modality == "image" else "image"
-        if target not in gallery_of:
-            gallery_of[target] = _embedded(current, target, txts if target == "text" else imgs)
-        scores = gallery_of[target] @ _embedded(current, modality, vector[None, :])[0]
+        items = txts if modality == "image" else imgs
+        scores = _exact_scores(model, models, modality, vector, items)
         exact = np.argsort(-scores, kind="stable")[:k].tolist()
         got = {int(i[1:]) for i in answer.ids}  # ids are "s<row>"
         recalls.append(len(got & set(exact)) / k)
     return round(float(np.mean(recalls)), 4) if recalls else None
+
+
+def _load_versions(store: CheckpointStore, versions: tuple[tuple[str, int], ...]
+                   ) -> dict[str, CrossModalModel] | None:
+    models = {}
+    for name, version in versions:
+        ckpt = store.load(name, version)
+        if ckpt is None:
+            return None
+        models[name] = model_from_state(ckpt.arrays, ckpt.meta)
+    return models
+
+
+def _exact_scores(model: str, models: dict[str, CrossModalModel], modality: str,
+                  vector: NDArray[np.float32], items: NDArray[np.float32]
+                  ) -> NDArray[np.float64]:
+    """The served scores of ``vector`` against every gallery item, in blocks."""
+    direction = "i2t" if modality == "image" else "t2i"
+    if is_ensemble(model):
+        rows = np.unique(np.linspace(0, len(items) - 1, min(len(items), REFERENCE_ITEMS))
+                         .astype(np.int64))  # the API's reference sample (Gallery.reference)
+        fused = Ensemble(parse_ensemble(model), models)
+        return np.concatenate([fused.scores(direction, vector[None, :], items[i : i + 50_000],
+                                            items[rows])[0]
+                               for i in range(0, len(items), 50_000)])
+    return np.concatenate([member_scores(models[model], direction, vector[None, :],
+                                         items[i : i + 50_000])[0]
+                           for i in range(0, len(items), 50_000)])
 
 
 def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, clients: int = 32,
@@ -128,21 +149,23 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
             client.push_pairs([make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
                                for j in range(i, min(gallery, i + 5000))])
-        st.spawn("worker", "--model", model)
-        st.spawn("indexer")
+        members = parse_ensemble(model).members if is_ensemble(model) else (model,)
+        workers = [st.spawn("worker", "--model", member) for member in members]
+        indexer = st.spawn("indexer")
         url = st.api()
-        served = _steady_state(st, url, model, gallery)
-        before = st.processed(model)
-        pids = {"worker": st.procs[0].pid, "indexer": st.procs[1].pid, "api": st.procs[2].pid,
-                "load_generator": None}
+        api = st.procs[-1]
+        served = _steady_state(st, url, members, gallery)
+        before = sum(st.processed(m) for m in members)
+        pids = {**{f"worker {m}": w.pid for m, w in zip(members, workers, strict=True)},
+                "indexer": indexer.pid, "api": api.pid, "load_generator": None}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         latencies, statuses, answers = asyncio.run(run_clients(url, bodies, clients, seconds))
         elapsed = time.perf_counter() - start
         cpu = {name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
                for name, pid in pids.items()}
-        learned = st.processed(model) - before
-        api_rss = rss_mb(st.procs[2].pid)
+        learned = sum(st.processed(m) for m in members) - before
+        api_rss = rss_mb(api.pid)
         exact_scans = metric_value(httpx.get(f"{url}/metrics", timeout=30).text,
                                     "streamxm_search_exact_scans_total")
         ready_start = time.perf_counter()
@@ -162,7 +185,7 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2) if ms else None,
         "errors": errors, "statuses": statuses, "recall_at_10": recall,
         "served_version_lag_p99_s": round(percentile(lags, 99), 3) if lags else None,
-        "model_versions_served": len({a.version for a in answers}),
+        "model_versions_served": len({a.versions for a in answers}),
         "pairs_learned_meanwhile": learned, "api_rss_mb": round(api_rss, 1),
         "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
         "replica_ready_s": round(replica_ready, 2),
@@ -174,17 +197,19 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
     }
 
 
-def _steady_state(st: Stack, url: str, model: str, gallery: int) -> Callable[[str], bool]:
-    """Wait until the API at ``url`` serves ``model`` over the whole gallery and the indexer
+def _steady_state(st: Stack, url: str, members: tuple[str, ...], gallery: int
+                  ) -> Callable[[str], bool]:
+    """Wait until the API at ``url`` serves every model of ``members`` over the whole gallery
+    and the indexer
     has written every pushed pair into segments (the API can serve the whole gallery earlier,
     from the stream tail, while the indexer catches up); the check of the first, for replicas."""
     def served(at: str) -> bool:
         response = httpx.get(f"{at}/v1/models", timeout=10)
         if response.status_code != 200:  # 503 while Redis is busy with the gallery load
             return False
-        models = response.json()["models"]
-        return any(m["name"] == model and m["loaded"] and m["gallery_items"] >= gallery
-                   for m in models)
+        loaded = {m["name"] for m in response.json()["models"]
+                  if m["loaded"] and m["gallery_items"] >= gallery}
+        return loaded.issuperset(members)
 
     wait_for(lambda: served(url), 900, "the API to load a model and the whole gallery")
     pushed = text(st.r.xinfo_stream(st.keys.pairs)["last-generated-id"])

@@ -16,10 +16,11 @@ __all__ = ["Answer", "host_port", "post_each", "raw_request", "run_clients"]
 
 @dataclass
 class Answer:
-    """What one search answered: which request body, the version, its lag and the ids."""
+    """What one search answered: which request body, the version (an ensemble: its members'),
+    its lag and the ids."""
 
     body: int  # index into the request bodies
-    version: int
+    versions: tuple[tuple[str, int], ...]  # (model, version) that scored, sorted
     lag_s: float
     ids: list[str]
 
@@ -103,7 +104,8 @@ async def run_clients(url: str, bodies: list[bytes], clients: int, seconds: floa
                     if status == 200:
                         latencies.append(time.perf_counter() - start)
                         found = json.loads(body)
-                        answers.append(Answer(i % len(bodies), int(found["version"]),
+                        named = found["members"] or {found["model"]: found["version"]}
+                        answers.append(Answer(i % len(bodies), tuple(sorted(named.items())),
                                                float(found["version_lag_s"]),
                                                [hit["id"] for hit in found["results"]]))
                 statuses[key] = statuses.get(key, 0) + 1
