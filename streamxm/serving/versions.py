@@ -70,7 +70,7 @@ class ServedVersions:
             latest = gallery()
             if index is not None:
                 index = index.covering(latest)  # rows that arrived while it was built
-            took = time.perf_counter() - started
+            took = time.perf_counter() - started if index is not None else 0.0
             self.served[name] = ServedModel(  # one reference assignment: the atomic swap
                 name=name, version=ckpt.version, model=model, head=head, loaded_at=time.time(),
                 index=index, gallery_items=len(latest), index_seconds=took)
