@@ -24,7 +24,6 @@ from streamxm.models.ensemble import (
     REFERENCE_ITEMS,
     Ensemble,
     is_ensemble,
-    member_scores,
     parse_ensemble,
 )
 from streamxm.service import open_store
@@ -76,15 +75,16 @@ def _recall(st: Stack, model: str, answers: list[Answer], queries: list[tuple[st
     picked.sort(key=lambda a: a.versions)
     recalls: list[float] = []
     versions: tuple[tuple[str, int], ...] = ()
-    models: dict[str, CrossModalModel] | None = None
+    scorer: _ExactScores | None = None
     for answer in tqdm(picked, desc="recall against exact rankings", file=sys.stderr):
         if answer.versions != versions:
-            versions, models = answer.versions, _load_versions(store, answer.versions)
-        if models is None:
+            versions = answer.versions
+            models = _load_versions(store, answer.versions)
+            scorer = _ExactScores(model, models, imgs, txts) if models else None
+        if scorer is None:
             continue
         modality, vector = queries[answer.body]
-        items = txts if modality == "image" else imgs
-        scores = _exact_scores(model, models, modality, vector, items)
+        scores = scorer.scores(modality, vector)
         exact = np.argsort(-scores, kind="stable")[:k].tolist()
         got = {int(i[1:]) for i in answer.ids}  # ids are "s<row>"
         recalls.append(len(got & set(exact)) / k)
@@ -102,21 +102,48 @@ def _load_versions(store: CheckpointStore, versions: tuple[tuple[str, int], ...]
     return models
 
 
-def _exact_scores(model: str, models: dict[str, CrossModalModel], modality: str,
-                  vector: NDArray[np.float32], items: NDArray[np.float32]
-                  ) -> NDArray[np.float64]:
-    """The served scores of ``vector`` against every gallery item, in blocks."""
-    direction = "i2t" if modality == "image" else "t2i"
-    if is_ensemble(model):
+class _ExactScores:
+    """The served scores of a query against every gallery item by one version of ``model`` (an
+    ensemble: its members' versions), from each member's embeddings of the gallery, made once
+    per target modality (the models' contract: the similarity is their inner product)."""
+
+    def __init__(self, model: str, models: dict[str, CrossModalModel],
+                 imgs: NDArray[np.float32], txts: NDArray[np.float32]) -> None:
+        self.model, self.models = model, models
+        self.items = {"image": imgs, "text": txts}
+        self._embedded: dict[tuple[str, str], NDArray[np.float64]] = {}
+
+    def _gallery(self, member: str, target: str) -> NDArray[np.float64]:
+        if (member, target) not in self._embedded:
+            model, rows = self.models[member], self.items[target]
+            embed = model.embed_images if target == "image" else model.embed_texts
+            self._embedded[(member, target)] = np.concatenate(
+                [embed(rows[i : i + 50_000]).astype(np.float64)
+                 for i in range(0, len(rows), 50_000)])
+        return self._embedded[(member, target)]
+
+    def _member(self, member: str, modality: str, vector: NDArray[np.float32]
+                ) -> NDArray[np.float64]:
+        model = self.models[member]
+        embed = model.embed_images if modality == "image" else model.embed_texts
+        target = "text" if modality == "image" else "image"
+        query = embed(vector[None, :]).astype(np.float64)[0]
+        return np.asarray(self._gallery(member, target) @ query)
+
+    def scores(self, modality: str, vector: NDArray[np.float32]) -> NDArray[np.float64]:
+        if not is_ensemble(self.model):
+            return self._member(self.model, modality, vector)
+        target = "text" if modality == "image" else "image"
+        items = self.items[target]
         rows = np.unique(np.linspace(0, len(items) - 1, min(len(items), REFERENCE_ITEMS))
                          .astype(np.int64))  # the API's reference sample (Gallery.reference)
-        fused = Ensemble(parse_ensemble(model), models)
-        return np.concatenate([fused.scores(direction, vector[None, :], items[i : i + 50_000],
-                                            items[rows])[0]
-                               for i in range(0, len(items), 50_000)])
-    return np.concatenate([member_scores(models[model], direction, vector[None, :],
-                                         items[i : i + 50_000])[0]
-                           for i in range(0, len(items), 50_000)])
+        fused = Ensemble(parse_ensemble(self.model), self.models)
+        direction = "i2t" if modality == "image" else "t2i"
+        standards = fused.standardisers(direction, vector[None, :], items[rows])
+        total = np.zeros(len(items))
+        for member, (offset, scale) in zip(fused.spec.members, standards, strict=True):
+            total += (self._member(member, modality, vector) - offset[0]) / scale[0]
+        return total
 
 
 def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, clients: int = 32,
