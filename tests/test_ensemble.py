@@ -139,3 +139,24 @@ def test_bench_quality_scores_an_ensemble_beside_its_members() -> None:
     # Fusing the two beats the better of them on the mean of both directions (seed 0).
     assert fused["best_member"] == "pairwise:marginal"
     assert fused["mean_map"] > fused["best_member_mean_map"] + 0.001
+
+
+def test_member_by_member_search_stops_on_the_same_fused_top_k(
+        r: redis.Redis, learned: tuple[Settings, list], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With few candidates (4 k = 20 of 300 per member), the threshold stop of the
+    member-by-member search (used when a member has no exact float32 rows over the gallery)
+    must still find the fused space's exact top k (asking the members for more when the
+    threshold is not met)."""
+    settings, pairs = learned
+    server = ModelServer(r, open_store(settings, r), settings.namespace, candidates=1)
+    server.refresh()
+    queries = [("image", pairs[i].img.astype(np.float32)) for i in (7, 40, 200)] + \
+        [("text", pairs[i].txt.astype(np.float32)) for i in (9, 120)]
+    fused = [server.search(ENSEMBLE, m, q, k=5).hits for m, q in queries]
+    from streamxm.serving.fused import FusedSpace
+
+    monkeypatch.setattr(FusedSpace, "sources_of", staticmethod(lambda *args: None))
+    members = [server.search(ENSEMBLE, m, q, k=5).hits for m, q in queries]
+    for got, want in zip(members, fused, strict=True):
+        assert [h[0] for h in got] == [h[0] for h in want]
+        np.testing.assert_allclose([h[1] for h in got], [h[1] for h in want], rtol=1e-5)

@@ -15,6 +15,7 @@ result for a vector and any positive multiple of it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,6 +58,11 @@ class FeatureMap:
         """This map's features of ``inputs``' features ``x`` (float32)."""
         raise NotImplementedError
 
+    def extend(self, kept: Mapping[tuple[object, ...], F32], x: F32) -> F32 | None:
+        """This map's features of ``x`` from the features of another map kept for the same
+        rows (``kept``: key -> features), when some can be extended; ``None`` otherwise."""
+        return None
+
     def __call__(self, units: F32) -> F32:
         """The features of unit rows, through every map below this one."""
         x = units if self.inputs is None else self.inputs(units)
@@ -98,16 +104,37 @@ class RbfFeatures(FeatureMap):
     key: tuple[object, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        digest = hashlib.blake2b(np.ascontiguousarray(self.landmarks, dtype=np.float64)
-                                 .tobytes(), digest_size=12).hexdigest()
         below = self.inputs.key if self.inputs is not None else ()
-        object.__setattr__(self, "key", ("rbf", self.gamma, digest, *below))
+        object.__setattr__(self, "key", ("rbf", self.gamma, len(self.landmarks),
+                                         _digest(self.landmarks), *below))
 
-    def apply(self, x: F32) -> F32:
-        out = np.empty((len(x), len(self.landmarks)), dtype=np.float32)
+    def apply(self, x: F32, landmarks: F64 | None = None) -> F32:
+        landmarks = self.landmarks if landmarks is None else landmarks
+        out = np.empty((len(x), len(landmarks)), dtype=np.float32)
         for at in range(0, len(x), _ROWS):
-            out[at : at + _ROWS] = rbf_kernel(x[at : at + _ROWS], self.landmarks, self.gamma)
+            out[at : at + _ROWS] = rbf_kernel(x[at : at + _ROWS], landmarks, self.gamma)
         return out
+
+    def extend(self, kept: Mapping[tuple[object, ...], F32], x: F32) -> F32 | None:
+        """The kernel rows to the landmarks from those to a kept map's landmarks when these
+        start with them (only the new columns are computed): sdsrl's provisional landmarks
+        are its whole pool, which grows, until the pool reaches ``m``."""
+        best_rows, best = 0, None
+        for key, values in kept.items():
+            rows = key[2] if len(key) > 4 and key[0] == "rbf" else None
+            if (not isinstance(rows, int) or key[1] != self.gamma or key[4:] != self.key[4:]
+                    or not best_rows < rows < len(self.landmarks)):
+                continue
+            if _digest(self.landmarks[:rows]) == key[3]:
+                best_rows, best = rows, values
+        if best is None:
+            return None
+        return np.hstack([best, self.apply(x, self.landmarks[best_rows:])])
+
+
+def _digest(rows: F64) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(rows, dtype=np.float64).tobytes(),
+                           digest_size=12).hexdigest()
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,8 +26,7 @@ class GalleryChunk(GalleryRows):
     them."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_index", {"image": index_block(self.unit_img),
-                                            "text": index_block(self.unit_txt)})
+        object.__setattr__(self, "_index", {})
         object.__setattr__(self, "_features", {})
 
     def features(self, modality: str, fmap: FeatureMap | None) -> NDArray[np.float32]:
@@ -40,7 +39,10 @@ class GalleryChunk(GalleryRows):
         key = (modality, *fmap.key)
         found = cache.get(key)
         if found is None:
-            found = fmap.apply(self.features(modality, fmap.inputs))
+            x = self.features(modality, fmap.inputs)
+            kept = {k[1:]: v for k, v in list(cache.items()) if k[0] == modality}
+            extended = fmap.extend(kept, x)
+            found = fmap.apply(x) if extended is None else extended
             cache[key] = found
         return found
 
@@ -77,8 +79,12 @@ class GalleryChunk(GalleryRows):
         return cls(rows.ids, rows.unit_img, rows.unit_txt, rows.norm_img, rows.norm_txt)
 
     def index(self, modality: str) -> Block:
-        """The unit rows as the search backend scans them."""
-        return self._index[modality]  # type: ignore[attr-defined]
+        """The unit rows as the search backend scans them, made on first use (only the models
+        with a fixed space scan them: a gallery served to others never pays for them)."""
+        made: dict[str, Block] = self._index  # type: ignore[attr-defined]
+        if modality not in made:
+            made[modality] = index_block(self.unit(modality))
+        return made[modality]
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,8 +96,7 @@ class Gallery:
     def __post_init__(self) -> None:
         sizes = [len(c) for c in self.chunks]
         object.__setattr__(self, "starts", np.cumsum([0, *sizes]))
-        object.__setattr__(self, "_blocks", {m: tuple(c.index(m) for c in self.chunks)
-                                             for m in ("image", "text")})
+        object.__setattr__(self, "_blocks", {})
         object.__setattr__(self, "_exact", {m: tuple(c.unit(m) for c in self.chunks)
                                             for m in ("image", "text")})
         object.__setattr__(self, "_references", {})
@@ -101,8 +106,12 @@ class Gallery:
 
     def blocks(self, modality: str) -> tuple[Block, ...]:
         """The unit rows of ``modality`` as the index scans them, one block per chunk (one
-        tuple object per snapshot, so concurrent queries against it coalesce)."""
-        return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
+        tuple object per snapshot, so concurrent queries against it coalesce; made on first
+        use)."""
+        made: dict[str, tuple[Block, ...]] = self._blocks  # type: ignore[attr-defined]
+        if modality not in made:
+            made[modality] = tuple(c.index(modality) for c in self.chunks)
+        return made[modality]
 
     def exact_blocks(self, modality: str) -> tuple[NDArray[np.float32], ...]:
         """The unit rows of ``modality`` in float32, one block per chunk (the exact scan)."""
@@ -112,7 +121,7 @@ class Gallery:
                ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         """Unit rows and norms of ``modality`` at global row positions (a raw vector is
         ``unit * norm``)."""
-        which, local = self._split(rows)
+        which, local = self.split(rows)
         dim = self.chunks[0].unit(modality).shape[1] if self.chunks else 0
         units = np.empty((len(rows), dim), dtype=np.float32)
         norms = np.empty(len(rows), dtype=np.float32)
@@ -133,19 +142,23 @@ class Gallery:
         same ones for every query against this snapshot: computed once)."""
         cache: dict[tuple[str, int], NDArray[np.float32]] = self._references  # type: ignore
         if (modality, items) not in cache:
-            n = len(self)
-            rows = np.unique(np.linspace(0, n - 1, min(n, items)).astype(np.int64))
-            cache[(modality, items)] = (self.vectors_at(rows, modality) if n
-                                        else np.empty((0, 0), dtype=np.float32))
+            cache[(modality, items)] = (self.vectors_at(self.reference_rows(items), modality)
+                                        if len(self) else np.empty((0, 0), dtype=np.float32))
         return cache[(modality, items)]
+
+    def reference_rows(self, items: int) -> NDArray[np.int64]:
+        """The row positions of :meth:`reference`: at most ``items``, evenly strided."""
+        n = len(self)
+        return np.unique(np.linspace(0, n - 1, min(n, items)).astype(np.int64))
 
     def ids_at(self, rows: NDArray[np.int64]) -> list[str]:
         """Item ids at global row positions."""
-        which, local = self._split(rows)
+        which, local = self.split(rows)
         pairs = zip(which.tolist(), local.tolist(), strict=True)
         return [str(self.chunks[c].ids[i]) for c, i in pairs]
 
-    def _split(self, rows: NDArray[np.int64]) -> tuple[NDArray[np.intp], NDArray[np.int64]]:
+    def split(self, rows: NDArray[np.int64]) -> tuple[NDArray[np.intp], NDArray[np.int64]]:
+        """Global row positions as (chunk, row within it)."""
         starts = self.starts  # type: ignore[attr-defined]
         which = np.searchsorted(starts, rows, side="right") - 1
         return which, rows - starts[which]

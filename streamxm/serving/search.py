@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 from streamxm import defaults as D
 from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import REFERENCE_ITEMS, is_ensemble
+from streamxm.serving.fused import FusedSpace, scan_query
 from streamxm.serving.gallery import CHUNK_MAX, Gallery
 from streamxm.serving.index import Block, Int8Block, QueryCoalescer
 from streamxm.serving.served import (
@@ -155,6 +156,8 @@ class Searcher:
         #: Candidate scans repeated with four times as many rows because the first could not
         #: prove the top k complete (an embedded index's or an ensemble's).
         self.expansions = 0
+        # Per (ensemble, target): its members' rows side by side, while they are current.
+        self._fused: dict[tuple[str, str], FusedSpace] = {}
 
     def close(self) -> None:
         self.coalescer.close()
@@ -255,11 +258,18 @@ class Searcher:
         if index is None or index.version != served.version:  # a pinned version's first use
             index = yield _Work(partial(self.catalogue.index_of, served))
         gallery = index.gallery
-        embed = model.embed_images if modality == "image" else model.embed_texts
-        query = embed(vector[None, :])[0].astype(np.float32)
+        query, _ = scan_query(model, modality, target, vector)
         _, rows, ceiling = yield _Scan(index.blocks(target), query, min(wanted, len(gallery)))
-        bound = float(ceiling) + scan_margin(float(ceiling)) if index.exact(target) else np.inf
-        return _Candidates.of(gallery, rows, model, modality, target, vector, bound)
+        if not index.exact(target):
+            return _Candidates.of(gallery, rows, model, modality, target, vector, np.inf)
+        bound = raised(float(ceiling), reach=float(np.linalg.norm(query)) * index.norm(target))
+        if model.linear_head(target) is not None:  # cheap: the version scores the raw vectors
+            return _Candidates.of(gallery, rows, model, modality, target, vector, bound)
+        # A tower or kernel pass per candidate costs more than the scan: the version's own
+        # embeddings of the candidates are in the index.
+        rows = np.sort(rows)
+        scores = index.embedded_at(rows, target).astype(np.float64) @ query.astype(np.float64)
+        return _Candidates(gallery, rows, gallery.vectors_at(rows, target), scores, bound)
 
     def _fixed_candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
                           wanted: int, target: str, k: int | None
@@ -268,9 +278,7 @@ class Searcher:
         the query's constant ``c``)."""
         gallery, model = self.catalogue.gallery, served.model
         wanted = min(len(gallery), wanted)
-        transform = model.queries_for_texts if target == "text" else model.queries_for_images
-        moved, constant = transform(vector[None, :])
-        query, c = moved[0].astype(np.float32), float(constant[0])
+        query, c = scan_query(model, modality, target, vector)
         blocks = gallery.blocks(target)
         scanned, per_chunk = wanted, None
         if not _exact_blocks(blocks):
@@ -285,7 +293,7 @@ class Searcher:
                 per_chunk = max(1, wanted // 2,
                                 -(-2 * scanned * CHUNK_MAX // len(gallery)))
         _, rows, ceiling = yield _Scan(blocks, query, scanned, per_chunk)
-        bound = float(ceiling) + scan_margin(float(ceiling)) + c
+        bound = raised(float(ceiling), c, float(np.linalg.norm(query)))  # unit rows
         if k is not None:  # this model's own search: its top k is settled here
             if not _proven_complete(float(ceiling), gallery.locate(rows, target)[0], query, k,
                                     blocks):
@@ -300,11 +308,10 @@ class Searcher:
     def _ensemble_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
                         target: str, version: int | None
                         ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
-        """An ensemble's search: each member proposes its best candidates by its own index,
-        the union is ranked by the fused score exactly, and members propose more until the
-        fused k-th best is above what any row left out can reach (a threshold-algorithm stop:
-        the fused score increases with each member's score, so the members' bounds on rows
-        they left out bound those rows' fused score)."""
+        """An ensemble's search: one scan of the members' rows side by side
+        (:class:`~streamxm.serving.fused.FusedSpace`) when every member has exact float32 rows
+        over the served gallery, else member by member; either way re-ranked by the fused
+        score exactly, with more candidates until no row left out can enter the top ``k``."""
         ensemble = self.catalogue.ensemble(name, version)
         if target == modality:
             raise SameModalityUnsupported(
@@ -314,11 +321,59 @@ class Searcher:
         gallery = self.catalogue.gallery
         if len(gallery) == 0:
             return SearchAnswer(ensemble, [], lag, None)
-        fused = ensemble.fused
-        direction = direction_of(modality)
-        standards = fused.standardisers(direction, vector[None, :],
-                                        ensemble_reference(gallery, target))
+        reference = ensemble_reference(gallery, target)
+        sources = FusedSpace.sources_of(ensemble, gallery, target)
+        if sources is None:
+            hits = yield from self._members_steps(ensemble, modality, vector, k, target,
+                                                  reference)
+        else:
+            space = self._fused.get((name, target))
+            if space is None or not space.current(sources):
+                space = yield _Work(partial(FusedSpace.build, sources, gallery, target))
+                self._fused[(name, target)] = space
+            hits = yield from self._fused_steps(ensemble, space, modality, vector, k, target)
+        return SearchAnswer(ensemble, hits, lag, None)
+
+    def _fused_steps(self, ensemble: ServedEnsemble, space: FusedSpace, modality: str,
+                     vector: NDArray[np.float32], k: int, target: str
+                     ) -> Generator[_Scan | _Work, Any, list[tuple[str, float]]]:
+        """The fused top ``k`` from scans of ``space``: its float32 score is the fused score
+        less a constant per query, to rounding (a margin scaled by each member's largest
+        possible term); the candidates are scored from the same rows in float64, the members
+        standardised over the rows of the reference sample."""
+        weights = ensemble.spec.weights
+        query, constant, reach = space.standardised(
+            [scan_query(m.model, modality, target, vector) for m in ensemble.members], weights)
+        gallery = space.gallery
         wanted = min(len(gallery), max(self.candidates, 4 * k))
+        while True:
+            _, rows, ceiling = yield _Scan(space.blocks, query, wanted)
+            rows = np.sort(rows)
+            # The fused scores of the members' own rows, in float64.
+            scores = space.rows_at(rows).astype(np.float64) @ query.astype(np.float64) \
+                + constant
+            found = _Candidates(gallery, rows, np.empty((0, 0), np.float32), scores,
+                                raised(float(ceiling), constant, reach))
+            if found.holds_top(k) or wanted >= len(gallery):
+                break
+            self.expansions += 1
+            wanted = min(len(gallery), 4 * wanted)
+        order = np.argsort(-scores, kind="stable")[:k]
+        return list(zip(gallery.ids_at(rows[order]), scores[order].tolist(), strict=True))
+
+    def _members_steps(self, ensemble: ServedEnsemble, modality: str,
+                       vector: NDArray[np.float32], k: int, target: str,
+                       reference: NDArray[np.float32]
+                       ) -> Generator[_Scan | _Work, Any, list[tuple[str, float]]]:
+        """Each member proposes its best candidates by its own index, the union is ranked by
+        the fused score exactly, and members propose more until the fused k-th best is above
+        what any row left out can reach (a threshold-algorithm stop: the fused score increases
+        with each member's score, so the members' bounds on rows they left out bound those
+        rows' fused score)."""
+        fused, direction = ensemble.fused, direction_of(modality)
+        standards = fused.standardisers(direction, vector[None, :], reference)
+        size = len(self.catalogue.gallery)
+        wanted = min(size, max(self.candidates, 4 * k))
         while True:
             ids: list[str] = []
             items: list[NDArray[np.float32]] = []
@@ -332,23 +387,34 @@ class Searcher:
             unique = {id_: i for i, id_ in reversed(list(enumerate(ids)))}  # first of each
             keep = sorted(unique.values())
             ids, union = [ids[i] for i in keep], np.vstack(items)[keep]
-            scores = fused.scores(direction, vector[None, :], union,
-                                  ensemble_reference(gallery, target))[0]
+            scores = fused.scores(direction, vector[None, :], union, reference)[0]
             order = np.argsort(-scores, kind="stable")[:k]
-            if wanted >= len(gallery) or threshold == np.inf or (
+            if wanted >= size or threshold == np.inf or (
                     len(order) == k and scores[order[-1]] > threshold):
                 break  # (an infinite threshold: a member's index cannot bound its scores)
             self.expansions += 1
-            wanted = min(len(gallery), 4 * wanted)
-        return SearchAnswer(ensemble, [(ids[i], float(scores[i])) for i in order], lag, None)
+            wanted = min(size, 4 * wanted)
+        return [(ids[i], float(scores[i])) for i in order]
 
 
-def scan_margin(score: float) -> float:
-    """How far an exact score can lie above a float32 scan's score of the same row: the scan
-    reads float32 copies (unit rows, embeddings made from float32 features) where the model
-    computes in float64 from the raw vectors. ``tests/test_exact_search.py`` checks the margin
-    on every model; it is orders of magnitude below the spread of their scores."""
-    return 1e-4 * abs(score) + 1e-7
+def raised(ceiling: float, shift: float = 0.0, reach: float = 0.0) -> float:
+    """A scan's ceiling as a bound on exact scores: moved by ``shift`` (a query's constant),
+    then raised by :func:`scan_margin` (``-inf``, nothing left out, stays)."""
+    if ceiling == -np.inf:
+        return -np.inf
+    bound = ceiling + shift
+    return bound + scan_margin(bound, reach)
+
+
+def scan_margin(score: float, reach: float) -> float:
+    """How far an exact score can lie above a float32 scan's score of the same row, for a
+    query whose scores are at most ``reach`` in size (its norm times the largest row's): the
+    scan reads float32 copies (unit rows, embeddings made from float32 features) where the
+    model computes in float64 from the raw vectors, so the error is relative to the terms of
+    the product, not to the score, which can be near 0. ``tests/test_heads.py`` checks the
+    margin on every model with a linear head; it is orders of magnitude below the spread of
+    their scores."""
+    return 1e-4 * abs(score) + 2e-5 * reach
 
 
 @dataclass(frozen=True, eq=False)

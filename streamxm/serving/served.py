@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+from numpy.typing import NDArray
 
 from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import Ensemble, EnsembleSpec
@@ -91,9 +92,29 @@ class EmbeddedGallery:
             "image": tuple(a for _, a, _ in self.embedded),
             "text": tuple(b for _, _, b in self.embedded)})
         object.__setattr__(self, "gallery", Gallery(tuple(c for c, _, _ in self.embedded)))
+        object.__setattr__(self, "_norms", {})
 
     def blocks(self, modality: str) -> tuple[Block, ...]:
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
+
+    def embedded_at(self, rows: NDArray[np.int64], modality: str) -> NDArray[np.float32]:
+        """The float32 embeddings of ``modality`` at global row positions (an exact index)."""
+        which, local = self.gallery.split(rows)
+        blocks = self.blocks(modality)
+        out = np.empty((len(rows), blocks[0].shape[1] if blocks else 0), dtype=np.float32)
+        for c in np.unique(which):
+            at = which == c
+            out[at] = blocks[c][local[at]]
+        return out
+
+    def norm(self, modality: str) -> float:
+        """The largest row norm of ``modality``'s float32 embeddings (computed once)."""
+        norms: dict[str, float] = self._norms  # type: ignore[attr-defined]
+        if modality not in norms:
+            norms[modality] = max((float(np.sqrt(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
+                                   for b in self.blocks(modality)
+                                   if isinstance(b, np.ndarray)), default=0.0)
+        return norms[modality]
 
     def exact(self, modality: str) -> bool:
         """Whether ``modality``'s blocks are float32 (scan scores are the embeddings')."""

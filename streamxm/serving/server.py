@@ -176,6 +176,7 @@ class ModelServer:
         self.known = frozenset(names)
         self.versions.follow(set(names), lambda: self.gallery)
         self._judge()
+        self._warm_unit_index()
         self.refreshed = True
 
     def refresh_gallery(self) -> None:
@@ -183,6 +184,14 @@ class ModelServer:
         versions that need it."""
         if self.following.read():
             self.versions.cover(self.gallery)
+            self._warm_unit_index()
+
+    def _warm_unit_index(self) -> None:
+        """Make the reduced-precision copy of the unit rows here, in the background, when a
+        served model scans them (a fixed space), not in the first query that needs it."""
+        if any(s.model.fixed_space for s in list(self.served.values())):
+            for modality in ("image", "text"):
+                self.gallery.blocks(modality)
 
     def _judge(self) -> None:
         """Feed the served models' rolling test-then-train mAP to the champion rule."""

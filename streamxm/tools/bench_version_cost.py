@@ -34,10 +34,13 @@ def _gallery(n: int, img_dim: int, txt_dim: int, seed: int) -> Gallery:
 
 
 def _nbytes(index: EmbeddedGallery) -> int:
+    """Bytes of the embedded index: float32 arrays, or int8 codes (one byte a number)."""
     total = 0
-    for modality in ("image", "text"):
+    for modality, embed in (("image", index.model.embed_images),
+                            ("text", index.model.embed_texts)):
+        width = embed(index.gallery.vectors_at(np.zeros(1, np.int64), modality)).shape[1]
         for block in index.blocks(modality):
-            total += int(getattr(block, "nbytes", 0))
+            total += int(block.nbytes) if isinstance(block, np.ndarray) else len(block) * width
     return total
 
 

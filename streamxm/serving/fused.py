@@ -1,0 +1,122 @@
+"""An ensemble's gallery as one space: its members' float32 rows side by side, so that the fused
+score of every item is one inner product and an ensemble searches as exactly as one model.
+
+Each member ``m`` scores an item ``x`` as ``s_m(q, x) = row_m(x) . query_m(q) + c_m(q)``: its
+unit row against the query moved into the fixed space (cmos, pairwise, pairwise:bipartite), or
+its embedding by the served version against the query's (``c_m = 0``). The fused score
+``sum_m (s_m - offset_m) / scale_m`` (:meth:`~streamxm.models.ensemble.Ensemble.standardisers`)
+is then ``[row_1(x), row_2(x), ...] . [query_1 / scale_1, query_2 / scale_2, ...]`` plus a
+constant per query.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm.models import CrossModalModel
+from streamxm.models.ensemble import REFERENCE_ITEMS
+from streamxm.serving.gallery import Gallery
+from streamxm.serving.served import EmbeddedGallery, ServedEnsemble
+
+__all__ = ["FusedSpace", "scan_query"]
+
+F32 = NDArray[np.float32]
+
+
+def scan_query(model: CrossModalModel, modality: str, target: str, vector: F32
+               ) -> tuple[F32, float]:
+    """``(query, c)`` with the model's score of an item ``= row . query + c``, ``row`` being
+    the item's row in the member's scanned blocks (unit rows for a fixed space, else the
+    version's embedding)."""
+    if model.fixed_space:
+        transform = model.queries_for_texts if target == "text" else model.queries_for_images
+        moved, constant = transform(vector[None, :])
+        return moved[0].astype(np.float32), float(constant[0])
+    embed = model.embed_images if modality == "image" else model.embed_texts
+    return embed(vector[None, :])[0].astype(np.float32), 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class FusedSpace:
+    """The members' rows of ``target`` items side by side, one float32 block per gallery chunk.
+
+    ``sources`` are the objects the rows came from (each member's embedded index, or the
+    gallery for a fixed space): the space is current while they are the served ones.
+    ``widths`` and ``norms``: each member's columns and largest row norm.
+    """
+
+    sources: tuple[object, ...]
+    gallery: Gallery
+    blocks: tuple[F32, ...]
+    widths: tuple[int, ...]
+    norms: tuple[float, ...]
+    #: The rows of the gallery's reference sample (what members' scores are standardised
+    #: over: :meth:`~streamxm.serving.gallery.Gallery.reference`).
+    reference: F32
+
+    def rows_at(self, rows: NDArray[np.int64]) -> F32:
+        """The side-by-side rows at global row positions."""
+        which, local = self.gallery.split(rows)
+        out = np.empty((len(rows), sum(self.widths)), dtype=np.float32)
+        for c in np.unique(which):
+            at = which == c
+            out[at] = self.blocks[c][local[at]]
+        return out
+
+    def standardised(self, queries: list[tuple[F32, float]], weights: tuple[float, ...]
+                     ) -> tuple[F32, float, float]:
+        """The scan query of one search and its constant: each member's query divided by
+        its scale, where offset and scale are the mean and standard deviation (1 when 0) of
+        its scores over the reference rows, the scale divided by the member's weight, as
+        :meth:`~streamxm.models.ensemble.Ensemble.standardisers`; and the largest term any
+        row can contribute (for the rounding margin)."""
+        parts, constant, reach, at = [], 0.0, 0.0, 0
+        for (query, c), width, norm, weight in zip(queries, self.widths, self.norms, weights,
+                                                   strict=True):
+            scores = self.reference[:, at : at + width].astype(np.float64) @ query + c
+            at += width
+            std = float(scores.std())
+            scale = (std if std > 0 else 1.0) / weight
+            parts.append(query / np.float32(scale))
+            constant += (c - float(scores.mean())) / scale
+            reach += float(np.linalg.norm(query)) * norm / scale
+        return np.concatenate(parts).astype(np.float32), constant, reach
+
+    @staticmethod
+    def sources_of(ensemble: ServedEnsemble, gallery: Gallery, target: str
+                   ) -> tuple[object, ...] | None:
+        """What each member's rows come from, or ``None`` when a member's rows are not exact
+        float32 ones over exactly ``gallery`` (an index still embedding new rows, or an
+        int8 one): the ensemble is then searched member by member."""
+        sources: list[object] = []
+        for served in ensemble.members:
+            if served.model.fixed_space:
+                sources.append(gallery)
+                continue
+            index = served.index
+            if (index is None or index.version != served.version or not index.exact(target)
+                    or not index.covers(gallery)):
+                return None
+            sources.append(index)
+        return tuple(sources)
+
+    def current(self, sources: tuple[object, ...]) -> bool:
+        return len(sources) == len(self.sources) and all(
+            a is b for a, b in zip(sources, self.sources, strict=True))
+
+    @classmethod
+    def build(cls, sources: tuple[object, ...], gallery: Gallery, target: str) -> FusedSpace:
+        parts = [s.blocks(target) if isinstance(s, EmbeddedGallery)
+                 else gallery.exact_blocks(target) for s in sources]
+        blocks = tuple(np.hstack(chunk_parts) for chunk_parts in zip(*parts, strict=True))
+        widths = tuple(int(p[0].shape[1]) if p else 0 for p in parts)
+        norms = tuple(max((float(np.sqrt(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
+                           for b in p), default=0.0) for p in parts)
+        space = cls(sources, gallery, blocks, widths, norms, np.empty((0, sum(widths)),
+                                                                      dtype=np.float32))
+        object.__setattr__(space, "reference",
+                           space.rows_at(gallery.reference_rows(REFERENCE_ITEMS)))
+        return space

@@ -1,0 +1,59 @@
+"""Linear heads (streamxm/models/heads.py): a gallery embedded from kept features equals the
+model's own embedding, for every model that has one, and kept kernel rows are extended when
+sdsrl's provisional landmarks grow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streamxm.learning.learner import StreamLearner
+from streamxm.models.heads import RbfFeatures, power_features
+from streamxm.serving.gallery import GalleryChunk
+from streamxm.serving.search import scan_margin
+from tests.conftest import IMG, TXT, class_stream
+from tests.test_model_contract import SMALL
+
+
+@pytest.mark.parametrize("name", ["cca", "scsm", "sdsrl", "pairwise:marginal"])
+def test_a_linear_head_embeds_the_gallery_as_the_model_does(name: str) -> None:
+    pairs = class_stream(200, IMG, TXT, seed=4)
+    learner = StreamLearner(name, IMG, TXT, SMALL.get(name.split(":")[0], {}), seed=0)
+    learner.learn(pairs[:150])
+    learner.flush()
+    model = learner.model
+    gallery = pairs[150:]
+    chunk = GalleryChunk.of(np.array([p.id for p in gallery]),
+                            np.stack([p.img for p in gallery]), np.stack([p.txt for p in gallery]))
+    for modality, embed, other in (("image", model.embed_images, model.embed_texts),
+                                   ("text", model.embed_texts, model.embed_images)):
+        head = model.linear_head(modality)
+        assert head is not None
+        got = head.embed(chunk.features(modality, head.features)).astype(np.float64)
+        want = embed(chunk.raw(modality)).astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # Scores by the kept features stay within the search's rounding margin of the model's.
+        queries = other(np.stack([p.txt if modality == "image" else p.img
+                                  for p in pairs[:20]])).astype(np.float64)
+        exact, scanned = queries @ want.T, queries @ got.T
+        reach = np.linalg.norm(queries, axis=1)[:, None] * np.linalg.norm(got, axis=1).max()
+        margin = np.vectorize(scan_margin)(scanned, reach)
+        assert np.all(np.abs(exact - scanned) <= margin / 10), name  # a tenth of it, at most
+
+
+def test_kernel_rows_to_grown_landmarks_reuse_the_kept_columns() -> None:
+    rng = np.random.default_rng(0)
+    rows = rng.random((300, IMG), dtype=np.float32)
+    chunk = GalleryChunk.of(np.array([str(i) for i in range(300)]), rows,
+                            rng.random((300, TXT), dtype=np.float32))
+    landmarks = rng.random((40, IMG))
+    landmarks /= np.linalg.norm(landmarks, axis=1, keepdims=True)
+    first = RbfFeatures(power_features(0.5), landmarks[:25], 1.0)
+    grown = RbfFeatures(power_features(0.5), landmarks, 1.0)
+    kept = chunk.features("image", first)
+    extended = chunk.features("image", grown)  # from the 25 kept columns and 15 new ones
+    np.testing.assert_array_equal(extended[:, :25], kept)
+    fresh = grown(chunk.unit("image"))
+    np.testing.assert_allclose(extended, fresh, rtol=1e-6)
+    other = RbfFeatures(power_features(0.5), landmarks[::-1].copy(), 1.0)  # not a prefix
+    assert other.extend({first.key: kept}, chunk.features("image", first.inputs)) is None
