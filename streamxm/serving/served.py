@@ -7,6 +7,7 @@ swap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -162,9 +163,21 @@ def _embed(model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: G
     for modality, embed in (("image", model.embed_images), ("text", model.embed_texts)):
         head = heads[modality]
         rows = (head.embed(chunk.features(modality, head.features)) if head is not None
-                else embed(chunk.raw(modality)).astype(np.float32))
+                else _embedded_raw(embed, chunk, modality))
         blocks.append(rows if rows.shape[1] <= EXACT_SCAN_DIMS else index_block(rows))
     return chunk, blocks[0], blocks[1]
+
+
+#: Rows a model without a linear head embeds at once: bounds its temporaries (cmomks keeps
+#: float64 kernel terms, 3 x rows x 1,500 numbers, before it flattens them).
+_EMBED_ROWS = 8192
+
+
+def _embedded_raw(embed: Callable[[NDArray[np.float32]], NDArray[np.float32]],
+                  chunk: GalleryChunk, modality: str) -> NDArray[np.float32]:
+    parts = [embed(chunk.raw(modality, slice(at, at + _EMBED_ROWS))).astype(np.float32)
+             for at in range(0, len(chunk), _EMBED_ROWS)]
+    return np.concatenate(parts) if parts else embed(chunk.raw(modality)).astype(np.float32)
 
 
 @dataclass(frozen=True, eq=False)
