@@ -14,6 +14,7 @@ order. A search is a generator of steps (scans, heavy work) that a driver runs: 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from functools import partial
@@ -158,6 +159,7 @@ class Searcher:
         self.expansions = 0
         # Per (ensemble, target): its members' rows side by side, while they are current.
         self._fused: dict[tuple[str, str], FusedSpace] = {}
+        self._fused_lock = threading.Lock()
 
     def close(self) -> None:
         self.coalescer.close()
@@ -263,10 +265,9 @@ class Searcher:
         if not index.exact(target):
             return _Candidates.of(gallery, rows, model, modality, target, vector, np.inf)
         bound = raised(float(ceiling), reach=float(np.linalg.norm(query)) * index.norm(target))
-        if model.linear_head(target) is not None:  # cheap: the version scores the raw vectors
-            return _Candidates.of(gallery, rows, model, modality, target, vector, bound)
-        # A tower or kernel pass per candidate costs more than the scan: the version's own
-        # embeddings of the candidates are in the index.
+        # The version's own embeddings of the candidates are in the index: scoring them again
+        # would cost a tower or kernel pass per candidate for the same numbers (to float32
+        # rounding of the kept features, well inside the scan margin: tests/test_heads.py).
         rows = np.sort(rows)
         scores = index.embedded_at(rows, target).astype(np.float64) @ query.astype(np.float64)
         return _Candidates(gallery, rows, gallery.vectors_at(rows, target), scores, bound)
@@ -329,10 +330,20 @@ class Searcher:
         else:
             space = self._fused.get((name, target))
             if space is None or not space.current(sources):
-                space = yield _Work(partial(FusedSpace.build, sources, gallery, target))
-                self._fused[(name, target)] = space
+                space = yield _Work(partial(self._fused_space, name, sources, gallery, target))
             hits = yield from self._fused_steps(ensemble, space, modality, vector, k, target)
         return SearchAnswer(ensemble, hits, lag, None)
+
+    def _fused_space(self, name: str, sources: tuple[object, ...], gallery: Gallery,
+                     target: str) -> FusedSpace:
+        """The ensemble's fused space over ``sources``, built once however many searches ask
+        for it at the same time (they wait for the first)."""
+        with self._fused_lock:
+            space = self._fused.get((name, target))
+            if space is None or not space.current(sources):
+                space = FusedSpace.build(sources, gallery, target)
+                self._fused[(name, target)] = space
+            return space
 
     def _fused_steps(self, ensemble: ServedEnsemble, space: FusedSpace, modality: str,
                      vector: NDArray[np.float32], k: int, target: str
