@@ -44,3 +44,38 @@ def test_ensemble_recall_is_exact_when_the_candidates_cover_the_gallery() -> Non
     result = ensemble_recall(gallery=400, img_dim=8, txt_dim=4, queries=10,
                                   candidates=400)
     assert result["recall_at_k"] == 1.0 and result["candidates_per_member"] == 400
+
+
+def test_a_terminated_bench_leaves_no_process_behind() -> None:
+    """SIGTERM to ``streamxm bench query`` mid-run: its worker, indexer, API and Redis all go
+    (the stack's cleanup runs; the children also die with it if it is killed outright)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import wait_for
+
+    proc = subprocess.Popen([sys.executable, "-m", "streamxm", "bench", "query", "--gallery",
+                             "3000", "--img-dim", "16", "--txt-dim", "8", "--clients", "2",
+                             "--seconds", "300", "--json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    bench = psutil.Process(proc.pid)
+
+    def serving() -> list[psutil.Process]:
+        children = bench.children(recursive=True)
+        commands = [" ".join(c.cmdline()) for c in children]
+        return children if any(c.endswith("streamxm api") for c in commands) else []
+
+    try:
+        children = wait_for(serving, 120, "the bench's API to start",
+                            tolerate=(psutil.NoSuchProcess,))
+        assert len(children) >= 4  # redis, worker, indexer, api
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) != 0
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [c.cmdline() for c in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

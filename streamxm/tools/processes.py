@@ -9,6 +9,7 @@ stops the child whatever happened.
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import subprocess
 import sys
@@ -17,6 +18,17 @@ from pathlib import Path
 from types import TracebackType
 
 __all__ = ["Child"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before ``exec``: ask Linux for SIGTERM when the parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
+        pass
 
 
 class Child:
@@ -32,19 +44,24 @@ class Child:
     """
 
     def __init__(self, *args: str, env: dict[str, str], log: Path | None = None,
-                 watch: bool = False) -> None:
+                 watch: bool = False, die_with_parent: bool = False) -> None:
         self.args = args
         self.lines: list[str] = []
         command = [sys.executable, "-m", "streamxm", *args]
+        # die_with_parent: SIGTERM when the process that started this one dies, even by
+        # SIGKILL (Linux; the starting *thread* must outlive the child: the main thread).
+        preexec = _terminate_with_parent if die_with_parent else None
         if watch:
             self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         preexec_fn=preexec)
             self._reader = threading.Thread(target=self._read, daemon=True)
             self._reader.start()
         else:
             with open(log or "/dev/null", "ab") as out:
                 self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                             stdout=out, stderr=subprocess.STDOUT)
+                                             stdout=out, stderr=subprocess.STDOUT,
+                                             preexec_fn=preexec)
 
     def _read(self) -> None:
         assert self.proc.stderr is not None

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,7 @@ class Stack:
 
     def spawn(self, *args: str, **env: str) -> Child:
         child = Child(*args, env={**self.env, **env},
-                      log=self.root / f"{args[0]}-{len(self.procs)}.log")
+                      log=self.root / f"{args[0]}-{len(self.procs)}.log", die_with_parent=True)
         self.procs.append(child)
         return child
 
@@ -100,9 +101,12 @@ def stack(**settings: Any) -> Iterator[Stack]:
     env.update({f"STREAMXM_{k.upper()}": str(v) for k, v in values.items()},
                STREAMXM_THREADS="1")
     st = Stack(root, server, cfg, connect(cfg), env, [])
+    terminated = _exit_on_sigterm()
     try:
         yield st
     finally:
+        if terminated is not None:
+            signal.signal(signal.SIGTERM, terminated)
         for child in st.procs:
             if child.alive():
                 child.proc.send_signal(signal.SIGTERM)  # all at once, then wait for each
@@ -110,6 +114,19 @@ def stack(**settings: Any) -> Iterator[Stack]:
             child.stop(timeout=30)
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _exit_on_sigterm() -> Any:
+    """While a stack runs in the main thread, SIGTERM raises ``SystemExit`` (as Ctrl-C raises
+    ``KeyboardInterrupt``), so the stack's cleanup stops its processes and Redis; returns the
+    handler to put back (``None`` off the main thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)
 
 
 def pair_json(pair: Pair, binary: bool = False) -> dict[str, Any]:
