@@ -318,7 +318,13 @@ def _cmd_redis(args: argparse.Namespace) -> int:
     if args.action == "start":
         print(server.start())
     elif args.action == "stop":
-        server.stop()
+        # Say what happened: the embedded server outlives the workers and APIs that used it.
+        if server.is_running():
+            server.stop()
+            print(f"stopped the embedded Redis at {server.url} (its data stays in "
+                  f"{server.data_dir})")
+        else:
+            print(f"the embedded Redis at {server.url} was not running")
     else:
         print("running" if server.is_running() else "stopped", server.url)
     return 0

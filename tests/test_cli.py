@@ -158,3 +158,18 @@ def test_bench_database_pools_splits_and_scores_against_the_database(tmp_path: P
         assert result["mean"][key] == pytest.approx(np.mean(values))
         assert result["mean"][key] > 0.6  # three well separated classes
     assert len({r["map_i2t"] for r in result["runs"]}) > 1  # each seed its own split
+
+
+def test_redis_stop_and_status_say_what_they_did(tmp_path: Path) -> None:
+    def run(*args: str) -> str:
+        out = subprocess.run([*PY, "redis", *args], env=_env(tmp_path), capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    url = run("start")
+    assert url.startswith("unix://")
+    assert run("status") == f"running {url}"
+    assert run("stop").startswith(f"stopped the embedded Redis at {url}")
+    assert run("status") == f"stopped {url}"
+    assert run("stop") == f"the embedded Redis at {url} was not running"
