@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import REFERENCE_ITEMS
-from streamxm.serving.gallery import Gallery
+from streamxm.serving.gallery import Gallery, largest_norm
 from streamxm.serving.served import EmbeddedGallery, ServedEnsemble
 
 __all__ = ["FusedSpace", "scan_query"]
@@ -59,12 +59,7 @@ class FusedSpace:
 
     def rows_at(self, rows: NDArray[np.int64]) -> F32:
         """The side-by-side rows at global row positions."""
-        which, local = self.gallery.split(rows)
-        out = np.empty((len(rows), sum(self.widths)), dtype=np.float32)
-        for c in np.unique(which):
-            at = which == c
-            out[at] = self.blocks[c][local[at]]
-        return out
+        return self.gallery.gather(self.blocks, rows, (sum(self.widths),))
 
     def standardised(self, queries: list[tuple[F32, float]], weights: tuple[float, ...]
                      ) -> tuple[F32, float, float]:
@@ -113,8 +108,7 @@ class FusedSpace:
                  else gallery.exact_blocks(target) for s in sources]
         blocks = tuple(np.hstack(chunk_parts) for chunk_parts in zip(*parts, strict=True))
         widths = tuple(int(p[0].shape[1]) if p else 0 for p in parts)
-        norms = tuple(max((float(np.sqrt(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
-                           for b in p), default=0.0) for p in parts)
+        norms = tuple(largest_norm(p) for p in parts)
         space = cls(sources, gallery, blocks, widths, norms, np.empty((0, sum(widths)),
                                                                       dtype=np.float32))
         object.__setattr__(space, "reference",

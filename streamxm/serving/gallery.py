@@ -14,7 +14,20 @@ from streamxm.models.heads import FeatureMap
 from streamxm.serving.index import Block, index_block
 from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
 
-__all__ = ["CHUNK_MAX", "Gallery", "GalleryChunk", "GalleryRows", "merge_count"]
+__all__ = ["CHUNK_MAX", "Gallery", "GalleryChunk", "GalleryRows", "largest_norm",
+           "merge_count", "reference_rows"]
+
+
+def reference_rows(size: int, items: int) -> NDArray[np.int64]:
+    """At most ``items`` row positions of ``size`` rows, evenly strided, first and last
+    included: the sample an ensemble standardises its members' scores over."""
+    return np.unique(np.linspace(0, size - 1, min(size, items)).astype(np.int64))
+
+
+def largest_norm(blocks: Iterable[Block]) -> float:
+    """The largest L2 norm of a row of the float32 arrays among ``blocks`` (0 if none)."""
+    return max((float(np.sqrt(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
+                for b in blocks if isinstance(b, np.ndarray)), default=0.0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,16 +134,24 @@ class Gallery:
                ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         """Unit rows and norms of ``modality`` at global row positions (a raw vector is
         ``unit * norm``)."""
+        norms = [c.norm_img if modality == "image" else c.norm_txt for c in self.chunks]
+        return (self.gather(self.exact_blocks(modality), rows, self.chunks[0].unit(modality)
+                            .shape[1:] if self.chunks else (0,)),
+                self.gather(norms, rows, ()))
+
+    def gather(self, blocks: Sequence[NDArray[np.float32]], rows: NDArray[np.int64],
+               shape: tuple[int, ...] | None = None) -> NDArray[np.float32]:
+        """The rows at global row positions of per-chunk arrays (one per chunk of this
+        snapshot, in order: its unit rows, an index's embeddings); ``shape``: a row's, when
+        ``blocks`` may be empty."""
+        if shape is None:
+            shape = blocks[0].shape[1:] if blocks else (0,)
         which, local = self.split(rows)
-        dim = self.chunks[0].unit(modality).shape[1] if self.chunks else 0
-        units = np.empty((len(rows), dim), dtype=np.float32)
-        norms = np.empty(len(rows), dtype=np.float32)
+        out = np.empty((len(rows), *shape), dtype=np.float32)
         for c in np.unique(which):
             at = which == c
-            chunk = self.chunks[c]
-            units[at] = chunk.unit(modality)[local[at]]
-            norms[at] = (chunk.norm_img if modality == "image" else chunk.norm_txt)[local[at]]
-        return units, norms
+            out[at] = blocks[c][local[at]]
+        return out
 
     def vectors_at(self, rows: NDArray[np.int64], modality: str) -> NDArray[np.float32]:
         """Raw vectors of ``modality`` at global row positions."""
@@ -147,9 +168,8 @@ class Gallery:
         return cache[(modality, items)]
 
     def reference_rows(self, items: int) -> NDArray[np.int64]:
-        """The row positions of :meth:`reference`: at most ``items``, evenly strided."""
-        n = len(self)
-        return np.unique(np.linspace(0, n - 1, min(n, items)).astype(np.int64))
+        """The row positions of :meth:`reference` (:func:`reference_rows`)."""
+        return reference_rows(len(self), items)
 
     def ids_at(self, rows: NDArray[np.int64]) -> list[str]:
         """Item ids at global row positions."""

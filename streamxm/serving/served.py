@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import Ensemble, EnsembleSpec
 from streamxm.models.heads import LinearHead
-from streamxm.serving.gallery import Gallery, GalleryChunk
+from streamxm.serving.gallery import Gallery, GalleryChunk, largest_norm
 from streamxm.serving.index import Block, index_block
 
 __all__ = ["AUTO", "EXACT_SCAN_DIMS", "EmbeddedGallery", "EnsembleUnsupported",
@@ -100,21 +100,13 @@ class EmbeddedGallery:
 
     def embedded_at(self, rows: NDArray[np.int64], modality: str) -> NDArray[np.float32]:
         """The float32 embeddings of ``modality`` at global row positions (an exact index)."""
-        which, local = self.gallery.split(rows)
-        blocks = self.blocks(modality)
-        out = np.empty((len(rows), blocks[0].shape[1] if blocks else 0), dtype=np.float32)
-        for c in np.unique(which):
-            at = which == c
-            out[at] = blocks[c][local[at]]
-        return out
+        return self.gallery.gather(self.blocks(modality), rows)
 
     def norm(self, modality: str) -> float:
         """The largest row norm of ``modality``'s float32 embeddings (computed once)."""
         norms: dict[str, float] = self._norms  # type: ignore[attr-defined]
         if modality not in norms:
-            norms[modality] = max((float(np.sqrt(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
-                                   for b in self.blocks(modality)
-                                   if isinstance(b, np.ndarray)), default=0.0)
+            norms[modality] = largest_norm(self.blocks(modality))
         return norms[modality]
 
     def exact(self, modality: str) -> bool:

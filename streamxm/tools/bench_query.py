@@ -27,6 +27,7 @@ from streamxm.models.ensemble import (
     parse_ensemble,
 )
 from streamxm.service import open_store
+from streamxm.serving.gallery import reference_rows
 from streamxm.storage.checkpoint import CheckpointStore
 from streamxm.storage.segments import read_manifest
 from streamxm.stream.client import StreamClient
@@ -135,8 +136,7 @@ class _ExactScores:
             return self._member(self.model, modality, vector)
         target = "text" if modality == "image" else "image"
         items = self.items[target]
-        rows = np.unique(np.linspace(0, len(items) - 1, min(len(items), REFERENCE_ITEMS))
-                         .astype(np.int64))  # the API's reference sample (Gallery.reference)
+        rows = reference_rows(len(items), REFERENCE_ITEMS)  # the API's sample
         fused = Ensemble(parse_ensemble(self.model), self.models)
         direction = "i2t" if modality == "image" else "t2i"
         standards = fused.standardisers(direction, vector[None, :], items[rows])
