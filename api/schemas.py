@@ -310,6 +310,20 @@ class ErrorOut(BaseModel):
     detail: str | list[dict[str, Any]] = Field(description="what is wrong with the request")
 
 
+class LimitsOut(BaseModel):
+    """What one request may hold here (``STREAMXM_MAX_*``), and which routes this process
+    serves."""
+
+    role: Literal["all", "ingest", "query"] = Field(
+        description="all: every route; ingest: writes only; query: reads only")
+    max_batch: int = Field(description="pairs (or vectors) per request")
+    max_request_values: int = Field(description="vector values per request, all vectors")
+    max_body_bytes: int = Field(description="bytes of a request body")
+    max_dim: int = Field(description="values per vector")
+    max_k: int = Field(description="results per search")
+    max_labels: int = Field(description="labels per pair")
+
+
 class HealthOut(BaseModel):
     status: str
 

@@ -172,27 +172,38 @@ def _cmd_migrate_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
+    from collections.abc import Callable, Sequence
+
     from tqdm import tqdm
 
     from streamxm.config import get_settings
-    from streamxm.service import limits_from
-    from streamxm.stream.client import StreamClient
-    from streamxm.stream.redis_conn import Replication, connect
+    from streamxm.stream.messages import Pair
     from streamxm.tools.datasets import iter_pairs, load_dataset
 
-    settings = get_settings()
     # Arguments first: a wrong path must not start the embedded Redis.
     ds = load_dataset(args.dataset)
     pairs = list(iter_pairs(ds, limit=args.limit, unlabelled=args.unlabelled,
                             prefix=args.id_prefix))
-    client = StreamClient(connect(settings), settings.namespace, limits_from(settings),
-                          replication=Replication.of(settings))
+    send: Callable[[Sequence[Pair]], object]
+    if args.url:
+        from streamxm.client import Client
+
+        token = args.token or os.environ.get("STREAMXM_API_TOKEN") or None
+        send = Client(args.url, token=token).push
+    else:
+        from streamxm.service import limits_from
+        from streamxm.stream.client import StreamClient
+        from streamxm.stream.redis_conn import Replication, connect
+
+        settings = get_settings()
+        send = StreamClient(connect(settings), settings.namespace, limits_from(settings),
+                            replication=Replication.of(settings)).push_pairs
     chunk = max(1, min(500, int(args.rate) if args.rate else 500))
     start = time.monotonic()
     with tqdm(total=len(pairs), unit="pair", desc="pushed") as bar:
         for i in range(0, len(pairs), chunk):
             part = pairs[i : i + chunk]
-            client.push_pairs(part)
+            send(part)
             bar.update(len(part))
             if args.rate:
                 # Hold the average rate: sleep until this many pairs are due.
@@ -402,6 +413,10 @@ def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     push.add_argument("--limit", type=int, default=None, help="push only the first N pairs")
     push.add_argument("--unlabelled", action="store_true", help="withhold labels")
     push.add_argument("--id-prefix", default="train", help="pair ids are PREFIX-<row>")
+    push.add_argument("--url", default=None, help="push through the HTTP API at this URL "
+                      "(streamxm.client) instead of straight into Redis")
+    push.add_argument("--token", default=None, help="with --url: the API's bearer token "
+                      "(default: STREAMXM_API_TOKEN)")
     push.set_defaults(func=_cmd_push)
 
     rd = sub.add_parser("redis", help="the embedded Redis server")
@@ -611,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
     from redis.exceptions import RedisClusterException, RedisError
 
+    from streamxm.client.errors import StreamxmError, Unavailable
     from streamxm.stream.messages import InvalidPair
     from streamxm.stream.migrate import LegacyKeys, MigrationConflict
 
@@ -629,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
             MigrationConflict) as exc:
         print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except StreamxmError as exc:  # the HTTP client's: the server's answer, or none
+        print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
+        return 3 if isinstance(exc, Unavailable) else 2
     except (RedisError, RedisClusterException) as exc:  # NotReplicated, a lost connection
         print(f"streamxm {args.command}: Redis error: {type(exc).__name__}: {exc}",
               file=sys.stderr)

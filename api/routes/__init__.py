@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from api.deps import require_token
-from api.routes import ingest, probes, queries
+from api.routes import ingest, limits, probes, queries
 from api.schemas import error_responses
 from streamxm.config import Settings
 
@@ -19,13 +19,16 @@ __all__ = ["include_routers"]
 
 
 def include_routers(app: FastAPI, settings: Settings) -> None:
-    """Probes always; queries unless the role is ``ingest``; writes unless it is ``query``.
-    A token guards writes when set, and reads too with ``STREAMXM_API_TOKEN_FOR_READS``."""
+    """Probes and the limits always; queries unless the role is ``ingest``; writes unless it
+    is ``query``. A token guards writes when set, and reads too with
+    ``STREAMXM_API_TOKEN_FOR_READS``."""
     # Only routers that do check a token declare the bearer scheme and its 401, so the OpenAPI
     # schema tells clients the truth about which calls need one.
     guarded: dict[str, Any] = {"dependencies": [Depends(require_token)],
                                "responses": error_responses(401)}
     app.include_router(probes.router)
+    app.include_router(limits.router, **(
+        guarded if settings.api_token and settings.api_token_for_reads else {}))
     if settings.api_role != "ingest":
         app.include_router(queries.router, **(
             guarded if settings.api_token and settings.api_token_for_reads else {}))

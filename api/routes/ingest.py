@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import redis
 from fastapi import APIRouter, HTTPException, Request
+from redis.exceptions import RedisClusterException
 
 from api.deps import ApiContext, Context, unprocessable
 from api.schemas import PairsIn, PairsOut, error_responses
 from streamxm.stream.messages import (
     FRAMES_MEDIA_TYPE,
+    WRITTEN_HEADER,
     InvalidPair,
     Pair,
     decode_frames,
@@ -67,10 +70,28 @@ async def pair_frames(request: Request, context: Context) -> PairsOut:
     return await context.write(accept)
 
 
+def _unavailable(exc: Exception, written: str) -> HTTPException:
+    """The store's 503, saying whether any pair of the request may have reached the stream
+    (:data:`~streamxm.stream.messages.WRITTEN_HEADER`): a client pushes again only on ``none``."""
+    what = ("nothing was written; push again" if written == "none" else
+            "some pairs may have been written; pushing again may add them twice")
+    return HTTPException(503, f"stream store unavailable: {type(exc).__name__} ({what})",
+                         headers={"Retry-After": "1", WRITTEN_HEADER: written})
+
+
 def _push(context: ApiContext, validated: list[Pair],
           messages: list[dict[bytes, bytes]] | None = None) -> PairsOut:
+    # One read on the namespace's slot before the writes: a store that cannot be reached now
+    # is refused with "nothing written", which a client may retry without adding pairs twice
+    # (a failure once the writes are sent cannot say how many landed).
+    try:
+        context.r.exists(context.keys.schema)
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise _unavailable(exc, "none") from None
     try:
         ids = context.producer.push_pairs(validated, messages=messages)
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise _unavailable(exc, "unknown") from None
     except InvalidPair as exc:
         index = 0 if exc.index is None else exc.index
         raise unprocessable(["pairs", index, exc.field], exc.reason, exc.detail) from None

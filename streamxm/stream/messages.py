@@ -20,6 +20,7 @@ __all__ = [
     "FRAMES_MEDIA_TYPE",
     "MESSAGE_VERSION",
     "REASONS",
+    "WRITTEN_HEADER",
     "InvalidPair",
     "Limits",
     "Pair",
@@ -282,6 +283,10 @@ def decode_pair(
 # -- frames: a batch of messages in one binary body ------------------------------------------
 #: Media type of a body of message v1 frames (``POST /v1/pairs/frames``).
 FRAMES_MEDIA_TYPE = "application/x-streamxm-frames"
+#: Header of a push's 503: ``none`` when the API knows no pair of the request reached the
+#: stream (the store was unreachable before anything was sent), so pushing again cannot add
+#: a pair twice; ``unknown`` otherwise.
+WRITTEN_HEADER = "streamxm-written"
 _FRAME_FIELDS_MAX = 16  # v1 has 6 fields; a few more reach decode_pair, which names them
 _U16, _U32 = struct.Struct("<H").unpack_from, struct.Struct("<I").unpack_from
 

@@ -9,14 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
 import redis
 from tqdm import tqdm
 
+from streamxm.client import Client, ModelInfo, Unavailable
 from streamxm.config import Settings
 from streamxm.learning.evaluation import label_relevance, mean_average_precision
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
@@ -24,26 +22,7 @@ from streamxm.tools.datasets import PUBLISHED_WIKI, bundled_wiki_path, iter_pair
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import wait_for
 
-__all__ = ["run_demo", "served_scores"]
-
-
-def served_scores(http: httpx.Client, model: str, imgs: np.ndarray[Any, Any],
-                  txts: np.ndarray[Any, Any], block: int = 512) -> tuple[np.ndarray[Any, Any], int]:
-    """The full image x text score matrix from ``POST /v1/similarity`` (in blocks)."""
-    scores = np.zeros((len(imgs), len(txts)))
-    versions = set()
-    for i in range(0, len(imgs), block):
-        for j in range(0, len(txts), block):
-            reply = http.post("/v1/similarity", json={
-                "model": model, "mode": "matrix",
-                "images": imgs[i : i + block].tolist(), "texts": txts[j : j + block].tolist()})
-            reply.raise_for_status()
-            body = reply.json()
-            versions.add(body["version"])
-            scores[i : i + block, j : j + block] = np.asarray(body["scores"])
-    if len(versions) != 1:
-        raise RuntimeError(f"the served model changed during evaluation: {versions}")
-    return scores, versions.pop()
+__all__ = ["render", "run_demo"]
 
 
 def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
@@ -70,14 +49,16 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
         with (Child("worker", "--model", model, env=env, log=log_dir / "worker.log"),
               Child("api", "--host", "127.0.0.1", "--port", str(port), env=env,
                     log=log_dir / "api.log") as api,
-              httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http):
-            wait_for(lambda: api.alive() and http.get("/healthz").status_code == 200,
-                     60, "the API to start", interval=0.1, tolerate=(httpx.HTTPError,))
+              Client(f"http://127.0.0.1:{port}", timeout=60) as client):
+            wait_for(lambda: api.alive() and client.health(), 60, "the API to start",
+                     interval=0.1)
             start = time.monotonic()
-            info = _replay(http, StreamClient(r, namespace), list(iter_pairs(ds, limit=n)),
-                           model, rate, timeout, quiet=as_json)
+            info = _replay(client, list(iter_pairs(ds, limit=n)), model, rate, timeout,
+                           quiet=as_json)
             learn_seconds = time.monotonic() - start
-            scores, version = served_scores(http, model, ds.img_test, ds.txt_test)
+            # The whole test split scored by the served model, over HTTP, by one version.
+            served = client.similarity(ds.img_test, ds.txt_test, mode="matrix", model=model)
+            scores, version = served.scores, served.version
     finally:
         if embedded is not None and embedded.started_here:
             embedded.stop()
@@ -89,9 +70,12 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
         "served_version": version,
         "map_i2t": mean_average_precision(scores, rel),
         "map_t2i": mean_average_precision(scores.T, rel.T),
-        "mistakes": info["mistakes"],
-        "rolling_map": info["rolling_map"],
+        "mistakes": info.mistakes,
+        "triplets": info.triplets,
+        "rolling_map": info.rolling_map,
         "learn_seconds": round(learn_seconds, 2),
+        "logs": str(log_dir),
+        "redis_stopped": embedded is not None and embedded.started_here,
         "published": {k: {"map_i2t": v[0], "map_t2i": v[1], "source": v[2]}
                       for k, v in PUBLISHED_WIKI.items()},
     }
@@ -106,49 +90,54 @@ def _fresh_namespace(r: redis.Redis, keys: Keys) -> None:
         r.delete(*stale)
 
 
-def _replay(http: httpx.Client, client: StreamClient, train: list[Pair], model: str,
-            rate: float | None, timeout: float, quiet: bool) -> dict[str, Any]:
-    """Push the training pairs (at ``rate`` pairs/s if given) with a live line of what the API
-    reports, until the served version holds every pair; the model's last ``/v1/models``."""
+def _replay(client: Client, train: list[Pair], model: str, rate: float | None,
+            timeout: float, quiet: bool) -> ModelInfo:
+    """Push the training pairs through the API (at ``rate`` pairs/s if given) with a live line
+    of what the API reports, until the served version holds every pair; the model's last
+    state."""
     n, start = len(train), time.monotonic()
-
-    def status() -> dict[str, Any]:
-        for info in http.get("/v1/models").json()["models"]:
-            if info["name"] == model:
-                return dict(info)
-        return {}
-
-    with tqdm(total=n, unit="pair", file=sys.stderr, desc=f"{model} learned",
+    # One rate on the line: the pairs the worker has learned, from the API's /v1/models
+    # (tqdm's own rate would count how fast the line was updated).
+    bar_format = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} pairs [{elapsed}]{postfix}"
+    with tqdm(total=n, file=sys.stderr, desc=f"{model} learned", bar_format=bar_format,
               disable=quiet, dynamic_ncols=True) as bar:
-        def show() -> dict[str, Any]:
-            info = status()
-            seen = int(info.get("pairs_seen", 0))
-            bar.update(seen - bar.n)
-            rm = info.get("rolling_map") or {}
-            mistakes = info.get("mistakes") or {}
-            bar.set_postfix_str(
-                f"pairs/s {seen / max(time.monotonic() - start, 1e-9):.0f} | mistakes "
-                f"i2t {mistakes.get('i2t', 0)} t2i {mistakes.get('t2i', 0)} | rolling mAP"
-                f" i2t {_fmt(rm.get('i2t'))} t2i {_fmt(rm.get('t2i'))}")
+        def show() -> ModelInfo | None:
+            info = next((m for m in client.models() if m.name == model), None)
+            if info is None:
+                return None
+            bar.update(info.pairs_seen - bar.n)
+            bar.set_postfix_str(_live(info, time.monotonic() - start), refresh=True)
             return info
 
         last_show = 0.0
         for i in range(0, n, 100):
-            client.push_pairs(train[i : i + 100])
+            client.push(train[i : i + 100])
             if rate:
                 time.sleep(len(train[i : i + 100]) / rate)
             if time.monotonic() - last_show > 0.5:
                 show()
                 last_show = time.monotonic()
 
-        def caught_up() -> dict[str, Any] | None:
+        def caught_up() -> ModelInfo | None:
             info = show()
-            done = info.get("pairs_seen") == n
-            return info if done and info["version"] == info["checkpoint_version"] else None
+            done = info is not None and info.pairs_seen == n
+            return info if done and info and info.version == info.checkpoint_version else None
 
-        found: dict[str, Any] = wait_for(caught_up, timeout, "the worker to learn every pair",
-                                         interval=0.25, tolerate=(httpx.HTTPError,))
+        found: ModelInfo = wait_for(caught_up, timeout, "the worker to learn every pair",
+                                    interval=0.25, tolerate=(Unavailable,))
     return found
+
+
+def _live(info: ModelInfo, seconds: float) -> str:
+    """The live line's numbers: the learning rate, mistakes as a share of the triplets scored
+    (each pair is learned as several triplets per direction) and the rolling mAP."""
+    def share(direction: str) -> str:
+        triplets = info.triplets.get(direction, 0)
+        return f"{info.mistakes.get(direction, 0) / triplets:.0%}" if triplets else "-"
+
+    return (f"{info.pairs_seen / max(seconds, 1e-9):.0f} pairs/s | mistaken triplets "
+            f"i2t {share('i2t')} t2i {share('t2i')} | rolling mAP i2t "
+            f"{_fmt(info.rolling_map.get('i2t'))} t2i {_fmt(info.rolling_map.get('t2i'))}")
 
 
 def _fmt(value: float | None) -> str:
@@ -167,4 +156,16 @@ def render(result: dict[str, Any]) -> str:
     for name, fig in result["published"].items():
         lines.append(f"  {name:40s} {fig['map_i2t']:11.4f} {fig['map_t2i']:11.4f}"
                      f"   ({fig['source']})")
+    lines += [
+        "",
+        "The worker and the API have stopped" + (
+            ", and so has the embedded Redis the demo started." if result["redis_stopped"] else
+            "; Redis keeps running (it was running before the demo: `streamxm redis stop`)."),
+        "Next:",
+        f"  logs of this run:  {result['logs']}/worker.log and api.log",
+        "  run it yourself:   streamxm worker --model cmos &   then   streamxm api",
+        "  push and query:    streamxm push --dataset wiki --url http://127.0.0.1:8000",
+        "                     (or streamxm.client.Client from Python: README, 'Pushing pairs')",
+        "  watch it:          streamxm top --url http://127.0.0.1:8000",
+    ]
     return "\n".join(lines)

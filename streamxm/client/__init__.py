@@ -1,0 +1,33 @@
+"""A Python client for the streamxm HTTP API (:class:`Client`, :class:`AsyncClient`).
+
+>>> from streamxm.client import Client
+>>> client = Client("http://127.0.0.1:8000", token=None, timeout=30)
+>>> client
+Client('http://127.0.0.1:8000')
+>>> client.close()
+"""
+
+from streamxm.client.aio import AsyncClient
+from streamxm.client.calls import (
+    Hit,
+    ModelInfo,
+    Readiness,
+    Retries,
+    SearchResult,
+    ServerLimits,
+    SimilarityResult,
+)
+from streamxm.client.errors import (
+    InvalidPair,
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    StreamxmError,
+    Unauthorized,
+    Unavailable,
+)
+from streamxm.client.sync import Client
+
+__all__ = ["AsyncClient", "Client", "Hit", "InvalidPair", "InvalidRequest", "ModelInfo",
+           "NotFound", "Readiness", "Retries", "SearchResult", "ServerError",
+           "ServerLimits", "SimilarityResult", "StreamxmError", "Unauthorized", "Unavailable"]

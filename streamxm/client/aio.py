@@ -1,0 +1,108 @@
+"""The asynchronous HTTP client: :class:`~streamxm.client.Client`'s calls, awaited."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, TypeVar
+
+import anyio
+import httpx
+from numpy.typing import ArrayLike
+
+from streamxm.client.calls import (
+    Call,
+    Calls,
+    ModelInfo,
+    PairLike,
+    Readiness,
+    Reply,
+    Request,
+    Retries,
+    SearchResult,
+    ServerLimits,
+    SimilarityResult,
+    Sleep,
+)
+from streamxm.client.sync import build
+
+__all__ = ["AsyncClient"]
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """:class:`~streamxm.client.Client` for asyncio (or trio): the same parameters, calls,
+    results, errors and retries; every call is awaited.
+
+    >>> async def main() -> None:  # doctest: +SKIP
+    ...     async with AsyncClient("http://127.0.0.1:8000") as client:
+    ...         hits = await client.search(vector, modality="text", k=10)
+    """
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None,
+                 timeout: float = 30.0, retries: Retries = Retries(),
+                 http: httpx.AsyncClient | None = None) -> None:
+        self._own = http is None
+        self.http = http or httpx.AsyncClient(base_url=url, timeout=timeout)
+        if token:
+            self.http.headers["authorization"] = f"Bearer {token}"
+        self.calls = Calls(retries)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own:
+            await self.http.aclose()
+
+    async def _run(self, call: Call[T]) -> T:
+        reply: Reply = None
+        while True:
+            try:
+                step = call.send(reply)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            reply = await self._do(step)
+
+    async def _do(self, step: Request | Sleep) -> Reply:
+        if isinstance(step, Sleep):
+            await anyio.sleep(step.seconds)
+            return None
+        try:
+            return await self.http.send(build(self.http, step))
+        except httpx.TransportError as exc:
+            return exc
+
+    async def push(self, pairs: Iterable[PairLike], binary: bool = True) -> list[str]:
+        """As :meth:`Client.push`."""
+        return await self._run(self.calls.push_call(pairs, binary))
+
+    async def search(self, vector: ArrayLike, modality: Literal["image", "text"] = "image",
+                     k: int = 10, model: str | None = None, version: int | None = None,
+                     target: Literal["image", "text"] | None = None) -> SearchResult:
+        """As :meth:`Client.search`."""
+        return await self._run(self.calls.search_call(vector, modality, k, model, version,
+                                                      target))
+
+    async def similarity(self, images: ArrayLike, texts: ArrayLike,
+                         mode: Literal["paired", "matrix"] = "paired", model: str | None = None,
+                         version: int | None = None, direction: Literal["i2t", "t2i"] = "i2t"
+                         ) -> SimilarityResult:
+        """As :meth:`Client.similarity`."""
+        return await self._run(self.calls.similarity_call(images, texts, mode, model, version,
+                                                          direction))
+
+    async def models(self) -> list[ModelInfo]:
+        return await self._run(self.calls.models_call())
+
+    async def limits(self) -> ServerLimits:
+        return await self._run(self.calls.limits_call())
+
+    async def health(self) -> bool:
+        return await self._run(self.calls.health_call())
+
+    async def ready(self) -> Readiness:
+        return await self._run(self.calls.ready_call())
