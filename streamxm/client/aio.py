@@ -32,11 +32,10 @@ T = TypeVar("T")
 
 class AsyncClient:
     """:class:`~streamxm.client.Client` for asyncio (or trio): the same parameters, calls,
-    results, errors and retries; every call is awaited.
+    results, errors and retries; every call is awaited::
 
-    >>> async def main() -> None:  # doctest: +SKIP
-    ...     async with AsyncClient("http://127.0.0.1:8000") as client:
-    ...         hits = await client.search(vector, modality="text", k=10)
+        async with AsyncClient("http://127.0.0.1:8000") as client:
+            hits = await client.search(vector, modality="text", k=10)
     """
 
     def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None,

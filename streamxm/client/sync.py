@@ -63,12 +63,12 @@ class Client:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from streamxm.client import Client
-    >>> with Client("http://127.0.0.1:8000") as client:  # doctest: +SKIP
-    ...     ids = client.push([("p1", np.random.rand(128), np.random.rand(10), [3])])
-    ...     hits = client.search(np.random.rand(128), modality="image", k=5)
-    ...     print(hits.version, hits.ids, hits.scores)
+    With an API at the default address (the README's example runs it in the test suite)::
+
+        with Client("http://127.0.0.1:8000") as client:
+            ids = client.push([("p1", np.random.rand(128), np.random.rand(10), [3])])
+            hits = client.search(np.random.rand(128), modality="image", k=5)
+            print(hits.version, hits.ids, hits.scores)
     """
 
     def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None,
