@@ -41,6 +41,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _model_name(name: str) -> str:
     """An argparse type: a known model name, checked before anything is started."""
     from streamxm.models import split_name
@@ -287,7 +294,8 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 
     result = throughput(args.model, img_dim=args.img_dim, txt_dim=args.txt_dim, pairs=args.pairs,
                         baseline_pairs=args.baseline_pairs, repeats=args.repeats,
-                        params=_params(args.param) or None, seed=args.seed, order=args.order)
+                        params=_params(args.param) or None, seed=args.seed, order=args.order,
+                        eval_every=args.eval_every)
     if args.json:
         print(json.dumps(result))
     else:
@@ -299,6 +307,10 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
         if "slowdown" in result:
             line += (f"; the same pairs in their own order {result['file_order_pairs_per_s']:.0f}"
                      f" ({result['slowdown']:.2f}x the time per pair in {args.order} order)")
+        if "evaluation_share" in result:
+            line += (f"; with the rolling evaluation every {args.eval_every} pairs, "
+                     f"{result['evaluation_share']:.0%} of the time (learning alone "
+                     f"{result['learning_only_pairs_per_s']:.0f} pairs/s)")
         print(line)
     return 0
 
@@ -499,6 +511,9 @@ def _bench_learning_commands(
                    help="timed pairs of the literal paper loop (it is slow)")
     t.add_argument("--repeats", type=int, default=3, help="figures are medians over repeats")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eval-every", type=_positive, default=None, metavar="N",
+                   help="time it with the rolling evaluation scoring every N-th pair (the "
+                   "service's STREAMXM_EVAL_EVERY, default 1), beside it off")
     t.add_argument("--order", choices=["file", "class"], default="file",
                    help="class: the pairs arrive one class at a time (a burst), timed beside "
                    "the same pairs in their own order")

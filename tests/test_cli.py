@@ -84,6 +84,21 @@ def test_bench_throughput_times_a_burst_beside_the_same_pairs_mixed() -> None:
         result["file_order_pairs_per_s"] / result["pairs_per_s"], rel=0.05)
 
 
+def test_bench_throughput_times_the_rolling_evaluation_beside_learning_alone() -> None:
+    """``--eval-every``: the learner timed with the worker's rolling evaluation, and the same
+    stream without it in the same repeat; the share is what the two medians say."""
+    result = throughput("pairwise", img_dim=64, txt_dim=32, pairs=150, repeats=1,
+                        eval_every=1)
+    assert result["eval_every"] == 1 and result["learning_only_pairs_per_s"] > 0
+    with_eval, alone = 1 / result["pairs_per_s"], 1 / result["learning_only_pairs_per_s"]
+    assert result["evaluation_share"] == pytest.approx(
+        max(0.0, with_eval - alone) / with_eval, abs=0.01)
+    assert throughput("cmos", img_dim=8, txt_dim=4, pairs=20, repeats=1)["eval_every"] is None
+    bad = subprocess.run([*PY, "bench", "throughput", "--eval-every", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "positive integer" in bad.stderr
+
+
 def test_push_rejects_a_missing_dataset(tmp_path: Path) -> None:
     out = subprocess.run([*PY, "push", "--dataset", str(tmp_path / "nope.npz")],
                          env=_env(tmp_path), capture_output=True, text=True, timeout=60)

@@ -39,11 +39,13 @@ def _median_seconds(run: Callable[[], float], repeats: int) -> float:
 
 
 def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
-                   seed: int) -> tuple[float, StreamLearner, int]:
+                   seed: int, eval_every: int | None = None) -> tuple[float, StreamLearner, int]:
     """Seconds per pair over ``pairs[warmup:]`` (the buffer fills during the warm-up), the
-    learner, and how many of the timed pairs arrived in a burst."""
+    learner, and how many of the timed pairs arrived in a burst; ``eval_every``: the rolling
+    evaluation's schedule (None: off)."""
     img_dim, txt_dim = pairs[0].img.shape[0], pairs[0].txt.shape[0]
-    learner = StreamLearner(model, img_dim, txt_dim, params, seed=seed, eval_every=len(pairs) + 1)
+    learner = StreamLearner(model, img_dim, txt_dim, params, seed=seed,
+                            eval_every=eval_every or len(pairs) + 1)
     learner.learn(pairs[:warmup])
     learner.flush()
     before = learner.pairs_in_burst
@@ -78,8 +80,15 @@ def throughput(
     params: dict[str, Any] | None = None,
     seed: int = 0,
     order: str = "file",
+    eval_every: int | None = None,
 ) -> dict[str, Any]:
     """Measure the learner, the BLAS limit and (for CMOS) the literal baseline; return JSON.
+
+    ``eval_every``: time the learner with the worker's rolling evaluation scoring every
+    ``eval_every``-th pair (the service's default is 1), and beside it, in the same repeat, the
+    same stream with the evaluation off: ``learning_only_pairs_per_s`` and
+    ``evaluation_share``, the share of the learner's time the evaluation takes (the
+    difference of the two medians over the time with it).
 
     For CMOS the default is ``triplets_per_pair=2`` (one triplet per direction, so the limit is
     the two matrix-vector products per pair of the issue) and, in file order, ``replay=0`` (a
@@ -110,15 +119,20 @@ def throughput(
     ordered = [data[i] for i in stream_order(np.array([p.labels[0] for p in data]), order, seed)]
     result: dict[str, Any] = {"model": model, "img_dim": img_dim, "txt_dim": txt_dim,
                               "pairs": pairs, "warmup_pairs": warmup, "repeats": repeats,
-                              "threads": 1, "order": order}
+                              "threads": 1, "order": order, "eval_every": eval_every}
     with threadpool_limits(limits=1):
         learned: list[tuple[StreamLearner, int]] = []
         file_order: list[float] = []
+        learning_only: list[float] = []
 
         def run_learner() -> float:
             if order != "file":  # the reference, in the same repeat
-                file_order.append(_time_learning(model, data, warmup, params, seed)[0])
-            seconds, learner, in_burst = _time_learning(model, ordered, warmup, params, seed)
+                file_order.append(_time_learning(model, data, warmup, params, seed,
+                                                 eval_every)[0])
+            if eval_every:
+                learning_only.append(_time_learning(model, ordered, warmup, params, seed)[0])
+            seconds, learner, in_burst = _time_learning(model, ordered, warmup, params, seed,
+                                                        eval_every)
             learned.append((learner, in_burst))
             return seconds
 
@@ -126,6 +140,10 @@ def throughput(
         learner, in_burst = learned[-1]
         result.update(params=learner.model.params(), pairs_per_s=round(1 / per_pair, 1),
                       seconds_per_pair=per_pair, timed_pairs_in_burst=in_burst)
+        if learning_only:
+            alone = statistics.median(learning_only)
+            result.update(learning_only_pairs_per_s=round(1 / alone, 1),
+                          evaluation_share=round(max(0.0, per_pair - alone) / per_pair, 3))
         if file_order:
             reference = statistics.median(file_order)
             result.update(file_order_pairs_per_s=round(1 / reference, 1),
