@@ -318,3 +318,25 @@ def test_cached_features_are_those_of_the_pairs_stored_now() -> None:
     assert learner.pairs_in_burst > 0 and learner.buffer.stored == 40
     restored = StreamLearner.from_state(*learner.state())
     check(restored)
+
+
+@pytest.mark.parametrize("name", ["pairwise", "pairwise:bipartite"])
+def test_rolling_evaluation_scores_from_the_cached_features_as_the_model_scores(
+        name: str) -> None:
+    """The evaluation scores the arriving pair against the stored pairs from the features the
+    steps cached, with ``W`` on the query's side: the scores ``similarity`` gives, to float32
+    rounding, so the rolling mAP keeps its meaning."""
+    pairs = class_stream(300, 24, 12, seed=4)
+    learner = StreamLearner(name, 24, 12, eval_every=10**9)
+    learner.learn(pairs[:250])  # past the whitener's first solves
+    model, buffer = learner.model, learner.buffer
+    rows = buffer.order()[buffer.stored :][-200:]
+    for pair in pairs[250:260]:
+        i2t, t2i = model.evaluation_scores(pair, buffer, rows)
+        imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
+        txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
+        np.testing.assert_allclose(i2t, model.similarity(pair.img[None, :], txts)[0],
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(t2i, model.similarity(imgs, pair.txt[None, :])[:, 0],
+                                   rtol=1e-4, atol=1e-5)
+        learner.learn([pair])

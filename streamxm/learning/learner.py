@@ -157,15 +157,12 @@ class StreamLearner:
         self.flush()
         # The newest pairs of the ring: the memory holds copies of some of them.
         order = self.buffer.order()[self.buffer.stored :][-self.eval_gallery :]
-        imgs = np.vstack([pair.img[None, :], self.buffer.img[order]])
-        txts = np.vstack([pair.txt[None, :], self.buffer.txt[order]])
         relevant = np.zeros(len(order) + 1, dtype=bool)
         relevant[0] = True
         if pair.labels:
             stored = self.buffer.labels[order]
             relevant[1:] = np.isin(stored, np.asarray(pair.labels)).any(axis=1)
-        i2t = self.model.similarity(pair.img[None, :], txts)
-        t2i = self.model.similarity(imgs, pair.txt[None, :]).T
+        i2t, t2i = self.model.evaluation_scores(pair, self.buffer, order)
         # Cross-check of the definition: see average_precision (ties keep gallery order).
         ap = average_precision(np.vstack([i2t, t2i]), np.vstack([relevant, relevant]))
         self.rolling_ap["i2t"].append(float(ap[0]))

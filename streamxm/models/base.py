@@ -150,6 +150,17 @@ class CrossModalModel(ABC):
         b = self.embed_texts(txts).astype(np.float64)
         return a @ b.T
 
+    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp]
+                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """The rolling evaluation's scores, before the model learns ``pair``: its image against
+        its own text and the texts stored at ``rows`` of ``buffer`` (i2t), and its text against
+        its own image and those images (t2i); item 0 is the pair itself. Models that keep
+        features of the stored pairs score from them (the same scores to float rounding)."""
+        imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
+        txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
+        return (self.similarity(pair.img[None, :], txts)[0],
+                self.similarity(imgs, pair.txt[None, :])[:, 0])
+
     # -- search without re-embedding the gallery ------------------------------------------------
     #: Whether the score is bilinear in the L2-normalised inputs: then :meth:`queries_for_texts`
     #: and :meth:`queries_for_images` move a query into the other modality's *fixed* space (the

@@ -282,6 +282,19 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
                 stats.add(direction, bool(m <= 0), float(np.logaddexp(0.0, -m)), True)
         adagrad_step(self.W, self.G, grad, self.lr, self.lam)
 
+    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp]
+                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """The stored pairs' features from the cache the steps whiten them into, and ``W``
+        multiplied into the query's side: two passes over ``W`` instead of whitening and
+        projecting every stored pair again (at 4096-d, 200 whitenings are 3.4 GFLOP)."""
+        fx, fy = self.buffer_features(buffer, rows)
+        qx, qy = self.image_features(pair.img), self.text_features(pair.txt)
+        query_image = (qx @ self.W).astype(np.float64)  # embed_images of the query, as served
+        query_text = (self.W @ qy[0]).astype(np.float64)
+        texts = np.vstack([qy, fy]).astype(np.float64)
+        images = np.vstack([qx, fx]).astype(np.float64)
+        return (query_image @ texts.T)[0], images @ query_text
+
     # -- serving -----------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return np.asarray(self.image_features(x) @ self.W, dtype=np.float32)
