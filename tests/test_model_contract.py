@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 from streamxm import Learner
+from streamxm.learning.learner import StreamLearner
 from streamxm.models import MODEL_NAMES, model_class
+from streamxm.models.heads import SlotFeatures
+from streamxm.stream.messages import make_pair
 from tests.conftest import class_stream
 
 IMG, TXT = 16, 8
@@ -111,6 +114,31 @@ def test_embeddings_inner_products_are_the_similarity(model: str) -> None:
     assert np.allclose(inner, learner.similarity(probe_i, probe_t), rtol=1e-4, atol=1e-5)
     hits = learner.search(probe_i[0], probe_t, k=4)
     assert [h.index for h in hits] == list(np.argsort(-inner[0], kind="stable")[:4])
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_the_rolling_evaluation_scores_as_the_similarity_does(model: str) -> None:
+    """``evaluation_scores`` (kept features of the stored pairs, or the similarity) gives the
+    arriving pair's scores against the newest stored pairs that :meth:`similarity` gives, as
+    the stream goes on and the kept features age (slots written again, heads re-solved)."""
+    pairs = class_stream(400, IMG, TXT, seed=0)
+    # A ring of 150 slots: the stream writes every slot again twice over.
+    inner = StreamLearner(model, IMG, TXT, SMALL.get(model), buffer_capacity=150,
+                          eval_every=10**9)
+    kept = SlotFeatures()
+    for start in range(0, 400, 40):
+        inner.learn(pairs[start : start + 40])
+        buffer, model_ = inner.buffer, inner.model
+        rows = buffer.order()[buffer.stored :][-inner.eval_gallery :]
+        probe = pairs[(start + 17) % 400]
+        pair = make_pair("probe", probe.img + 0.01, probe.txt + 0.01, probe.labels)
+        i2t, t2i = model_.evaluation_scores(pair, buffer, rows, kept)
+        stacked_i = np.vstack([pair.img[None, :], buffer.img[rows]])
+        stacked_t = np.vstack([pair.txt[None, :], buffer.txt[rows]])
+        assert np.allclose(i2t, model_.similarity(pair.img[None, :], stacked_t)[0],
+                           rtol=1e-4, atol=1e-5)
+        assert np.allclose(t2i, model_.similarity(stacked_i, pair.txt[None, :])[:, 0],
+                           rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("model", MODEL_NAMES)

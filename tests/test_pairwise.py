@@ -11,6 +11,7 @@ from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import create_model
 from streamxm.models.cca import CCA
+from streamxm.models.heads import SlotFeatures
 from streamxm.models.marginal import MarginalMatching
 from streamxm.models.moments import RunningMoments
 from streamxm.models.optim import adagrad_step
@@ -332,7 +333,7 @@ def test_rolling_evaluation_scores_from_the_cached_features_as_the_model_scores(
     model, buffer = learner.model, learner.buffer
     rows = buffer.order()[buffer.stored :][-200:]
     for pair in pairs[250:260]:
-        i2t, t2i = model.evaluation_scores(pair, buffer, rows)
+        i2t, t2i = model.evaluation_scores(pair, buffer, rows, SlotFeatures())
         imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
         txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
         np.testing.assert_allclose(i2t, model.similarity(pair.img[None, :], txts)[0],

@@ -23,6 +23,7 @@ from streamxm.faults import raise_point
 from streamxm.learning.drift import DriftMonitor
 from streamxm.learning.evaluation import average_precision
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model, model_class
+from streamxm.models.heads import SlotFeatures
 from streamxm.stream.messages import Pair
 
 __all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner", "default_memory", "model_from_state"]
@@ -137,6 +138,7 @@ class StreamLearner:
             d: deque(maxlen=rolling_window) for d in DIRECTIONS
         }
         self.drift = DriftMonitor()
+        self._eval_features = SlotFeatures()  # the evaluated stored pairs' features (derived)
 
     @property
     def img_dim(self) -> int:
@@ -162,7 +164,7 @@ class StreamLearner:
         if pair.labels:
             stored = self.buffer.labels[order]
             relevant[1:] = np.isin(stored, np.asarray(pair.labels)).any(axis=1)
-        i2t, t2i = self.model.evaluation_scores(pair, self.buffer, order)
+        i2t, t2i = self.model.evaluation_scores(pair, self.buffer, order, self._eval_features)
         # Cross-check of the definition: see average_precision (ties keep gallery order).
         ap = average_precision(np.vstack([i2t, t2i]), np.vstack([relevant, relevant]))
         self.rolling_ap["i2t"].append(float(ap[0]))

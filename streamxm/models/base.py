@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
-from streamxm.models.heads import LinearHead
+from streamxm.models.heads import LinearHead, SlotFeatures, unit_features
 from streamxm.stream.messages import Pair
 
 __all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "MergeParts", "observe_triplet",
@@ -150,16 +150,30 @@ class CrossModalModel(ABC):
         b = self.embed_texts(txts).astype(np.float64)
         return a @ b.T
 
-    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp]
-                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp],
+                          kept: SlotFeatures) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """The rolling evaluation's scores, before the model learns ``pair``: its image against
         its own text and the texts stored at ``rows`` of ``buffer`` (i2t), and its text against
-        its own image and those images (t2i); item 0 is the pair itself. Models that keep
-        features of the stored pairs score from them (the same scores to float rounding)."""
-        imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
-        txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
-        return (self.similarity(pair.img[None, :], txts)[0],
-                self.similarity(imgs, pair.txt[None, :])[:, 0])
+        its own image and those images (t2i); item 0 is the pair itself.
+
+        A model with linear heads scores the stored pairs from their features kept in ``kept``
+        (computed once per stored pair, not at every evaluated pair), others through
+        :meth:`similarity`; both give the same scores to float32 rounding.
+        """
+        image_head, text_head = self.linear_head("image"), self.linear_head("text")
+        if image_head is None or text_head is None:
+            imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
+            txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
+            return (self.similarity(pair.img[None, :], txts)[0],
+                    self.similarity(imgs, pair.txt[None, :])[:, 0])
+        sides = []
+        for head, modality, query in ((image_head, "image", pair.img),
+                                      (text_head, "text", pair.txt)):
+            features = np.vstack([unit_features(head.features, query),
+                                  kept.features(head.features, modality, buffer, rows)])
+            sides.append(head.embed(features).astype(np.float64))
+        images, texts = sides
+        return texts @ images[0], images @ texts[0]
 
     # -- search without re-embedding the gallery ------------------------------------------------
     #: Whether the score is bilinear in the L2-normalised inputs: then :meth:`queries_for_texts`

@@ -22,10 +22,11 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.moments import power_normalize
 
-__all__ = ["FeatureMap", "LinearHead", "PowerFeatures", "RbfFeatures", "power_features",
-           "rbf_kernel"]
+__all__ = ["FeatureMap", "LinearHead", "PowerFeatures", "RbfFeatures", "SlotFeatures",
+           "power_features", "rbf_kernel", "unit_features"]
 
 F32 = NDArray[np.float32]
 F64 = NDArray[np.float64]
@@ -176,3 +177,38 @@ class LinearHead:
                 z /= z.sum(axis=1, keepdims=True)
             out[at : at + _ROWS] = z
         return out
+
+
+def unit_features(fmap: FeatureMap | None, x: NDArray[np.floating]) -> F32:
+    """``fmap``'s features of one vector, from its unit row (as a gallery keeps it)."""
+    row = np.asarray(x, dtype=np.float32)[None, :]
+    norm = float(np.sqrt(np.einsum("ij,ij->i", row, row, dtype=np.float64))[0])
+    unit = (row / norm if norm > 0 else row).astype(np.float32)
+    return unit if fmap is None else fmap(unit)
+
+
+class SlotFeatures:
+    """Features of a replay buffer's stored pairs under a head's feature map, one row per slot,
+    kept until the slot is written again or the map changes: the rolling evaluation scores the
+    newest stored pairs at every evaluated pair, and their features do not change between the
+    model's versions. Computed row by row, so a learner and its restored copy (whose cache
+    starts empty) compute every row alike, bit for bit. Derived, never checkpointed."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[tuple[object, ...], F32, NDArray[np.int64]]] = {}
+
+    def features(self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer,
+                 rows: NDArray[np.intp]) -> F32:
+        stored = buffer.img if modality == "image" else buffer.txt
+        key = fmap.key if fmap is not None else ()
+        kept = self._kept.get(modality)
+        if kept is None or kept[0] != key or len(kept[2]) != buffer.capacity:
+            width = unit_features(fmap, stored[0]).shape[1]
+            kept = (key, np.zeros((buffer.capacity, width), dtype=np.float32),
+                    np.zeros(buffer.capacity, dtype=np.int64))  # versions start at 1
+            self._kept[modality] = kept
+        _, values, versions = kept
+        for slot in np.unique(rows[versions[rows] != buffer.versions[rows]]):
+            values[slot] = unit_features(fmap, stored[slot])[0]
+            versions[slot] = buffer.versions[slot]
+        return values[rows]

@@ -14,6 +14,7 @@ from scipy.special import expit
 
 from streamxm.buffer.replay import ReplayBuffer, skip_past
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
+from streamxm.models.heads import SlotFeatures
 from streamxm.models.moments import (
     ResolveSchedule,
     RunningMoments,
@@ -282,12 +283,12 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
                 stats.add(direction, bool(m <= 0), float(np.logaddexp(0.0, -m)), True)
         adagrad_step(self.W, self.G, grad, self.lr, self.lam)
 
-    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp]
-                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp],
+                          kept: SlotFeatures) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """The stored pairs' features from the cache the steps whiten them into, and ``W``
         multiplied into the query's side: two passes over ``W`` instead of whitening and
         projecting every stored pair again (at 4096-d, 200 whitenings are 3.4 GFLOP)."""
-        fx, fy = self.buffer_features(buffer, rows)
+        fx, fy = self.buffer_features(buffer, rows)  # its own cache: ``kept`` is for heads
         qx, qy = self.image_features(pair.img), self.text_features(pair.txt)
         query_image = (qx @ self.W).astype(np.float64)  # embed_images of the query, as served
         query_text = (self.W @ qy[0]).astype(np.float64)
