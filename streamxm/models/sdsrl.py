@@ -209,6 +209,7 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         # Nystroem projections times A and B.
         self.serve_img: NystroemMap | None = None
         self.serve_txt: NystroemMap | None = None
+        self._feature_maps: dict[str, tuple[NystroemMap, RbfFeatures]] = {}  # derived
         self.w_img = np.zeros((0, self.q))
         self.w_txt = np.zeros((0, self.q))
         self.pairs = 0
@@ -389,8 +390,13 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
                         else (self.serve_txt, self.power_txt, self.w_txt))
         if nm is None:
             return None
-        return LinearHead(RbfFeatures(power_features(power), nm.landmarks, nm.gamma), w, None,
-                          "none")
+        # One map per landmark set: its key digests the landmarks (32 MB at 1,000 x 4,096), and
+        # the rolling evaluation asks for the head at every evaluated pair.
+        made = self._feature_maps.get(modality)
+        if made is None or made[0] is not nm:
+            made = (nm, RbfFeatures(power_features(power), nm.landmarks, nm.gamma))
+            self._feature_maps[modality] = made
+        return LinearHead(made[1], w, None, "none")
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
