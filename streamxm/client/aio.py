@@ -23,7 +23,7 @@ from streamxm.client.calls import (
     SimilarityResult,
     Sleep,
 )
-from streamxm.client.sync import build
+from streamxm.client.sync import build, headers
 
 __all__ = ["AsyncClient"]
 
@@ -43,8 +43,7 @@ class AsyncClient:
                  http: httpx.AsyncClient | None = None) -> None:
         self._own = http is None
         self.http = http or httpx.AsyncClient(base_url=url, timeout=timeout)
-        if token:
-            self.http.headers["authorization"] = f"Bearer {token}"
+        self.http.headers.update(headers(token))
         self.calls = Calls(retries)
 
     async def __aenter__(self) -> AsyncClient:

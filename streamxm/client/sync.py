@@ -29,7 +29,7 @@ __all__ = ["Client"]
 T = TypeVar("T")
 
 
-def _headers(token: str | None) -> dict[str, str]:
+def headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
@@ -76,7 +76,7 @@ class Client:
                  http: httpx.Client | None = None) -> None:
         self._own = http is None
         self.http = http or httpx.Client(base_url=url, timeout=timeout)
-        self.http.headers.update(_headers(token))
+        self.http.headers.update(headers(token))
         self.calls = Calls(retries)
 
     def __enter__(self) -> Client:
