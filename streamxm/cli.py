@@ -48,6 +48,11 @@ def _positive(text: str) -> int:
     return value
 
 
+def _eval_every(text: str) -> int | str:
+    """An argparse type: a positive integer or ``auto`` (the rolling evaluation's schedule)."""
+    return "auto" if text == "auto" else _positive(text)
+
+
 def _model_name(name: str) -> str:
     """An argparse type: a known model name, checked before anything is started."""
     from streamxm.models import split_name
@@ -308,9 +313,12 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
             line += (f"; the same pairs in their own order {result['file_order_pairs_per_s']:.0f}"
                      f" ({result['slowdown']:.2f}x the time per pair in {args.order} order)")
         if "evaluation_share" in result:
-            line += (f"; with the rolling evaluation every {args.eval_every} pairs, "
+            line += (f"; with the rolling evaluation every {result['evaluated_every']} pairs, "
                      f"{result['evaluation_share']:.0%} of the time (learning alone "
                      f"{result['learning_only_pairs_per_s']:.0f} pairs/s)")
+        if "roofline_pairs_per_s" in result:
+            line += (f"; roofline {result['roofline_pairs_per_s']:.0f} pairs/s "
+                     f"({result['roofline_bound']}-bound, ratio {result['ratio_to_roofline']:.2f})")
         print(line)
     return 0
 
@@ -511,9 +519,10 @@ def _bench_learning_commands(
                    help="timed pairs of the literal paper loop (it is slow)")
     t.add_argument("--repeats", type=int, default=3, help="figures are medians over repeats")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--eval-every", type=_positive, default=None, metavar="N",
-                   help="time it with the rolling evaluation scoring every N-th pair (the "
-                   "service's STREAMXM_EVAL_EVERY, default 1), beside it off")
+    t.add_argument("--eval-every", type=_eval_every, default=None, metavar="N|auto",
+                   help="time it with the rolling evaluation scoring every N-th pair (auto: "
+                   "the service's default STREAMXM_EVAL_EVERY, sized from the model's cost), "
+                   "beside it off")
     t.add_argument("--order", choices=["file", "class"], default="file",
                    help="class: the pairs arrive one class at a time (a burst), timed beside "
                    "the same pairs in their own order")
@@ -551,7 +560,7 @@ def _bench_service_commands(
     e2e.add_argument("--rate", type=float, default=None,
                      help="push rate for the lag phase (default half the learned rate)")
     e2e.add_argument("--seconds", type=float, default=60.0)
-    e2e.add_argument("--eval-every", type=int, default=10)
+    e2e.add_argument("--eval-every", type=_eval_every, default="auto", metavar="N|auto")
     qry = bench_sub.add_parser("query", help="/v1/search latency under concurrent clients while "
                                "a worker learns and checkpoints swap in")
     qry.add_argument("--gallery", type=int, default=100_000)
@@ -626,7 +635,7 @@ def _bench_distributed_command(
                     help="synthetic pairs, or the first N training pairs of --dataset (0: all)")
     di.add_argument("--threads-per-rank", type=int, default=1)
     di.add_argument("--read-batch", type=int, default=256, help="pairs per rank per round")
-    di.add_argument("--eval-every", type=int, default=10)
+    di.add_argument("--eval-every", type=_eval_every, default="auto", metavar="N|auto")
     di.add_argument("--dataset", default=None, help="benchmark .npz (or 'wiki'): its training "
                     "split in file order instead of synthetic pairs, and test mAP per run")
     di.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -75,9 +75,10 @@ class Settings(BaseSettings):
                                       "unset: the model's own (as many as the buffer for cmos, "
                                       "cmomks and pairwise, twice for pairwise:marginal, none "
                                       "for the others)")
-    eval_every: int = Field(default=1, ge=1,
-                            description="score every N-th pair for the rolling mAP (test-then-"
-                                        "train); raise it for large vectors")
+    eval_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default=D.EVAL_EVERY, description="score every N-th pair for the rolling mAP "
+        "(test-then-train); auto: N sized from the model's counted work so that scoring costs "
+        "about 5% of learning (1 for the slower models, 20-30 for cmos)")
 
     # API
     api_host: str = "127.0.0.1"

@@ -21,3 +21,12 @@ GALLERY_READ_COUNT = 5000
 
 # Search
 SEARCH_CANDIDATES = 100
+
+# The rolling evaluation (streamxm.learning.schedule): "auto" scores every N-th pair, N sized so
+# that the counted evaluation work is at most EVAL_SHARE of the counted learning work, both
+# timed at one thread's rates of the reference machine (float64 GEMM, a streaming read of
+# float32 state); fixed numbers, not measured, so every learner picks the same N.
+EVAL_EVERY = "auto"
+EVAL_SHARE = 0.05
+REFERENCE_FLOPS_PER_S = 73e9
+REFERENCE_BYTES_PER_S = 27e9

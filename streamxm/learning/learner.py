@@ -22,6 +22,7 @@ from streamxm.buffer.replay import ReplayBuffer
 from streamxm.faults import raise_point
 from streamxm.learning.drift import DriftMonitor
 from streamxm.learning.evaluation import average_precision
+from streamxm.learning.schedule import EvalEvery, resolve_eval_every
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model, model_class
 from streamxm.models.heads import SlotFeatures
 from streamxm.stream.messages import Pair
@@ -90,6 +91,16 @@ class StreamLearner:
         ``docs/benchmarks.md`` ("Stream order") measures what it buys.
     seed
         Seed of the learner's RNG (triplet sampling); its state is checkpointed.
+    eval_every
+        Evaluate every N-th pair; ``"auto"`` (the service's default): N sized from the model's
+        counted work, so that evaluating costs about
+        :data:`~streamxm.defaults.EVAL_SHARE` of learning
+        (:func:`~streamxm.learning.schedule.evaluation_interval`). The resolved N is kept in
+        checkpoints.
+    eval_gallery
+        Stored pairs each evaluated pair is ranked against.
+    rolling_window
+        Evaluated pairs per direction behind the rolling mAP.
 
     Examples
     --------
@@ -112,7 +123,7 @@ class StreamLearner:
         buffer_capacity: int = 500,
         seed: int = 0,
         buffer_memory: int | None = None,
-        eval_every: int = 1,
+        eval_every: EvalEvery = 1,
         eval_gallery: int = 200,
         rolling_window: int = 500,
         max_labels: int = 64,
@@ -125,8 +136,8 @@ class StreamLearner:
                                    memory=buffer_memory, seed=seed)
         self.rng = np.random.default_rng(seed)
         self.seed = seed
-        self.eval_every = eval_every
         self.eval_gallery = eval_gallery
+        self.eval_every = resolve_eval_every(eval_every, self.model, eval_gallery)
         self.rolling_window = rolling_window
         self.stats = LearnStats()
         self.pairs_seen = 0

@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.heads import LinearHead, SlotFeatures, unit_features
+from streamxm.models.work import Work, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "MergeParts", "observe_triplet",
@@ -174,6 +175,36 @@ class CrossModalModel(ABC):
             sides.append(head.embed(features).astype(np.float64))
         images, texts = sides
         return texts @ images[0], images @ texts[0]
+
+    # -- the work the algorithm does (streamxm/models/work.py) --------------------------------
+    def learning_work(self) -> Work | None:
+        """The work of :meth:`update` per arriving pair at this model's settings, in the steady
+        state (buffer, budgets and landmark sets full, outside bursts), periodic work (a solve
+        every ``n`` pairs) spread over its period; ``None``: not counted."""
+        return None
+
+    def embedding_work(self, rows: int, modality: str) -> Work | None:
+        """The work of embedding ``rows`` raw vectors of ``modality`` (``"image"`` or
+        ``"text"``) through the model in the steady state; ``None``: not counted."""
+        return None
+
+    def evaluation_work(self, gallery: int) -> Work | None:
+        """The work of :meth:`evaluation_scores` against ``gallery`` stored pairs whose kept
+        features are current (a stored pair's features are computed once, when it is stored,
+        and charged there); ``None``: not counted."""
+        total = Work()
+        for modality, dim in (("image", self.img_dim), ("text", self.txt_dim)):
+            head = self.linear_head(modality)
+            if head is not None:
+                width, k = head.weight.shape
+                query = head.features.work(1, dim) if head.features is not None else Work()
+                total += query + gemm(gallery + 1, k, width) + gemm(1, gallery + 1, k)
+                continue
+            embedding = self.embedding_work(gallery + 2, modality)
+            if embedding is None:
+                return None
+            total += embedding
+        return total
 
     # -- search without re-embedding the gallery ------------------------------------------------
     #: Whether the score is bilinear in the L2-normalised inputs: then :meth:`queries_for_texts`

@@ -9,9 +9,12 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
+from scipy.linalg.blas import get_blas_funcs
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
+from streamxm.models.heads import SlotFeatures
+from streamxm.models.work import Work, elementwise, gemm, matvec, rank_update
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOS"]
@@ -271,8 +274,20 @@ class CMOS(CrossModalModel, name="cmos"):
                 tau[k] = min(self.C, loss / sq_norm[k])
             stats.add("t2i" if self._is_text[k] else "i2t", diff <= 0.0, loss, bool(tau[k]))
         if tau.any():
-            self.W += (left.T * tau.astype(self.W.dtype)) @ right
+            self._merge(left, tau, right)
         return tau
+
+    def _merge(self, left: NDArray[np.floating], tau: NDArray[np.float64],
+               right: NDArray[np.floating]) -> None:
+        """``W += A^T diag(tau) B`` in place: BLAS ``gemm`` with ``beta = 1`` on ``W^T`` (a
+        Fortran-ordered view of ``W``), bit for bit what a product plus an add gives, without
+        a temporary of ``W``'s size."""
+        scaled = left * tau.astype(self.W.dtype)[:, None]
+        if not self.W.flags.c_contiguous:
+            self.W += scaled.T @ right
+            return
+        gemm_ = get_blas_funcs("gemm", (self.W,))
+        gemm_(1.0, right.T, scaled, beta=1.0, c=self.W.T, overwrite_c=1)
 
     def update(
         self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
@@ -334,6 +349,57 @@ class CMOS(CrossModalModel, name="cmos"):
         if len(a) <= len(b):
             return np.asarray((a @ self.W) @ b.T)
         return np.asarray(a @ (self.W @ b.T))
+
+    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp],
+                          kept: SlotFeatures) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """``W`` multiplied into the arriving pair's side, once per direction, in ``W``'s dtype
+        (a float64 operand would copy ``W`` at every call); the stored rows enter through the
+        norms the buffer keeps: ``psi(t) . q = (t . q) / ||t|| - mean . q``."""
+        self.flush(self._stats)
+        image_query = (self.map_images(pair.img).astype(self.W.dtype) @ self.W).astype(np.float64)
+        text_query = (self.W @ self.map_texts(pair.txt).astype(self.W.dtype)).astype(np.float64)
+        i2t = self._stored_scores(buffer.txt, buffer.txt_norm, rows, image_query, self.txt_sum)
+        t2i = self._stored_scores(buffer.img, buffer.img_norm, rows, text_query, self.img_sum)
+        return (np.concatenate([[self.map_texts(pair.txt) @ image_query], i2t]),
+                np.concatenate([[self.map_images(pair.img) @ text_query], t2i]))
+
+    def _stored_scores(self, stored: NDArray[np.float32], norms: NDArray[np.float32],
+                       rows: NDArray[np.intp], query: NDArray[np.float64],
+                       total: NDArray[np.float64]) -> NDArray[np.float64]:
+        raw = stored[rows] @ query.astype(np.float32)
+        if self.normalize == "l2":
+            raw = raw / np.where(norms[rows] > 0, norms[rows], 1.0)
+        return np.asarray(raw, dtype=np.float64) - float(self._mean(total) @ query)
+
+    # -- the work counted (streamxm/models/work.py) ----------------------------------------
+    def learning_work(self) -> Work:
+        """Per pair, ``triplets_per_pair / flush_every`` of a flush of ``F = flush_every``
+        triplets: the margins ``A W`` (an ``F x d_t x d_v`` product in ``W``'s dtype), the two
+        ``F x F`` Gram matrices (float64) and the merge ``W += A^T diag(tau) B`` (``W`` read
+        and written)."""
+        return self._flush_work(self.flush_every) * (self.triplets_per_pair / self.flush_every)
+
+    def _flush_work(self, queued: int) -> Work:
+        size = np.dtype(self.dtype).itemsize
+        return (gemm(queued, self.txt_dim, self.img_dim, size)
+                + gemm(queued, queued, self.img_dim) + gemm(queued, queued, self.txt_dim)
+                + rank_update(self.img_dim, self.txt_dim, queued, size))
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """Images: the map and ``phi(x) W``; texts: the map only."""
+        if modality == "text":
+            return elementwise(rows * self.txt_dim, flops_per_item=4.0)
+        return (elementwise(rows * self.img_dim, flops_per_item=4.0)
+                + gemm(rows, self.txt_dim, self.img_dim))
+
+    def evaluation_work(self, gallery: int) -> Work:
+        """The flush an evaluation forces before its time (``W`` read for the margins and read
+        and written for the merge, beyond the counted flops), the two query products with
+        ``W`` and the stored rows' products with the queries."""
+        size = np.dtype(self.dtype).itemsize
+        early_flush = Work(bytes=3.0 * size * self.img_dim * self.txt_dim)
+        return (early_flush + matvec(self.img_dim, self.txt_dim, size) * 2
+                + matvec(gallery + 1, self.img_dim + self.txt_dim, 4))
 
     @property
     def fixed_space(self) -> bool:  # type: ignore[override]

@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.moments import power_normalize
+from streamxm.models.work import Work, elementwise, gemm
 
 __all__ = ["FeatureMap", "LinearHead", "PowerFeatures", "RbfFeatures", "SlotFeatures",
            "power_features", "rbf_kernel", "unit_features"]
@@ -64,6 +65,15 @@ class FeatureMap:
         rows (``kept``: key -> features), when some can be extended; ``None`` otherwise."""
         return None
 
+    def work(self, rows: int, width: int) -> Work:
+        """The work of :meth:`__call__` on ``rows`` unit rows of ``width`` values."""
+        below = self.inputs.work(rows, width) if self.inputs is not None else Work()
+        return below + self.own_work(rows, width)
+
+    def own_work(self, rows: int, width: int) -> Work:
+        """The work of :meth:`apply` alone."""
+        raise NotImplementedError
+
     def __call__(self, units: F32) -> F32:
         """The features of unit rows, through every map below this one."""
         x = units if self.inputs is None else self.inputs(units)
@@ -80,6 +90,9 @@ class PowerFeatures(FeatureMap):
     @property
     def key(self) -> tuple[object, ...]:  # type: ignore[override]
         return ("power", self.power)
+
+    def own_work(self, rows: int, width: int) -> Work:
+        return elementwise(rows * width, itemsize=4, flops_per_item=6.0)
 
     def apply(self, x: F32) -> F32:
         out = np.empty_like(x, dtype=np.float32)
@@ -108,6 +121,10 @@ class RbfFeatures(FeatureMap):
         below = self.inputs.key if self.inputs is not None else ()
         object.__setattr__(self, "key", ("rbf", self.gamma, len(self.landmarks),
                                          _digest(self.landmarks), *below))
+
+    def own_work(self, rows: int, width: int) -> Work:
+        return gemm(rows, len(self.landmarks), width) + elementwise(
+            rows * len(self.landmarks), flops_per_item=20.0)  # the exponential
 
     def apply(self, x: F32, landmarks: F64 | None = None) -> F32:
         landmarks = self.landmarks if landmarks is None else landmarks

@@ -13,6 +13,7 @@ from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from streamxm.learning.learner import StreamLearner
+from streamxm.learning.schedule import EvalEvery
 from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import (
     Pair,
@@ -25,7 +26,7 @@ __all__ = ["end_to_end", "in_process_rate"]
 
 
 # -- end to end -----------------------------------------------------------------------------
-def in_process_rate(model: str, data: list[Pair], eval_every: int, seed: int,
+def in_process_rate(model: str, data: list[Pair], eval_every: EvalEvery, seed: int,
                     threads: int = 1, warmup: int = 0) -> float:
     """The reference: the same learner, options and pairs, fed in-process on ``threads``
     threads; pairs/s over the pairs after the first ``warmup``."""
@@ -42,7 +43,7 @@ def in_process_rate(model: str, data: list[Pair], eval_every: int, seed: int,
 
 def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
                backlog: int = 4000, rate: float | None = None, seconds: float = 60.0,
-               eval_every: int = 10, seed: int = 0) -> dict[str, Any]:
+               eval_every: EvalEvery = "auto", seed: int = 0) -> dict[str, Any]:
     """Drain a backlog with one worker (learned pairs/s), then push at ``rate`` (default half
     the measured rate) for ``seconds`` and sample the lag every 0.25 s."""
     data = synthetic_pairs(backlog, img_dim, txt_dim, seed=seed)

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from streamxm.learning.learner import StreamLearner
+from streamxm.learning.schedule import EvalEvery
 from streamxm.service import open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair
@@ -32,7 +33,7 @@ from streamxm.tools.stack import NAMESPACE, stack
 __all__ = ["distributed", "independent_rate"]
 
 
-def independent_rate(model: str, img_dim: int, txt_dim: int, pairs: int, eval_every: int,
+def independent_rate(model: str, img_dim: int, txt_dim: int, pairs: int, eval_every: EvalEvery,
                      threads: int, seed: int) -> float:
     """Pairs/s of an in-process learner on synthetic pairs (after 256 warm-up pairs), limited
     to ``threads`` threads: run in ``N`` processes at once, the sum is what ``N`` ranks that
@@ -43,7 +44,7 @@ def independent_rate(model: str, img_dim: int, txt_dim: int, pairs: int, eval_ev
 
 
 def _independent(model: str, counts: tuple[int, ...], img_dim: int, txt_dim: int, pairs: int,
-                 eval_every: int, threads: int, seed: int) -> dict[int, float]:
+                 eval_every: EvalEvery, threads: int, seed: int) -> dict[int, float]:
     context = multiprocessing.get_context("spawn")
     totals = {}
     for count in counts:
@@ -56,7 +57,7 @@ def _independent(model: str, counts: tuple[int, ...], img_dim: int, txt_dim: int
 
 
 def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: int,
-         eval_every: int, params: dict[str, Any] | None, timeout_s: float,
+         eval_every: EvalEvery, params: dict[str, Any] | None, timeout_s: float,
          seed: int) -> tuple[dict[str, Any], StreamLearner]:
     total = len(pairs)
     # Checkpoints as the service writes them (every 2 s or 2,000 pairs); each records when its
@@ -120,7 +121,7 @@ def _run(model: str, pairs: list[Pair], ranks: int, threads: int, read_batch: in
 
 def distributed(model: str = "cmos", ranks: tuple[int, ...] = (1, 2), img_dim: int = 4096,
                 txt_dim: int = 1000, pairs: int = 12288, threads_per_rank: int = 1,
-                read_batch: int = 256, eval_every: int = 10, dataset: str | None = None,
+                read_batch: int = 256, eval_every: EvalEvery = "auto", dataset: str | None = None,
                 params: dict[str, Any] | None = None, seed: int = 0,
                 timeout_s: float = 1800.0) -> dict[str, Any]:
     """Pairs/s (and, with ``dataset``, test mAP) per rank count; ``speedup`` of each count

@@ -27,7 +27,9 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from streamxm.learning.learner import StreamLearner
+from streamxm.learning.schedule import EvalEvery
 from streamxm.models import create_model, split_name
+from streamxm.models.work import Rates
 from streamxm.stream.messages import Pair
 from streamxm.tools.datasets import stream_order, synthetic_pairs
 
@@ -39,7 +41,8 @@ def _median_seconds(run: Callable[[], float], repeats: int) -> float:
 
 
 def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
-                   seed: int, eval_every: int | None = None) -> tuple[float, StreamLearner, int]:
+                   seed: int, eval_every: EvalEvery | None = None
+                   ) -> tuple[float, StreamLearner, int]:
     """Seconds per pair over ``pairs[warmup:]`` (the buffer fills during the warm-up), the
     learner, and how many of the timed pairs arrived in a burst; ``eval_every``: the rolling
     evaluation's schedule (None: off)."""
@@ -69,6 +72,45 @@ def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def _machine_rates(seed: int, repeats: int) -> Rates:
+    """This thread's rates, each the median of ``repeats``: float64 and float32 GEMM
+    (``512 x 1024`` by ``1024 x 1024``) and a streaming read (``W @ x`` over a float32
+    ``4096 x 1000``, the size of the models' largest state at 4096/1000)."""
+    rng = np.random.default_rng(seed)
+
+    def gemm_rate(dtype: type[np.floating[Any]]) -> float:
+        a, b = rng.random((512, 1024)).astype(dtype), rng.random((1024, 1024)).astype(dtype)
+        a @ b  # warm
+
+        def once() -> float:
+            start = time.perf_counter()
+            a @ b
+            return time.perf_counter() - start
+        return 2.0 * 512 * 1024 * 1024 / _median_seconds(once, repeats * 3)
+
+    W = rng.random((4096, 1000), dtype=np.float32)
+    read = _median_seconds(lambda: _matvec_seconds(W, 20, seed), repeats) / 2
+    return Rates(flops_per_s=gemm_rate(np.float64), bytes_per_s=W.nbytes / read,
+                 flops32_per_s=gemm_rate(np.float32))
+
+
+def _roofline(learner: StreamLearner, per_pair: float, rates: Rates) -> dict[str, Any]:
+    """The model's counted work per pair (its evaluation's share included), the time it needs
+    at ``rates`` and the measured time's ratio to it."""
+    work = learner.model.learning_work()
+    evaluation = learner.model.evaluation_work(learner.eval_gallery)
+    if work is None or evaluation is None:
+        return {}
+    if learner.eval_every <= learner.pairs_seen:  # the evaluation ran
+        work = work + evaluation * (1.0 / learner.eval_every)
+    roof = work.seconds(rates)
+    arithmetic = work.seconds(Rates(rates.flops_per_s, float("inf"), rates.flops32_per_s))
+    return {"work_per_pair": work.as_dict(),
+            "roofline_pairs_per_s": round(1 / roof, 1),
+            "roofline_bound": "arithmetic" if arithmetic >= roof else "memory",
+            "ratio_to_roofline": round(roof / per_pair, 3)}
+
+
 def throughput(
     model: str = "cmos",
     img_dim: int = 4096,
@@ -80,7 +122,7 @@ def throughput(
     params: dict[str, Any] | None = None,
     seed: int = 0,
     order: str = "file",
-    eval_every: int | None = None,
+    eval_every: EvalEvery | None = None,
 ) -> dict[str, Any]:
     """Measure the learner, the BLAS limit and (for CMOS) the literal baseline; return JSON.
 
@@ -138,8 +180,14 @@ def throughput(
 
         per_pair = _median_seconds(run_learner, repeats)
         learner, in_burst = learned[-1]
+        rates = _machine_rates(seed, repeats)
         result.update(params=learner.model.params(), pairs_per_s=round(1 / per_pair, 1),
-                      seconds_per_pair=per_pair, timed_pairs_in_burst=in_burst)
+                      seconds_per_pair=per_pair, timed_pairs_in_burst=in_burst,
+                      evaluated_every=learner.eval_every if eval_every else None,
+                      machine={"gemm_float64_flops_per_s": round(rates.flops_per_s),
+                               "gemm_float32_flops_per_s": round(rates.flops32_per_s or 0),
+                               "read_bytes_per_s": round(rates.bytes_per_s)},
+                      **_roofline(learner, per_pair, rates))
         if learning_only:
             alone = statistics.median(learning_only)
             result.update(learning_only_pairs_per_s=round(1 / alone, 1),

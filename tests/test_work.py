@@ -1,0 +1,85 @@
+"""The work each model counts (streamxm/models/work.py) and the rolling evaluation's schedule
+sized from it (streamxm/learning/schedule.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streamxm.learning.learner import StreamLearner
+from streamxm.learning.schedule import REFERENCE_RATES, evaluation_interval
+from streamxm.models import MODEL_NAMES, create_model
+from streamxm.models.cmos import CMOS
+from streamxm.models.work import Rates, Work, gemm, matvec, rank_update
+from tests.conftest import class_stream
+
+
+def test_work_adds_scales_and_takes_the_slower_of_arithmetic_and_traffic() -> None:
+    product = gemm(2, 3, 4)
+    assert product == Work(flops=48.0, bytes=8.0 * (8 + 12 + 6))
+    assert matvec(5, 7, 4) == Work(70.0, 4.0 * (35 + 7 + 5), 70.0)
+    assert rank_update(2, 3, 1) == gemm(2, 3, 1) + Work(6.0, 96.0)
+    assert (product + product) == product * 2 == 2 * product
+    rates = Rates(flops_per_s=10.0, bytes_per_s=100.0, flops32_per_s=40.0)
+    assert Work(flops=50.0, bytes=100.0).seconds(rates) == 5.0
+    assert Work(flops=40.0, bytes=100.0, flops32=40.0).seconds(rates) == 1.0
+    assert Work(flops=1.0, bytes=1000.0).seconds(rates) == 10.0
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+@pytest.mark.parametrize("dims", [(4096, 1000), (512, 512)])
+def test_every_model_counts_its_learning_and_evaluation_work(model: str,
+                                                             dims: tuple[int, int]) -> None:
+    m = create_model(model, *dims)
+    learning, evaluation = m.learning_work(), m.evaluation_work(200)
+    assert learning is not None and evaluation is not None
+    for work in (learning, evaluation):
+        assert work.flops > 0 and work.bytes > 0 and 0 <= work.flops32 <= work.flops
+    # Larger inputs cost more to learn from and to score.
+    small = create_model(model, dims[0] // 4, dims[1] // 4)
+    assert small.learning_work().flops < learning.flops  # type: ignore[union-attr]
+    assert small.evaluation_work(200).flops < evaluation.flops  # type: ignore[union-attr]
+    assert evaluation_interval(m, 200) >= 1
+
+
+def test_cmos_counts_a_flush_per_flush_every_triplets() -> None:
+    m = CMOS(300, 200, triplets_per_pair=4, flush_every=64)
+    flush = (gemm(64, 200, 300, 4) + gemm(64, 64, 300) + gemm(64, 64, 200)
+             + rank_update(300, 200, 64, 4))
+    assert m.learning_work() == flush * (4 / 64)
+
+
+def test_auto_evaluates_a_fixed_subsample_sized_from_the_counted_work() -> None:
+    """``eval_every="auto"`` resolves to the interval of the counted work, evaluates exactly
+    every N-th pair, and a restored learner keeps N (its checkpoint holds the number)."""
+    model = create_model("cmos", 64, 32)
+    interval = evaluation_interval(model, 200)
+    ratio = model.evaluation_work(200).seconds(REFERENCE_RATES) / (  # type: ignore[union-attr]
+        0.05 * model.learning_work().seconds(REFERENCE_RATES))  # type: ignore[union-attr]
+    assert interval == int(np.ceil(ratio)) and interval > 1
+    assert evaluation_interval(model, 200, share=1.0) < interval
+    learner = StreamLearner("cmos", 64, 32, eval_every="auto")
+    assert learner.eval_every == interval
+    pairs = class_stream(5 * interval + 1, 64, 32, seed=0)
+    learner.learn(pairs)
+    assert len(learner.rolling_ap["i2t"]) == 5  # pairs interval, 2 interval, ... (0 is skipped)
+    restored = StreamLearner.from_state(*learner.state())
+    assert restored.eval_every == interval
+
+
+@pytest.mark.parametrize("bad", [0, -3, "sometimes", 2.5, True])
+def test_a_bad_schedule_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="eval_every must be"):
+        StreamLearner("cmos", 8, 4, eval_every=bad)  # type: ignore[arg-type]
+
+
+def test_the_in_place_merge_is_the_product_plus_the_add_bit_for_bit() -> None:
+    rng = np.random.default_rng(0)
+    m = CMOS(300, 200)
+    m.W[:] = rng.standard_normal(m.W.shape).astype(np.float32)
+    left = rng.standard_normal((20, 300)).astype(np.float32)
+    right = rng.standard_normal((20, 200)).astype(np.float32)
+    tau = rng.random(20)
+    expected = m.W + (left.T * tau.astype(np.float32)) @ right
+    m._merge(left, tau, right)
+    assert np.array_equal(m.W, expected)
