@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     checkpoint_dir: Path = Path(".streamxm/checkpoints")
     checkpoint_every_pairs: int = Field(default=D.CHECKPOINT_EVERY_PAIRS, ge=1)
     checkpoint_every_seconds: float = Field(default=D.CHECKPOINT_EVERY_SECONDS, gt=0)
+    checkpoint_max_share: float = Field(
+        default=D.CHECKPOINT_MAX_SHARE, gt=0, le=1, description="most of a worker's time its "
+        "checkpoints may take: after a checkpoint that took c seconds the next waits at least "
+        "c (1 - share) / share, whatever the pairs or seconds say (large models checkpoint "
+        "less often; 1: no wait)")
     checkpoint_keep: int = Field(default=D.CHECKPOINT_KEEP, ge=1)
     read_batch: int = Field(default=D.READ_BATCH, ge=1, le=10_000)
     block_ms: int = Field(default=D.BLOCK_MS, ge=1)

@@ -4,9 +4,13 @@ default is changed once."""
 
 from __future__ import annotations
 
+from typing import Final
+
 # The learner worker
 CHECKPOINT_EVERY_PAIRS = 2000
 CHECKPOINT_EVERY_SECONDS = 2.0
+# Checkpoints take at most this share of a worker's time: the next one waits for it.
+CHECKPOINT_MAX_SHARE = 0.1
 CHECKPOINT_KEEP = 3
 READ_BATCH = 256  # XREADGROUP COUNT
 BLOCK_MS = 200  # XREADGROUP BLOCK
@@ -26,7 +30,7 @@ SEARCH_CANDIDATES = 100
 # that the counted evaluation work is at most EVAL_SHARE of the counted learning work, both
 # timed at one thread's rates of the reference machine (float64 GEMM, a streaming read of
 # float32 state); fixed numbers, not measured, so every learner picks the same N.
-EVAL_EVERY = "auto"
+EVAL_EVERY: Final = "auto"
 EVAL_SHARE = 0.05
 REFERENCE_FLOPS_PER_S = 73e9
 REFERENCE_BYTES_PER_S = 27e9

@@ -158,3 +158,28 @@ def test_every_dead_letter_series_exists_at_zero_before_the_first(
     assert metric(after, "streamxm_dead_letters_total", model="cmos",
                   reason="missing_field") == 1
     assert metric(after, "streamxm_dead_letters_total", model="cmos", reason="bad_labels") == 0
+
+
+def test_checkpoints_wait_until_they_are_within_their_share_of_the_time(
+        r: redis.Redis, settings: Settings) -> None:
+    """A checkpoint that took ``c`` seconds holds the next back ``c (1 - share) / share``
+    seconds, past the pairs interval; what is learned and committed in the end is the same."""
+    pairs = list(iter_pairs(load_dataset(bundled_wiki_path()), limit=300))
+
+    def run(share: float, namespace: str) -> tuple[int, StreamLearner]:
+        s = settings.model_copy(update={
+            "namespace": namespace, "checkpoint_every_pairs": 50, "read_batch": 50,
+            "checkpoint_every_seconds": 3600.0, "checkpoint_max_share": share})
+        StreamClient(r, namespace).push_pairs(pairs)
+        worker = build_worker(s, r, "cmos")
+        worker.run(until_idle=True)
+        assert worker.learner is not None and r.xpending(Keys(namespace).pairs, "cmos")[
+            "pending"] == 0
+        return worker.version, worker.learner
+
+    every, learned = run(1.0, settings.namespace)
+    held, held_learned = run(1e-4, settings.namespace + "-held")
+    assert every == 6  # one per 50 pairs
+    assert held == 2  # the first after 50 pairs, then the final one at the end
+    assert held_learned.pairs_seen == learned.pairs_seen == 300
+    assert np.array_equal(held_learned.model.W, learned.model.W)  # type: ignore[attr-defined]

@@ -366,10 +366,10 @@ class CMOS(CrossModalModel, name="cmos"):
     def _stored_scores(self, stored: NDArray[np.float32], norms: NDArray[np.float32],
                        rows: NDArray[np.intp], query: NDArray[np.float64],
                        total: NDArray[np.float64]) -> NDArray[np.float64]:
-        raw = stored[rows] @ query.astype(np.float32)
+        raw = np.asarray(stored[rows] @ query.astype(np.float32), dtype=np.float64)
         if self.normalize == "l2":
-            raw = raw / np.where(norms[rows] > 0, norms[rows], 1.0)
-        return np.asarray(raw, dtype=np.float64) - float(self._mean(total) @ query)
+            raw /= np.where(norms[rows] > 0, norms[rows], 1.0)
+        return raw - float(self._mean(total) @ query)
 
     # -- the work counted (streamxm/models/work.py) ----------------------------------------
     def learning_work(self) -> Work:

@@ -111,6 +111,13 @@ class LearnerWorker:
         schedule).
     checkpoint_every_pairs, checkpoint_every_seconds
         Checkpoint after this many pairs or this long, whichever comes first.
+    checkpoint_max_share
+        Most of the worker's time its checkpoints may take: a checkpoint that took ``c``
+        seconds (encoding, hashing and writing the state, the commit transaction) holds the
+        next one back for at least ``c (1 - share) / share`` seconds, so a model whose state
+        is large checkpoints less often instead of learning less. Checkpoints are points of
+        the stream at which everything before them is durable; when they come does not change
+        what is learned.
     max_learn_attempts
         Failures of learning one entry before it is dead-lettered as ``learn_error``.
     retain_entries
@@ -131,6 +138,7 @@ class LearnerWorker:
         seed: int = 0,
         checkpoint_every_pairs: int = D.CHECKPOINT_EVERY_PAIRS,
         checkpoint_every_seconds: float = D.CHECKPOINT_EVERY_SECONDS,
+        checkpoint_max_share: float = D.CHECKPOINT_MAX_SHARE,
         read_batch: int = D.READ_BATCH,
         block_ms: int = D.BLOCK_MS,
         lease_ttl_ms: int = D.LEASE_TTL_MS,
@@ -150,6 +158,7 @@ class LearnerWorker:
         self.seed = seed
         self.every_pairs = checkpoint_every_pairs
         self.every_seconds = checkpoint_every_seconds
+        self.max_share = checkpoint_max_share
         self.read_batch = read_batch
         self.block_ms = block_ms
         self.lease_ttl_ms = lease_ttl_ms
@@ -165,6 +174,7 @@ class LearnerWorker:
         self._recovery_end = "0-0"
         self._pending = _Pending()
         self._last_commit = time.monotonic()
+        self._commit_seconds = 0.0  # what the last checkpoint took
         self._learned_time: float | None = None
         self.entries = EntryDecoder(self.r, self.keys, self.model, self.consumer, limits)
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
@@ -337,10 +347,14 @@ class LearnerWorker:
         return self._checkpoint_due()
 
     def _checkpoint_due(self) -> bool:
-        """Pairs are pending and the checkpoint interval (pairs or seconds) has passed."""
-        return bool(self._pending) and (
-            self._pending.pairs >= self.every_pairs
-            or time.monotonic() - self._last_commit >= self.every_seconds)
+        """Pairs are pending, the checkpoint interval (pairs or seconds) has passed and so has
+        the wait that keeps checkpoints within their share of the time."""
+        if not self._pending:
+            return False
+        since = time.monotonic() - self._last_commit
+        if since < self._commit_seconds * (1.0 - self.max_share) / self.max_share:
+            return False
+        return self._pending.pairs >= self.every_pairs or since >= self.every_seconds
 
     def _apply(self, entries: list[StreamEntry]) -> None:
         already: list[str] = []
@@ -413,6 +427,7 @@ class LearnerWorker:
         if not pending:
             return
         learner = self.learner
+        started = time.monotonic()
         self.dead_letters += len(pending.dead)
         if learner is not None:
             self.version += 1
@@ -453,6 +468,7 @@ class LearnerWorker:
             return
         self._pending = _Pending()
         self._last_commit = time.monotonic()
+        self._commit_seconds = self._last_commit - started
         done = entry_id_key(self.last_id)
         self._failures = {k: v for k, v in self._failures.items() if entry_id_key(k) > done}
         log.debug("checkpoint %s v%d at %s", self.model, self.version, self.last_id)
