@@ -49,22 +49,26 @@ def test_cmos_counts_a_flush_per_flush_every_triplets() -> None:
     assert m.learning_work() == flush * (4 / 64)
 
 
-def test_auto_evaluates_a_fixed_subsample_sized_from_the_counted_work() -> None:
-    """``eval_every="auto"`` resolves to the interval of the counted work, evaluates exactly
-    every N-th pair, and a restored learner keeps N (its checkpoint holds the number)."""
+def test_auto_evaluates_a_subsample_sized_from_the_counted_work() -> None:
+    """``eval_every="auto"``: after each scored pair the next is the interval of the counted
+    work on; a learner restored half-way scores the same pairs with the same results."""
     model = create_model("cmos", 64, 32)
     interval = evaluation_interval(model, 200)
     ratio = model.evaluation_work(200).seconds(REFERENCE_RATES) / (  # type: ignore[union-attr]
         0.05 * model.learning_work().seconds(REFERENCE_RATES))  # type: ignore[union-attr]
     assert interval == int(np.ceil(ratio)) and interval > 1
     assert evaluation_interval(model, 200, share=1.0) < interval
-    learner = StreamLearner("cmos", 64, 32, eval_every="auto")
-    assert learner.eval_every == interval
-    pairs = class_stream(5 * interval + 1, 64, 32, seed=0)
-    learner.learn(pairs)
-    assert len(learner.rolling_ap["i2t"]) == 5  # pairs interval, 2 interval, ... (0 is skipped)
-    restored = StreamLearner.from_state(*learner.state())
-    assert restored.eval_every == interval
+    pairs = class_stream(5 * interval + 2, 64, 32, seed=0)
+    whole = StreamLearner("cmos", 64, 32, eval_every="auto")
+    whole.learn(pairs)
+    # Pair 0 finds the buffer empty; then pairs 1, 1 + N, ..., 1 + 5N.
+    assert whole.pairs_evaluated == len(whole.rolling_ap["i2t"]) == 6
+    half = StreamLearner("cmos", 64, 32, eval_every="auto")
+    half.learn(pairs[: 2 * interval])
+    restored = StreamLearner.from_state(*half.state())
+    restored.learn(pairs[2 * interval :])
+    assert restored.eval_every == "auto" and restored.pairs_evaluated == 6
+    assert list(restored.rolling_ap["i2t"]) == list(whole.rolling_ap["i2t"])
 
 
 @pytest.mark.parametrize("bad", [0, -3, "sometimes", 2.5, True])

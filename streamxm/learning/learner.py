@@ -22,7 +22,7 @@ from streamxm.buffer.replay import ReplayBuffer
 from streamxm.faults import raise_point
 from streamxm.learning.drift import DriftMonitor
 from streamxm.learning.evaluation import average_precision
-from streamxm.learning.schedule import EvalEvery, resolve_eval_every
+from streamxm.learning.schedule import EvalEvery, EvaluationSchedule
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model, model_class
 from streamxm.models.heads import SlotFeatures
 from streamxm.stream.messages import Pair
@@ -31,6 +31,10 @@ __all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner", "default_memory", "
 
 #: Upper bounds (seconds) of the per-pair update latency histogram.
 UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
+
+
+def _eval_every(value: Any) -> EvalEvery:
+    return "auto" if value == "auto" else int(value)
 
 
 def default_memory(model: CrossModalModel, capacity: int) -> int:
@@ -92,11 +96,10 @@ class StreamLearner:
     seed
         Seed of the learner's RNG (triplet sampling); its state is checkpointed.
     eval_every
-        Evaluate every N-th pair; ``"auto"`` (the service's default): N sized from the model's
-        counted work, so that evaluating costs about
-        :data:`~streamxm.defaults.EVAL_SHARE` of learning
-        (:func:`~streamxm.learning.schedule.evaluation_interval`). The resolved N is kept in
-        checkpoints.
+        Evaluate every N-th pair; ``"auto"`` (the service's default): after each evaluated
+        pair, the next one is N pairs on, N sized from the model's counted work so that
+        evaluating costs about :data:`~streamxm.defaults.EVAL_SHARE` of learning
+        (:class:`~streamxm.learning.schedule.EvaluationSchedule`).
     eval_gallery
         Stored pairs each evaluated pair is ranked against.
     rolling_window
@@ -137,7 +140,8 @@ class StreamLearner:
         self.rng = np.random.default_rng(seed)
         self.seed = seed
         self.eval_gallery = eval_gallery
-        self.eval_every = resolve_eval_every(eval_every, self.model, eval_gallery)
+        self.schedule = EvaluationSchedule(eval_every, eval_gallery)
+        self.pairs_evaluated = 0
         self.rolling_window = rolling_window
         self.stats = LearnStats()
         self.pairs_seen = 0
@@ -150,6 +154,10 @@ class StreamLearner:
         }
         self.drift = DriftMonitor()
         self._eval_features = SlotFeatures()  # the evaluated stored pairs' features (derived)
+
+    @property
+    def eval_every(self) -> EvalEvery:
+        return self.schedule.every
 
     @property
     def img_dim(self) -> int:
@@ -193,8 +201,10 @@ class StreamLearner:
             start = time.perf_counter()
             try:
                 raise_point("learn", pair.id)
-                if self.pairs_seen % self.eval_every == 0 and len(self.buffer) > 0:
+                if self.schedule.due(self.pairs_seen) and len(self.buffer) > 0:
                     self._evaluate_before_learning(pair)
+                    self.pairs_evaluated += 1
+                    self.schedule.scored(self.pairs_seen, self.model)
                 slot = self.buffer.add(pair)
                 self.pairs_in_burst += self.buffer.bursty()
                 self.model.update(pair, slot, self.buffer, self.rng, self.stats)
@@ -240,7 +250,9 @@ class StreamLearner:
             "buffer_meta": buffer_meta,
             "seed": self.seed,
             "rng": self.rng.bit_generator.state,
-            "eval_every": self.eval_every,
+            "eval_every": self.schedule.every,
+            "next_evaluation": self.schedule.next_at,
+            "pairs_evaluated": self.pairs_evaluated,
             "eval_gallery": self.eval_gallery,
             "rolling_window": self.rolling_window,
             "stats": self.stats.as_dict(),
@@ -262,7 +274,7 @@ class StreamLearner:
             meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), params,
             buffer_capacity=int(meta["buffer_meta"]["capacity"]) - memory, seed=int(meta["seed"]),
             buffer_memory=memory,
-            eval_every=int(meta["eval_every"]), eval_gallery=int(meta["eval_gallery"]),
+            eval_every=_eval_every(meta["eval_every"]), eval_gallery=int(meta["eval_gallery"]),
             rolling_window=int(meta["rolling_window"]),
             max_labels=buffer_arrays["labels"].shape[1],
         )
@@ -275,6 +287,8 @@ class StreamLearner:
         learner.pairs_seen = int(meta["pairs_seen"])
         learner.pairs_unlabelled = int(meta["pairs_unlabelled"])
         learner.pairs_in_burst = int(meta.get("pairs_in_burst", 0))  # absent: written before
+        learner.schedule.next_at = int(meta.get("next_evaluation", 0))
+        learner.pairs_evaluated = int(meta.get("pairs_evaluated", 0))
         learner.update_seconds = float(meta["update_seconds"])
         learner.update_hist = [int(x) for x in meta["update_hist"]]
         if "drift" in meta:  # checkpoints written before drift detection have none

@@ -9,8 +9,8 @@ pair with
     N = ceil(evaluation_seconds / (share * learning_seconds)),
 
 both from the work the model counts (:mod:`streamxm.models.work`) at fixed reference rates, so
-the choice depends on the model's settings and sizes only: a learner and its restored copy
-evaluate the same pairs, and the rolling mAP stays test-then-train on a fixed subsample of the
+the choice depends on the model's settings, sizes and state only: a learner and its restored
+copy evaluate the same pairs, and the rolling mAP stays test-then-train on a fixed subsample of the
 stream. The share is a bound on the estimate; ``streamxm bench throughput --eval-every auto``
 measures the real one.
 """
@@ -24,7 +24,7 @@ from streamxm import defaults
 from streamxm.models import CrossModalModel
 from streamxm.models.work import Rates
 
-__all__ = ["REFERENCE_RATES", "EvalEvery", "evaluation_interval", "resolve_eval_every"]
+__all__ = ["REFERENCE_RATES", "EvalEvery", "EvaluationSchedule", "evaluation_interval"]
 
 #: An evaluation schedule as asked for: every N-th pair, or "auto".
 EvalEvery = int | Literal["auto"]
@@ -48,10 +48,28 @@ def evaluation_interval(model: CrossModalModel, gallery: int,
     return max(1, math.ceil(ratio))
 
 
-def resolve_eval_every(eval_every: EvalEvery, model: CrossModalModel, gallery: int) -> int:
-    """The schedule as a number of pairs; refuses anything but a positive int or ``"auto"``."""
-    if eval_every == "auto":
-        return evaluation_interval(model, gallery)
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
-        raise ValueError(f"eval_every must be a positive integer or 'auto', got {eval_every!r}")
-    return eval_every
+class EvaluationSchedule:
+    """Which pairs the rolling evaluation scores: every ``every``-th by pair index (``0, N,
+    2N, ...``), or with ``"auto"`` the next pair once :func:`evaluation_interval` pairs have
+    passed since the last evaluated one, the interval computed from the model as it is then
+    (its counts follow its classes and supports as they grow). Both depend on the stream and
+    the model's state only; ``next_at`` is kept in checkpoints."""
+
+    def __init__(self, every: EvalEvery, gallery: int, next_at: int = 0) -> None:
+        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int)
+                                or every < 1):
+            raise ValueError(f"eval_every must be a positive integer or 'auto', got {every!r}")
+        self.every: EvalEvery = every
+        self.gallery = gallery
+        self.next_at = next_at
+
+    def due(self, pairs_seen: int) -> bool:
+        """Whether the pair arriving after ``pairs_seen`` pairs is scored."""
+        if self.every == "auto":
+            return pairs_seen >= self.next_at
+        return pairs_seen % self.every == 0
+
+    def scored(self, pairs_seen: int, model: CrossModalModel) -> None:
+        """The pair arriving after ``pairs_seen`` pairs was scored: schedule the next one."""
+        if self.every == "auto":
+            self.next_at = pairs_seen + evaluation_interval(model, self.gallery)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -40,24 +40,30 @@ def _median_seconds(run: Callable[[], float], repeats: int) -> float:
     return statistics.median(run() for _ in range(repeats))
 
 
+class _Timed(NamedTuple):
+    seconds: float  # per timed pair
+    learner: StreamLearner
+    in_burst: int  # timed pairs that arrived in a burst
+    evaluated: int  # timed pairs the rolling evaluation scored
+
+
 def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
-                   seed: int, eval_every: EvalEvery | None = None
-                   ) -> tuple[float, StreamLearner, int]:
-    """Seconds per pair over ``pairs[warmup:]`` (the buffer fills during the warm-up), the
-    learner, and how many of the timed pairs arrived in a burst; ``eval_every``: the rolling
-    evaluation's schedule (None: off)."""
+                   seed: int, eval_every: EvalEvery | None = None) -> _Timed:
+    """Time ``pairs[warmup:]`` (the buffer fills during the warm-up); ``eval_every``: the
+    rolling evaluation's schedule (None: off)."""
     img_dim, txt_dim = pairs[0].img.shape[0], pairs[0].txt.shape[0]
     learner = StreamLearner(model, img_dim, txt_dim, params, seed=seed,
                             eval_every=eval_every or len(pairs) + 1)
     learner.learn(pairs[:warmup])
     learner.flush()
-    before = learner.pairs_in_burst
+    in_burst, evaluated = learner.pairs_in_burst, learner.pairs_evaluated
     start = time.perf_counter()
     for i in range(warmup, len(pairs), 256):
         learner.learn(pairs[i : i + 256])
     learner.flush()
     seconds = (time.perf_counter() - start) / (len(pairs) - warmup)
-    return seconds, learner, learner.pairs_in_burst - before
+    return _Timed(seconds, learner, learner.pairs_in_burst - in_burst,
+                  learner.pairs_evaluated - evaluated)
 
 
 def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
@@ -94,15 +100,15 @@ def _machine_rates(seed: int, repeats: int) -> Rates:
                  flops32_per_s=gemm_rate(np.float32))
 
 
-def _roofline(learner: StreamLearner, per_pair: float, rates: Rates) -> dict[str, Any]:
-    """The model's counted work per pair (its evaluation's share included), the time it needs
-    at ``rates`` and the measured time's ratio to it."""
-    work = learner.model.learning_work()
-    evaluation = learner.model.evaluation_work(learner.eval_gallery)
+def _roofline(timed: _Timed, pairs: int, rates: Rates) -> dict[str, Any]:
+    """The model's counted work per pair (its evaluation's share over the ``pairs`` timed
+    included), the time it needs at ``rates`` and the measured time's ratio to it."""
+    work = timed.learner.model.learning_work()
+    evaluation = timed.learner.model.evaluation_work(timed.learner.eval_gallery)
     if work is None or evaluation is None:
         return {}
-    if learner.eval_every <= learner.pairs_seen:  # the evaluation ran
-        work = work + evaluation * (1.0 / learner.eval_every)
+    work = work + evaluation * (timed.evaluated / pairs)
+    per_pair = timed.seconds
     roof = work.seconds(rates)
     arithmetic = work.seconds(Rates(rates.flops_per_s, float("inf"), rates.flops32_per_s))
     return {"work_per_pair": work.as_dict(),
@@ -163,7 +169,7 @@ def throughput(
                               "pairs": pairs, "warmup_pairs": warmup, "repeats": repeats,
                               "threads": 1, "order": order, "eval_every": eval_every}
     with threadpool_limits(limits=1):
-        learned: list[tuple[StreamLearner, int]] = []
+        learned: list[_Timed] = []
         file_order: list[float] = []
         learning_only: list[float] = []
 
@@ -173,21 +179,22 @@ def throughput(
                                                  eval_every)[0])
             if eval_every:
                 learning_only.append(_time_learning(model, ordered, warmup, params, seed)[0])
-            seconds, learner, in_burst = _time_learning(model, ordered, warmup, params, seed,
-                                                        eval_every)
-            learned.append((learner, in_burst))
-            return seconds
+            timed = _time_learning(model, ordered, warmup, params, seed, eval_every)
+            learned.append(timed)
+            return timed.seconds
 
         per_pair = _median_seconds(run_learner, repeats)
-        learner, in_burst = learned[-1]
+        last = learned[-1]
+        learner = last.learner
         rates = _machine_rates(seed, repeats)
         result.update(params=learner.model.params(), pairs_per_s=round(1 / per_pair, 1),
-                      seconds_per_pair=per_pair, timed_pairs_in_burst=in_burst,
-                      evaluated_every=learner.eval_every if eval_every else None,
+                      seconds_per_pair=per_pair, timed_pairs_in_burst=last.in_burst,
+                      evaluated_every=(round(pairs / last.evaluated, 1) if last.evaluated
+                                       else None),
                       machine={"gemm_float64_flops_per_s": round(rates.flops_per_s),
                                "gemm_float32_flops_per_s": round(rates.flops32_per_s or 0),
                                "read_bytes_per_s": round(rates.bytes_per_s)},
-                      **_roofline(learner, per_pair, rates))
+                      **_roofline(last._replace(seconds=per_pair), pairs, rates))
         if learning_only:
             alone = statistics.median(learning_only)
             result.update(learning_only_pairs_per_s=round(1 / alone, 1),
