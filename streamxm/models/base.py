@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.heads import LinearHead, SlotFeatures, unit_features
-from streamxm.models.work import Work, gemm
+from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "MergeParts", "observe_triplet",
@@ -170,11 +170,12 @@ class CrossModalModel(ABC):
         sides = []
         for head, modality, query in ((image_head, "image", pair.img),
                                       (text_head, "text", pair.txt)):
-            features = np.vstack([unit_features(head.features, query),
-                                  kept.features(head.features, modality, buffer, rows)])
-            sides.append(head.embed(features).astype(np.float64))
-        images, texts = sides
-        return texts @ images[0], images @ texts[0]
+            own = head.embed(unit_features(head.features, query))[0].astype(np.float64)
+            stored = head.embed_float32(kept.features(head.features, modality, buffer, rows))
+            sides.append((own, stored.astype(np.float64)))
+        (image, images), (text, texts) = sides
+        return (np.concatenate([[text @ image], texts @ image]),
+                np.concatenate([[image @ text], images @ text]))
 
     # -- the work the algorithm does (streamxm/models/work.py) --------------------------------
     def learning_work(self) -> Work | None:
@@ -198,7 +199,9 @@ class CrossModalModel(ABC):
             if head is not None:
                 width, k = head.weight.shape
                 query = head.features.work(1, dim) if head.features is not None else Work()
-                total += query + gemm(gallery + 1, k, width) + gemm(1, gallery + 1, k)
+                kept = elementwise(gallery * width, 4, flops_per_item=0.0)  # gathered
+                total += (query + gemm(1, k, width) + kept + gemm(gallery, k, width, 4)
+                          + gemm(1, gallery + 1, k))
                 continue
             embedding = self.embedding_work(gallery + 2, modality)
             if embedding is None:

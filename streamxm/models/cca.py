@@ -21,6 +21,7 @@ from streamxm.models.base import (
 )
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
+from streamxm.models.work import Work, cholesky, elementwise, gemm, svd, triangular_inverse
 from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
@@ -158,6 +159,40 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(x, self.mean_y, self.proj_y)
 
+    # -- the work counted (streamxm/models/work.py) ----------------------------------------
+    def learning_work(self) -> Work:
+        """Per pair in the steady state (solved once, so a triplet is scored), all in float64,
+        with ``d_x, d_y`` the input sizes, ``B`` = :attr:`RunningMoments.BLOCK` and
+        ``n = solve_every``:
+
+        ``T + N(1, d_x) + N(1, d_y) + F / B + R / n``
+
+        - ``T = (E_x(1) + E_y(2) + E_y(1) + E_x(2)) / 2``: the scored triplet
+          (:func:`~streamxm.models.base.observe_triplet`, directions alternating: a query row
+          and two item rows), ``E`` the :meth:`embedding_work`;
+        - ``N(r, d)``: ``r`` rows power-normalised into the moments (:func:`_normalize_work`);
+        - ``F``: a fold of ``B`` rows (:func:`_fold_work`);
+        - ``R``: a re-solve (:func:`_solve_work`).
+        """
+        dx, dy = self.img_dim, self.txt_dim
+        triplet = 0.5 * (self.embedding_work(1, "image") + self.embedding_work(2, "text")
+                         + self.embedding_work(1, "text") + self.embedding_work(2, "image"))
+        block = RunningMoments.BLOCK
+        return (triplet + _normalize_work(1, dx, self.power) + _normalize_work(1, dy, self.power)
+                + _fold_work(dx, dy, block) * (1.0 / block)
+                + _solve_work(dx, dy, self.k) * (1.0 / self.solve_every))
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """:meth:`_embed` on ``r`` rows of size ``d`` (float64, ``k`` components):
+        ``N(r, d)`` (:func:`_normalize_work`), the mean subtracted (``r d`` flops, three
+        passes), ``(x - mean) P``: ``2 r d k`` flops, the correlation scaling (``r k``) and the
+        L2 normalisation of the ``r x k`` result."""
+        dim = _dim(self, modality)
+        scale = elementwise(rows * self.k, passes=3) if self.scale_by_correlation else Work()
+        return (_normalize_work(rows, dim, self.power) + elementwise(rows * dim, passes=3)
+                + gemm(rows, self.k, dim) + scale + _normalize_work(rows, self.k, 1.0)
+                + elementwise(rows * self.k, itemsize=4, flops_per_item=0.0))
+
     def merge_parts(self) -> MergeParts:
         return {k: ("sum", np.asarray(v)) for k, v in self.moments.sums("moments.").items()}
 
@@ -179,3 +214,67 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         for key in ("proj_x", "proj_y", "mean_x", "mean_y", "correlations"):
             setattr(self, key, np.array(arrays[key], dtype=np.float64))
         self.solves = int(meta["solves"])
+
+
+def _dim(model: CCA, modality: str) -> int:
+    if modality not in ("image", "text"):
+        raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
+    return model.img_dim if modality == "image" else model.txt_dim
+
+
+def _normalize_work(rows: int, dim: int, power: float) -> Work:
+    """:func:`~streamxm.models.moments.power_normalize` of ``rows x dim`` values: the float64
+    copy, ``x * x``, its row sums and the division (3 flops, 7 passes an item), and with
+    ``power != 1`` ``sign(x) |x|^power`` (4 flops, 9 passes)."""
+    work = elementwise(rows * dim, flops_per_item=3.0, passes=7.0)
+    if power != 1.0:
+        work += elementwise(rows * dim, flops_per_item=4.0, passes=9.0)
+    return work
+
+
+def _gram_work(n: int, inner: int) -> Work:
+    """``X' X`` with ``X`` ``(inner, n)``: numpy's ``matmul`` sees one operand and its
+    transpose and calls ``syrk`` (``n^2 inner`` flops, half a ``gemm``), then mirrors the
+    triangle element by element (``n^2 / 2`` read and written)."""
+    return Work(float(n) * n * inner, 8.0 * (n * inner + 2.0 * n * n))
+
+
+def _fold_work(dx: int, dy: int, block: int) -> Work:
+    """One fold of ``B`` pending rows into the sums (:meth:`RunningMoments.fold`):
+
+    - the rows stacked and summed: ``B (d_x + d_y)``, five passes;
+    - ``S_xx += X'X``: ``d_x^2 B`` (``syrk``, :func:`_gram_work`) plus the sum read, the
+      product read and the sum written (``d_x^2`` flops); ``S_yy`` likewise;
+    - ``S_xy += X'Y``: ``2 d_x d_y B`` plus the same three passes over ``d_x d_y``.
+    """
+    stack = elementwise(block * (dx + dy), passes=5.0)
+    adds = elementwise(dx * dx + dy * dy + dx * dy, passes=3.0)
+    return (stack + _gram_work(dx, block) + _gram_work(dy, block) + gemm(dx, dy, block)
+            + adds)
+
+
+def _whitener_work(d: int) -> Work:
+    """:func:`~streamxm.models.moments.ridge_whitener` of a ``d x d`` covariance: ``eye``,
+    its scaling and the sum (2 flops, six passes over ``d^2``), the Cholesky factor
+    (``d^3 / 3``) and its triangular inverse (``d^3 / 3``), each with its copy in and out
+    (four more passes)."""
+    return (elementwise(d * d, flops_per_item=2.0, passes=6.0) + cholesky(d)
+            + triangular_inverse(d) + elementwise(d * d, flops_per_item=0.0, passes=4.0))
+
+
+def _solve_work(dx: int, dy: int, k: int) -> Work:
+    """One :meth:`CCA.solve` (float64):
+
+    - the covariances ``S / n - (s / n)(s / n)'`` of ``d_x^2``, ``d_y^2`` and ``d_x d_y``
+      entries: 3 flops and six passes an entry;
+    - the whiteners ``K_x``, ``K_y`` (:func:`_whitener_work`);
+    - ``(K_x C_xy) K_y'``: ``2 d_x^2 d_y + 2 d_x d_y^2`` (dense ``gemm``: the triangular
+      ``K`` is not exploited);
+    - the thin SVD of the ``d_x x d_y`` result: ``4 max min^2 + 8 min^3``
+      (:func:`~streamxm.models.work.svd`);
+    - ``P_x = K_x' U_k``, ``P_y = K_y' V_k``: ``2 d_x^2 k + 2 d_y^2 k``.
+    """
+    covariances = elementwise(dx * dx + dy * dy + dx * dy, flops_per_item=3.0, passes=6.0)
+    return (covariances + _whitener_work(dx) + _whitener_work(dy)
+            + gemm(dx, dy, dx) + gemm(dx, dy, dy) + svd(dx, dy)
+            + gemm(dx, k, dx) + gemm(dy, k, dy))

@@ -14,6 +14,7 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
+from streamxm.models.work import Work, elementwise, gemm, matvec
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOMKS", "KernelPair", "default_kernels"]
@@ -62,6 +63,7 @@ class _Side:
     def __init__(self, dim: int, blocks: list[tuple[int, int]], block_of: list[int],
                  gammas: F64, power: float, landmarks: int, budget: int) -> None:
         self.blocks, self.block_of, self.gammas, self.power = blocks, block_of, gammas, power
+        self.landmarks = landmarks
         widths = [stop - start for start, stop in blocks]
         m = len(block_of)
         self.pool = [np.zeros((landmarks, w), dtype=np.float32) for w in widths]
@@ -138,6 +140,54 @@ class _Side:
             self.support_sq[b][2 * slot : 2 * slot + 2] = np.einsum("ij,ij->i", part, part)
         self.support_m[:, slot] = m_x
         self.coef[slot] = coef
+
+    # -- the work counted (streamxm/models/work.py) -------------------------------------------
+    def prep_work(self, rows: int) -> Work:
+        """:meth:`prep` of ``rows`` rows, per block of width ``w`` (float32): the power map
+        ``sign(x) * |x|^power`` (``4 n w`` flops, 9 passes) unless ``power = 1``, then the norms,
+        the division and the float32 copy (``3 n w`` flops, 5 passes)."""
+        total = Work()
+        for start, stop in self.blocks:
+            items = rows * (stop - start)
+            if self.power != 1.0:
+                total += elementwise(items, 4, flops_per_item=4.0, passes=9.0)
+            total += elementwise(items, 4, flops_per_item=3.0, passes=5.0)
+        return total
+
+    def kernels_work(self, rows: int, points: int, norms_given: bool = True) -> Work:
+        """:meth:`kernels` of ``rows`` prepared rows against ``points`` prepared points: per
+        block of width ``w`` the float32 product ``gemm(n, p, w)`` (the points read once),
+        ``2 x`` and the rows' squared norms (``3 n w``), the points' norms when not given
+        (``2 p w``), the distances ``|x|^2 + |y|^2 - 2 x.y`` clipped into float64 (``3 n p``
+        flops, 7 float32 passes); per kernel pair ``exp(-gamma d)`` and the stack
+        (``2 M n p`` flops, ``exp`` counted as one, 6 float64 passes)."""
+        total = Work()
+        for start, stop in self.blocks:
+            width = stop - start
+            total += (gemm(rows, points, width, 4)
+                      + elementwise(rows * width, 4, flops_per_item=3.0, passes=3.0)
+                      + elementwise(rows * points, 4, flops_per_item=3.0, passes=7.0))
+            if not norms_given:
+                total += elementwise(points * width, 4, flops_per_item=2.0, passes=1.0)
+        return total + elementwise(len(self.block_of) * rows * points, 8, flops_per_item=2.0,
+                                   passes=6.0)
+
+    def pool_work(self, rows: int) -> Work:
+        """:meth:`centred_to_pool` of ``rows`` rows: the kernels to the ``P`` pool points, their
+        mean ``m(x)`` and the centring ``k - m(x) - m(r) + c`` (``4 M n P`` flops, 7 float64
+        passes)."""
+        items = len(self.block_of) * rows * self.landmarks
+        return (self.kernels_work(rows, self.landmarks)
+                + elementwise(items, 8, flops_per_item=4.0, passes=7.0))
+
+    def support_work(self, rows: int, used: int) -> Work:
+        """:meth:`centred_to_support` of ``rows`` rows against ``used`` support triplets: the
+        kernels to their ``2 used`` points, the centring (``3`` flops, 6 passes an item) and
+        the sum over each triplet's two points with its coefficients (``2`` flops, 1 pass), all
+        over ``M n 2 used`` float64 items."""
+        return (self.kernels_work(rows, 2 * used)
+                + elementwise(len(self.block_of) * rows * 2 * used, 8, flops_per_item=5.0,
+                              passes=7.0))
 
 
 class CMOMKS(CrossModalModel, name="cmomks"):
@@ -453,6 +503,68 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self, imgs: NDArray[np.floating], txts: NDArray[np.floating]
     ) -> NDArray[np.float64]:
         return np.asarray(np.einsum("m,mij->ij", self.theta, self.kernel_scores(imgs, txts)))
+
+    # -- the work counted (streamxm/models/work.py) ------------------------------------------
+    def learning_work(self) -> Work:
+        """Per pair, ``triplets_per_pair`` times :meth:`_triplet_work`: the steady state has the
+        pool closed and the support full, and outside bursts no triplets are rehearsed. Every
+        triplet is counted as updating (a triplet skips the support only when all ``M`` kernel
+        pairs already meet the margin, which the margin-1 hinge on centred kernel scores rarely
+        does), so each one also projects the oldest support triplet into ``A``."""
+        return self._triplet_work() * self.triplets_per_pair
+
+    def _triplet_work(self) -> Work:
+        """:meth:`learn_triplet` with ``M`` kernel pairs, ``P = landmarks``, ``U = budget``
+        support triplets, two rows a side (the query twice on its side, both counted). Per side:
+        ``prep`` of the two rows, their centred
+        kernels to the pool (``gemm(2, P, w)``) and to the ``2U`` support points
+        (``gemm(2, 2U, w)``), ``k(row0, row1)``; the scores ``M gemm(2, P, P)`` (through ``A``,
+        float64) and ``M gemm(2, 2, P + U)``, the products with ``tau`` and the concatenations
+        (``M 2 (P + U)`` items); then :meth:`_project_work` and the two ``put`` copies."""
+        m, p, u = len(self.kernels), self.landmarks, self.budget
+        total = Work()
+        for side in (self.img_side, self.txt_side):
+            width = sum(stop - start for start, stop in side.blocks)
+            total += (side.prep_work(2) + side.pool_work(2) + side.support_work(2, u)
+                      + side.kernels_work(1, 1, norms_given=False)
+                      + elementwise(2 * width, 4, flops_per_item=2.0, passes=3.0))  # put
+        total += (gemm(2, p, p) * m + gemm(2, 2, p + u) * m
+                  + elementwise(m * 2 * u, 8, flops_per_item=1.0, passes=2.0)
+                  + elementwise(m * 2 * (p + u), 8, flops_per_item=0.0, passes=4.0))
+        return total + self._project_work()
+
+    def _project_work(self) -> Work:
+        """:meth:`_project` of the support triplet leaving: per side the two stored points'
+        centred kernels to the pool again (``gemm(2, P, w)``), their sum with the coefficients
+        (``2 M 2 P``) and the coordinates ``K~_PP^+ k~`` (``M matvec(P, P)``, float64); then
+        ``A += tau c_v c_t^T`` through a full ``(M, P, P)`` temporary (``2 M P^2`` flops: the
+        temporary written and read, ``A`` read and written)."""
+        m, p = len(self.kernels), self.landmarks
+        total = Work()
+        for side in (self.img_side, self.txt_side):
+            total += (side.pool_work(2) + elementwise(m * 2 * p, 8, flops_per_item=2.0,
+                                                      passes=1.0)
+                      + matvec(p, p) * m)
+        return total + elementwise(m * p * p, 8, flops_per_item=2.0, passes=4.0)
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """:meth:`embed_images` / :meth:`embed_texts` of ``n`` rows at a full support: ``prep``,
+        the centred kernels to the pool (``gemm(n, P, w)``) and to the ``2U`` support points
+        (``gemm(n, 2U, w)``, float32); images add ``M gemm(n, P, P)`` through ``A`` (float64)
+        and the products with ``tau`` (``M n U``) and ``theta`` (``M n (P + U)``); both
+        concatenate (``M n (P + U)`` float64 copied) and flatten into float32 (read 8, zeroed
+        and written 4 bytes an item)."""
+        m, p, u = len(self.kernels), self.landmarks, self.budget
+        side = self.img_side if modality == "image" else self.txt_side
+        terms = m * rows * (p + u)
+        total = (side.prep_work(rows) + side.pool_work(rows) + side.support_work(rows, u)
+                 + elementwise(terms, 8, flops_per_item=0.0, passes=2.0)
+                 + elementwise(terms, 4, flops_per_item=0.0, passes=4.0))
+        if modality == "image":
+            total += (gemm(rows, p, p) * m
+                      + elementwise(m * rows * u, 8, flops_per_item=1.0, passes=2.0)
+                      + elementwise(terms, 8, flops_per_item=1.0, passes=2.0))
+        return total
 
     # -- state -------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:

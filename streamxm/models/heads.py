@@ -36,16 +36,25 @@ F64 = NDArray[np.float64]
 _ROWS = 8192
 
 
-def rbf_kernel(x: NDArray[np.floating], y: NDArray[np.floating], gamma: float) -> F64:
-    """``exp(-gamma ||x - y||^2)`` for every row pair (the paper's ``sigma`` is ``gamma``).
+def rbf_kernel(x: NDArray[np.floating], y: NDArray[np.floating], gamma: float,
+               y_norms: F64 | None = None) -> F64:
+    """``exp(-gamma ||x - y||^2)`` for every row pair (the paper's ``sigma`` is ``gamma``);
+    ``y_norms``: the rows of ``y``'s squared norms (:func:`squared_norms`), kept by a caller
+    whose ``y`` is fixed (landmarks) so that a call for a few rows reads ``y`` once, not twice.
 
     >>> rbf_kernel(np.array([[0.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 0.0]]), gamma=1.0)
     array([[0.36787944, 1.        ]])
     """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
-    sq = np.einsum("ij,ij->i", x, x)[:, None] + np.einsum("ij,ij->i", y, y)[None, :] - 2 * x @ y.T
+    y_norms = squared_norms(y) if y_norms is None else y_norms
+    sq = squared_norms(x)[:, None] + y_norms[None, :] - 2 * x @ y.T
     return np.asarray(np.exp(-gamma * np.maximum(sq, 0.0)))
+
+
+def squared_norms(x: NDArray[np.floating]) -> F64:
+    """Each row's squared L2 norm."""
+    return np.asarray(np.einsum("ij,ij->i", x, x))
 
 
 class FeatureMap:
@@ -116,21 +125,24 @@ class RbfFeatures(FeatureMap):
     landmarks: F64
     gamma: float
     key: tuple[object, ...] = field(init=False)
+    _norms: F64 = field(init=False, repr=False)  # the landmarks' squared norms
 
     def __post_init__(self) -> None:
         below = self.inputs.key if self.inputs is not None else ()
         object.__setattr__(self, "key", ("rbf", self.gamma, len(self.landmarks),
                                          _digest(self.landmarks), *below))
+        object.__setattr__(self, "_norms", squared_norms(self.landmarks))
 
     def own_work(self, rows: int, width: int) -> Work:
         return gemm(rows, len(self.landmarks), width) + elementwise(
             rows * len(self.landmarks), flops_per_item=20.0)  # the exponential
 
     def apply(self, x: F32, landmarks: F64 | None = None) -> F32:
+        norms: F64 | None = self._norms if landmarks is None else None
         landmarks = self.landmarks if landmarks is None else landmarks
         out = np.empty((len(x), len(landmarks)), dtype=np.float32)
         for at in range(0, len(x), _ROWS):
-            out[at : at + _ROWS] = rbf_kernel(x[at : at + _ROWS], landmarks, self.gamma)
+            out[at : at + _ROWS] = rbf_kernel(x[at : at + _ROWS], landmarks, self.gamma, norms)
         return out
 
     def extend(self, kept: Mapping[tuple[object, ...], F32], x: F32) -> F32 | None:
@@ -184,16 +196,25 @@ class LinearHead:
         """The embeddings of rows whose features are ``features`` (products in float64)."""
         out = np.empty((len(features), self.weight.shape[1]), dtype=np.float32)
         for at in range(0, len(features), _ROWS):
-            z = features[at : at + _ROWS].astype(np.float64) @ self.weight
-            if self.bias is not None:
-                z += self.bias
-            if self.finish == "l2":
-                z = power_normalize(z)
-            elif self.finish == "softmax":
-                z = np.exp(z - z.max(axis=1, keepdims=True))
-                z /= z.sum(axis=1, keepdims=True)
-            out[at : at + _ROWS] = z
+            out[at : at + _ROWS] = self._finish(
+                features[at : at + _ROWS].astype(np.float64) @ self.weight)
         return out
+
+    def embed_float32(self, features: F32) -> F32:
+        """:meth:`embed` with the product in float32: no float64 copy of ``features``, for
+        scores only compared with one another (the rolling evaluation's), where float32
+        rounding of the product does not matter."""
+        return self._finish(features @ self.weight.astype(np.float32)).astype(np.float32)
+
+    def _finish(self, z: NDArray[np.floating]) -> NDArray[np.floating]:
+        if self.bias is not None:
+            z = z + self.bias
+        if self.finish == "l2":
+            return power_normalize(z)
+        if self.finish == "softmax":
+            z = np.exp(z - z.max(axis=1, keepdims=True))
+            return np.asarray(z / z.sum(axis=1, keepdims=True))
+        return z
 
 
 def unit_features(fmap: FeatureMap | None, x: NDArray[np.floating]) -> F32:

@@ -18,6 +18,8 @@ from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import append_constant, power_normalize
 from streamxm.models.optim import adagrad_step
+from streamxm.models.pairwise import adagrad_work, power_normalize_work
+from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["MarginalMatching"]
@@ -202,6 +204,47 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
                 stats.add(direction, int(np.argmax(p[0])) not in cols[0], loss, True)
             adagrad_step(w, g, f.T @ (p - target) / len(rows), self.lr, self.lam)
 
+    # -- the work counted (streamxm/models/work.py) ------------------------------------------
+    def learning_work(self) -> Work:
+        """Per arriving labelled pair, with the ring full of labelled pairs and ``C`` the
+        classes seen so far (at least one: the weights grow a column with each), a
+        mini-batch of ``b = 1 + replay`` rows and ``D = d + 1`` a side (float64 throughout):
+        the rows gathered into one array (2 passes of 4 bytes an item) and the target zeroed
+        (``b C`` items); per side the rows gathered again (2 passes of 4 bytes),
+        :meth:`_feature_work`, the logits ``gemm(b, C, D)``, the softmax
+        (:func:`_softmax_work`), ``p - target`` (3 passes of ``b C``), the gradient
+        ``gemm(D, C, b)``, its division by ``b`` (2 passes of ``D C``) and AdaGrad over the
+        whole ``D x C`` weight matrix (:func:`~streamxm.models.pairwise.adagrad_work`)."""
+        b, c = 1 + self.replay, max(1, len(self.class_index))
+        total = elementwise(b * (self.img_dim + self.txt_dim), 4, flops_per_item=0.0,
+                            passes=2.0) + elementwise(b * c, flops_per_item=0.0, passes=1.0)
+        for dim in (self.img_dim, self.txt_dim):
+            width = dim + 1
+            total += (elementwise(b * dim, 4, flops_per_item=0.0, passes=2.0)
+                      + self._feature_work(b, dim) + gemm(b, c, width) + _softmax_work(b * c)
+                      + elementwise(b * c, flops_per_item=1.0, passes=3.0)
+                      + gemm(width, c, b) + elementwise(width * c, passes=2.0)
+                      + adagrad_work(width * c, 8))
+        return total
+
+    def _feature_work(self, rows: int, dim: int) -> Work:
+        """:meth:`_features` of ``n`` float32 rows:
+        :func:`~streamxm.models.pairwise.power_normalize_work` and the constant appended
+        (2 passes of 8 bytes an item)."""
+        return (power_normalize_work(rows * dim, self.power)
+                + elementwise(rows * (dim + 1), flops_per_item=0.0, passes=2.0))
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """:meth:`embed_images` / :meth:`embed_texts` of ``n`` rows with ``C`` the classes
+        seen so far (at least one): :meth:`_feature_work`, the logits ``gemm(n, C, d + 1)``
+        (float64), the softmax (:func:`_softmax_work`) and the cast to float32 (read 8,
+        write 4 bytes an item)."""
+        dim = self.img_dim if modality == "image" else self.txt_dim
+        c = max(1, len(self.class_index))
+        return (self._feature_work(rows, dim) + gemm(rows, c, dim + 1)
+                + _softmax_work(rows * c) + elementwise(rows * c, flops_per_item=0.0,
+                                                        passes=1.5))
+
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self.posteriors_images(x).astype(np.float32)
 
@@ -243,3 +286,10 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
             setattr(self, key, np.array(arrays[key], dtype=np.float64))
         self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
         self.skipped_unlabelled = int(meta["skipped_unlabelled"])
+
+
+def _softmax_work(items: int) -> Work:
+    """:func:`scipy.special.softmax` over rows of ``n`` float64 items in all: the row maxima
+    (1 pass), ``x - max`` and its exponential (4 passes; the exponential counted 10 flops),
+    the row sums (1 pass) and the division (2 passes)."""
+    return elementwise(items, flops_per_item=13.0, passes=8.0)

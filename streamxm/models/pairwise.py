@@ -23,9 +23,17 @@ from streamxm.models.moments import (
     ridge_whitener,
 )
 from streamxm.models.optim import adagrad_step
+from streamxm.models.work import (
+    Work,
+    cholesky,
+    elementwise,
+    gemm,
+    matvec,
+    triangular_inverse,
+)
 from streamxm.stream.messages import Pair
 
-__all__ = ["PairwiseLogistic"]
+__all__ = ["PairwiseLogistic", "adagrad_work", "power_normalize_work"]
 
 Variant = Literal["logistic", "bipartite"]
 
@@ -296,6 +304,69 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         images = np.vstack([qx, fx]).astype(np.float64)
         return (query_image @ texts.T)[0], images @ query_text
 
+    # -- the work counted (streamxm/models/work.py) ------------------------------------------
+    def learning_work(self) -> Work:
+        """Per arriving pair outside bursts (no rehearsal; partners from the ring of
+        ``R = 500`` recent pairs, the learner's default), with ``S = negatives``, ``D_x =
+        d_img + 1``, ``D_y = d_txt + 1`` and ``P = whiten_every``:
+
+        - whitening, :meth:`_feature_work` of one row a side (a ``d x d`` float64 matvec with
+          the dense whitener), ``1 + E / P`` times: the arriving pair, plus the ``E`` stored
+          pairs a refresh leaves stale that a later step draws before their slot is written
+          (:func:`_stale_whitenings`);
+        - the scores: ``gemm(S, D_y, D_x)`` for the formed pairs and ``matvec(D_x, D_y)`` for
+          the positive (float32, one pass over ``W`` each);
+        - the gradient ``gemm(D_x, D_y, S + 1)`` (float32, written whole: every formed pair
+          is kept, the bipartite variant's count on an unlabelled stream);
+        - AdaGrad over all of ``W`` (:func:`adagrad_work` of ``D_x D_y`` float32 items);
+        - the moments: each side's block of ``B = 64`` rows folded once per ``B`` pairs
+          (:func:`_gram_work`), and every ``P`` pairs a refresh (:func:`_refresh_work`).
+        """
+        dx, dy, s = self.img_dim + 1, self.txt_dim + 1, self.negatives
+        every, block = self.whiten_every, RunningMoments.BLOCK
+        whitenings = 1.0 + _stale_whitenings(_RING, s, every) / every
+        total = (self._feature_work(1, self.img_dim) + self._feature_work(1, self.txt_dim)) * (
+            whitenings)
+        total += gemm(s, dy, dx, 4) + matvec(dx, dy, 4) + gemm(dx, dy, s + 1, 4)
+        total += adagrad_work(dx * dy, 4)
+        for d in (self.img_dim, self.txt_dim):
+            total += power_normalize_work(d, self.power)  # the row the moments take
+            total += _gram_work(d, block) * (1.0 / block)
+            total += _refresh_work(d, self.whiten) * (1.0 / every)
+        return total
+
+    def _feature_work(self, rows: int, dim: int) -> Work:
+        """:meth:`image_features` / :meth:`text_features` of ``n`` float32 rows:
+        :func:`power_normalize_work`, the mean subtracted (2 passes), the whitening
+        ``gemm(n, d, d)`` in float64 (the whitener is stored dense; with ``whiten=False`` it
+        is the identity, multiplied all the same), the constant appended (2 passes) and the
+        cast to float32 (1.5 passes of 8 bytes)."""
+        items = rows * dim
+        return (power_normalize_work(items, self.power) + gemm(rows, dim, dim)
+                + elementwise(items, flops_per_item=1.0, passes=5.5))
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """Texts: :meth:`_feature_work`; images: that and ``gemm(n, D_y, D_x)`` with ``W``
+        (float32)."""
+        if modality == "text":
+            return self._feature_work(rows, self.txt_dim)
+        return (self._feature_work(rows, self.img_dim)
+                + gemm(rows, self.txt_dim + 1, self.img_dim + 1, 4))
+
+    def evaluation_work(self, gallery: int) -> Work:
+        """:meth:`evaluation_scores` against ``g = gallery`` stored pairs whose cached features
+        are current: the query's :meth:`_feature_work` a side, ``W`` into each query side
+        (``2 matvec(D_x, D_y)``, float32), the cached rows gathered (2 passes of 4 bytes),
+        stacked under the query (2 passes of 4 bytes) and cast to float64 (read 4, write 8
+        bytes an item), then ``matvec(g + 1, D_y) + matvec(g + 1, D_x)`` in float64."""
+        dx, dy, rows = self.img_dim + 1, self.txt_dim + 1, gallery + 1
+        items = rows * (dx + dy)
+        return (self._feature_work(1, self.img_dim) + self._feature_work(1, self.txt_dim)
+                + matvec(dx, dy, 4) * 2
+                + elementwise(items, 4, flops_per_item=0.0, passes=4.0)
+                + elementwise(items, 4, flops_per_item=0.0, passes=3.0)
+                + matvec(rows, dy) + matvec(rows, dx))
+
     # -- serving -----------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return np.asarray(self.image_features(x) @ self.W, dtype=np.float32)
@@ -353,6 +424,72 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         for key in ("mean_x", "mean_y", "white_x", "white_y"):
             setattr(self, key, np.array(arrays[key], dtype=np.float64))
         self._cache.clear()
+
+
+#: Slots of the replay buffer's ring of recent pairs in the counted steady state: the learner's
+#: default ``buffer_capacity`` (:class:`~streamxm.learning.learner.StreamLearner`).
+_RING = 500
+
+
+def adagrad_work(items: int, itemsize: int) -> Work:
+    """:func:`~streamxm.models.optim.adagrad_step` over ``n`` items: nine whole-array
+    operations (``g = lam w``, ``g += grad``, ``step = g g``, ``G += step``, ``sqrt``, ``+ eps``,
+    ``g *= lr``, ``step = g / step``, ``w -= step``), ``9 n`` flops and ``22 n`` items read or
+    written."""
+    return elementwise(items, itemsize, flops_per_item=9.0, passes=22.0)
+
+
+def power_normalize_work(items: int, power: float) -> Work:
+    """:func:`~streamxm.models.moments.power_normalize` of ``n`` float32 items: the float64
+    copy (read 4, write 8 bytes), at ``power != 1`` the sign, the absolute value, the power and
+    their product (9 passes, 4 flops), the squares, their row sums and the division (5 passes,
+    3 flops)."""
+    mapped = power != 1.0
+    return elementwise(items, flops_per_item=3.0 + 4.0 * mapped,
+                       passes=6.5 + 9.0 * mapped)
+
+
+def _gram_work(dim: int, rows: int) -> Work:
+    """``S += x^T x`` for a block ``x`` of ``k`` float64 rows
+    (:meth:`~streamxm.models.moments.RunningMoments.fold`): the rows stacked (2 passes) and
+    summed (1 pass), numpy's ``syrk`` for ``x^T x`` (``k d^2`` flops, half a product: ``x`` read,
+    the ``d x d`` temporary written), the temporary's other triangle mirrored (1 pass) and the
+    temporary added into ``S`` (3 passes)."""
+    syrk = Work(float(rows) * dim * dim, 8.0 * (dim * rows + dim * dim))
+    return (elementwise(rows * dim, flops_per_item=1.0, passes=3.0) + syrk
+            + elementwise(dim * dim, flops_per_item=1.0, passes=4.0))
+
+
+def _refresh_work(dim: int, whiten: bool) -> Work:
+    """One side of :meth:`PairwiseLogistic._refresh_whitener`: the means only without
+    whitening; with it the covariance (``S / n - m m^T``: 3 flops, 6 passes of ``d^2``), the
+    ridge added through an identity (2 flops, 6 passes), ``cholesky(d)`` and
+    ``triangular_inverse(d)``."""
+    if not whiten:
+        return elementwise(dim)
+    return (elementwise(dim * dim, flops_per_item=5.0, passes=12.0) + cholesky(dim)
+            + triangular_inverse(dim))
+
+
+def _stale_whitenings(ring: int, partners: int, every: int) -> float:
+    """Stored pairs whitened again after a refresh clears the cache, per refresh.
+
+    At the refresh the ``R - 1`` ring slots other than the arriving pair's are stale; the one
+    overwritten ``t`` pairs later is exposed to ``min(t, P)`` steps (``P = every``), each
+    drawing ``S`` partners uniformly from ``R - 1`` slots, so it is drawn (and whitened) with
+    probability ``1 - q^(S min(t, P))``, ``q = 1 - 1 / (R - 1)``. Summed over ``t = 1 .. R -
+    1`` with ``A = min(P, R - 1)``:
+
+        E = (R - 1) - q^S (1 - q^(S A)) / (1 - q^S) - (R - 1 - A) q^(S A).
+    """
+    if ring < 2:
+        return 0.0
+    others = ring - 1
+    miss = (1.0 - 1.0 / others) ** partners  # q^S: a slot not drawn in one step
+    exposed = min(every, others)
+    drawn_never = miss * (1.0 - miss**exposed) / (1.0 - miss) + (others - exposed) * (
+        miss**exposed)
+    return others - drawn_never
 
 
 class _FeatureCache:

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["CDResult", "dense_targets", "mpl_cd", "projection_loss"]
+from streamxm.models.work import Work, elementwise, gemm
+
+__all__ = ["CDResult", "dense_targets", "gram_work", "mpl_cd", "mpl_cd_work", "projection_loss"]
 
 F64 = NDArray[np.float64]
 
@@ -154,3 +156,56 @@ def mpl_cd(
             result.converged = True
             break
     return result
+
+
+# -- the work counted (streamxm/models/work.py) ------------------------------------------------
+def gram_work(n: int, inner: int) -> Work:
+    """``X' X`` with ``X`` ``(inner, n)`` in float64: numpy's ``matmul`` sees one operand and its
+    transpose and calls ``syrk`` (``n^2 inner`` flops, half a ``gemm``), then mirrors the
+    triangle element by element (``n^2 / 2`` read and written)."""
+    return Work(float(n) * n * inner, 8.0 * (n * inner + 2.0 * n * n))
+
+
+def projection_loss_work(m1: int, m2: int, classes: int, q: int) -> Work:
+    """:func:`projection_loss` with ``A`` ``(m1, q)``, ``B`` ``(m2, q)`` and ``c`` class columns:
+    ``A'A``, ``B'B`` (``q^2 m`` each, ``syrk``), ``G'G``, ``H'H`` (``c^2 m`` each, ``syrk``,
+    recomputed at every call although ``G``, ``H`` do not change during a descent),
+    ``G'A``, ``H'B`` (``2 c q m`` each), and nine products summed over ``q^2``, ``c q`` and
+    ``c^2`` entries (2 flops, four passes an entry)."""
+    c = classes
+    return (gram_work(q, m1) + gram_work(q, m2) + gram_work(c, m1) + gram_work(c, m2)
+            + gemm(c, q, m1) + gemm(c, q, m2)
+            + elementwise(3 * (q * q + c * q + c * c), flops_per_item=2.0, passes=4.0))
+
+
+def sweep_work(n: int, classes: int, q: int) -> Work:
+    """One :func:`_sweep` over the ``n q`` entries of an ``(n, q)`` side with ``c`` class
+    columns, every step taken (an upper bound: a step that cannot lower the loss is skipped):
+
+    - ``p = 2 A'A + B'B`` (``q^2 n``, ``syrk``), ``r = 2 G'A + H'B`` (``2 c q n``), the row
+      norms of ``A`` and ``G`` (``2 n q + 2 n c``);
+    - per entry, the gradient ``A_i. p_.j - G_i. r_.j`` (``2 q + 2 c``) and the updates of
+      ``p``'s row and column and of ``r``'s column (``4 q + 2 c``): ``6 q + 4 c`` flops and
+      ``8 (c + 2 q)`` bytes, the rows ``G_i.`` and ``A_i.`` read (``r`` and ``p``, ``c x q``
+      and ``q x q``, stay in cache).
+    """
+    c = classes
+    per_entry = Work(6.0 * q + 4.0 * c, 8.0 * (c + 2.0 * q))
+    norms = elementwise(n * (q + c), flops_per_item=2.0, passes=1.0)
+    return gram_work(q, n) + gemm(c, q, n) + norms + per_entry * float(n * q)
+
+
+def mpl_cd_work(m1: int, m2: int, classes: int, q: int, outer: int, inner: int) -> Work:
+    """:func:`mpl_cd` run to its ``outer`` loops (an upper bound: it stops early when the loss
+    settles): the copies of ``A``, ``B``, the first loss ``L`` and per loop ``inner`` sweeps of
+    each side after its fixed side's products (``B'B``: ``q^2 m2``, ``H'B``: ``2 c q m2``;
+    likewise for ``B``'s sweeps), then ``L``:
+
+    ``L + outer (inner (S_A + S_B) + L)`` (:func:`projection_loss_work`, :func:`sweep_work`).
+    """
+    c = classes
+    loss = projection_loss_work(m1, m2, c, q)
+    sweeps_a = inner * (gram_work(q, m2) + gemm(c, q, m2) + sweep_work(m1, c, q))
+    sweeps_b = inner * (gram_work(q, m1) + gemm(c, q, m1) + sweep_work(m2, c, q))
+    copies = elementwise((m1 + m2) * q, flops_per_item=0.0)
+    return copies + loss + outer * (sweeps_a + sweeps_b + loss)

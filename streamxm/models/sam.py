@@ -20,6 +20,7 @@ from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler, power_normalize
+from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair, make_pair
 
 __all__ = ["SAM", "Tower", "batch_loss", "centroid_margin", "schedule_alpha", "semantic_margin"]
@@ -83,6 +84,67 @@ def batch_loss(s: Tensor, margins: Tensor, negatives: Tensor) -> tuple[Tensor, T
     i2t = torch.relu(margins - pos + s) * mask
     t2i = torch.relu(margins - pos + s.T) * mask
     return i2t, t2i
+
+
+# -- the work counted (streamxm/models/work.py) ------------------------------------------------
+_NET = 4  # itemsize of the towers, their inputs, margins and optimiser state: float32
+#: Float32 passes over the (b, hidden) activations of a training forward and backward pass:
+#: forward bias 2, tanh 2, dropout draw 1, mask 1.25, masking 2.25, rescale 2; backward
+#: rescale 2, masking 2.25, tanh 3, bias sum 1.
+_HIDDEN_PASSES = 19.0
+#: The same over the (b, dim) outputs: bias 2, tanh 2, normalise 3, each way, plus the bias sum.
+_OUTPUT_PASSES = 16.0
+#: Float32 passes over a (b, b) matrix: the margins (Eq. 6-10), the two hinges (Eq. 5), their
+#: backward, the negatives and the statistics of :meth:`SAM._record` (an estimate of ~100
+#: elementwise torch ops, each reading or writing one (b, b) array).
+_PAIRWISE_PASSES, _PAIRWISE_FLOPS = 100.0, 40.0
+#: Float32 passes over the (b, classes) category matrix: its zero fill, four row or column sums
+#: and the per-item normalisation (read and written).
+_CATEGORY_PASSES = 7.0
+
+
+def _prepare_work(rows: int, dim: int, power: float | None) -> Work:
+    """Inputs before a tower, float32 in and out, float64 between: ``power_normalize`` (upcast
+    12 B, sign 16, abs 16, power 16, product 24, square 16, sum 8, divide 16 = 124 B and 7
+    flops per item; 52 B and 3 flops at ``power = 1``) when ``power`` is set, else an upcast
+    (12 B); then ``FeatureScaler.transform`` (subtract 16, divide 16, downcast 12 = 44 B, 3
+    flops)."""
+    n = float(rows) * dim
+    if power is None:
+        prepare = Work(0.0, 12.0 * n)
+    elif power == 1.0:
+        prepare = Work(3.0 * n, 52.0 * n)
+    else:
+        prepare = Work(7.0 * n, 124.0 * n)
+    return prepare + Work(3.0 * n, 44.0 * n)
+
+
+def _tower_training_work(rows: int, in_dim: int, hidden: int, dim: int) -> Work:
+    """One tower's training pass over ``rows`` rows ``r``, float32: forward ``x W1`` and ``h
+    W2`` (``2 r (in h + h d)`` flops), backward ``x^T g1``, ``h^T g2`` and ``g2 W2^T`` (``2 r
+    in h + 4 r h d``: the inputs need no gradient), and the elementwise passes over the
+    ``r x h`` activations and ``r x d`` outputs (dropout, tanh, normalisation, both ways)."""
+    return (gemm(rows, hidden, in_dim, _NET) + gemm(rows, dim, hidden, _NET)
+            + gemm(in_dim, hidden, rows, _NET) + gemm(hidden, dim, rows, _NET)
+            + gemm(rows, hidden, dim, _NET)
+            + elementwise(rows * hidden, _NET, flops_per_item=10.0, passes=_HIDDEN_PASSES)
+            + elementwise(rows * dim, _NET, flops_per_item=10.0, passes=_OUTPUT_PASSES))
+
+
+def _tower_forward_work(rows: int, in_dim: int, hidden: int, dim: int) -> Work:
+    """An inference pass: ``x W1`` and ``h W2`` (``2 r (in h + h d)`` flops), bias and tanh on
+    the ``r x h`` activations (4 passes), bias, tanh and normalisation on the ``r x d`` outputs
+    (7 passes) and their copy out (2)."""
+    return (gemm(rows, hidden, in_dim, _NET) + gemm(rows, dim, hidden, _NET)
+            + elementwise(rows * hidden, _NET, flops_per_item=2.0, passes=4.0)
+            + elementwise(rows * dim, _NET, flops_per_item=5.0, passes=9.0))
+
+
+def _distance_work(rows: int, dim: int) -> Work:
+    """``torch.cdist(x, x)`` of ``r`` rows on the product path (``r > 25``): the ``r x r x (d +
+    2)`` product plus squared norms, ``-2 x`` and the padded copies of both operands (48 B and 6
+    flops per input item)."""
+    return gemm(rows, rows, dim + 2, _NET) + Work(6.0 * rows * dim, 48.0 * rows * dim)
 
 
 class Tower(nn.Module):
@@ -507,6 +569,66 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(self.txt_tower, self.txt_scaler, self.power_txt, x)
+
+    # -- the work counted (streamxm/models/work.py) ----------------------------------------------
+    def learning_work(self) -> Work:
+        """Per pair, ``1 / step_every`` of one step on a mini-batch of ``b = batch_size`` rows
+        (``b / step_every`` rows of gradient work per pair; the reservoir holds ``replay >= b``
+        pairs in the steady state, so every step has ``b`` rows), float32 throughout
+        (:meth:`_step_work`). Per arriving pair, the scaler's sums and the reservoir's write are
+        ``O(d_v + d_t)`` and not counted."""
+        return self._step_work() * (1.0 / self.step_every)
+
+    def _step_work(self) -> Work:
+        """One :meth:`step` on ``b`` rows, with ``C`` the classes seen so far (at least one:
+        the category matrix grows with them) and ``P`` parameters:
+
+        - gathering: ``b`` rows of each modality from the reservoir and stacked (16 B per item);
+        - both towers: inputs prepared (:func:`_prepare_work`) and one forward and backward pass
+          of ``b`` rows (:func:`_tower_training_work`): ``2 b (d_in h + h d) + 2 b d_in h +
+          4 b h d`` flops per tower;
+        - scores ``S = Z_v Z_t^T`` and its two backward products: ``3 x 2 b^2 d``; centroid
+          cosines ``U U^T`` per modality: ``2 x 2 b^2 d``; input distances
+          (:func:`_distance_work`): ``2 b^2 (d_v + d_t + 4)``; ``b x b`` elementwise passes;
+        - categories: ``Y Y^T`` (``2 b^2 C``), the class sums ``Y^T Z`` per modality (``2 x 2 C b
+          d``), the items' centroids ``Y_n Cent`` per modality (``2 x 2 b C d``), passes over
+          ``Y`` (``b x C``);
+        - Nesterov SGD (single-tensor torch path): ``buf = mu buf + g``, ``g' = g + mu buf``,
+          ``w -= lr g'``: 7 flops and 11 float32 passes (44 B) per parameter.
+        """
+        b, h, d, c = self.batch_size, self.hidden, self.dim, max(1, len(self.classes))
+        total = Work(0.0, 16.0 * b * (self.img_dim + self.txt_dim))
+        params = 0
+        for in_dim, power in ((self.img_dim, self.power_img), (self.txt_dim, self.power_txt)):
+            total += (_prepare_work(b, in_dim, power) + _tower_training_work(b, in_dim, h, d)
+                      + _distance_work(b, in_dim)
+                      + gemm(b, b, d, _NET)        # centroid cosines U U^T
+                      + gemm(c, d, b, _NET)        # class sums Y^T Z
+                      + gemm(b, d, c, _NET))       # items' centroids Y_n Cent
+            params += (in_dim + 1) * h + (h + 1) * d
+        total += gemm(b, b, d, _NET) * 3.0        # S and its two backward products
+        total += elementwise(b * b, _NET, _PAIRWISE_FLOPS, _PAIRWISE_PASSES)
+        total += gemm(b, b, c, _NET)              # shared classes Y Y^T
+        total += elementwise(b * c, _NET, flops_per_item=3.0, passes=_CATEGORY_PASSES)
+        return total + elementwise(params, _NET, flops_per_item=7.0, passes=11.0)
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """Per chunk of ``r <= 4096`` rows (:data:`_EMBED_ROWS`; the weights are read once per
+        chunk): the inputs prepared (:func:`_prepare_work`) and the tower's inference pass
+        (:func:`_tower_forward_work`): ``2 r (d_in h + h d)`` flops."""
+        if modality == "image":
+            in_dim, power = self.img_dim, self.power_img
+        elif modality == "text":
+            in_dim, power = self.txt_dim, self.power_txt
+        else:
+            raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
+        total = Work()
+        full, rest = divmod(rows, _EMBED_ROWS)
+        for chunk, times in ((_EMBED_ROWS, full), (rest, 1 if rest else 0)):
+            if times:
+                total += times * (_prepare_work(chunk, in_dim, power)
+                                  + _tower_forward_work(chunk, in_dim, self.hidden, self.dim))
+        return total
 
     # -- several ranks ---------------------------------------------------------------------------
     merge_every = 64

@@ -21,9 +21,16 @@ from streamxm.models.base import (
     require,
 )
 from streamxm.models.classes import ClassIndex
-from streamxm.models.heads import LinearHead, RbfFeatures, power_features, rbf_kernel
+from streamxm.models.heads import (
+    LinearHead,
+    RbfFeatures,
+    power_features,
+    rbf_kernel,
+    squared_norms,
+)
 from streamxm.models.moments import ResolveSchedule, power_normalize
-from streamxm.models.projections import mpl_cd
+from streamxm.models.projections import mpl_cd, mpl_cd_work
+from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["SDSRL", "NystroemMap", "rbf_kernel"]
@@ -56,13 +63,14 @@ class NystroemMap:
             keep = w > floor * w.max()
             proj = u[:, keep] / np.sqrt(w[keep])
         self.proj = np.asarray(proj, dtype=np.float64)
+        self.landmark_norms = squared_norms(self.landmarks)
 
     @property
     def dim(self) -> int:
         return int(self.proj.shape[1])
 
     def kernel(self, x: NDArray[np.floating]) -> F64:
-        return rbf_kernel(np.atleast_2d(x), self.landmarks, self.gamma)
+        return rbf_kernel(np.atleast_2d(x), self.landmarks, self.gamma, self.landmark_norms)
 
     def features(self, x: NDArray[np.floating]) -> F64:
         return self.kernel(x) @ self.proj
@@ -398,6 +406,73 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
             self._feature_maps[modality] = made
         return LinearHead(made[1], w, None, "none")
 
+    # -- the work counted (streamxm/models/work.py) ----------------------------------------
+    def _steady_sizes(self) -> tuple[int, int, int]:
+        """``(m1, m2, c)`` of the steady state: the landmarks drawn from the full pool,
+        ``m1 = min(m_img, landmark_pool)`` and ``m2 = min(m_txt, landmark_pool)`` (also the
+        feature counts, at their most: the eigenvalue floor may drop some, a property of the
+        data), and ``c`` the class columns seen so far (at least one: they grow with the
+        stream's classes)."""
+        return (min(self.m_img, self.landmark_pool), min(self.m_txt, self.landmark_pool),
+                max(1, len(self.class_index)))
+
+    def learning_work(self) -> Work:
+        """Per pair in the steady state (landmarks frozen, solved once), float64, with
+        ``d_v, d_t`` the input sizes, ``(m1, m2, c)`` = :meth:`_steady_sizes`, ``B = batch`` and
+        ``n = solve_every``:
+
+        ``T + N(1, d_v) + N(1, d_t) + F / B + R / n``
+
+        - ``T = (E_v(1) + E_t(2) + E_t(1) + E_v(2)) / 2``: the scored triplet
+          (:func:`~streamxm.models.base.observe_triplet`, directions alternating), ``E`` the
+          :meth:`embedding_work`;
+        - ``N(r, d)``: the arriving vectors power-normalised (:func:`_normalize_work`);
+        - ``F``: a fold of ``B`` pending pairs (:func:`_fold_work`);
+        - ``R``: a re-solve (:func:`_solve_work`).
+        """
+        m1, m2, c = self._steady_sizes()
+        triplet = 0.5 * (self.embedding_work(1, "image") + self.embedding_work(2, "text")
+                         + self.embedding_work(1, "text") + self.embedding_work(2, "image"))
+        fold = _fold_work(self.batch, ((self.img_dim, m1), (self.txt_dim, m2)), c)
+        solve = _solve_work(m1, m2, c, self.q, self.outer, self.inner)
+        return (triplet + _normalize_work(1, self.img_dim, self.power_img)
+                + _normalize_work(1, self.txt_dim, self.power_txt)
+                + fold * (1.0 / self.batch) + solve * (1.0 / self.solve_every))
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """:meth:`_embed` on ``r`` rows of size ``d`` against the ``m`` steady-state landmarks
+        (:meth:`_steady_sizes`): ``N(r, d)`` (:func:`_normalize_work`), the kernel rows
+        ``K(r, m, d)`` (:func:`_rbf_work`) and their product with ``W`` (``2 r m q``)."""
+        dim, m, power = self._side(modality)
+        return (_normalize_work(rows, dim, power) + _rbf_work(rows, m, dim)
+                + gemm(rows, self.q, m)
+                + elementwise(rows * self.q, itemsize=4, flops_per_item=0.0))
+
+    def evaluation_work(self, gallery: int) -> Work:
+        """The base class's count (the query's kept-feature map, the ``g + 1`` stored and
+        arriving features times ``W``: ``2 (g + 1) m q``, the scores: ``2 (g + 1) q``) for the
+        steady-state heads, so it is the same before the first solve (no head yet) and while
+        the provisional landmarks grow: the query's features are
+        :class:`~streamxm.models.heads.RbfFeatures` over ``m`` landmarks of :meth:`_steady_sizes`
+        (a shape-only stand-in: the count reads their number, not their values)."""
+        total = Work()
+        for modality in ("image", "text"):
+            dim, m, power = self._side(modality)
+            gamma = self.sigma_img if modality == "image" else self.sigma_txt
+            features = RbfFeatures(power_features(power), np.empty((m, 0)), gamma)
+            total += (features.work(1, dim) + gemm(gallery + 1, self.q, m)
+                      + gemm(1, gallery + 1, self.q))
+        return total
+
+    def _side(self, modality: str) -> tuple[int, int, float]:
+        """``(input size, steady-state landmarks, power)`` of ``modality``."""
+        m1, m2, _ = self._steady_sizes()
+        if modality == "image":
+            return self.img_dim, m1, self.power_img
+        if modality == "text":
+            return self.txt_dim, m2, self.power_txt
+        raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
+
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays: Arrays = {
@@ -460,3 +535,67 @@ def _small_random(rng: np.random.Generator, target: F64, q: int) -> F64:
     """A start for the descent at a tenth of the target's entry scale (``0`` is stationary)."""
     scale = 0.1 * float(np.linalg.norm(target)) / np.sqrt(target.size)
     return rng.normal(scale=scale, size=(len(target), q))
+
+
+def _normalize_work(rows: int, dim: int, power: float) -> Work:
+    """:func:`~streamxm.models.moments.power_normalize` of ``rows x dim`` values: the float64
+    copy, ``x * x``, its row sums and the division (3 flops, 7 passes an item), and with
+    ``power != 1`` ``sign(x) |x|^power`` (4 flops, 9 passes)."""
+    work = elementwise(rows * dim, flops_per_item=3.0, passes=7.0)
+    if power != 1.0:
+        work += elementwise(rows * dim, flops_per_item=4.0, passes=9.0)
+    return work
+
+
+def _rbf_work(rows: int, m: int, dim: int) -> Work:
+    """:func:`~streamxm.models.heads.rbf_kernel` of ``r`` rows against ``m`` landmarks of
+    size ``d`` (float64) whose squared norms are kept: the rows' squared norms and ``2 x``
+    (3 flops, three passes over ``r d``), the product ``(2 x) L'`` (``2 r m d``) and, over the
+    ``r x m`` result, the norms added, ``max(., 0)``, ``-gamma .`` and ``exp`` (24 flops, ten
+    passes an entry)."""
+    return (elementwise(rows * dim, flops_per_item=3.0, passes=3.0)
+            + gemm(rows, m, dim) + elementwise(rows * m, flops_per_item=24.0, passes=10.0))
+
+
+def _fold_work(batch: int, sides: tuple[tuple[int, int], ...], classes: int) -> Work:
+    """:meth:`SDSRL._accumulate` of ``B`` pending pairs, per side ``(d, m)`` (``m`` landmarks
+    and features) with ``c`` class columns:
+
+    - the pending rows stacked (two passes over ``B d``), their kernel rows ``K(B, m, d)``
+      (:func:`_rbf_work`) times the Nystroem projection (``2 B m^2``);
+    - ``Phi'Phi`` as ``(Phi w)' Phi`` (``2 m^2 B``: a ``gemm``, the weighted copy is another
+      operand) and ``Phi'L`` (``2 m c B``), ``Phi w`` formed for each (three passes over
+      ``B m``), each sum decayed and added (2 flops, five passes an entry);
+    - ``Phi'L`` copied by ``hstack`` even when no class is new (two passes over ``m c``);
+
+    plus the ``B x c`` label matrix written.
+    """
+    work = elementwise(batch * classes, flops_per_item=0.0, passes=1.0)
+    for dim, m in sides:
+        work += (elementwise(batch * dim, flops_per_item=0.0) + _rbf_work(batch, m, dim)
+                 + gemm(batch, m, m) + 2 * elementwise(batch * m, passes=3.0)
+                 + gemm(m, m, batch) + gemm(m, classes, batch)
+                 + elementwise(m * m + m * classes, flops_per_item=2.0, passes=5.0)
+                 + elementwise(m * classes, flops_per_item=0.0))
+    return work
+
+
+def _solve_work(m1: int, m2: int, classes: int, q: int, outer: int, inner: int) -> Work:
+    """:meth:`SDSRL.solve` once the landmarks are frozen (its fold is charged with the
+    others, per pair):
+
+    - the targets ``G = (Phi'Phi + mu n I)^-1 Phi'L`` and ``H``: ``eye``, its scaling and the
+      sum (2 flops, six passes over ``m^2``), then ``gesv``: the LU factors (``2 m^3 / 3``)
+      and ``c`` right-hand sides (``2 m^2 c``), the matrix and right-hand sides copied in and
+      out (three passes over ``m^2 + m c``), and ``any(G)`` (one pass over ``m c``);
+    - MPL-CD (:func:`~streamxm.models.projections.mpl_cd_work`, to its ``outer`` loops);
+    - the published ``W = U diag(w)^-1/2 A``: ``2 m^2 q`` per side.
+    """
+    work = mpl_cd_work(m1, m2, classes, q, outer, inner)
+    for m in (m1, m2):
+        lu = Work(2.0 * m**3 / 3.0 + 2.0 * m * m * classes, 0.0)
+        work += (elementwise(m * m, flops_per_item=2.0, passes=6.0) + lu
+                 + elementwise(m * m + m * classes, flops_per_item=0.0, passes=3.0)
+                 + elementwise(m * classes, flops_per_item=0.0, passes=1.0)
+                 + gemm(m, q, m))
+    return work
