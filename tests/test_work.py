@@ -87,3 +87,23 @@ def test_the_in_place_merge_is_the_product_plus_the_add_bit_for_bit() -> None:
     expected = m.W + (left.T * tau.astype(np.float32)) @ right
     m._merge(left, tau, right)
     assert np.array_equal(m.W, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_adagrad_pass_is_the_whole_array_form_bit_for_bit(dtype: type) -> None:
+    from streamxm.models.optim import _adagrad_arrays, adagrad_step
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((37, 11)).astype(dtype)
+    sq = rng.random((37, 11)).astype(dtype)
+    grad = rng.standard_normal((37, 11)).astype(dtype)
+    w2, sq2 = w.copy(), sq.copy()
+    for _ in range(3):
+        adagrad_step(w, sq, grad, 0.05, 1e-3)
+        _adagrad_arrays(w2, sq2, grad, 0.05, 1e-3)
+    assert np.array_equal(w, w2) and np.array_equal(sq, sq2)
+    # A gradient of another dtype takes the whole-array path, cast as numpy casts it.
+    w3, sq3 = w.copy(), sq.copy()
+    adagrad_step(w3, sq3, grad.astype(np.float16), 0.05, 1e-3)
+    _adagrad_arrays(w, sq, grad.astype(np.float16), 0.05, 1e-3)
+    assert np.array_equal(w3, w)
