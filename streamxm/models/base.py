@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.heads import LinearHead, SlotFeatures, unit_features
+from streamxm.models.moments import ResolveSchedule
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
@@ -183,6 +184,17 @@ class CrossModalModel(ABC):
         state (buffer, budgets and landmark sets full, outside bursts), periodic work (a solve
         every ``n`` pairs) spread over its period; ``None``: not counted."""
         return None
+
+    def periodic_work(self) -> tuple[int, int]:
+        """``(start, period)``: once ``start`` pairs are learned, the periodic work that
+        :meth:`learning_work` spreads over its period (a re-solve, a refresh) falls once in
+        every ``period`` pairs, so timing ``k period`` pairs from there times it exactly ``k``
+        times. The default reads a :class:`~streamxm.models.moments.ResolveSchedule` named
+        ``schedule``; ``(0, 1)`` for a model with none."""
+        schedule = getattr(self, "schedule", None)
+        if isinstance(schedule, ResolveSchedule):
+            return schedule.steady_start(), schedule.every
+        return 0, 1
 
     def embedding_work(self, rows: int, modality: str) -> Work | None:
         """The work of embedding ``rows`` raw vectors of ``modality`` (``"image"`` or

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from scipy.linalg import solve_triangular
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import (
@@ -20,8 +21,14 @@ from streamxm.models.base import (
     require,
 )
 from streamxm.models.heads import LinearHead, power_features
-from streamxm.models.moments import ResolveSchedule, RunningMoments, power_normalize, ridge_whitener
-from streamxm.models.work import Work, cholesky, elementwise, gemm, svd, triangular_inverse
+from streamxm.models.moments import (
+    ResolveSchedule,
+    RunningMoments,
+    power_normalize,
+    ridge_cholesky,
+    top_singular,
+)
+from streamxm.models.work import Work, cholesky, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
@@ -129,12 +136,16 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         m = self.moments
         if m.n < 2:
             return
-        kx = ridge_whitener(m.cov_xx(), self.ridge)
-        ky = ridge_whitener(m.cov_yy(), self.ridge)
-        u, s, vt = np.linalg.svd(kx @ m.cov_xy() @ ky.T, full_matrices=False)
-        self.proj_x = kx.T @ u[:, : self.k]
-        self.proj_y = ky.T @ vt.T[:, : self.k]
-        self.correlations = np.clip(s[: self.k], 0.0, None)
+        lx = ridge_cholesky(m.cov_xx(), self.ridge)
+        ly = ridge_cholesky(m.cov_yy(), self.ridge)
+        # M = K_x C_xy K_y' with K = L^-1, by two triangular solves instead of two inverses
+        # and two dense products.
+        half = solve_triangular(lx, m.cov_xy(), lower=True, check_finite=False)
+        whitened = solve_triangular(ly, half.T, lower=True, check_finite=False).T
+        u, s, v = top_singular(whitened, self.k)
+        self.proj_x = solve_triangular(lx, u, lower=True, trans="T", check_finite=False)
+        self.proj_y = solve_triangular(ly, v, lower=True, trans="T", check_finite=False)
+        self.correlations = np.clip(s, 0.0, None)
         self.mean_x, self.mean_y = m.mean_x(), m.mean_y()
         self.solves += 1
 
@@ -253,13 +264,28 @@ def _fold_work(dx: int, dy: int, block: int) -> Work:
             + adds)
 
 
-def _whitener_work(d: int) -> Work:
-    """:func:`~streamxm.models.moments.ridge_whitener` of a ``d x d`` covariance: ``eye``,
-    its scaling and the sum (2 flops, six passes over ``d^2``), the Cholesky factor
-    (``d^3 / 3``) and its triangular inverse (``d^3 / 3``), each with its copy in and out
-    (four more passes)."""
-    return (elementwise(d * d, flops_per_item=2.0, passes=6.0) + cholesky(d)
-            + triangular_inverse(d) + elementwise(d * d, flops_per_item=0.0, passes=4.0))
+def _factor_work(d: int) -> Work:
+    """:func:`~streamxm.models.moments.ridge_cholesky` of a ``d x d`` covariance: ``eye``,
+    its scaling and the sum (2 flops, six passes over ``d^2``) and the Cholesky factor
+    (``d^3 / 3``)."""
+    return elementwise(d * d, flops_per_item=2.0, passes=6.0) + cholesky(d)
+
+
+def _triangular_solve_work(d: int, columns: int) -> Work:
+    """``L X = B`` for a ``d x d`` triangle and ``columns`` right-hand sides: ``d^2`` flops a
+    column; the triangle read, ``B`` read and written."""
+    return Work(float(d * d * columns), 8.0 * (d * d / 2 + 2 * d * columns))
+
+
+def _top_singular_work(dx: int, dy: int, k: int) -> Work:
+    """:func:`~streamxm.models.moments.top_singular` of a ``d_x x d_y`` matrix: the Gram
+    matrix of its smaller side ``n`` (``syrk``: ``N n^2`` flops, ``N`` the longer side), the
+    top ``k`` eigenpairs (tridiagonal reduction ``4 n^3 / 3``, then ``O(n^2 k)``) and the
+    vectors of the other side (``2 N n k``)."""
+    long, short = max(dx, dy), min(dx, dy)
+    return (Work(float(long * short * short), 8.0 * (long * short + short * short))
+            + Work(4.0 * short**3 / 3 + 6.0 * short * short * k, 16.0 * short * short)
+            + gemm(long, k, short))
 
 
 def _solve_work(dx: int, dy: int, k: int) -> Work:
@@ -267,14 +293,13 @@ def _solve_work(dx: int, dy: int, k: int) -> Work:
 
     - the covariances ``S / n - (s / n)(s / n)'`` of ``d_x^2``, ``d_y^2`` and ``d_x d_y``
       entries: 3 flops and six passes an entry;
-    - the whiteners ``K_x``, ``K_y`` (:func:`_whitener_work`);
-    - ``(K_x C_xy) K_y'``: ``2 d_x^2 d_y + 2 d_x d_y^2`` (dense ``gemm``: the triangular
-      ``K`` is not exploited);
-    - the thin SVD of the ``d_x x d_y`` result: ``4 max min^2 + 8 min^3``
-      (:func:`~streamxm.models.work.svd`);
-    - ``P_x = K_x' U_k``, ``P_y = K_y' V_k``: ``2 d_x^2 k + 2 d_y^2 k``.
+    - the Cholesky factors ``L_x``, ``L_y`` (:func:`_factor_work`);
+    - ``M = L_x^-1 C_xy L_y^-T`` by two triangular solves (``d_x^2 d_y + d_y^2 d_x``);
+    - its top ``k`` singular triplets (:func:`_top_singular_work`);
+    - ``P_x = L_x^-T U_k``, ``P_y = L_y^-T V_k``: triangular solves (``d_x^2 k + d_y^2 k``).
     """
     covariances = elementwise(dx * dx + dy * dy + dx * dy, flops_per_item=3.0, passes=6.0)
-    return (covariances + _whitener_work(dx) + _whitener_work(dy)
-            + gemm(dx, dy, dx) + gemm(dx, dy, dy) + svd(dx, dy)
-            + gemm(dx, k, dx) + gemm(dy, k, dy))
+    return (covariances + _factor_work(dx) + _factor_work(dy)
+            + _triangular_solve_work(dx, dy) + _triangular_solve_work(dy, dx)
+            + _top_singular_work(dx, dy, k)
+            + _triangular_solve_work(dx, k) + _triangular_solve_work(dy, k))

@@ -407,6 +407,12 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         return LinearHead(made[1], w, None, "none")
 
     # -- the work counted (streamxm/models/work.py) ----------------------------------------
+    def periodic_work(self) -> tuple[int, int]:
+        """Solves come every ``solve_every`` pairs once the doubling ends and the landmark
+        pool is full (the landmarks freeze then)."""
+        start = max(self.landmark_pool, self.schedule.steady_start())
+        return self.schedule.next_due(start - 1), self.schedule.every
+
     def _steady_sizes(self) -> tuple[int, int, int]:
         """``(m1, m2, c)`` of the steady state: the landmarks drawn from the full pool,
         ``m1 = min(m_img, landmark_pool)`` and ``m2 = min(m_txt, landmark_pool)`` (also the

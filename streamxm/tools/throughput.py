@@ -3,7 +3,17 @@
 The learner is timed on synthetic pairs of the requested sizes through
 :meth:`StreamLearner.learn`, the code the worker runs (replay buffer, triplet sampling,
 updates), with the rolling evaluation off.
-For a bilinear model the work per triplet that no implementation can avoid is one
+
+Beside every model's figure stands its *roofline*: the work the model counts per pair
+(:meth:`~streamxm.models.base.CrossModalModel.learning_work`: floating-point operations, the
+float32 share of them, bytes of state moved; periodic solves spread over their period), the
+time that work needs at this thread's rates measured in the same run (float64 and float32
+GEMM, a streaming read of a 16 MB matrix), and the measured time's ratio to it. The timed
+pairs start once the model's periodic work is periodic (past its doubling re-solves, its
+window or landmark pool: :meth:`~streamxm.models.base.CrossModalModel.periodic_work`) and
+span whole periods, so each re-solve is timed as often as the count spreads it.
+
+For CMOS, the work per triplet that no implementation can avoid is one
 matrix-vector product with ``W`` (the margin ``a^T W b``); the *limit* is the time BLAS takes for
 those products, one per triplet, measured on the same ``W`` in the same run. The *baseline* is the
 same pipeline with the paper's loop transcribed literally (``solver="paper"``). Everything runs
@@ -145,9 +155,10 @@ def throughput(
     memory of the whole history is drawn from during bursts of few classes only, and the
     benchmark's stream has none.
     The untimed warm-up fills the replay buffer (100 pairs; with another ``order``, its whole
-    ring of 500, the learner's default, so that a burst draws from the memory) and, for CMOMKS,
-    its landmark pool and support budget, so the figure is the steady state. With another
-    ``order`` (``class``: :func:`~streamxm.tools.datasets.stream_order`) the pairs arrive in it,
+    ring of 500, the learner's default, so that a burst draws from the memory), for CMOMKS its
+    landmark pool and support budget, and for a model with periodic work the pairs until it
+    is periodic; ``pairs`` is rounded up to whole periods. So the figure is the steady state.
+    With another ``order`` (``class``: :func:`~streamxm.tools.datasets.stream_order`) the pairs arrive in it,
     and the same stream in its own order is timed beside it in each repeat, after its own
     warm-up of as many pairs (``file_order_pairs_per_s``, ``slowdown``: the ratio of the
     medians); ``timed_pairs_in_burst`` counts the timed pairs that arrived in a burst.
@@ -158,11 +169,17 @@ def throughput(
         params.setdefault("triplets_per_pair", 2)
         if order == "file":  # no burst: replay=0 is the default's work; in bursts it is not
             params.setdefault("replay", 0)
+    probe = create_model(model, img_dim, txt_dim, params)
+    start, period = probe.periodic_work()
+    pairs = -(-pairs // period) * period  # whole periods: each periodic solve timed once
     if warmup is None:
         warmup = 100 if order == "file" else 500
         if base == "cmomks":
-            probe = create_model(model, img_dim, txt_dim, params).params()
-            warmup += probe["landmarks"] + -(-probe["budget"] // probe["triplets_per_pair"])
+            settings = probe.params()
+            warmup += settings["landmarks"] + -(-settings["budget"]
+                                                // settings["triplets_per_pair"])
+        if start > warmup:  # steady: the doubling solves and the model's own fill are past
+            warmup = start
     data = synthetic_pairs(warmup + pairs, img_dim, txt_dim, seed=seed)
     ordered = [data[i] for i in stream_order(np.array([p.labels[0] for p in data]), order, seed)]
     result: dict[str, Any] = {"model": model, "img_dim": img_dim, "txt_dim": txt_dim,
