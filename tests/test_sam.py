@@ -221,6 +221,138 @@ def test_fixed_alpha_and_parameters_validate() -> None:
         SAM(4, 3, batch_size=300, replay=100)
 
 
+
+# -- the device ---------------------------------------------------------------------------------
+CUDA = torch.cuda.is_available()
+
+
+def _model_tensors(m: SAM) -> dict[str, torch.Tensor]:
+    """Every tensor a step touches that the model keeps between steps."""
+    tensors = {f"w.{n}": p for n, p in m._named_parameters()}
+    tensors.update({f"momentum.{n}": m.optimizer.state[p]["momentum_buffer"]
+                    for n, p in m._named_parameters() if p in m.optimizer.state})
+    tensors.update(cent_img=m.cent_img, cent_txt=m.cent_txt, cent_seen=m.cent_seen)
+    return tensors
+
+
+def _assert_same_checkpoint_format(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert isinstance(b[key], np.ndarray), key
+        assert (a[key].shape, a[key].dtype) == (b[key].shape, b[key].dtype), key
+
+
+@pytest.mark.skipif(CUDA, reason="the default is CUDA here")
+def test_device_cpu_learns_bit_for_bit_like_the_default() -> None:
+    pairs = class_stream(120, 7, 5, seed=2)
+    default = StreamLearner("sam", 7, 5, SMALL, seed=3)
+    cpu = StreamLearner("sam", 7, 5, {**SMALL, "device": "cpu"}, seed=3)
+    assert default.model.params()["device"] == "auto" and cpu.model.params()["device"] == "cpu"
+    default.learn(pairs)
+    cpu.learn(pairs)
+    a, b = learner_state(default), learner_state(cpu)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    assert default.stats.as_dict() == cpu.stats.as_dict()
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA is available here")
+def test_device_cuda_without_cuda_raises_an_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"^device must be .*CUDA.*got 'cuda'"):
+        SAM(4, 3, device="cuda")
+    with pytest.raises(ValueError, match=r"^device must be "):
+        StreamLearner("sam", 4, 3, {"device": "cuda"})
+
+
+@pytest.mark.parametrize("device", ["gpu", "CUDA", "cuda:0", "", None])
+def test_a_bad_device_raises(device: str) -> None:
+    with pytest.raises(ValueError, match=r"^device must be 'auto', 'cpu' or 'cuda', got "):
+        SAM(4, 3, device=device)
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_tensors_live_on_the_resolved_device(device: str) -> None:
+    learner = StreamLearner("sam", 7, 5, {**SMALL, "device": device}, seed=0)
+    m = learner.model
+    assert isinstance(m, SAM)
+    expected = "cuda" if device == "auto" and CUDA else "cpu"
+    assert m.device == device and m.device_.type == expected
+    learner.learn(class_stream(60, 7, 5, seed=1))
+    assert m.steps > 0
+    tensors = _model_tensors(m)
+    assert any(k.startswith("momentum.") for k in tensors)
+    for name, t in tensors.items():
+        assert t.device.type == expected, name
+    assert m.generator.device.type == "cpu"  # the checkpointed RNG is the CPU's everywhere
+    # numpy in and out at the boundary
+    imgs = np.stack([p.img for p in class_stream(5, 7, 5, seed=9)])
+    assert isinstance(m.embed_images(imgs), np.ndarray)
+    arrays, _ = m.state()
+    assert all(isinstance(v, np.ndarray) for v in arrays.values())
+
+
+def test_a_checkpoint_records_cuda_as_auto() -> None:
+    """The checkpoint rule: the device is resolved again where a checkpoint is restored, so
+    ``"cuda"`` (which fails on a machine without CUDA) is recorded as ``"auto"``."""
+    m = SAM(4, 3, device="cpu")
+    assert m.params()["device"] == "cpu"
+    m.device = "cuda"  # as a model built with device="cuda" on a CUDA machine holds it
+    assert m.params()["device"] == "auto"
+    assert SAM(4, 3, **m.params()).params()["device"] == "auto"
+
+
+def test_a_checkpoint_without_device_restores_and_continues() -> None:
+    """Checkpoints written before the parameter have no ``device``: the default ``"auto"``."""
+    pairs = class_stream(170, 7, 5, seed=11)
+    original = StreamLearner("sam", 7, 5, SMALL, seed=4)
+    original.learn(pairs[:101])
+    arrays, meta = original.state()
+    assert meta["params"]["device"] == "auto"
+    del meta["params"]["device"]
+    ckpt = decode_blob(encode_blob(Checkpoint(version=1, arrays=arrays, meta=meta)))
+    restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+    assert isinstance(restored.model, SAM)
+    assert restored.model.device == "auto"
+    assert restored.model.device_.type == ("cuda" if CUDA else "cpu")
+    original.learn(pairs[101:])
+    restored.learn(pairs[101:])
+    a, b = learner_state(original), learner_state(restored)
+    _assert_same_checkpoint_format(a, b)
+    if not CUDA:  # the same device: the same continuation, bit for bit
+        for key in a:
+            assert np.array_equal(a[key], b[key]), key
+        assert original.stats.as_dict() == restored.stats.as_dict()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_cuda_checkpoint_has_the_cpu_format_and_continues_on_the_cpu() -> None:
+    pairs = class_stream(170, 7, 5, seed=11)
+    on_cuda = StreamLearner("sam", 7, 5, {**SMALL, "device": "cuda"}, seed=4)
+    on_cpu = StreamLearner("sam", 7, 5, {**SMALL, "device": "cpu"}, seed=4)
+    on_cuda.learn(pairs[:101])
+    on_cpu.learn(pairs[:101])
+    assert _model_tensors(on_cuda.model)["w.img.w1"].device.type == "cuda"
+    arrays, meta = on_cuda.state()
+    _assert_same_checkpoint_format(learner_state(on_cpu), arrays)
+    assert meta["params"]["device"] == "auto"
+    ckpt = decode_blob(encode_blob(Checkpoint(version=1, arrays=arrays, meta=meta)))
+    # On a CUDA machine: continues on CUDA, as the original does.
+    again = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+    assert again.model.device_.type == "cuda"
+    on_cuda.learn(pairs[101:])
+    again.learn(pairs[101:])
+    a, b = learner_state(on_cuda), learner_state(again)
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # As on a machine without CUDA: the "auto" resolves to the CPU there.
+    cpu_meta = {**ckpt.meta, "params": {**ckpt.meta["params"], "device": "cpu"}}
+    on_a_cpu = StreamLearner.from_state(ckpt.arrays, cpu_meta)
+    assert on_a_cpu.model.device_.type == "cpu"
+    on_a_cpu.learn(pairs[101:])
+    _assert_same_checkpoint_format(a, learner_state(on_a_cpu))
+    assert on_a_cpu.model.steps == on_cuda.model.steps
+
 def test_api_serves_sam_and_reembeds_its_gallery_on_swap(r: redis.Redis,
                                                          settings: Settings) -> None:
     pairs: list[Pair] = class_stream(240, 12, 6, seed=8)

@@ -119,6 +119,25 @@ def _prepare_work(rows: int, dim: int, power: float | None) -> Work:
     return prepare + Work(3.0 * n, 44.0 * n)
 
 
+def _resolve_device(device: str) -> torch.device:
+    """The torch device of SAM's ``device`` parameter (see :class:`SAM`).
+
+    >>> _resolve_device("cpu")
+    device(type='cpu')
+    >>> _resolve_device("gpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: device must be 'auto', 'cpu' or 'cuda', got 'gpu'
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    cuda = torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise ValueError("device must be 'auto' or 'cpu' where torch finds no CUDA device "
+                         "(torch.cuda.is_available() is False), got 'cuda'")
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and cuda) else "cpu")
+
+
 def _tower_training_work(rows: int, in_dim: int, hidden: int, dim: int) -> Work:
     """One tower's training pass over ``rows`` rows ``r``, float32: forward ``x W1`` and ``h
     W2`` (``2 r (in h + h d)`` flops), backward ``x^T g1``, ``h^T g2`` and ``g2 W2^T`` (``2 r
@@ -151,22 +170,32 @@ class Tower(nn.Module):
     """``in -> hidden (tanh, dropout) -> out (tanh) -> L2 normalised``.
 
     The dropout mask is drawn from the caller's generator, so the model's randomness is its own
-    (and checkpointed), not torch's global state.
+    (and checkpointed), not torch's global state. The weights live on ``device``; the
+    generator of :meth:`forward` must be on the same device.
     """
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int) -> None:
+    def __init__(self, in_dim: int, hidden: int, out_dim: int,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.zeros(in_dim, hidden))
-        self.b1 = nn.Parameter(torch.zeros(hidden))
-        self.w2 = nn.Parameter(torch.zeros(hidden, out_dim))
-        self.b2 = nn.Parameter(torch.zeros(out_dim))
+        self.w1 = nn.Parameter(torch.zeros(in_dim, hidden, device=device))
+        self.b1 = nn.Parameter(torch.zeros(hidden, device=device))
+        self.w2 = nn.Parameter(torch.zeros(hidden, out_dim, device=device))
+        self.b2 = nn.Parameter(torch.zeros(out_dim, device=device))
 
     def reset(self, generator: torch.Generator) -> None:
-        """Glorot-uniform weights, zero biases (the Keras defaults the paper's code used)."""
+        """Glorot-uniform weights, zero biases (the Keras defaults the paper's code used).
+
+        The weights are drawn on the generator's device (a CPU generator gives the same weights
+        whatever device the tower is on) and copied to the tower's.
+        """
         with torch.no_grad():
             for w in (self.w1, self.w2):
                 bound = math.sqrt(6.0 / (w.shape[0] + w.shape[1]))
-                w.uniform_(-bound, bound, generator=generator)
+                if w.device == generator.device:
+                    w.uniform_(-bound, bound, generator=generator)
+                else:
+                    drawn = torch.empty(w.shape, device=generator.device)
+                    w.copy_(drawn.uniform_(-bound, bound, generator=generator))
             self.b1.zero_()
             self.b2.zero_()
 
@@ -174,7 +203,7 @@ class Tower(nn.Module):
                 generator: torch.Generator | None = None) -> Tensor:
         h = torch.tanh(x @ self.w1 + self.b1)
         if dropout > 0:
-            keep = torch.rand(h.shape, generator=generator) >= dropout
+            keep = torch.rand(h.shape, generator=generator, device=h.device) >= dropout
             h = h * keep / (1.0 - dropout)
         return nn.functional.normalize(torch.tanh(h @ self.w2 + self.b2), dim=1)
 
@@ -287,6 +316,22 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         Row power map before L2 normalisation and standardisation (``None``: none).
     balance
         During a burst of few classes, fill mini-batches class-balanced from the reservoir.
+    device
+        Where the towers, the optimiser state, the centroids and every tensor of a step live:
+        ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU), ``"cpu"`` or
+        ``"cuda"`` (a ``ValueError`` on a machine without CUDA). The resolved device is
+        ``device_``; the numpy interfaces (embeddings, similarity, :meth:`state`,
+        :meth:`load_state`) take and return CPU arrays whatever it is, and a checkpoint's arrays
+        are the same names, shapes and dtypes on every device. **Checkpoint rule**: the device
+        is resolved again on the machine that restores: :meth:`params` records ``"cuda"`` as
+        ``"auto"`` (so a CUDA checkpoint restores on a CPU-only machine, and on the GPU of a
+        machine that has one) and ``"cpu"`` and ``"auto"`` as given; a checkpoint written before
+        this parameter has none and restores with the default ``"auto"``. The dropout masks come
+        from the model's CPU generator on the CPU and, on CUDA, from a CUDA generator re-seeded
+        each step from it, so the checkpointed RNG state is the CPU generator's either way
+        (a CUDA checkpoint continues on the CPU, and a CPU one on CUDA); CPU and CUDA draw
+        different masks (and round differently), so their results differ, and the CPU path is
+        bit for bit what it was before this parameter.
 
     Examples
     --------
@@ -303,7 +348,10 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     True
     """
 
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"balance": False}  # came later, off
+    #: Parameters added later, with their earlier behaviour: ``balance`` was off. ``device``
+    #: needs no entry: a checkpoint without it restores with the default ``"auto"`` (the
+    #: device is resolved again on the machine that restores; the arrays are the same).
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"balance": False}
 
     def __init__(
         self, img_dim: int, txt_dim: int,
@@ -318,8 +366,11 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         max_classes: int = 1000,
         power_img: float | None = 0.5, power_txt: float | None = None,
         balance: bool = True,
+        device: str = "auto",
     ) -> None:
         super().__init__(img_dim, txt_dim)
+        self.device = device
+        self.device_ = _resolve_device(device)
         require(locals(), dim=">= 1", hidden=">= 1", batch_size=">= 2", epochs=">= 0",
                 epoch_pairs=">= 1", dropout="in [0, 1)", lr="> 0", momentum="in [0, 1)",
                 decay=">= 0", lam="in [0, 1]", step_every=">= 1", centroid_rate="in (0, 1]")
@@ -344,26 +395,55 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.power_txt = None if power_txt is None else float(power_txt)
         self.balance = bool(balance)
 
-        self.img_tower = Tower(img_dim, self.hidden, self.dim)
-        self.txt_tower = Tower(txt_dim, self.hidden, self.dim)
+        self.img_tower = Tower(img_dim, self.hidden, self.dim, self.device_)
+        self.txt_tower = Tower(txt_dim, self.hidden, self.dim, self.device_)
         self.optimizer = torch.optim.SGD(self._parameters(), lr=self.lr,
                                          momentum=self.momentum, nesterov=self.momentum > 0)
+        # The model's randomness (weights, dropout), on the CPU whatever the device, so its
+        # checkpointed state is one format; on CUDA the masks come from a generator on the
+        # device, re-seeded from this one each step (:meth:`_dropout_generator`).
         self.generator = torch.Generator()
+        self._device_generator = (torch.Generator(device=self.device_)
+                                  if self.device_.type != "cpu" else None)
         self.initialised = False
         self.img_scaler = FeatureScaler(img_dim)
         self.txt_scaler = FeatureScaler(txt_dim)
         self.scale_img = self.scale_txt = 0.0  # f_ms normalisers
-        self.cent_img = torch.zeros(0, self.dim)
-        self.cent_txt = torch.zeros(0, self.dim)
-        self.cent_seen = torch.zeros(0, dtype=torch.bool)
+        self.cent_img = torch.zeros(0, self.dim, device=self.device_)
+        self.cent_txt = torch.zeros(0, self.dim, device=self.device_)
+        self.cent_seen = torch.zeros(0, dtype=torch.bool, device=self.device_)
         self.reservoir = ReplayBuffer(self.replay, img_dim, txt_dim)
         self.reservoir_seen = 0
         self.pending: list[Pair] = []
         self.steps = 0
         self.clock = 0.0  # epochs (offline) or epoch-equivalents (stream) learned
 
+    def params(self) -> dict[str, Any]:
+        """The constructor's parameters, with ``device="cuda"`` recorded as ``"auto"``: a
+        checkpoint resolves its device again where it is restored (see ``device``)."""
+        params = super().params()
+        if params["device"] == "cuda":
+            params["device"] = "auto"
+        return params
+
     def _parameters(self) -> list[nn.Parameter]:
         return [*self.img_tower.parameters(), *self.txt_tower.parameters()]
+
+    def _tensor(self, x: NDArray[Any]) -> Tensor:
+        """A numpy array as a tensor on the model's device (shared memory on the CPU)."""
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device_)
+
+    def _numpy(self, x: Tensor) -> NDArray[Any]:
+        """A new CPU numpy copy of a tensor on any device."""
+        return x.detach().cpu().numpy().copy()
+
+    def _dropout_generator(self) -> torch.Generator:
+        """The generator of this step's dropout masks: the model's own on the CPU; on another
+        device, the device's, seeded from the model's (one draw a step)."""
+        if self._device_generator is None:
+            return self.generator
+        seed = int(torch.randint(2**62, (1,), generator=self.generator))
+        return self._device_generator.manual_seed(seed)
 
     def current_alpha(self) -> float:
         """``alpha(t)`` at the current clock (or the fixed ``alpha``)."""
@@ -454,11 +534,11 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     def _stored_labels(self, slots: NDArray[np.int_]) -> list[tuple[int, ...]]:
         return [tuple(int(x) for x in row if x >= 0) for row in self.reservoir.labels[slots]]
 
-    @staticmethod
-    def _distances(img: NDArray[np.floating], txt: NDArray[np.floating]) -> tuple[Tensor, Tensor]:
+    def _distances(self, img: NDArray[np.floating],
+                   txt: NDArray[np.floating]) -> tuple[Tensor, Tensor]:
         """Euclidean distances between the rows, per modality, on the vectors as sent."""
-        ti = torch.as_tensor(np.asarray(img, dtype=np.float32))
-        tt = torch.as_tensor(np.asarray(txt, dtype=np.float32))
+        ti = self._tensor(np.asarray(img, dtype=np.float32))
+        tt = self._tensor(np.asarray(txt, dtype=np.float32))
         return torch.cdist(ti, ti), torch.cdist(tt, tt)
 
     def _observe_scale(self, dist_img: Tensor, dist_txt: Tensor) -> None:
@@ -467,19 +547,21 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.scale_txt = max(self.scale_txt, float(dist_txt.max()))
 
     def _category_matrix(self, labels: list[tuple[int, ...]]) -> Tensor:
-        """(b, classes) 0/1: the known classes of each item."""
+        """(b, classes) 0/1: the known classes of each item (filled on the CPU, then moved)."""
         y = torch.zeros(len(labels), len(self.classes))
         for i, item in enumerate(labels):
             cols = self.classes.columns(item, arriving=False)
             y[i, cols] = 1.0
-        return y
+        return y.to(self.device_)
 
     def _update_centroids(self, y: Tensor, zi: Tensor, zt: Tensor) -> None:
         grow = y.shape[1] - self.cent_img.shape[0]
         if grow > 0:
-            self.cent_img = torch.cat([self.cent_img, torch.zeros(grow, self.dim)])
-            self.cent_txt = torch.cat([self.cent_txt, torch.zeros(grow, self.dim)])
-            self.cent_seen = torch.cat([self.cent_seen, torch.zeros(grow, dtype=torch.bool)])
+            zeros = torch.zeros(grow, self.dim, device=self.device_)
+            self.cent_img = torch.cat([self.cent_img, zeros])
+            self.cent_txt = torch.cat([self.cent_txt, zeros])
+            self.cent_seen = torch.cat([self.cent_seen,
+                                        torch.zeros(grow, dtype=torch.bool, device=self.device_)])
         counts = y.sum(dim=0)
         present = counts > 0
         rate = torch.where(self.cent_seen, self.centroid_rate, 1.0)[present, None]
@@ -513,13 +595,14 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         labelled = y.sum(dim=1) > 0
         shared = (y @ y.T) > 0
         negatives = torch.where(labelled[:, None], labelled[None, :] & ~shared,
-                                torch.ones(b, b, dtype=torch.bool))
-        negatives &= ~torch.eye(b, dtype=torch.bool)
+                                torch.ones(b, b, dtype=torch.bool, device=self.device_))
+        negatives &= ~torch.eye(b, dtype=torch.bool, device=self.device_)
 
-        xi = torch.from_numpy(self.img_scaler.transform(self._rows(img, self.power_img)))
-        xt = torch.from_numpy(self.txt_scaler.transform(self._rows(txt, self.power_txt)))
-        zi = self.img_tower(xi, self.dropout, self.generator)
-        zt = self.txt_tower(xt, self.dropout, self.generator)
+        xi = self._tensor(self.img_scaler.transform(self._rows(img, self.power_img)))
+        xt = self._tensor(self.txt_scaler.transform(self._rows(txt, self.power_txt)))
+        generator = self._dropout_generator() if self.dropout > 0 else None
+        zi = self.img_tower(xi, self.dropout, generator)
+        zt = self.txt_tower(xt, self.dropout, generator)
         with torch.no_grad():
             self._update_centroids(y, zi.detach(), zt.detach())
             distances = self._distances(img, txt)
@@ -529,7 +612,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         i2t, t2i = batch_loss(s, margins, negatives)
         loss = (i2t.sum() + t2i.sum()) / b
         self._record(s.detach(), i2t.detach(), t2i.detach(), negatives,
-                     torch.from_numpy(np.asarray(new)), stats)
+                     self._tensor(np.asarray(new, dtype=np.bool_)), stats)
         self.optimizer.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         for group in self.optimizer.param_groups:
@@ -560,8 +643,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         with torch.no_grad():
             for at in range(0, len(x), _EMBED_ROWS):
                 rows = self._rows(x[at : at + _EMBED_ROWS], power)
-                chunk = torch.from_numpy(scaler.transform(rows))
-                out[at : at + _EMBED_ROWS] = tower(chunk).numpy()
+                chunk = self._tensor(scaler.transform(rows))
+                out[at : at + _EMBED_ROWS] = tower(chunk).cpu().numpy()
         return out
 
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
@@ -642,19 +725,20 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             return None
         parts: MergeParts = {}
         for name, p in self._named_parameters():
-            # Views of the live tensors: the merge writes them in place.
-            parts[f"w.{name}"] = ("mean", p.detach().numpy())
+            # Views of the live tensors on the CPU (copies from another device): the merge
+            # reads them, and set_merged writes the result back.
+            parts[f"w.{name}"] = ("mean", p.detach().cpu().numpy())
             parts[f"momentum.{name}"] = (
-                "mean", self.optimizer.state[p]["momentum_buffer"].numpy())
+                "mean", self.optimizer.state[p]["momentum_buffer"].cpu().numpy())
         for key, scaler in (("img", self.img_scaler), ("txt", self.txt_scaler)):
             parts.update({k: ("sum", np.asarray(v))
                           for k, v in scaler.state(f"scaler_{key}.").items()})
         parts["scales"] = ("max", np.array([self.scale_img, self.scale_txt]))
-        grow = len(self.classes) - self.cent_img.shape[0]
-        seen = torch.cat([self.cent_seen, torch.zeros(max(grow, 0), dtype=torch.bool)])
+        grow = max(len(self.classes) - self.cent_img.shape[0], 0)
+        seen = torch.cat([self.cent_seen.cpu(), torch.zeros(grow, dtype=torch.bool)])
         weight = seen.numpy().astype(np.float32)
         for key, cent in (("cent_img", self.cent_img), ("cent_txt", self.cent_txt)):
-            full = torch.cat([cent, torch.zeros(max(grow, 0), self.dim)]).numpy()
+            full = torch.cat([cent.cpu(), torch.zeros(grow, self.dim)]).numpy()
             parts[key] = ("total", full * weight[:, None])
         parts["cent_seen"] = ("total", weight)
         parts["steps"] = ("sum", np.asarray(self.steps))
@@ -674,8 +758,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         holders = np.asarray(merged["cent_seen"], dtype=np.float32)
         for key in ("cent_img", "cent_txt"):
             mean = np.asarray(merged[key], dtype=np.float32) / np.maximum(holders, 1.0)[:, None]
-            setattr(self, key, torch.from_numpy(np.ascontiguousarray(mean)))
-        self.cent_seen = torch.from_numpy(holders > 0)
+            setattr(self, key, self._tensor(mean))
+        self.cent_seen = self._tensor(holders > 0)
         self.steps, self.clock = int(merged["steps"]), float(merged["clock"])
         self.classes.ignored_labels = int(merged["ignored_labels"])
 
@@ -687,15 +771,15 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays: Arrays = {}
         for name, p in self._named_parameters():
-            arrays[f"w.{name}"] = p.detach().numpy().copy()
+            arrays[f"w.{name}"] = self._numpy(p)
             buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
             if buf is not None:
-                arrays[f"momentum.{name}"] = buf.numpy().copy()
+                arrays[f"momentum.{name}"] = self._numpy(buf)
         arrays.update(self.img_scaler.state("scaler_img."))
         arrays.update(self.txt_scaler.state("scaler_txt."))
-        arrays["cent_img"] = self.cent_img.numpy().copy()
-        arrays["cent_txt"] = self.cent_txt.numpy().copy()
-        arrays["cent_seen"] = self.cent_seen.numpy().copy()
+        arrays["cent_img"] = self._numpy(self.cent_img)
+        arrays["cent_txt"] = self._numpy(self.cent_txt)
+        arrays["cent_seen"] = self._numpy(self.cent_seen)
         arrays["torch_rng"] = self.generator.get_state().numpy().copy()
         reservoir_arrays, reservoir_meta = self.reservoir.state()
         arrays.update({f"reservoir.{k}": v for k, v in reservoir_arrays.items()})
@@ -716,13 +800,13 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             for name, p in self._named_parameters():
                 p.copy_(torch.from_numpy(np.asarray(arrays[f"w.{name}"], dtype=np.float32)))
                 if f"momentum.{name}" in arrays:
-                    self.optimizer.state[p]["momentum_buffer"] = torch.from_numpy(
+                    self.optimizer.state[p]["momentum_buffer"] = self._tensor(
                         np.array(arrays[f"momentum.{name}"], dtype=np.float32))
         self.img_scaler.load_state(arrays, "scaler_img.")
         self.txt_scaler.load_state(arrays, "scaler_txt.")
-        self.cent_img = torch.from_numpy(np.array(arrays["cent_img"], dtype=np.float32))
-        self.cent_txt = torch.from_numpy(np.array(arrays["cent_txt"], dtype=np.float32))
-        self.cent_seen = torch.from_numpy(np.array(arrays["cent_seen"], dtype=np.bool_))
+        self.cent_img = self._tensor(np.array(arrays["cent_img"], dtype=np.float32))
+        self.cent_txt = self._tensor(np.array(arrays["cent_txt"], dtype=np.float32))
+        self.cent_seen = self._tensor(np.array(arrays["cent_seen"], dtype=np.bool_))
         self.generator.set_state(torch.from_numpy(np.array(arrays["torch_rng"], dtype=np.uint8)))
         self.reservoir = ReplayBuffer.from_state(
             {k[10:]: v for k, v in arrays.items() if k.startswith("reservoir.")},
