@@ -158,10 +158,11 @@ def throughput(
     ring of 500, the learner's default, so that a burst draws from the memory), for CMOMKS its
     landmark pool and support budget, and for a model with periodic work the pairs until it
     is periodic; ``pairs`` is rounded up to whole periods. So the figure is the steady state.
-    With another ``order`` (``class``: :func:`~streamxm.tools.datasets.stream_order`) the pairs arrive in it,
-    and the same stream in its own order is timed beside it in each repeat, after its own
-    warm-up of as many pairs (``file_order_pairs_per_s``, ``slowdown``: the ratio of the
-    medians); ``timed_pairs_in_burst`` counts the timed pairs that arrived in a burst.
+    With another ``order`` (``class``: :func:`~streamxm.tools.datasets.stream_order`) the
+    pairs arrive in it, and the same stream in its own order is timed beside it in each
+    repeat, after its own warm-up of as many pairs (``file_order_pairs_per_s``, ``slowdown``:
+    the ratio of the medians); ``timed_pairs_in_burst`` counts the timed pairs that arrived
+    in a burst.
     """
     base, _ = split_name(model)
     params = dict(params or {})
