@@ -5,10 +5,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from scipy import sparse
 
 from streamxm.learning.learner import StreamLearner
 from streamxm.models.scsm import SCSM
-from streamxm.models.scsm_solver import Problem, knn_graph
+from streamxm.models.scsm_solver import NormalEquations, Problem, ProblemWork, knn_graph
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.bench import quality
 from tests.conftest import SHARED_WIKI, class_stream
@@ -87,6 +88,77 @@ def test_u_step_is_the_minimiser() -> None:
         p.ua = ua + 1e-3 * rng.normal(size=ua.shape)
         assert p.objective() > best
     p.ua = ua
+
+
+def reference_u(p: Problem, modality: str) -> np.ndarray:
+    """Eq. 16 transcribed in feature space: each term of the normal equations, one LU solve."""
+    x, lap, other = ((p.xa, p.la, p.xb @ p.ub) if modality == "image"
+                     else (p.xb, p.lb, p.xa @ p.ua))
+    n_group = np.bincount(p.y, minlength=p.groups).astype(np.float64)
+    s_other = np.zeros((p.groups, other.shape[1]))
+    np.add.at(s_other, p.y, other)
+    vx = x * p.v[:, None]
+    lhs = (vx.T @ x + p.alpha * p.gamma * (x.T @ (lap @ x))
+           + p.alpha * (x * n_group[p.y][:, None]).T @ x + p.beta * np.eye(x.shape[1]))
+    e = np.eye(p.groups)[p.y]
+    return np.asarray(np.linalg.solve(lhs, vx.T @ e + p.alpha * x.T @ s_other[p.y]))
+
+
+@pytest.mark.parametrize("n", [30, 90])
+def test_sample_space_and_feature_space_solves_agree(n: int) -> None:
+    """The push-through solve (n x n) and the Cholesky solve (d x d) give the U of the direct
+    transcription: with d_a = 61, the images are solved in sample space at n = 30 and in
+    feature space at n = 90 (``auto``); both spaces are forced here."""
+    rng = np.random.default_rng(n)
+    xa = np.hstack([rng.random((n, 60)), np.ones((n, 1))])
+    xb = np.hstack([rng.random((n, 12)), np.ones((n, 1))])
+    y, v = rng.integers(4, size=n), rng.random(n) < 0.6
+    ua, ub = rng.normal(size=(61, 4)), rng.normal(size=(13, 4))
+    problems = [Problem(xa, xb, 4, alpha=0.5 / n, gamma=2.0 * n, beta=1e-2 * n, r=4,
+                        y=y.copy(), ua=ua, ub=ub, v=v, space=space) for space in ("n", "d")]
+    assert problems[0].normal["image"].gram is not None
+    assert problems[1].normal["image"].gram is None
+    for p in problems:
+        for modality in ("image", "text"):
+            want = reference_u(p, modality)
+            p.update_u(modality)
+            got = p.ua if modality == "image" else p.ub
+            np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-8 * np.abs(want).max())
+    np.testing.assert_allclose(problems[0].ua, problems[1].ua, rtol=1e-8,
+                               atol=1e-8 * np.abs(problems[1].ua).max())
+    np.testing.assert_allclose(problems[0].ub, problems[1].ub, rtol=1e-8,
+                               atol=1e-8 * np.abs(problems[1].ub).max())
+
+
+def test_feature_space_falls_back_to_lu_when_cholesky_fails() -> None:
+    """A matrix that is not positive definite (here by a negative ``beta``) is still solved."""
+    rng = np.random.default_rng(11)
+    x, w, r = rng.random((20, 5)), rng.random(20), rng.random((20, 3))
+    eq = NormalEquations.of(x, sparse.csr_matrix((20, 20)), 0.0, None)
+    a = x.T @ (x * w[:, None]) - 0.5 * np.eye(5)
+    assert np.linalg.eigvalsh(a).min() < 0
+    np.testing.assert_allclose(eq.solve(w, -0.5, r), np.linalg.solve(a, x.T @ r), rtol=1e-8)
+
+
+def test_projections_are_kept_until_u_is_replaced() -> None:
+    p = random_problem(7)
+    p.start(np.random.default_rng(7))
+    za, zb = p.projections()
+    assert p.projections()[0] is za and p.projections()[1] is zb
+    p.update_u("image")
+    za_new, zb_same = p.projections()
+    assert zb_same is zb and za_new is not za
+    np.testing.assert_array_equal(za_new, p.xa @ p.ua)
+
+
+def test_work_counts_the_space_each_modality_is_solved_in() -> None:
+    """At 4096/1000 dims and a 2500-pair window the images are solved in sample space, the
+    texts in feature space; a U step costs far less than the feature-space LU of the images."""
+    work = ProblemWork(2500, 4097, 1001, 10, 5)
+    assert work.n_space(4097) and not work.n_space(1001)
+    feature_lu = 2.0 * 4097**3 / 3.0
+    assert work.update_u("image").flops < feature_lu / 3.0
+    assert work.update_u("text").flops < 2.0 * 1001**2 * 2500
 
 
 def test_y_column_update_is_the_brute_force_argmin() -> None:

@@ -107,3 +107,21 @@ def test_the_compiled_adagrad_pass_is_the_whole_array_form_bit_for_bit(dtype: ty
     adagrad_step(w3, sq3, grad.astype(np.float16), 0.05, 1e-3)
     _adagrad_arrays(w, sq, grad.astype(np.float16), 0.05, 1e-3)
     assert np.array_equal(w3, w)
+
+
+def test_timing_whole_periods_from_the_start_times_each_periodic_solve_once() -> None:
+    """``periodic_work``: from ``start`` on, every ``period`` pairs hold exactly one re-solve
+    (cca), so a benchmark timing whole periods times what ``learning_work`` spreads."""
+    learner = StreamLearner("cca", 12, 6, {"solve_first": 8, "solve_every": 20},
+                            eval_every=10**9)
+    start, period = learner.model.periodic_work()
+    assert (start, period) == (32, 20)
+    pairs = class_stream(start + 3 * period, 12, 6, seed=0)
+    learner.learn(pairs[:start])
+    solves = learner.model.solves  # type: ignore[attr-defined]
+    for k in range(3):
+        learner.learn(pairs[start + k * period : start + (k + 1) * period])
+        assert learner.model.solves == solves + k + 1  # type: ignore[attr-defined]
+    windowed = create_model("scsm", 12, 6, {"window": 100, "solve_first": 8, "solve_every": 30})
+    start, period = windowed.periodic_work()
+    assert start >= 100 and period == 30 and (start - 32) % 30 == 0

@@ -654,6 +654,10 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         return self._embed(self.txt_tower, self.txt_scaler, self.power_txt, x)
 
     # -- the work counted (streamxm/models/work.py) ----------------------------------------------
+    def periodic_work(self) -> tuple[int, int]:
+        """A step every ``step_every`` pairs."""
+        return 0, self.step_every
+
     def learning_work(self) -> Work:
         """Per pair, ``1 / step_every`` of one step on a mini-batch of ``b = batch_size`` rows
         (``b / step_every`` rows of gradient work per pair; the reservoir holds ``replay >= b``

@@ -17,7 +17,8 @@ from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
-from streamxm.models.scsm_solver import Problem
+from streamxm.models.scsm_solver import Problem, ProblemWork
+from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["SCSM"]
@@ -198,13 +199,14 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
         self.trace = [{"start": problem.objective()}]
         for _ in range(self.iterations):
             self.trace.append(problem.iterate(self.growth))
-        y, ua, ub = problem.y, problem.ua, problem.ub
+        y, perm = problem.y, np.arange(self.groups)
         if warm:
-            y, ua, ub = _match_groups(previous, y, ua, ub, self.groups)
+            y, perm = _match_groups(previous, y, self.groups)
         self.y[rows] = y
-        self.ua, self.ub = ua, ub
-        self.mean_a = (self.xa[rows] @ ua).mean(axis=0) if self.center else np.zeros(self.groups)
-        self.mean_b = (self.xb[rows] @ ub).mean(axis=0) if self.center else np.zeros(self.groups)
+        self.ua, self.ub = problem.ua[:, perm], problem.ub[:, perm]
+        za, zb = problem.projections()  # of the final U, kept by the problem
+        self.mean_a = za.mean(axis=0)[perm] if self.center else np.zeros(self.groups)
+        self.mean_b = zb.mean(axis=0)[perm] if self.center else np.zeros(self.groups)
         self.solves += 1
 
     # -- serving -------------------------------------------------------------------------------
@@ -227,6 +229,57 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
             u, mean = np.zeros_like(u), np.zeros_like(mean)
         return LinearHead(power_features(power), u[:-1], u[-1] - mean, "l2")
 
+    # -- the work counted (streamxm/models/work.py) ------------------------------------------
+    def periodic_work(self) -> tuple[int, int]:
+        """Solves come every ``solve_every`` pairs once the doubling ends and the window is
+        full (a solve's size is the window's)."""
+        start = max(self.window, self.schedule.steady_start())
+        return self.schedule.next_due(start - 1), self.schedule.every
+
+    def learning_work(self) -> Work:
+        """Per pair, in the steady state (``n = window`` pairs in the working set, solves warm):
+
+        ``W = W_triplet + W_add + W_solve / solve_every``
+
+        - ``W_triplet``: :func:`~streamxm.models.base.observe_triplet`, the query's modality
+          alternating, so half of ``E_a(1) + E_b(2)`` and half of ``E_b(1) + E_a(2)``
+          (``E``: :meth:`embedding_work`), plus the two stored rows gathered (float32);
+        - ``W_add``: both rows' features (:meth:`_features`) written into the ring;
+        - ``W_solve``: :meth:`solve` on ``n`` pairs with ``T = iterations``: the working set
+          copied for ``Problem`` (2 passes of ``n (d_a + d_b)``), its construction (the graphs
+          and the fixed parts of Eq. 16), the warm start with ``min(solve_every, n)`` unplaced
+          pairs, the objective once and ``T`` outer iterations
+          (:class:`~streamxm.models.scsm_solver.ProblemWork` has each term; the means reuse
+          the problem's last projections). The k-means of the first solve is a one-off, not
+          counted.
+        """
+        da, db = self.img_dim + 1, self.txt_dim + 1
+        triplet = (self.embedding_work(1, "image") + self.embedding_work(2, "text")
+                   + self.embedding_work(1, "text") + self.embedding_work(2, "image")) * 0.5
+        gather = elementwise(2 * (self.img_dim + self.txt_dim), itemsize=4,
+                             flops_per_item=0.0) * 0.5
+        add = (_feature_work(1, self.img_dim, self.power_img)
+               + _feature_work(1, self.txt_dim, self.power_txt) + elementwise(da + db))
+        return triplet + gather + add + self._solve_work() * (1.0 / self.solve_every)
+
+    def _solve_work(self) -> Work:
+        """One warm :meth:`solve` on a full window (see :meth:`learning_work`)."""
+        n = self.window
+        sizes = ProblemWork(n, self.img_dim + 1, self.txt_dim + 1, self.groups, self.r)
+        copy = elementwise(n * (sizes.da + sizes.db), flops_per_item=0.0)
+        return (copy + sizes.construction() + sizes.start(min(self.solve_every, n))
+                + sizes.objective() + sizes.iterate() * self.iterations)
+
+    def embedding_work(self, rows: int, modality: str) -> Work:
+        """:meth:`embed_images` / :meth:`embed_texts` on ``rows`` float32 vectors of ``d``:
+        the features (:func:`_feature_work`), ``gemm(rows, c, d + 1)`` with ``U`` (float64),
+        and the centring, normalisation and float32 cast of the ``rows x c`` result (6
+        flops, 10 passes)."""
+        dim, power = ((self.img_dim, self.power_img) if modality == "image"
+                      else (self.txt_dim, self.power_txt))
+        return (_feature_work(rows, dim, power) + gemm(rows, self.groups, dim + 1)
+                + elementwise(rows * self.groups, flops_per_item=6.0, passes=10.0))
+
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays: Arrays = {"xa": self.xa, "xb": self.xb, "y": self.y, "ua": self.ua,
@@ -241,10 +294,23 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
         self.trace = [{k: float(v) for k, v in t.items()} for t in meta["trace"]]
 
 
-def _match_groups(previous: NDArray[np.int64], y: NDArray[np.int64], ua: F64, ub: F64,
-                  groups: int) -> tuple[NDArray[np.int64], F64, F64]:
+def _feature_work(rows: int, dim: int, power: float) -> Work:
+    """:meth:`SCSM._features` on ``rows x dim`` float32 inputs, in float64: the upcast (4 bytes
+    read, 8 written), for ``power != 1`` ``sign``, ``abs``, the power and their product (4
+    flops, 9 passes), the norm (``x * x`` and its sum: 2 flops, 3 passes), the division (1
+    flop, 2 passes) and ``append_constant``'s copy (2 passes): ``7 rows dim`` flops and
+    ``4 + 8 * 17`` bytes per item (``3`` and ``4 + 8 * 8`` for ``power = 1``)."""
+    items = rows * dim
+    if power != 1.0:
+        return Work(7.0 * items, (4.0 + 8.0 * 17.0) * items)
+    return Work(3.0 * items, (4.0 + 8.0 * 8.0) * items)
+
+
+def _match_groups(previous: NDArray[np.int64], y: NDArray[np.int64],
+                  groups: int) -> tuple[NDArray[np.int64], NDArray[np.intp]]:
     """Relabel the new groups to the old ones they overlap most (Hungarian assignment on the
-    pairs placed by both solves), permuting ``U``'s columns to match."""
+    pairs placed by both solves): the relabelled ``y`` and the permutation of ``U``'s columns
+    (the new column for each old group) to match."""
     both = previous >= 0
     overlap = np.zeros((groups, groups))
     np.add.at(overlap, (previous[both], y[both]), 1.0)
@@ -252,4 +318,4 @@ def _match_groups(previous: NDArray[np.int64], y: NDArray[np.int64], ua: F64, ub
     rows, cols = linear_sum_assignment(-overlap)
     old_of_new[cols] = rows
     perm = np.argsort(old_of_new)  # new column for each old group
-    return old_of_new[y], ua[:, perm], ub[:, perm]
+    return old_of_new[y], perm

@@ -19,20 +19,41 @@ exact minimisation of ``J`` over its block, so ``J`` never increases.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
+import scipy.linalg
 from numpy.typing import NDArray
 from scipy import sparse
 
-__all__ = ["GroupSums", "Problem", "kmeans", "knn_graph"]
+from streamxm.models.work import Work, cholesky, elementwise, gemm, matvec
+
+__all__ = ["GroupSums", "NormalEquations", "Problem", "ProblemWork", "kmeans", "knn_graph"]
 
 F64 = NDArray[np.float64]
+Space = Literal["auto", "n", "d"]
 
 
-def knn_graph(x: NDArray[np.floating], r: int) -> sparse.csr_matrix:
+def in_n_space(n: int, d: int, space: Space = "auto") -> bool:
+    """Whether Eq. 16 is solved in sample space (``n x n``) rather than feature space
+    (``d x d``): ``auto`` takes the smaller, ``n`` when ``d > n``."""
+    return space == "n" or (space == "auto" and d > n)
+
+
+def gram(x: NDArray[np.floating]) -> F64:
+    """``X X'`` (numpy runs BLAS ``syrk`` on ``x @ x.T``: one triangle, mirrored, so the
+    result is exactly symmetric)."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.asarray(x @ x.T)
+
+
+def knn_graph(x: NDArray[np.floating], r: int,
+              gram_x: F64 | None = None) -> sparse.csr_matrix:
     """Symmetric r-nearest-neighbour graph with Gaussian weights ``exp(-d^2 / sigma^2)``
     (Eq. 7); an edge exists when either end is among the other's ``r`` nearest. ``sigma^2`` is
     the mean squared distance to the ``r``-th neighbour (the paper leaves the width open).
+    ``d^2_ij = |x_i|^2 + |x_j|^2 - 2 G_ij`` from the Gram ``G = X X'`` (``gram_x``, computed
+    when not given).
 
     >>> g = knn_graph(np.array([[0.0], [1.0], [5.0]]), r=1)
     >>> g.toarray().round(3)
@@ -46,7 +67,8 @@ def knn_graph(x: NDArray[np.floating], r: int) -> sparse.csr_matrix:
     if r < 1:
         return sparse.csr_matrix((n, n))
     sq = np.einsum("ij,ij->i", x, x)
-    d2 = np.maximum(sq[:, None] + sq[None, :] - 2 * x @ x.T, 0.0)
+    g = gram(x) if gram_x is None else gram_x
+    d2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * g, 0.0)
     np.fill_diagonal(d2, np.inf)
     nn = np.argpartition(d2, r - 1, axis=1)[:, :r]
     rows = np.repeat(np.arange(n), r)
@@ -150,12 +172,72 @@ class GroupSums:
             getattr(self, key)[new] += value
 
 
+@dataclass(frozen=True)
+class NormalEquations:
+    """Eq. 16 for one modality with the parts that stay fixed during a solve precomputed.
+
+    The system is ``A U = X'R`` with ``A = X'MX + beta I``, ``M = W + alpha gamma L`` (``W``
+    the diagonal of weights ``w``, ``L`` the modality's Laplacian) and ``R`` an ``n x c``
+    right-hand side (:meth:`Problem.update_u`). ``M`` is symmetric positive semi-definite
+    (``L`` is a Laplacian of non-negative weights, ``w >= 0``) and ``beta > 0``, so ``A`` is
+    symmetric positive definite. Two ways to solve it, equal in exact arithmetic:
+
+    - **feature space** (``d x d``): ``A = (D X)'(D X) + alpha gamma X'LX + beta I`` with
+      ``D = diag(sqrt(w))`` (one ``syrk``), factored by Cholesky (LU should rounding make it
+      fail, as it can for a ``beta`` at rounding level); ``alpha gamma X'LX`` is computed
+      once (``fixed``) and symmetrised, so ``A`` is exactly symmetric;
+    - **sample space** (``n x n``, the push-through identity): ``X'(M X X' + beta I) =
+      (X'MX + beta I) X'``, hence ``U = A^-1 X'R = X'(M G + beta I)^-1 R`` with the Gram
+      ``G = X X'``. ``M G + beta I = W G + alpha gamma L G + beta I`` is not symmetric (LU),
+      but is invertible: ``M G`` has the eigenvalues of ``G^1/2 M G^1/2 >= 0``.
+      ``alpha gamma L G`` is computed once (``fixed``).
+    """
+
+    x: F64
+    #: ``G = X X'`` in sample space, ``None`` in feature space.
+    gram: F64 | None
+    #: ``alpha gamma L G`` (``n x n``) or ``alpha gamma X'LX`` (``d x d``).
+    fixed: F64
+
+    @classmethod
+    def of(cls, x: F64, lap: sparse.csr_matrix, alpha_gamma: float,
+           gram_x: F64 | None) -> NormalEquations:
+        """Sample space when ``gram_x`` is given, feature space otherwise."""
+        scaled = (alpha_gamma * lap).tocsr()
+        if gram_x is not None:
+            return cls(x, gram_x, np.asarray(scaled @ gram_x))
+        xlx = np.asarray(x.T @ (scaled @ x))
+        return cls(x, None, (xlx + xlx.T) * 0.5)
+
+    def solve(self, w: F64, beta: float, r: F64) -> F64:
+        """``U = (X' diag(w) X + alpha gamma X'LX + beta I)^-1 X'R``."""
+        if self.gram is not None:
+            k = self.gram * w[:, None]
+            k += self.fixed
+            k.flat[:: len(k) + 1] += beta
+            return np.asarray(self.x.T @ np.linalg.solve(k, r))
+        s = self.x * np.sqrt(w)[:, None]
+        a = np.asarray(s.T @ s)  # syrk: exactly symmetric, so a.T (Fortran-ordered) is a
+        a += self.fixed
+        a.flat[:: len(a) + 1] += beta
+        rhs = self.x.T @ r
+        try:
+            factor = scipy.linalg.cho_factor(a.T, check_finite=False)
+        except np.linalg.LinAlgError:
+            return np.asarray(np.linalg.solve(a, rhs))
+        return np.asarray(scipy.linalg.cho_solve(factor, rhs, check_finite=False))
+
+
 @dataclass
 class Problem:
     """One set of pairs and the state of the alternation on it.
 
     ``alpha``, ``gamma``, ``beta`` are the paper's weights as they enter ``J``; the model
-    (:class:`~streamxm.models.scsm.SCSM`) scales them with the number of pairs.
+    (:class:`~streamxm.models.scsm.SCSM`) scales them with the number of pairs. ``space`` picks
+    how Eq. 16 is solved per modality (:class:`NormalEquations`; ``auto``: sample space when
+    ``d > n``). ``X``, the graphs and the weights are fixed for the problem's life: what Eq. 16
+    needs of them is computed once, on construction. ``U_a``, ``U_b`` are replaced, never
+    written into: their projections are kept until they are (:meth:`projection`).
     """
 
     xa: F64
@@ -170,10 +252,16 @@ class Problem:
     ub: F64 = field(default_factory=lambda: np.zeros((0, 0)))
     v: NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
     lam: float = 0.0
+    space: Space = "auto"
+    _kept: dict[str, tuple[F64, F64]] = field(default_factory=dict, init=False, repr=False,
+                                               compare=False)
 
     def __post_init__(self) -> None:
-        self.la = laplacian(knn_graph(self.xa, self.r))
-        self.lb = laplacian(knn_graph(self.xb, self.r))
+        ga, gb = gram(self.xa), gram(self.xb)
+        self.la = laplacian(knn_graph(self.xa, self.r, ga))
+        self.lb = laplacian(knn_graph(self.xb, self.r, gb))
+        self.normal = {"image": self._normal_equations(self.xa, self.la, ga),
+                       "text": self._normal_equations(self.xb, self.lb, gb)}
         n = len(self.xa)
         if self.y.shape != (n,):
             self.y = np.zeros(n, dtype=np.int64)
@@ -184,9 +272,23 @@ class Problem:
         if self.ub.shape != (self.xb.shape[1], self.groups):
             self.ub = np.zeros((self.xb.shape[1], self.groups))
 
+    def _normal_equations(self, x: F64, lap: sparse.csr_matrix, g: F64) -> NormalEquations:
+        n_space = in_n_space(len(x), x.shape[1], self.space)
+        return NormalEquations.of(x, lap, self.alpha * self.gamma, g if n_space else None)
+
     # -- the objective ---------------------------------------------------------------------
+    def projection(self, modality: str) -> F64:
+        """``Z_p = X_p U_p``, computed once per ``U_p`` (kept until ``U_p`` is replaced; the
+        result is shared, not to be written into)."""
+        x, u = (self.xa, self.ua) if modality == "image" else (self.xb, self.ub)
+        kept = self._kept.get(modality)
+        if kept is None or kept[0] is not u:
+            kept = (u, np.asarray(x @ u))
+            self._kept[modality] = kept
+        return kept[1]
+
     def projections(self) -> tuple[F64, F64]:
-        return self.xa @ self.ua, self.xb @ self.ub
+        return self.projection("image"), self.projection("text")
 
     def sample_losses(self) -> F64:
         """``||Z_a,i - e_y_i||^2 + ||Z_b,i - e_y_i||^2`` per pair."""
@@ -228,22 +330,17 @@ class Problem:
         """Eq. 16 for one modality, the other fixed: the normal equations
         ``(X'VX + alpha gamma X'L_p X + alpha X'N X + beta I) U = X'V E + alpha X' S_other[y]``,
         ``N`` the diagonal of group sizes (the cross block's degrees) and ``S_other[c]`` the sum
-        of the other modality's projections over group ``c`` (``-Y'Y`` times them)."""
-        if modality == "image":
-            x, lp, other = self.xa, self.la, self.xb @ self.ub
-        else:
-            x, lp, other = self.xb, self.lb, self.xa @ self.ua
+        of the other modality's projections over group ``c`` (``-Y'Y`` times them). That is
+        ``(X' diag(w) X + alpha gamma X'L_p X + beta I) U = X'R`` with ``w = v + alpha n_y``
+        and ``R = V E + alpha S_other[y]`` (``n x c``), solved by :class:`NormalEquations`."""
+        other = self.projection("text" if modality == "image" else "image")
         n_group = np.bincount(self.y, minlength=self.groups).astype(np.float64)
         s_other = np.zeros((self.groups, other.shape[1]))
         np.add.at(s_other, self.y, other)
-        vx = x * self.v[:, None]
-        lhs = (vx.T @ x + self.alpha * self.gamma * (x.T @ (lp @ x))
-               + self.alpha * (x * n_group[self.y][:, None]).T @ x
-               + self.beta * np.eye(x.shape[1]))
-        e = np.zeros((len(self.y), self.groups))
-        e[np.arange(len(self.y)), self.y] = 1.0
-        rhs = vx.T @ e + self.alpha * x.T @ s_other[self.y]
-        u = np.linalg.solve(lhs, rhs)
+        w = self.v + self.alpha * n_group[self.y]
+        r = self.alpha * s_other[self.y]
+        r[np.arange(len(self.y)), self.y] += self.v
+        u = self.normal[modality].solve(w, self.beta, r)
         if modality == "image":
             self.ua = u
         else:
@@ -337,3 +434,137 @@ class Problem:
         trace["age"] = self.objective()
         trace["included"] = float(self.v.mean())
         return trace
+
+
+@dataclass(frozen=True)
+class ProblemWork:
+    """The work of :class:`Problem`'s steps, counted from its sizes: ``n`` pairs, ``da``, ``db``
+    features per modality (the constant included), ``c = groups``, ``r`` neighbours; all
+    float64 (itemsize 8). Terms O(n c) or O(c^2) per step (group sums, masks, the fit
+    residuals) are left out; the per-pair Python loop of :meth:`Problem.update_y` is charged its
+    ``O(c^2)`` arithmetic only.
+
+    The Laplacians are charged their largest size, ``nnz(L) = n (2 r + 1)``: an
+    r-nearest-neighbour graph symmetrised by the maximum has at most ``2 n r`` edges (fewer when
+    neighbours are mutual, which depends on the data), plus the diagonal.
+    """
+
+    n: int
+    da: int
+    db: int
+    groups: int
+    r: int
+
+    @property
+    def nnz(self) -> int:
+        """``n (2 min(r, n - 1) + 1)``: the Laplacian's entries at most."""
+        return self.n * (2 * max(min(self.r, self.n - 1), 0) + 1)
+
+    def n_space(self, d: int) -> bool:
+        """Whether :class:`Problem` (``space="auto"``) solves Eq. 16 in sample space."""
+        return in_n_space(self.n, d)
+
+    def graph(self, d: int) -> Work:
+        """:func:`gram` and :func:`knn_graph` on ``n`` rows of ``d``: the squared norms
+        (``2 n d``), the Gram (:func:`syrk_work`), the distances ``sq_i + sq_j - 2 G`` and
+        their ``max(., 0)`` (4 flops, 8 passes of ``n^2``), and ``argpartition`` (about 2
+        comparisons per entry; reads the distances, writes and permutes ``n^2`` int64
+        indices: 3 passes)."""
+        n = self.n
+        return (Work(2.0 * n * d, 8.0 * n * d) + syrk_work(n, d)
+                + elementwise(n * n, flops_per_item=4.0, passes=8.0)
+                + elementwise(n * n, flops_per_item=2.0, passes=3.0))
+
+    def fixed(self, d: int) -> Work:
+        """:meth:`NormalEquations.of`, once per problem: in sample space ``(alpha gamma L) G``
+        (``2 nnz n`` flops, ``nnz`` rows of ``G`` read, ``n^2`` written); in feature space
+        ``L X`` (``2 nnz d``), ``gemm(d, d, n)`` for ``X'(LX)`` and its symmetrisation (2
+        flops, 5 passes of ``d^2``)."""
+        n, nnz = self.n, self.nnz
+        if self.n_space(d):
+            return Work(2.0 * nnz * n, 8.0 * (nnz * n + n * n))
+        lx = Work(2.0 * nnz * d, 8.0 * (nnz * d + n * d))
+        return lx + gemm(d, d, n) + elementwise(d * d, flops_per_item=2.0, passes=5.0)
+
+    def construction(self) -> Work:
+        """``Problem(...)``: both graphs and both modalities' fixed parts of Eq. 16 (the
+        Laplacians are O(nnz))."""
+        return (self.graph(self.da) + self.graph(self.db) + self.fixed(self.da)
+                + self.fixed(self.db))
+
+    def projection(self, d: int) -> Work:
+        """One modality's ``X U``: ``gemm(n, c, d)``. :class:`Problem` computes it once per
+        new ``U`` (:meth:`Problem.projection`), so it is counted where ``U`` changes."""
+        return gemm(self.n, self.groups, d)
+
+    def projections(self) -> Work:
+        """``X_a U_a`` and ``X_b U_b``."""
+        return self.projection(self.da) + self.projection(self.db)
+
+    def objective(self) -> Work:
+        """:meth:`Problem.objective` with the projections kept: ``L_p Z_p`` for both
+        (``2 nnz c`` each)."""
+        sparse_z = Work(2.0 * self.nnz * self.groups,
+                        8.0 * (self.nnz * self.groups + 2 * self.n * self.groups))
+        return sparse_z * 2
+
+    def update_u(self, modality: str) -> Work:
+        """:meth:`Problem.update_u` for ``X`` (``n x d``), the other side's projection kept.
+
+        Sample space (``d > n``): ``K = w G + alpha gamma L G`` (2 flops, 5 passes of
+        ``n^2``), its LU solve (:func:`lu_solve_work` of ``n``) and ``U = X'W``
+        (``gemm(d, c, n)``). Feature space: ``sqrt(w) X`` (``n d``), its ``syrk``
+        (:func:`syrk_work`), the fixed part added (1 flop, 3 passes of ``d^2``), ``X'R``
+        (``gemm(d, c, n)``), the Cholesky (``d^3 / 3``, on a copy: one more pass of ``d^2``
+        read and written) and its two triangular solves (``2 d^2 c``)."""
+        d = self.da if modality == "image" else self.db
+        n, c = self.n, self.groups
+        if self.n_space(d):
+            return (elementwise(n * n, flops_per_item=2.0, passes=5.0) + lu_solve_work(n, c)
+                    + gemm(d, c, n))
+        cho_solve = Work(2.0 * d * d * c, 8.0 * (d * d + 2.0 * d * c))
+        return (elementwise(n * d) + syrk_work(d, n)
+                + elementwise(d * d, flops_per_item=1.0, passes=3.0) + gemm(d, c, n)
+                + elementwise(d * d, flops_per_item=0.0) + cholesky(d) + cho_solve)
+
+    def update_y(self, sweeps: int) -> Work:
+        """:meth:`Problem.update_y` (the projections kept): per pair and sweep two ``c x c``
+        products with the group sums (``sweeps``: the most it runs; it stops after a sweep
+        that moves no pair)."""
+        return matvec(self.groups, self.groups) * (2 * self.n * sweeps)
+
+    def start(self, unplaced: int) -> Work:
+        """:meth:`Problem.start`, warm (the k-means of a cold start is not counted): the
+        ``unplaced`` pairs' nearest text centroids (the members' rows copied and averaged, 3
+        passes of ``n d_t``; per group the unplaced rows copied, subtracted, squared and summed,
+        3 flops and 8 passes of ``unplaced d_t``), two rounds of ``U_a``, ``U_b``, and the
+        projections each needs: ``X_b U_b`` three times (for the two ``U_a`` and the losses,
+        the first with ``U_b = 0``), ``X_a U_a`` twice (for the two ``U_b``)."""
+        dt = self.db - 1
+        centroids = (elementwise(self.n * dt, passes=3.0)
+                     + elementwise(unplaced * dt, flops_per_item=3.0, passes=8.0) * self.groups)
+        return (centroids + (self.update_u("image") + self.update_u("text")) * 2
+                + self.projection(self.da) * 2 + self.projection(self.db) * 3)
+
+    def iterate(self, sweeps: int = 2) -> Work:
+        """:meth:`Problem.iterate`: ``U_a``, ``U_b`` and their new projections, ``Y``, and the
+        objective four times (the trace); ``v`` reuses the projections of the previous step,
+        and the empty-group guard is not counted (it runs only when a group empties)."""
+        return (self.update_u("image") + self.update_u("text") + self.projections()
+                + self.update_y(sweeps) + self.objective() * 4)
+
+
+def syrk_work(n: int, k: int) -> Work:
+    """``A A'`` for ``A`` (``n x k``) as numpy runs it (``x @ x.T`` or ``x.T @ x`` on one
+    buffer: BLAS ``syrk``): one triangle, ``n (n + 1) k`` flops, ``A`` read, the triangle
+    written, then mirrored (2 passes of ``n^2`` in all)."""
+    return Work(float(n * (n + 1) * k), 8.0 * (n * k + 2.0 * n * n))
+
+
+def lu_solve_work(m: int, c: int) -> Work:
+    """``numpy.linalg.solve`` of an ``m x m`` system for ``c`` columns (the sample-space
+    solve): the LU (``2 m^3 / 3``)
+    and the two triangular solves (``2 m^2 c``); the matrix copied to Fortran order, factored
+    in place and read by the solve (5 passes of ``m^2``), the right-hand side read and the
+    solution written."""
+    return Work(2.0 * m**3 / 3.0 + 2.0 * m * m * c, 8.0 * (5.0 * m * m + 2.0 * m * c))
