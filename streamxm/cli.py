@@ -231,7 +231,7 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
                      unlabelled=args.unlabelled, seed=args.seed, epochs=args.epochs,
                      params=_params(args.param) or None, progress=not args.json,
                      order=args.order, label_noise=args.label_noise,
-                     buffer_memory=args.buffer_memory)
+                     buffer_memory=args.buffer_memory, eval_every=args.eval_every)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -480,6 +480,9 @@ def _bench_learning_commands(
                         "pairwise:marginal, 0 for the others)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
+    q.add_argument("--eval-every", type=_eval_every, default=1, metavar="N|auto",
+                   help="the rolling evaluation's schedule while it learns (the service's "
+                   "default: auto): rolling_map and its standard error in the JSON")
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd_bench_quality)

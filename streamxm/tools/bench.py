@@ -17,6 +17,7 @@ from streamxm.learning.evaluation import (
     retrieval_maps,
 )
 from streamxm.learning.learner import StreamLearner
+from streamxm.learning.schedule import EvalEvery
 from streamxm.models import model_class
 from streamxm.models.ensemble import Ensemble, is_ensemble, parse_ensemble
 from streamxm.stream.messages import Pair, make_pair
@@ -79,17 +80,21 @@ def quality(
     order: str = "file",
     label_noise: float = 0.0,
     buffer_memory: int | None = None,
+    eval_every: EvalEvery = 1,
 ) -> dict[str, Any]:
     """Train on the train split (see :func:`train` for the protocols) and score the test split
-    (:func:`evaluate_model`). The training pairs arrive in ``order`` (``file``, ``class``: one
-    topic at a time, ``shuffled``) with a fraction ``label_noise`` of their labels replaced by
-    another class (:func:`~streamxm.tools.datasets.noisy_labels`); the test split is untouched.
+    (:func:`evaluate_model`). ``eval_every``: the rolling evaluation's schedule while it
+    learns (the gauge, ``rolling_map``, and its standard error over the window,
+    ``rolling_map_stderr``: the spread of the gauge at that schedule). The training pairs
+    arrive in ``order`` (``file``, ``class``: one topic at a time, ``shuffled``) with a
+    fraction ``label_noise`` of their labels replaced by another class
+    (:func:`~streamxm.tools.datasets.noisy_labels`); the test split is untouched.
 
     ``model`` may be an ensemble (``ensemble:sdsrl+sam``): each member is trained and scored
     as on its own (same seed and stream, under ``members``), then the fused ranking is scored
     (:mod:`streamxm.models.ensemble`); ``params`` then go to every member."""
     ds = load_dataset(dataset)
-    run = {"dataset": str(dataset), "model": model, "protocol": protocol,
+    run = {"dataset": str(dataset), "model": model, "protocol": protocol, "eval_every": eval_every,
            "unlabelled": unlabelled, "order": order, "label_noise": label_noise,
            "buffer_memory": buffer_memory, "seed": seed}
     pairs = list(iter_pairs(ds, unlabelled=unlabelled, order=order, label_noise=label_noise,
@@ -97,7 +102,7 @@ def quality(
 
     def member(name: str) -> tuple[StreamLearner, dict[str, Any]]:
         learner = StreamLearner(name, ds.img_train.shape[1], ds.txt_train.shape[1], params,
-                                seed=seed, buffer_memory=buffer_memory)
+                                seed=seed, buffer_memory=buffer_memory, eval_every=eval_every)
         start = time.perf_counter()
         passes = train(learner, pairs, protocol, epochs, progress, desc=f"{name} {protocol}")
         seconds = time.perf_counter() - start
@@ -109,6 +114,9 @@ def quality(
             "mistakes": dict(learner.stats.mistakes),
             "triplets": dict(learner.stats.triplets),
             "rolling_map": learner.rolling_map(),
+            "rolling_map_stderr": {d: (float(np.std(q) / np.sqrt(len(q))) if q else None)
+                                   for d, q in learner.rolling_ap.items()},
+            "pairs_evaluated": learner.pairs_evaluated,
             "drift_detections": learner.drift.detections,
             "pairs_in_burst": learner.pairs_in_burst,
             "params": learner.model.params(),
