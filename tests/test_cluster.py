@@ -133,6 +133,9 @@ def test_cluster_sigkilled_workers_end_bit_identical(cluster: LocalCluster,
     try:
         wait_for(lambda: processed(r, keys) == n, 120, "all pairs")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+        # A killed worker may have learned the whole stream already: the last one must be up
+        # (its SIGTERM handler in place) before it is asked to stop.
+        wait_for(lambda: final.saw("leads cmos"), 60, "the last worker to lead")
     finally:
         assert final.stop() == 0, final.tail()
     assert_same_learner(latest(settings, r), reference(pairs))

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm import defaults as D
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.faults import raise_point
 from streamxm.learning.drift import DriftMonitor
@@ -96,7 +97,7 @@ class StreamLearner:
     seed
         Seed of the learner's RNG (triplet sampling); its state is checkpointed.
     eval_every
-        Evaluate every N-th pair; ``"auto"`` (the service's default): after each evaluated
+        Evaluate every N-th pair; ``"auto"`` (the default, the service's): after each evaluated
         pair, the next one is N pairs on, N sized from the model's counted work so that
         evaluating costs about :data:`~streamxm.defaults.EVAL_SHARE` of learning
         (:class:`~streamxm.learning.schedule.EvaluationSchedule`).
@@ -126,7 +127,7 @@ class StreamLearner:
         buffer_capacity: int = 500,
         seed: int = 0,
         buffer_memory: int | None = None,
-        eval_every: EvalEvery = 1,
+        eval_every: EvalEvery = D.EVAL_EVERY,
         eval_gallery: int = 200,
         rolling_window: int = 500,
         max_labels: int = 64,
