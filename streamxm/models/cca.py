@@ -25,10 +25,11 @@ from streamxm.models.moments import (
     ResolveSchedule,
     RunningMoments,
     power_normalize,
+    power_normalize_work,
     ridge_cholesky,
     top_singular,
 )
-from streamxm.models.work import Work, cholesky, elementwise, gemm
+from streamxm.models.work import Work, cholesky, elementwise, gemm, syrk
 from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
@@ -181,7 +182,7 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         - ``T = (E_x(1) + E_y(2) + E_y(1) + E_x(2)) / 2``: the scored triplet
           (:func:`~streamxm.models.base.observe_triplet`, directions alternating: a query row
           and two item rows), ``E`` the :meth:`embedding_work`;
-        - ``N(r, d)``: ``r`` rows power-normalised into the moments (:func:`_normalize_work`);
+        - ``N(r, d)``: ``r`` rows power-normalised into the moments (:func:`power_normalize_work`);
         - ``F``: a fold of ``B`` rows (:func:`_fold_work`);
         - ``R``: a re-solve (:func:`_solve_work`).
         """
@@ -189,19 +190,20 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         triplet = 0.5 * (self.embedding_work(1, "image") + self.embedding_work(2, "text")
                          + self.embedding_work(1, "text") + self.embedding_work(2, "image"))
         block = RunningMoments.BLOCK
-        return (triplet + _normalize_work(1, dx, self.power) + _normalize_work(1, dy, self.power)
+        return (triplet + power_normalize_work(dx, self.power)
+                + power_normalize_work(dy, self.power)
                 + _fold_work(dx, dy, block) * (1.0 / block)
                 + _solve_work(dx, dy, self.k) * (1.0 / self.solve_every))
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """:meth:`_embed` on ``r`` rows of size ``d`` (float64, ``k`` components):
-        ``N(r, d)`` (:func:`_normalize_work`), the mean subtracted (``r d`` flops, three
+        ``N(r, d)`` (:func:`power_normalize_work`), the mean subtracted (``r d`` flops, three
         passes), ``(x - mean) P``: ``2 r d k`` flops, the correlation scaling (``r k``) and the
         L2 normalisation of the ``r x k`` result."""
         dim = _dim(self, modality)
         scale = elementwise(rows * self.k, passes=3) if self.scale_by_correlation else Work()
-        return (_normalize_work(rows, dim, self.power) + elementwise(rows * dim, passes=3)
-                + gemm(rows, self.k, dim) + scale + _normalize_work(rows, self.k, 1.0)
+        return (power_normalize_work(rows * dim, self.power) + elementwise(rows * dim, passes=3)
+                + gemm(rows, self.k, dim) + scale + power_normalize_work(rows * self.k, 1.0)
                 + elementwise(rows * self.k, itemsize=4, flops_per_item=0.0))
 
     def merge_parts(self) -> MergeParts:
@@ -233,34 +235,17 @@ def _dim(model: CCA, modality: str) -> int:
     return model.img_dim if modality == "image" else model.txt_dim
 
 
-def _normalize_work(rows: int, dim: int, power: float) -> Work:
-    """:func:`~streamxm.models.moments.power_normalize` of ``rows x dim`` values: the float64
-    copy, ``x * x``, its row sums and the division (3 flops, 7 passes an item), and with
-    ``power != 1`` ``sign(x) |x|^power`` (4 flops, 9 passes)."""
-    work = elementwise(rows * dim, flops_per_item=3.0, passes=7.0)
-    if power != 1.0:
-        work += elementwise(rows * dim, flops_per_item=4.0, passes=9.0)
-    return work
-
-
-def _gram_work(n: int, inner: int) -> Work:
-    """``X' X`` with ``X`` ``(inner, n)``: numpy's ``matmul`` sees one operand and its
-    transpose and calls ``syrk`` (``n^2 inner`` flops, half a ``gemm``), then mirrors the
-    triangle element by element (``n^2 / 2`` read and written)."""
-    return Work(float(n) * n * inner, 8.0 * (n * inner + 2.0 * n * n))
-
-
 def _fold_work(dx: int, dy: int, block: int) -> Work:
     """One fold of ``B`` pending rows into the sums (:meth:`RunningMoments.fold`):
 
     - the rows stacked and summed: ``B (d_x + d_y)``, five passes;
-    - ``S_xx += X'X``: ``d_x^2 B`` (``syrk``, :func:`_gram_work`) plus the sum read, the
+    - ``S_xx += X'X``: ``d_x^2 B`` (:func:`syrk`) plus the sum read, the
       product read and the sum written (``d_x^2`` flops); ``S_yy`` likewise;
     - ``S_xy += X'Y``: ``2 d_x d_y B`` plus the same three passes over ``d_x d_y``.
     """
     stack = elementwise(block * (dx + dy), passes=5.0)
     adds = elementwise(dx * dx + dy * dy + dx * dy, passes=3.0)
-    return (stack + _gram_work(dx, block) + _gram_work(dy, block) + gemm(dx, dy, block)
+    return (stack + syrk(dx, block) + syrk(dy, block) + gemm(dx, dy, block)
             + adds)
 
 

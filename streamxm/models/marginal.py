@@ -16,9 +16,9 @@ from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import LinearHead, power_features
-from streamxm.models.moments import append_constant, power_normalize
+from streamxm.models.moments import append_constant, power_normalize, power_normalize_work
 from streamxm.models.optim import adagrad_step
-from streamxm.models.pairwise import adagrad_work, power_normalize_work
+from streamxm.models.pairwise import adagrad_work
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
@@ -229,7 +229,7 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
 
     def _feature_work(self, rows: int, dim: int) -> Work:
         """:meth:`_features` of ``n`` float32 rows:
-        :func:`~streamxm.models.pairwise.power_normalize_work` and the constant appended
+        :func:`~streamxm.models.moments.power_normalize_work` and the constant appended
         (2 passes of 8 bytes an item)."""
         return (power_normalize_work(rows * dim, self.power)
                 + elementwise(rows * (dim + 1), flops_per_item=0.0, passes=2.0))

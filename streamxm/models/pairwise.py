@@ -21,6 +21,7 @@ from streamxm.models.moments import (
     RunningMoments,
     append_constant,
     power_normalize,
+    power_normalize_work,
     ridge_whitener,
 )
 from streamxm.models.optim import adagrad_step
@@ -30,6 +31,7 @@ from streamxm.models.work import (
     elementwise,
     gemm,
     matvec,
+    syrk,
     triangular_inverse,
 )
 from streamxm.stream.messages import Pair
@@ -452,25 +454,13 @@ def adagrad_work(items: int, itemsize: int) -> Work:
     return elementwise(items, itemsize, flops_per_item=8.0, passes=5.0)
 
 
-def power_normalize_work(items: int, power: float) -> Work:
-    """:func:`~streamxm.models.moments.power_normalize` of ``n`` float32 items: the float64
-    copy (read 4, write 8 bytes), at ``power != 1`` the sign, the absolute value, the power and
-    their product (9 passes, 4 flops), the squares, their row sums and the division (5 passes,
-    3 flops)."""
-    mapped = power != 1.0
-    return elementwise(items, flops_per_item=3.0 + 4.0 * mapped,
-                       passes=6.5 + 9.0 * mapped)
-
-
 def _gram_work(dim: int, rows: int) -> Work:
     """``S += x^T x`` for a block ``x`` of ``k`` float64 rows
     (:meth:`~streamxm.models.moments.RunningMoments.fold`): the rows stacked (2 passes) and
-    summed (1 pass), numpy's ``syrk`` for ``x^T x`` (``k d^2`` flops, half a product: ``x`` read,
-    the ``d x d`` temporary written), the temporary's other triangle mirrored (1 pass) and the
-    temporary added into ``S`` (3 passes)."""
-    syrk = Work(float(rows) * dim * dim, 8.0 * (dim * rows + dim * dim))
-    return (elementwise(rows * dim, flops_per_item=1.0, passes=3.0) + syrk
-            + elementwise(dim * dim, flops_per_item=1.0, passes=4.0))
+    summed (1 pass), ``x^T x`` (:func:`syrk`, its mirror included) and
+    the temporary added into ``S`` (3 passes)."""
+    return (elementwise(rows * dim, flops_per_item=1.0, passes=3.0) + syrk(dim, rows)
+            + elementwise(dim * dim, flops_per_item=1.0, passes=3.0))
 
 
 def _triangular_product(lower: NDArray[np.float64], v: NDArray[np.float64]) -> NDArray[np.float64]:

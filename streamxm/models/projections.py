@@ -16,9 +16,9 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.models.work import Work, elementwise, gemm
+from streamxm.models.work import Work, elementwise, gemm, syrk
 
-__all__ = ["CDResult", "dense_targets", "gram_work", "mpl_cd", "mpl_cd_work", "projection_loss"]
+__all__ = ["CDResult", "dense_targets", "mpl_cd", "mpl_cd_work", "projection_loss"]
 
 F64 = NDArray[np.float64]
 
@@ -184,13 +184,6 @@ def mpl_cd(
 
 
 # -- the work counted (streamxm/models/work.py) ------------------------------------------------
-def gram_work(n: int, inner: int) -> Work:
-    """``X' X`` with ``X`` ``(inner, n)`` in float64: numpy's ``matmul`` sees one operand and its
-    transpose and calls ``syrk`` (``n^2 inner`` flops, half a ``gemm``), then mirrors the
-    triangle element by element (``n^2 / 2`` read and written)."""
-    return Work(float(n) * n * inner, 8.0 * (n * inner + 2.0 * n * n))
-
-
 def projection_loss_work(m1: int, m2: int, classes: int, q: int) -> Work:
     """:func:`projection_loss` with ``A`` ``(m1, q)``, ``B`` ``(m2, q)`` and ``c`` class columns:
     ``A'A``, ``B'B`` (``q^2 m`` each, ``syrk``), ``G'G``, ``H'H`` (``c^2 m`` each, ``syrk``,
@@ -198,7 +191,7 @@ def projection_loss_work(m1: int, m2: int, classes: int, q: int) -> Work:
     ``G'A``, ``H'B`` (``2 c q m`` each), and nine products summed over ``q^2``, ``c q`` and
     ``c^2`` entries (2 flops, four passes an entry)."""
     c = classes
-    return (gram_work(q, m1) + gram_work(q, m2) + gram_work(c, m1) + gram_work(c, m2)
+    return (syrk(q, m1) + syrk(q, m2) + syrk(c, m1) + syrk(c, m2)
             + gemm(c, q, m1) + gemm(c, q, m2)
             + elementwise(3 * (q * q + c * q + c * c), flops_per_item=2.0, passes=4.0))
 
@@ -217,7 +210,7 @@ def sweep_work(n: int, classes: int, q: int) -> Work:
     c = classes
     per_entry = Work(6.0 * q + 4.0 * c, 8.0 * (c + 2.0 * q))
     norms = elementwise(n * (q + c), flops_per_item=2.0, passes=1.0)
-    return gram_work(q, n) + gemm(c, q, n) + norms + per_entry * float(n * q)
+    return syrk(q, n) + gemm(c, q, n) + norms + per_entry * float(n * q)
 
 
 def mpl_cd_work(m1: int, m2: int, classes: int, q: int, outer: int, inner: int) -> Work:
@@ -230,7 +223,7 @@ def mpl_cd_work(m1: int, m2: int, classes: int, q: int, outer: int, inner: int) 
     """
     c = classes
     loss = projection_loss_work(m1, m2, c, q)
-    sweeps_a = inner * (gram_work(q, m2) + gemm(c, q, m2) + sweep_work(m1, c, q))
-    sweeps_b = inner * (gram_work(q, m1) + gemm(c, q, m1) + sweep_work(m2, c, q))
+    sweeps_a = inner * (syrk(q, m2) + gemm(c, q, m2) + sweep_work(m1, c, q))
+    sweeps_b = inner * (syrk(q, m1) + gemm(c, q, m1) + sweep_work(m2, c, q))
     copies = elementwise((m1 + m2) * q, flops_per_item=0.0)
     return copies + loss + outer * (sweeps_a + sweeps_b + loss)

@@ -26,7 +26,7 @@ import scipy.linalg
 from numpy.typing import NDArray
 from scipy import sparse
 
-from streamxm.models.work import Work, cholesky, elementwise, gemm, matvec
+from streamxm.models.work import Work, cholesky, elementwise, gemm, matvec, syrk
 
 __all__ = ["GroupSums", "NormalEquations", "Problem", "ProblemWork", "kmeans", "knn_graph"]
 
@@ -466,12 +466,12 @@ class ProblemWork:
 
     def graph(self, d: int) -> Work:
         """:func:`gram` and :func:`knn_graph` on ``n`` rows of ``d``: the squared norms
-        (``2 n d``), the Gram (:func:`syrk_work`), the distances ``sq_i + sq_j - 2 G`` and
+        (``2 n d``), the Gram (:func:`syrk`), the distances ``sq_i + sq_j - 2 G`` and
         their ``max(., 0)`` (4 flops, 8 passes of ``n^2``), and ``argpartition`` (about 2
         comparisons per entry; reads the distances, writes and permutes ``n^2`` int64
         indices: 3 passes)."""
         n = self.n
-        return (Work(2.0 * n * d, 8.0 * n * d) + syrk_work(n, d)
+        return (Work(2.0 * n * d, 8.0 * n * d) + syrk(n, d)
                 + elementwise(n * n, flops_per_item=4.0, passes=8.0)
                 + elementwise(n * n, flops_per_item=2.0, passes=3.0))
 
@@ -514,7 +514,7 @@ class ProblemWork:
         Sample space (``d > n``): ``K = w G + alpha gamma L G`` (2 flops, 5 passes of
         ``n^2``), its LU solve (:func:`lu_solve_work` of ``n``) and ``U = X'W``
         (``gemm(d, c, n)``). Feature space: ``sqrt(w) X`` (``n d``), its ``syrk``
-        (:func:`syrk_work`), the fixed part added (1 flop, 3 passes of ``d^2``), ``X'R``
+        (:func:`syrk`), the fixed part added (1 flop, 3 passes of ``d^2``), ``X'R``
         (``gemm(d, c, n)``), the Cholesky (``d^3 / 3``, on a copy: one more pass of ``d^2``
         read and written) and its two triangular solves (``2 d^2 c``)."""
         d = self.da if modality == "image" else self.db
@@ -523,7 +523,7 @@ class ProblemWork:
             return (elementwise(n * n, flops_per_item=2.0, passes=5.0) + lu_solve_work(n, c)
                     + gemm(d, c, n))
         cho_solve = Work(2.0 * d * d * c, 8.0 * (d * d + 2.0 * d * c))
-        return (elementwise(n * d) + syrk_work(d, n)
+        return (elementwise(n * d) + syrk(d, n)
                 + elementwise(d * d, flops_per_item=1.0, passes=3.0) + gemm(d, c, n)
                 + elementwise(d * d, flops_per_item=0.0) + cholesky(d) + cho_solve)
 
@@ -552,13 +552,6 @@ class ProblemWork:
         and the empty-group guard is not counted (it runs only when a group empties)."""
         return (self.update_u("image") + self.update_u("text") + self.projections()
                 + self.update_y(sweeps) + self.objective() * 4)
-
-
-def syrk_work(n: int, k: int) -> Work:
-    """``A A'`` for ``A`` (``n x k``) as numpy runs it (``x @ x.T`` or ``x.T @ x`` on one
-    buffer: BLAS ``syrk``): one triangle, ``n (n + 1) k`` flops, ``A`` read, the triangle
-    written, then mirrored (2 passes of ``n^2`` in all)."""
-    return Work(float(n * (n + 1) * k), 8.0 * (n * k + 2.0 * n * n))
 
 
 def lu_solve_work(m: int, c: int) -> Work:

@@ -28,7 +28,7 @@ from streamxm.models.heads import (
     rbf_kernel,
     squared_norms,
 )
-from streamxm.models.moments import ResolveSchedule, power_normalize
+from streamxm.models.moments import ResolveSchedule, power_normalize, power_normalize_work
 from streamxm.models.projections import mpl_cd, mpl_cd_work
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
@@ -432,7 +432,7 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         - ``T = (E_v(1) + E_t(2) + E_t(1) + E_v(2)) / 2``: the scored triplet
           (:func:`~streamxm.models.base.observe_triplet`, directions alternating), ``E`` the
           :meth:`embedding_work`;
-        - ``N(r, d)``: the arriving vectors power-normalised (:func:`_normalize_work`);
+        - ``N(r, d)``: the arriving vectors power-normalised (:func:`power_normalize_work`);
         - ``F``: a fold of ``B`` pending pairs (:func:`_fold_work`);
         - ``R``: a re-solve (:func:`_solve_work`).
         """
@@ -441,16 +441,16 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
                          + self.embedding_work(1, "text") + self.embedding_work(2, "image"))
         fold = _fold_work(self.batch, ((self.img_dim, m1), (self.txt_dim, m2)), c)
         solve = _solve_work(m1, m2, c, self.q, self.outer, self.inner)
-        return (triplet + _normalize_work(1, self.img_dim, self.power_img)
-                + _normalize_work(1, self.txt_dim, self.power_txt)
+        return (triplet + power_normalize_work(self.img_dim, self.power_img)
+                + power_normalize_work(self.txt_dim, self.power_txt)
                 + fold * (1.0 / self.batch) + solve * (1.0 / self.solve_every))
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """:meth:`_embed` on ``r`` rows of size ``d`` against the ``m`` steady-state landmarks
-        (:meth:`_steady_sizes`): ``N(r, d)`` (:func:`_normalize_work`), the kernel rows
+        (:meth:`_steady_sizes`): ``N(r, d)`` (:func:`power_normalize_work`), the kernel rows
         ``K(r, m, d)`` (:func:`_rbf_work`) and their product with ``W`` (``2 r m q``)."""
         dim, m, power = self._side(modality)
-        return (_normalize_work(rows, dim, power) + _rbf_work(rows, m, dim)
+        return (power_normalize_work(rows * dim, power) + _rbf_work(rows, m, dim)
                 + gemm(rows, self.q, m)
                 + elementwise(rows * self.q, itemsize=4, flops_per_item=0.0))
 
@@ -541,16 +541,6 @@ def _small_random(rng: np.random.Generator, target: F64, q: int) -> F64:
     """A start for the descent at a tenth of the target's entry scale (``0`` is stationary)."""
     scale = 0.1 * float(np.linalg.norm(target)) / np.sqrt(target.size)
     return rng.normal(scale=scale, size=(len(target), q))
-
-
-def _normalize_work(rows: int, dim: int, power: float) -> Work:
-    """:func:`~streamxm.models.moments.power_normalize` of ``rows x dim`` values: the float64
-    copy, ``x * x``, its row sums and the division (3 flops, 7 passes an item), and with
-    ``power != 1`` ``sign(x) |x|^power`` (4 flops, 9 passes)."""
-    work = elementwise(rows * dim, flops_per_item=3.0, passes=7.0)
-    if power != 1.0:
-        work += elementwise(rows * dim, flops_per_item=4.0, passes=9.0)
-    return work
 
 
 def _rbf_work(rows: int, m: int, dim: int) -> Work:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Rates", "Work", "cholesky", "eigh", "elementwise", "gemm", "matvec",
-           "rank_update", "svd", "triangular_inverse"]
+           "rank_update", "svd", "syrk", "triangular_inverse"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,13 @@ def gemm(m: int, n: int, k: int, itemsize: int = 8) -> Work:
 def matvec(m: int, n: int, itemsize: int = 8) -> Work:
     """An ``(m, n)`` matrix times a vector (either side)."""
     return gemm(m, 1, n, itemsize)
+
+
+def syrk(n: int, inner: int, itemsize: int = 8) -> Work:
+    """``A A'`` of an ``(n, inner)`` operand as numpy runs ``x @ x.T`` (BLAS ``syrk``): one
+    triangle, ``n (n + 1) inner`` flops, the operand read, the triangle written, then mirrored
+    (two passes of ``n^2`` in all)."""
+    return Work(float(n * (n + 1) * inner), float(itemsize) * (n * inner + 2.0 * n * n))
 
 
 def rank_update(m: int, n: int, k: int, itemsize: int = 8) -> Work:
