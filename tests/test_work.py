@@ -109,6 +109,32 @@ def test_the_compiled_adagrad_pass_is_the_whole_array_form_bit_for_bit(dtype: ty
     assert np.array_equal(w3, w)
 
 
+def test_the_outer_adagrad_step_is_the_dense_step_on_left_t_right() -> None:
+    """The gradient formed inside the pass is ``left^T right``: the same step as the dense
+    one to float32 rounding (the sums run in another order than BLAS's), and a bad shape or
+    dtype is refused rather than read out of bounds."""
+    from streamxm.models.optim import adagrad_outer_step, adagrad_step
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((41, 23)).astype(np.float32)
+    sq = rng.random((41, 23)).astype(np.float32)
+    left = rng.standard_normal((11, 41)).astype(np.float32)
+    right = rng.standard_normal((11, 23)).astype(np.float32)
+    w2, sq2 = w.copy(), sq.copy()
+    for _ in range(3):
+        adagrad_outer_step(w, sq, left, right, 0.05, 1e-3)
+        adagrad_step(w2, sq2, left.T @ right, 0.05, 1e-3)
+    np.testing.assert_allclose(w, w2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sq, sq2, rtol=1e-5)
+    adagrad_outer_step(w, sq, left[:0], right[:0], 0.05, 1e-3)  # rank 0: the l2 step alone
+    adagrad_step(w2, sq2, np.zeros_like(w2), 0.05, 1e-3)
+    np.testing.assert_allclose(w, w2, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="shapes"):
+        adagrad_outer_step(w, sq, left[:, :40], right, 0.05, 1e-3)
+    with pytest.raises(TypeError, match="float32"):
+        adagrad_outer_step(w, sq, left.astype(np.float64), right, 0.05, 1e-3)
+
+
 def test_timing_whole_periods_from_the_start_times_each_periodic_solve_once() -> None:
     """``periodic_work``: from ``start`` on, every ``period`` pairs hold exactly one re-solve
     (cca), so a benchmark timing whole periods times what ``learning_work`` spreads."""

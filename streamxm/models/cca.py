@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 from scipy.linalg import solve_triangular
+from scipy.linalg.blas import dtrsm
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import (
@@ -24,12 +25,15 @@ from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import (
     ResolveSchedule,
     RunningMoments,
+    covariance_work,
+    fold_work,
     power_normalize,
     power_normalize_work,
     ridge_cholesky,
+    ridge_cholesky_work,
     top_singular,
 )
-from streamxm.models.work import Work, cholesky, elementwise, gemm, syrk
+from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
@@ -137,12 +141,12 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         m = self.moments
         if m.n < 2:
             return
-        lx = ridge_cholesky(m.cov_xx(), self.ridge)
-        ly = ridge_cholesky(m.cov_yy(), self.ridge)
-        # M = K_x C_xy K_y' with K = L^-1, by two triangular solves instead of two inverses
-        # and two dense products.
-        half = solve_triangular(lx, m.cov_xy(), lower=True, check_finite=False)
-        whitened = solve_triangular(ly, half.T, lower=True, check_finite=False).T
+        lx = ridge_cholesky(m.cov_xx(full=False, reuse=True), self.ridge, overwrite=True)
+        ly = ridge_cholesky(m.cov_yy(full=False, reuse=True), self.ridge, overwrite=True)
+        # M = K_x C_xy K_y' with K = L^-1: two triangular solves in place on C_xy (``L_x X =
+        # C_xy``, then ``M L_y' = X`` from the right) instead of two inverses and two products.
+        whitened = dtrsm(1.0, lx, m.cov_xy(reuse=True), lower=1, overwrite_b=1)
+        whitened = dtrsm(1.0, ly, whitened, side=1, lower=1, trans_a=1, overwrite_b=1)
         u, s, v = top_singular(whitened, self.k)
         self.proj_x = solve_triangular(lx, u, lower=True, trans="T", check_finite=False)
         self.proj_y = solve_triangular(ly, v, lower=True, trans="T", check_finite=False)
@@ -183,7 +187,7 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
           (:func:`~streamxm.models.base.observe_triplet`, directions alternating: a query row
           and two item rows), ``E`` the :meth:`embedding_work`;
         - ``N(r, d)``: ``r`` rows power-normalised into the moments (:func:`power_normalize_work`);
-        - ``F``: a fold of ``B`` rows (:func:`_fold_work`);
+        - ``F``: a fold of ``B`` rows (:func:`~streamxm.models.moments.fold_work`);
         - ``R``: a re-solve (:func:`_solve_work`).
         """
         dx, dy = self.img_dim, self.txt_dim
@@ -192,7 +196,7 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         block = RunningMoments.BLOCK
         return (triplet + power_normalize_work(dx, self.power)
                 + power_normalize_work(dy, self.power)
-                + _fold_work(dx, dy, block) * (1.0 / block)
+                + fold_work(dx, dy, block) * (1.0 / block)
                 + _solve_work(dx, dy, self.k) * (1.0 / self.solve_every))
 
     def embedding_work(self, rows: int, modality: str) -> Work:
@@ -235,27 +239,6 @@ def _dim(model: CCA, modality: str) -> int:
     return model.img_dim if modality == "image" else model.txt_dim
 
 
-def _fold_work(dx: int, dy: int, block: int) -> Work:
-    """One fold of ``B`` pending rows into the sums (:meth:`RunningMoments.fold`):
-
-    - the rows stacked and summed: ``B (d_x + d_y)``, five passes;
-    - ``S_xx += X'X``: ``d_x^2 B`` (:func:`syrk`) plus the sum read, the
-      product read and the sum written (``d_x^2`` flops); ``S_yy`` likewise;
-    - ``S_xy += X'Y``: ``2 d_x d_y B`` plus the same three passes over ``d_x d_y``.
-    """
-    stack = elementwise(block * (dx + dy), passes=5.0)
-    adds = elementwise(dx * dx + dy * dy + dx * dy, passes=3.0)
-    return (stack + syrk(dx, block) + syrk(dy, block) + gemm(dx, dy, block)
-            + adds)
-
-
-def _factor_work(d: int) -> Work:
-    """:func:`~streamxm.models.moments.ridge_cholesky` of a ``d x d`` covariance: ``eye``,
-    its scaling and the sum (2 flops, six passes over ``d^2``) and the Cholesky factor
-    (``d^3 / 3``)."""
-    return elementwise(d * d, flops_per_item=2.0, passes=6.0) + cholesky(d)
-
-
 def _triangular_solve_work(d: int, columns: int) -> Work:
     """``L X = B`` for a ``d x d`` triangle and ``columns`` right-hand sides: ``d^2`` flops a
     column; the triangle read, ``B`` read and written."""
@@ -276,15 +259,16 @@ def _top_singular_work(dx: int, dy: int, k: int) -> Work:
 def _solve_work(dx: int, dy: int, k: int) -> Work:
     """One :meth:`CCA.solve` (float64):
 
-    - the covariances ``S / n - (s / n)(s / n)'`` of ``d_x^2``, ``d_y^2`` and ``d_x d_y``
-      entries: 3 flops and six passes an entry;
-    - the Cholesky factors ``L_x``, ``L_y`` (:func:`_factor_work`);
+    - the covariances ``S / n - (s / n)(s / n)'``: the lower triangles of ``C_xx``, ``C_yy``
+      and all of ``C_xy`` (:func:`~streamxm.models.moments.covariance_work`);
+    - the Cholesky factors ``L_x``, ``L_y``
+      (:func:`~streamxm.models.moments.ridge_cholesky_work`);
     - ``M = L_x^-1 C_xy L_y^-T`` by two triangular solves (``d_x^2 d_y + d_y^2 d_x``);
     - its top ``k`` singular triplets (:func:`_top_singular_work`);
     - ``P_x = L_x^-T U_k``, ``P_y = L_y^-T V_k``: triangular solves (``d_x^2 k + d_y^2 k``).
     """
-    covariances = elementwise(dx * dx + dy * dy + dx * dy, flops_per_item=3.0, passes=6.0)
-    return (covariances + _factor_work(dx) + _factor_work(dy)
+    return (covariance_work(dx * (dx + 1) // 2 + dy * (dy + 1) // 2 + dx * dy)
+            + ridge_cholesky_work(dx) + ridge_cholesky_work(dy)
             + _triangular_solve_work(dx, dy) + _triangular_solve_work(dy, dx)
             + _top_singular_work(dx, dy, k)
             + _triangular_solve_work(dx, k) + _triangular_solve_work(dy, k))

@@ -17,8 +17,7 @@ from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts
 from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import append_constant, power_normalize, power_normalize_work
-from streamxm.models.optim import adagrad_step
-from streamxm.models.pairwise import adagrad_work
+from streamxm.models.optim import adagrad_step, adagrad_work
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
@@ -214,7 +213,7 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         :meth:`_feature_work`, the logits ``gemm(b, C, D)``, the softmax
         (:func:`_softmax_work`), ``p - target`` (3 passes of ``b C``), the gradient
         ``gemm(D, C, b)``, its division by ``b`` (2 passes of ``D C``) and AdaGrad over the
-        whole ``D x C`` weight matrix (:func:`~streamxm.models.pairwise.adagrad_work`)."""
+        whole ``D x C`` weight matrix (:func:`~streamxm.models.optim.adagrad_work`)."""
         b, c = 1 + self.replay, max(1, len(self.class_index))
         total = elementwise(b * (self.img_dim + self.txt_dim), 4, flops_per_item=0.0,
                             passes=2.0) + elementwise(b * c, flops_per_item=0.0, passes=1.0)

@@ -10,13 +10,15 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.linalg import cholesky, eigh, lapack
+from scipy.linalg import cholesky as _potrf
+from scipy.linalg import eigh, lapack
+from scipy.linalg.blas import dgemm, dsyrk
 
-from streamxm.models.work import Work, elementwise
+from streamxm.models.work import Work, cholesky, elementwise, gemm, gram_update
 
 __all__ = ["FeatureScaler", "ResolveSchedule", "RunningMoments", "append_constant",
-           "power_normalize", "power_normalize_work", "ridge_cholesky", "ridge_whitener",
-           "top_singular"]
+           "covariance_work", "fold_work", "power_normalize", "power_normalize_work",
+           "ridge_cholesky", "ridge_cholesky_work", "ridge_whitener", "top_singular"]
 
 Arrays = dict[str, NDArray[Any]]
 
@@ -56,10 +58,15 @@ def append_constant(z: NDArray[np.floating]) -> NDArray[np.float64]:
     return np.hstack([z, np.ones((z.shape[0], 1))])
 
 
-def ridge_cholesky(cov: NDArray[np.float64], ridge: float) -> NDArray[np.float64]:
+def ridge_cholesky(cov: NDArray[np.float64], ridge: float,
+                   overwrite: bool = False) -> NDArray[np.float64]:
     """The lower Cholesky factor ``L`` of ``cov + r I``, ``r = ridge * trace(cov) / d``: the
     whitener of :func:`ridge_whitener` is ``L^-1``, which a caller that only applies it can
     use through triangular solves instead.
+
+    Only the lower triangle of ``cov`` is read (:meth:`RunningMoments.cov_xx` with
+    ``full=False`` leaves the upper one unset). ``overwrite=True`` factors ``cov`` in place
+    (Fortran order makes it truly in place): at 4096-d each copy is 134 MB of page faults.
 
     >>> ridge_cholesky(np.diag([4.0, 1.0]), ridge=0.0).round(6)
     array([[2., 0.],
@@ -67,10 +74,18 @@ def ridge_cholesky(cov: NDArray[np.float64], ridge: float) -> NDArray[np.float64
     """
     d = cov.shape[0]
     r = ridge * float(np.trace(cov)) / d
-    # A tiny absolute floor keeps the factorisation defined on a constant stream.
-    reg = cov + (r + 1e-12) * np.eye(d)
+    reg = cov if overwrite else cov.copy(order="K")
+    # A tiny absolute floor keeps the factorisation defined on a constant stream; added on the
+    # diagonal alone, the same numbers as adding ``(r + floor) I``.
+    reg.flat[:: d + 1] += r + 1e-12
     # scipy's potrf: the same factor as numpy's, bit for bit, in three quarters of the time.
-    return np.asarray(cholesky(reg, lower=True, check_finite=False, overwrite_a=True))
+    return np.asarray(_potrf(reg, lower=True, check_finite=False, overwrite_a=True))
+
+
+def ridge_cholesky_work(d: int) -> Work:
+    """:func:`ridge_cholesky` in place: the trace and the diagonal (``d``), the factor
+    (``d^3 / 3``, :func:`~streamxm.models.work.cholesky`)."""
+    return elementwise(d, passes=3.0) + cholesky(d)
 
 
 def top_singular(m: NDArray[np.float64], k: int
@@ -108,20 +123,22 @@ def top_singular(m: NDArray[np.float64], k: int
     return (long, s, short) if tall else (short, s, long)
 
 
-def ridge_whitener(cov: NDArray[np.float64], ridge: float) -> NDArray[np.float64]:
+def ridge_whitener(cov: NDArray[np.float64], ridge: float,
+                   overwrite: bool = False) -> NDArray[np.float64]:
     """``K`` with ``K (cov + r I) K^T = I``, ``r = ridge * trace(cov) / d`` (ridge relative to
     the mean eigenvalue, so it does not depend on the scale of the features).
 
     ``K`` is the inverse of the Cholesky factor: it differs from the symmetric ``(cov + r I)^-1/2``
     by a rotation only, which neither a cosine nor an L2 penalty on a bilinear matrix can see, and
-    costs one factorisation instead of an eigendecomposition (d = 4096 stays cheap).
+    costs one factorisation instead of an eigendecomposition (d = 4096 stays cheap). Reads and
+    ``overwrite`` as in :func:`ridge_cholesky`.
 
     >>> k = ridge_whitener(np.diag([4.0, 1.0]), ridge=0.0)
     >>> np.round(k @ np.diag([4.0, 1.0]) @ k.T, 12)
     array([[1., 0.],
            [0., 1.]])
     """
-    chol = ridge_cholesky(cov, ridge)
+    chol = ridge_cholesky(cov, ridge, overwrite=overwrite)
     # The triangular inverse (LAPACK trtri): an eighth of the work of a general solve against
     # the identity (0.5 s against 4 s at d = 4096, one core), the same matrix to rounding.
     inverse, info = lapack.dtrtri(chol, lower=1)
@@ -138,14 +155,20 @@ class RunningMoments:
     never need it. Rows added one at a time wait in a block of up to :attr:`BLOCK` and are
     folded into the sums by one matrix product when it is full or when anything reads the
     moments: a rank-one update of a 4096 x 4096 sum per pair streams 134 MB through memory, a
-    block of 64 does that once (30 times less per pair). The pending rows are part of
-    :meth:`state`, so a restored stream folds at the same pairs, bit for bit.
+    block of 64 does that once (30 times less per pair). The fold adds into the sums in place
+    (BLAS ``syrk`` and ``gemm`` with ``beta = 1``), so no ``d x d`` temporary is allocated; the
+    symmetric sums keep their **lower triangle** only (Fortran order, the other triangle unset),
+    half the work of a full product. The pending rows are part of :meth:`state`, so a restored
+    stream folds at the same pairs, bit for bit.
 
     >>> m = RunningMoments(2, 1)
     >>> m.add(np.array([[1.0, 0.0], [3.0, 2.0]]), np.array([[1.0], [3.0]]))
     >>> m.mean_x(), m.cov_xy()
     (array([2., 1.]), array([[1.],
            [1.]]))
+    >>> m.cov_xx()
+    array([[1., 1.],
+           [1., 1.]])
     """
 
     BLOCK = 64
@@ -154,11 +177,12 @@ class RunningMoments:
         self.n = 0
         self.sum_x = np.zeros(dx)
         self.sum_y = np.zeros(dy)
-        self.sxx = np.zeros((dx, dx))
-        self.syy = np.zeros((dy, dy))
-        self.sxy = np.zeros((dx, dy)) if cross else np.zeros((0, 0))
+        self.sxx = np.zeros((dx, dx), order="F")
+        self.syy = np.zeros((dy, dy), order="F")
+        self.sxy = np.zeros((dx, dy) if cross else (0, 0), order="F")
         self._pending: list[tuple[NDArray[np.float64], NDArray[np.float64]]] = []
         self._pending_rows = 0
+        self._scratch: dict[str, NDArray[np.float64]] = {}  # derived, never saved
 
     def add(self, x: NDArray[np.floating], y: NDArray[np.floating]) -> None:
         """Add rows ``x`` (n, dx) and ``y`` (n, dy) (copied: a caller may reuse its arrays)."""
@@ -179,10 +203,12 @@ class RunningMoments:
         self._pending, self._pending_rows = [], 0
         self.sum_x += x.sum(axis=0)
         self.sum_y += y.sum(axis=0)
-        self.sxx += x.T @ x
-        self.syy += y.T @ y
+        # ``x.T`` is the Fortran-order (d, B) view BLAS takes without a copy.
+        self.sxx = _add_gram(self.sxx, x.T)
+        self.syy = _add_gram(self.syy, y.T)
         if self.sxy.size:
-            self.sxy += x.T @ y
+            self.sxy = np.asarray(dgemm(1.0, x.T, y.T, beta=1.0, c=self.sxy, trans_b=1,
+                                        overwrite_c=1))
 
     def mean_x(self) -> NDArray[np.float64]:
         self.fold()
@@ -192,27 +218,52 @@ class RunningMoments:
         self.fold()
         return self.sum_y / max(self.n, 1)
 
-    def _cov(self, s: NDArray[np.float64], a: NDArray[np.float64],
-             b: NDArray[np.float64]) -> NDArray[np.float64]:
+    def _cov(self, s: NDArray[np.float64], a: NDArray[np.float64], b: NDArray[np.float64],
+             reuse: str | None, lower: bool = False) -> NDArray[np.float64]:
+        """``s / n - (a / n)(b / n)^T`` in Fortran order, a block of columns at a time (no
+        ``d x d`` temporary; the same numbers entry by entry); ``lower`` computes the lower
+        triangle's blocks only. ``reuse`` names a scratch matrix these moments keep and
+        overwrite at the next call with that name: at 4096-d a new one is 134 MB of page
+        faults, as long as the arithmetic."""
         n = max(self.n, 1)
-        return np.asarray(s / n - np.outer(a / n, b / n))
+        out = self._scratch.get(reuse) if reuse else None
+        if out is None or out.shape != s.shape:
+            out = np.empty(s.shape, order="F")
+            if reuse:
+                self._scratch[reuse] = out
+        mean_a, mean_b = a / n, b / n
+        for j in range(0, out.shape[1], _COLUMNS):
+            top, cols = (j if lower else 0), slice(j, j + _COLUMNS)
+            block = out[top:, cols]
+            np.divide(s[top:, cols], n, out=block)
+            block -= np.outer(mean_a[top:], mean_b[cols])
+        return out
 
-    def cov_xx(self) -> NDArray[np.float64]:
+    def cov_xx(self, full: bool = True, reuse: bool = False) -> NDArray[np.float64]:
+        """The covariance of ``x``. ``full=False`` leaves the upper triangle unset (what
+        :func:`ridge_cholesky` reads is the lower one), a ``d x d`` mirror the fewer;
+        ``reuse=True`` returns a scratch matrix the next ``reuse`` call overwrites (a caller
+        that factors it and is done with it before then)."""
         self.fold()
-        return self._cov(self.sxx, self.sum_x, self.sum_x)
+        return _symmetric(self._cov(self.sxx, self.sum_x, self.sum_x, "xx" if reuse else None,
+                                    lower=True), full)
 
-    def cov_yy(self) -> NDArray[np.float64]:
+    def cov_yy(self, full: bool = True, reuse: bool = False) -> NDArray[np.float64]:
+        """The covariance of ``y``; ``full`` and ``reuse`` as in :meth:`cov_xx`."""
         self.fold()
-        return self._cov(self.syy, self.sum_y, self.sum_y)
+        return _symmetric(self._cov(self.syy, self.sum_y, self.sum_y, "yy" if reuse else None,
+                                    lower=True), full)
 
-    def cov_xy(self) -> NDArray[np.float64]:
+    def cov_xy(self, reuse: bool = False) -> NDArray[np.float64]:
+        """The cross-covariance; ``reuse`` as in :meth:`cov_xx`."""
         if not self.sxy.size:
             raise ValueError("these moments were kept without the cross term")
         self.fold()
-        return self._cov(self.sxy, self.sum_x, self.sum_y)
+        return self._cov(self.sxy, self.sum_x, self.sum_y, "xy" if reuse else None)
 
     def sums(self, prefix: str) -> Arrays:
-        """The count and sums with every pending row folded in: what ranks add up."""
+        """The count and sums with every pending row folded in: what ranks add up (the
+        symmetric sums' lower triangles: the sum of two is the sum's)."""
         self.fold()
         return self._sums(prefix)
 
@@ -231,15 +282,65 @@ class RunningMoments:
 
     def load_state(self, arrays: Arrays, prefix: str) -> None:
         """From :meth:`state` or :meth:`sums` (checkpoints from before the block have no
-        pending rows)."""
+        pending rows; those that kept both triangles load as they are: only the lower one is
+        read)."""
         self.n = int(arrays[f"{prefix}n"])
-        for key in ("sum_x", "sum_y", "sxx", "syy", "sxy"):
-            setattr(self, key, np.array(arrays[f"{prefix}{key}"], dtype=np.float64))
+        self.sum_x = np.array(arrays[f"{prefix}sum_x"], dtype=np.float64)
+        self.sum_y = np.array(arrays[f"{prefix}sum_y"], dtype=np.float64)
+        for key in ("sxx", "syy", "sxy"):
+            setattr(self, key, np.array(arrays[f"{prefix}{key}"], dtype=np.float64, order="F"))
         self._pending, self._pending_rows = [], 0
         if f"{prefix}pending_x" in arrays and len(arrays[f"{prefix}pending_x"]):
             self._pending = [(np.array(arrays[f"{prefix}pending_x"], dtype=np.float64),
                               np.array(arrays[f"{prefix}pending_y"], dtype=np.float64))]
             self._pending_rows = len(self._pending[0][0])
+
+
+def fold_work(dx: int, dy: int, rows: int, cross: bool = True) -> Work:
+    """One :meth:`RunningMoments.fold` of ``B`` pending rows: the rows stacked and summed
+    (``B (d_x + d_y)``, five passes); ``S_xx += X'X`` and ``S_yy += Y'Y`` on their lower
+    triangles in place (:func:`~streamxm.models.work.gram_update`); with ``cross``,
+    ``S_xy += X'Y`` in place (``2 d_x d_y B`` flops, ``S_xy`` read and written)."""
+    work = (elementwise(rows * (dx + dy), passes=5.0) + gram_update(dx, rows)
+            + gram_update(dy, rows))
+    if cross:
+        work += gemm(dx, dy, rows) + elementwise(dx * dy, flops_per_item=0.0)
+    return work
+
+
+def covariance_work(entries: int) -> Work:
+    """A covariance of ``entries`` numbers from its sums (:meth:`RunningMoments._cov`): the
+    sum divided into a new matrix (2 passes), each block of the outer product of the means
+    written and subtracted (4 passes): 3 flops, 6 passes an entry."""
+    return elementwise(entries, flops_per_item=3.0, passes=6.0)
+
+
+#: Columns of a covariance computed at once (:meth:`RunningMoments._cov`): 2 MB of outer
+#: product at 4096-d.
+_COLUMNS = 64
+
+
+def _add_gram(total: NDArray[np.float64], rows_t: NDArray[np.float64]) -> NDArray[np.float64]:
+    """``total += rows_t rows_t^T`` on the lower triangle, in place when ``total`` is Fortran
+    order (BLAS ``dsyrk``, ``beta = 1``)."""
+    if not rows_t.shape[1]:
+        return total
+    return np.asarray(dsyrk(1.0, rows_t, beta=1.0, c=total, lower=1, overwrite_c=1))
+
+
+def _symmetric(lower: NDArray[np.float64], full: bool) -> NDArray[np.float64]:
+    """``lower``'s lower triangle mirrored onto its upper one (in place) when ``full``, a
+    block of rows at a time."""
+    if not full:
+        return lower
+    d = lower.shape[0]
+    for i in range(0, d, _COLUMNS):
+        end = min(i + _COLUMNS, d)
+        lower[i:end, end:] = lower[end:, i:end].T
+        block = lower[i:end, i:end]
+        above = np.triu_indices(end - i, 1)
+        block[above] = block.T[above]
+    return lower
 
 
 class FeatureScaler:

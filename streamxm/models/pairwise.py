@@ -20,23 +20,24 @@ from streamxm.models.moments import (
     ResolveSchedule,
     RunningMoments,
     append_constant,
+    covariance_work,
+    fold_work,
     power_normalize,
     power_normalize_work,
+    ridge_cholesky_work,
     ridge_whitener,
 )
-from streamxm.models.optim import adagrad_step
+from streamxm.models.optim import adagrad_outer_step, adagrad_outer_work
 from streamxm.models.work import (
     Work,
-    cholesky,
     elementwise,
     gemm,
     matvec,
-    syrk,
     triangular_inverse,
 )
 from streamxm.stream.messages import Pair
 
-__all__ = ["PairwiseLogistic", "adagrad_work", "power_normalize_work"]
+__all__ = ["PairwiseLogistic"]
 
 Variant = Literal["logistic", "bipartite"]
 
@@ -213,8 +214,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         m = self.moments
         self.mean_x, self.mean_y = m.mean_x(), m.mean_y()
         if self.whiten:
-            self.white_x = ridge_whitener(m.cov_xx(), self.ridge)
-            self.white_y = ridge_whitener(m.cov_yy(), self.ridge)
+            self.white_x = ridge_whitener(m.cov_xx(full=False), self.ridge, overwrite=True)
+            self.white_y = ridge_whitener(m.cov_yy(full=False), self.ridge, overwrite=True)
         self._cache.clear()
 
     # -- learning ----------------------------------------------------------------------------
@@ -255,52 +256,54 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         draws = rng.integers(0, size - len(skip), size=self.negatives)
         return np.asarray(skip_past(draws, skip), dtype=np.intp)
 
-    def loss_and_grad(
+    def loss_and_factors(
         self, fx: NDArray[np.float32], fy: NDArray[np.float32], agree: NDArray[np.bool_]
-    ) -> tuple[float, NDArray[np.float32], NDArray[np.float64]]:
-        """The mini-batch loss (without the l2 term), its gradient in ``W`` and the margins
-        ``s(pos) - s(formed)``, for a positive (row 0 of ``fx``, ``fy``) and its formed pairs.
+    ) -> tuple[float, NDArray[np.float32], NDArray[np.float32], NDArray[np.float64]]:
+        """The mini-batch loss (without the l2 term), its gradient in ``W`` as factors
+        ``(left, right)`` with ``grad = left^T right``, and the margins ``s(pos) - s(formed)``,
+        for a positive (row 0 of ``fx``, ``fy``) and its formed pairs.
 
         Formed pair ``j`` (row ``j + 1``) is ``(a_0, b_j)`` for even ``j`` and ``(a_j, b_0)``
-        for odd ``j``; ``agree[j]`` says whether the two carry a common label.
+        for odd ``j``; ``agree[j]`` says whether the two carry a common label. The positive's
+        and the formed pairs' scores come from one pass over ``W`` (``[a_0; a] W``).
         """
         s = len(agree)
         i2t = np.arange(s) % 2 == 0
-        # The image and the text side of every formed pair.
-        ax = np.where(i2t[:, None], fx[0], fx[1:])
-        by = np.where(i2t[:, None], fy[1:], fy[0])
-        formed = np.einsum("ij,ij->i", ax @ self.W, by, dtype=np.float64)
-        positive = float(fx[0] @ self.W @ fy[0])
+        # The image and the text side of the positive (row 0) and of every formed pair.
+        ax = np.vstack([fx[:1], np.where(i2t[:, None], fx[0], fx[1:])])
+        by = np.vstack([fy[:1], np.where(i2t[:, None], fy[1:], fy[0])])
+        scores = np.einsum("ij,ij->i", ax @ self.W, by, dtype=np.float64)
+        positive, formed = float(scores[0]), scores[1:]
         margins = positive - formed
         if self.variant == "logistic":
             weights = np.concatenate([[self.pos_weight], np.ones(s)])
-            scores = np.concatenate([[positive], formed])
             signs = np.concatenate([[1.0], np.where(agree, 1.0, -1.0)])
             loss = float((weights * _log1pexp(-signs * scores)).sum() / weights.sum())
             coef = -weights * signs * expit(-signs * scores) / weights.sum()
-            left, right = np.vstack([fx[0], ax]), np.vstack([fy[0], by])
+            left, right = ax, by
         else:
             keep = ~agree
             if not keep.any():
-                return 0.0, np.zeros_like(self.W), margins
+                return 0.0, ax[:0], by[:0], margins
             loss = float(_log1pexp(-margins[keep]).mean())
             coef_k = -expit(-margins[keep]) / keep.sum()
             # d/dW of log(1 + exp(-(s(a_0, b_0) - s(a, b)))) = coef (a_0 b_0^T - a b^T)
             coef = np.concatenate([[coef_k.sum()], -coef_k])
-            left, right = np.vstack([fx[0], ax[keep]]), np.vstack([fy[0], by[keep]])
-        grad = np.asarray((left.T * coef.astype(np.float32)) @ right, dtype=np.float32)
-        return loss, grad, margins
+            rows = np.concatenate([[0], 1 + np.flatnonzero(keep)])
+            left, right = ax[rows], by[rows]
+        return loss, left * coef.astype(np.float32)[:, None], right, margins
 
     def step(self, fx: NDArray[np.float32], fy: NDArray[np.float32], agree: NDArray[np.bool_],
              stats: LearnStats) -> None:
-        """One AdaGrad step on :meth:`loss_and_grad` plus the l2 term; counts each formed pair
-        as a triplet of its direction (mistake: margin <= 0 before the step)."""
-        _, grad, margins = self.loss_and_grad(fx, fy, agree)
+        """One AdaGrad step on :meth:`loss_and_factors` plus the l2 term, the gradient formed
+        inside the pass (:func:`~streamxm.models.optim.adagrad_outer_step`); counts each formed
+        pair as a triplet of its direction (mistake: margin <= 0 before the step)."""
+        _, left, right, margins = self.loss_and_factors(fx, fy, agree)
         i2t = np.arange(len(agree)) % 2 == 0
         for d, direction in ((i2t, "i2t"), (~i2t, "t2i")):
             for m in margins[d]:
                 stats.add(direction, bool(m <= 0), float(np.logaddexp(0.0, -m)), True)
-        adagrad_step(self.W, self.G, grad, self.lr, self.lam)
+        adagrad_outer_step(self.W, self.G, left, right, self.lr, self.lam)
 
     def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp],
                           kept: SlotFeatures) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -325,24 +328,24 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
           the dense whitener), ``1 + E / P`` times: the arriving pair, plus the ``E`` stored
           pairs a refresh leaves stale that a later step draws before their slot is written
           (:func:`_stale_whitenings`);
-        - the scores: ``gemm(S, D_y, D_x)`` for the formed pairs and ``matvec(D_x, D_y)`` for
-          the positive (float32, one pass over ``W`` each);
-        - the gradient ``gemm(D_x, D_y, S + 1)`` (float32, written whole: every formed pair
-          is kept, the bipartite variant's count on an unlabelled stream);
-        - AdaGrad over all of ``W`` (:func:`adagrad_work` of ``D_x D_y`` float32 items);
-        - the moments: each side's block of ``B = 64`` rows folded once per ``B`` pairs
-          (:func:`_gram_work`), and every ``P`` pairs a refresh (:func:`_refresh_work`).
+        - the scores: ``gemm(S + 1, D_y, D_x)`` for the positive and the formed pairs
+          (float32, one pass over ``W``);
+        - AdaGrad over all of ``W`` with the rank ``S + 1`` gradient formed in the pass
+          (:func:`~streamxm.models.optim.adagrad_outer_work`; every formed pair is kept, the
+          bipartite variant's count on an unlabelled stream);
+        - the moments: a block of ``B = 64`` rows a side folded once per ``B`` pairs
+          (:func:`~streamxm.models.moments.fold_work`), and every ``P`` pairs a refresh
+          (:func:`_refresh_work`).
         """
         dx, dy, s = self.img_dim + 1, self.txt_dim + 1, self.negatives
         every, block = self.whiten_every, RunningMoments.BLOCK
         whitenings = 1.0 + _stale_whitenings(_RING, s, every) / every
         total = (self._feature_work(1, self.img_dim) + self._feature_work(1, self.txt_dim)) * (
             whitenings)
-        total += gemm(s, dy, dx, 4) + matvec(dx, dy, 4) + gemm(dx, dy, s + 1, 4)
-        total += adagrad_work(dx * dy, 4)
+        total += gemm(s + 1, dy, dx, 4) + adagrad_outer_work(dx * dy, s + 1, 4)
+        total += fold_work(self.img_dim, self.txt_dim, block, cross=False) * (1.0 / block)
         for d in (self.img_dim, self.txt_dim):
             total += power_normalize_work(d, self.power)  # the row the moments take
-            total += _gram_work(d, block) * (1.0 / block)
             total += _refresh_work(d, self.whiten) * (1.0 / every)
         return total
 
@@ -446,23 +449,6 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
 _RING = 500
 
 
-def adagrad_work(items: int, itemsize: int) -> Work:
-    """:func:`~streamxm.models.optim.adagrad_step` over ``n`` items, one compiled pass:
-    ``w``, ``G`` and the gradient read, ``w`` and ``G`` written (5 passes), 8 flops an item
-    (``lam w + grad``, its square added, the square root, ``+ eps``, ``lr g``, the division,
-    the subtraction)."""
-    return elementwise(items, itemsize, flops_per_item=8.0, passes=5.0)
-
-
-def _gram_work(dim: int, rows: int) -> Work:
-    """``S += x^T x`` for a block ``x`` of ``k`` float64 rows
-    (:meth:`~streamxm.models.moments.RunningMoments.fold`): the rows stacked (2 passes) and
-    summed (1 pass), ``x^T x`` (:func:`syrk`, its mirror included) and
-    the temporary added into ``S`` (3 passes)."""
-    return (elementwise(rows * dim, flops_per_item=1.0, passes=3.0) + syrk(dim, rows)
-            + elementwise(dim * dim, flops_per_item=1.0, passes=3.0))
-
-
 def _triangular_product(lower: NDArray[np.float64], v: NDArray[np.float64]) -> NDArray[np.float64]:
     """``lower @ v`` for a lower-triangular matrix, BLAS ``trmv`` on its own layout (a copy of
     a 134 MB whitener into the other order would cost more than the product saves)."""
@@ -473,12 +459,13 @@ def _triangular_product(lower: NDArray[np.float64], v: NDArray[np.float64]) -> N
 
 def _refresh_work(dim: int, whiten: bool) -> Work:
     """One side of :meth:`PairwiseLogistic._refresh_whitener`: the means only without
-    whitening; with it the covariance (``S / n - m m^T``: 3 flops, 6 passes of ``d^2``), the
-    ridge added through an identity (2 flops, 6 passes), ``cholesky(d)`` and
+    whitening; with it the covariance's lower triangle
+    (:func:`~streamxm.models.moments.covariance_work`), its
+    ridge Cholesky factor (:func:`~streamxm.models.moments.ridge_cholesky_work`) and
     ``triangular_inverse(d)``."""
     if not whiten:
         return elementwise(dim)
-    return (elementwise(dim * dim, flops_per_item=5.0, passes=12.0) + cholesky(dim)
+    return (covariance_work(dim * (dim + 1) // 2) + ridge_cholesky_work(dim)
             + triangular_inverse(dim))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Rates", "Work", "cholesky", "eigh", "elementwise", "gemm", "matvec",
+__all__ = ["Rates", "Work", "cholesky", "eigh", "elementwise", "gemm", "gram_update", "matvec",
            "rank_update", "svd", "syrk", "triangular_inverse"]
 
 
@@ -81,6 +81,13 @@ def syrk(n: int, inner: int, itemsize: int = 8) -> Work:
     triangle, ``n (n + 1) inner`` flops, the operand read, the triangle written, then mirrored
     (two passes of ``n^2`` in all)."""
     return Work(float(n * (n + 1) * inner), float(itemsize) * (n * inner + 2.0 * n * n))
+
+
+def gram_update(n: int, inner: int, itemsize: int = 8) -> Work:
+    """``C += A A'`` on ``C``'s lower triangle in place (BLAS ``syrk`` with ``beta = 1``) for an
+    ``(n, inner)`` operand: ``n (n + 1) inner`` flops, the operand read, the triangle read and
+    written."""
+    return Work(float(n * (n + 1) * inner), float(itemsize) * (n * inner + n * (n + 1)))
 
 
 def rank_update(m: int, n: int, k: int, itemsize: int = 8) -> Work:

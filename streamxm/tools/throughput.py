@@ -8,7 +8,8 @@ Beside every model's figure stands its *roofline*: the work the model counts per
 (:meth:`~streamxm.models.base.CrossModalModel.learning_work`: floating-point operations, the
 float32 share of them, bytes of state moved; periodic solves spread over their period), the
 time that work needs at this thread's rates measured in the same run (float64 and float32
-GEMM, a streaming read of a 16 MB matrix), and the measured time's ratio to it. The timed
+GEMM, a streaming read of a matrix the size of the model's state), and the measured time's
+ratio to it. The timed
 pairs start once the model's periodic work is periodic (past its doubling re-solves, its
 window or landmark pool: :meth:`~streamxm.models.base.CrossModalModel.periodic_work`) and
 span whole periods, so each re-solve is timed as often as the count spreads it.
@@ -88,10 +89,29 @@ def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def _machine_rates(seed: int, repeats: int) -> Rates:
+#: The smallest and largest matrix the streaming read is timed on (bytes): 16 MB is
+#: :func:`_machine_rates`' reference, which a large last-level cache holds; 1 GB is past any.
+_READ_BYTES = (16 << 20, 1 << 30)
+
+
+def _read_rate(nbytes: int, seed: int, repeats: int) -> float:
+    """Bytes per second of a streaming read (``W @ x`` and ``y @ W``, float32, 1,024 columns)
+    over a matrix of ``nbytes`` (clipped to :data:`_READ_BYTES`)."""
+    nbytes = min(max(nbytes, _READ_BYTES[0]), _READ_BYTES[1])
+    W = np.random.default_rng(seed).random((nbytes // 4096, 1024), dtype=np.float32)
+    calls = max(2, min(20, (64 << 20) // W.nbytes * 4))
+    return W.nbytes / (_median_seconds(lambda: _matvec_seconds(W, calls, seed), repeats) / 2)
+
+
+def _machine_rates(seed: int, repeats: int, state_bytes: int) -> tuple[Rates, float]:
     """This thread's rates, each the median of ``repeats``: float64 and float32 GEMM
-    (``512 x 1024`` by ``1024 x 1024``) and a streaming read (``W @ x`` over a float32
-    ``4096 x 1000``, the size of the models' largest state at 4096/1000)."""
+    (``512 x 1024`` by ``1024 x 1024``) and a streaming read over a matrix the size of the
+    model's state (``state_bytes``), which sets the roofline's memory rate; and apart the
+    read rate over 16 MB, a size the last-level cache may hold.
+
+    A model whose state outgrows the cache streams it from memory at every pass, slower than
+    a cached matrix is read, so the cached rate would set a roof no model of that size can
+    reach; one whose state fits is read at the cached rate, as its roof says."""
     rng = np.random.default_rng(seed)
 
     def gemm_rate(dtype: type[np.floating[Any]]) -> float:
@@ -104,10 +124,16 @@ def _machine_rates(seed: int, repeats: int) -> Rates:
             return time.perf_counter() - start
         return 2.0 * 512 * 1024 * 1024 / _median_seconds(once, repeats * 3)
 
-    W = rng.random((4096, 1000), dtype=np.float32)
-    read = _median_seconds(lambda: _matvec_seconds(W, 20, seed), repeats) / 2
-    return Rates(flops_per_s=gemm_rate(np.float64), bytes_per_s=W.nbytes / read,
-                 flops32_per_s=gemm_rate(np.float32))
+    rates = Rates(flops_per_s=gemm_rate(np.float64),
+                  bytes_per_s=_read_rate(state_bytes, seed, repeats),
+                  flops32_per_s=gemm_rate(np.float32))
+    return rates, _read_rate(_READ_BYTES[0], seed, repeats)
+
+
+def _state_bytes(model: Any) -> int:
+    """The bytes of the arrays a model checkpoints: its state's size in memory."""
+    arrays, _ = model.state()
+    return int(sum(np.asarray(a).nbytes for a in arrays.values()))
 
 
 def _roofline(timed: _Timed, pairs: int, rates: Rates) -> dict[str, Any]:
@@ -204,14 +230,17 @@ def throughput(
         per_pair = _median_seconds(run_learner, repeats)
         last = learned[-1]
         learner = last.learner
-        rates = _machine_rates(seed, repeats)
+        state_bytes = _state_bytes(learner.model)
+        rates, cached_read = _machine_rates(seed, repeats, state_bytes)
         result.update(params=learner.model.params(), pairs_per_s=round(1 / per_pair, 1),
                       seconds_per_pair=per_pair, timed_pairs_in_burst=last.in_burst,
                       evaluated_every=(round(pairs / last.evaluated, 1) if last.evaluated
                                        else None),
                       machine={"gemm_float64_flops_per_s": round(rates.flops_per_s),
                                "gemm_float32_flops_per_s": round(rates.flops32_per_s or 0),
-                               "read_bytes_per_s": round(rates.bytes_per_s)},
+                               "read_bytes_per_s": round(rates.bytes_per_s),
+                               "read_bytes_per_s_16mb": round(cached_read),
+                               "state_bytes": state_bytes},
                       **_roofline(last._replace(seconds=per_pair), pairs, rates))
         if learning_only:
             alone = statistics.median(learning_only)
