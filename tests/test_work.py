@@ -49,6 +49,25 @@ def test_cmos_counts_a_flush_per_flush_every_triplets() -> None:
     assert m.learning_work() == flush * (4 / 64)
 
 
+def test_auto_counts_the_kept_features_of_the_pairs_stored_between_evaluations() -> None:
+    """sdsrl's kept features (a kernel row a stored pair) cost more than the evaluation's share
+    of a pair's learning: evaluating every pair would spend them on every pair, so the
+    interval passes the gallery, whose features are then computed once an evaluation. The
+    interval is the least that keeps the share."""
+    model = create_model("sdsrl", 4096, 1000)
+    learning = model.learning_work().seconds(REFERENCE_RATES)  # type: ignore[union-attr]
+    scoring = model.evaluation_work(200).seconds(REFERENCE_RATES)  # type: ignore[union-attr]
+
+    def share(n: int) -> float:
+        kept = model.kept_feature_work(min(n, 200)).seconds(REFERENCE_RATES)
+        return (scoring + kept) / (n * learning)
+
+    assert model.kept_feature_work(1).seconds(REFERENCE_RATES) > 0.05 * learning
+    interval = evaluation_interval(model, 200)
+    assert interval > 200
+    assert share(interval) <= 0.05 < share(interval - 1)
+
+
 def test_auto_evaluates_a_subsample_sized_from_the_counted_work() -> None:
     """``eval_every="auto"``: after each scored pair the next is the interval of the counted
     work on; a learner restored half-way scores the same pairs with the same results."""

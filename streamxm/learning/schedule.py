@@ -8,16 +8,16 @@ pair with
 
     N = ceil(evaluation_seconds / (share * learning_seconds)),
 
-both from the work the model counts (:mod:`streamxm.models.work`) at fixed reference rates, so
-the choice depends on the model's settings, sizes and state only: a learner and its restored
-copy evaluate the same pairs, and the rolling mAP stays test-then-train on a fixed subsample of the
-stream. The share is a bound on the estimate; ``streamxm bench throughput --eval-every auto``
-measures the real one.
+the evaluation's seconds including the kept features of the stored pairs it has not seen
+(:func:`evaluation_interval`), both from the work the model counts
+(:mod:`streamxm.models.work`) at fixed reference rates, so the choice depends on the model's
+settings, sizes and state only: a learner and its restored copy evaluate the same pairs, and
+the rolling mAP stays test-then-train on a fixed subsample of the stream. The share is a
+bound on the estimate; ``streamxm bench throughput --eval-every auto`` measures the real one.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from streamxm import defaults
@@ -37,6 +37,13 @@ def evaluation_interval(model: CrossModalModel, gallery: int,
     """Every how many pairs to evaluate so that evaluating costs about ``share`` of learning;
     1 for a model that does not count its work.
 
+    An evaluation every ``N`` pairs costs ``E + F(min(N, g))``: the scoring ``E``
+    (:meth:`~streamxm.models.base.CrossModalModel.evaluation_work`) and the kept features of
+    the gallery's pairs stored since the last one, at most the whole gallery ``g``
+    (:meth:`~streamxm.models.base.CrossModalModel.kept_feature_work`). The interval is the
+    least ``N`` with ``(E + F(min(N, g))) / N <= share * L``, ``L`` the learning work per
+    pair; the left side falls as ``N`` grows, so a doubling and a bisection find it.
+
     >>> from streamxm.models import create_model
     >>> evaluation_interval(create_model("cmos", 4096, 1000), 200) > 1
     True
@@ -44,8 +51,26 @@ def evaluation_interval(model: CrossModalModel, gallery: int,
     learning, evaluation = model.learning_work(), model.evaluation_work(gallery)
     if learning is None or evaluation is None:
         return 1
-    ratio = evaluation.seconds(REFERENCE_RATES) / (share * learning.seconds(REFERENCE_RATES))
-    return max(1, math.ceil(ratio))
+    budget = share * learning.seconds(REFERENCE_RATES)
+    scoring = evaluation.seconds(REFERENCE_RATES)
+
+    def affordable(n: int) -> bool:
+        kept = model.kept_feature_work(min(n, gallery)).seconds(REFERENCE_RATES)
+        return scoring + kept <= n * budget
+
+    high = 1
+    while not affordable(high) and high < _LONGEST_INTERVAL:
+        high *= 2
+    low = high // 2  # not affordable (or 0)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if affordable(middle) else (middle, high)
+    return high
+
+
+#: The longest interval :func:`evaluation_interval` returns (a model whose evaluation costs
+#: more is still scored now and then).
+_LONGEST_INTERVAL = 1 << 20
 
 
 class EvaluationSchedule:

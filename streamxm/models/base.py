@@ -203,8 +203,8 @@ class CrossModalModel(ABC):
 
     def evaluation_work(self, gallery: int) -> Work | None:
         """The work of :meth:`evaluation_scores` against ``gallery`` stored pairs whose kept
-        features are current (a stored pair's features are computed once, when it is stored,
-        and charged there); ``None``: not counted."""
+        features are current (those gone stale since the last evaluation are
+        :meth:`kept_feature_work`); ``None``: not counted."""
         total = Work()
         for modality, dim in (("image", self.img_dim), ("text", self.txt_dim)):
             head = self.linear_head(modality)
@@ -219,6 +219,21 @@ class CrossModalModel(ABC):
             if embedding is None:
                 return None
             total += embedding
+        return total
+
+    def kept_feature_work(self, rows: int) -> Work:
+        """The work of computing ``rows`` stored pairs' kept features (both sides, one batch:
+        :class:`~streamxm.models.heads.SlotFeatures`) for :meth:`evaluation_scores`: their unit
+        rows (3 passes) and the heads' feature maps. Nothing for a model that scores without
+        kept features."""
+        total = Work()
+        for modality, dim in (("image", self.img_dim), ("text", self.txt_dim)):
+            head = self.linear_head(modality)
+            if head is None:
+                return Work()
+            total += elementwise(rows * dim, 4, flops_per_item=3.0, passes=3.0)
+            if head.features is not None:
+                total += head.features.work(rows, dim)
         return total
 
     # -- search without re-embedding the gallery ------------------------------------------------

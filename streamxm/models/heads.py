@@ -218,19 +218,24 @@ class LinearHead:
 
 
 def unit_features(fmap: FeatureMap | None, x: NDArray[np.floating]) -> F32:
-    """``fmap``'s features of one vector, from its unit row (as a gallery keeps it)."""
-    row = np.asarray(x, dtype=np.float32)[None, :]
-    norm = float(np.sqrt(np.einsum("ij,ij->i", row, row, dtype=np.float64))[0])
-    unit = (row / norm if norm > 0 else row).astype(np.float32)
+    """``fmap``'s features of vectors (one, or rows), from their unit rows (as a gallery keeps
+    them; a zero row stays zero)."""
+    rows = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))[:, None]
+    # Divided in float32, as a float32 row by its norm always was here.
+    unit: F32 = np.divide(rows, np.where(norms > 0, norms, 1.0).astype(np.float32))
     return unit if fmap is None else fmap(unit)
 
 
 class SlotFeatures:
     """Features of a replay buffer's stored pairs under a head's feature map, one row per slot,
     kept until the slot is written again or the map changes: the rolling evaluation scores the
-    newest stored pairs at every evaluated pair, and their features do not change between the
-    model's versions. Computed row by row, so a learner and its restored copy (whose cache
-    starts empty) compute every row alike, bit for bit. Derived, never checkpointed."""
+    newest stored pairs at each evaluated pair, and their features do not change between the
+    model's versions. The rows gone stale since the last call are computed together, one
+    matrix product (at 4096-d a kernel map's landmarks are tens of MB, read once a batch
+    instead of once a row). Derived, never checkpointed: a restored learner computes its
+    first gallery in one batch where the original computed it in several, which can move a
+    feature by float32 rounding; that reaches the gauge's scores, never the model."""
 
     def __init__(self) -> None:
         self._kept: dict[str, tuple[tuple[object, ...], F32, NDArray[np.int64]]] = {}
@@ -246,7 +251,8 @@ class SlotFeatures:
                     np.zeros(buffer.capacity, dtype=np.int64))  # versions start at 1
             self._kept[modality] = kept
         _, values, versions = kept
-        for slot in np.unique(rows[versions[rows] != buffer.versions[rows]]):
-            values[slot] = unit_features(fmap, stored[slot])[0]
-            versions[slot] = buffer.versions[slot]
+        stale = np.unique(rows[versions[rows] != buffer.versions[rows]])
+        if len(stale):
+            values[stale] = unit_features(fmap, stored[stale])
+            versions[stale] = buffer.versions[stale]
         return values[rows]

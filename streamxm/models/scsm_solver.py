@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numba
 import numpy as np
 import scipy.linalg
 from numpy.typing import NDArray
@@ -363,20 +364,17 @@ class Problem:
 
     def update_y(self, sweeps: int = 2) -> int:
         """Eq. 21-22 from the full objective: each pair in turn moves to the group of least
-        ``J`` given all others (group sums kept current); returns how many moves were made."""
+        ``J`` given all others (group sums kept current); returns how many moves were made.
+
+        Each pair's costs are :meth:`column_costs`; the sweep runs compiled
+        (:func:`_sweep_groups`): the loop is sequential (a move changes the next pair's
+        costs) and ``O(c^2)`` a pair, all interpreter overhead in Python."""
         za, zb = self.projections()
         sums = self.group_sums(za, zb)
         moves = 0
         for _ in range(sweeps):
-            moved = 0
-            for i in range(len(self.y)):
-                costs = self.column_costs(i, za, zb, sums)
-                old, new = int(self.y[i]), int(np.argmin(costs))
-                if new == old or costs[new] >= costs[old]:
-                    continue
-                sums.move(za[i], zb[i], old, new)
-                self.y[i] = new
-                moved += 1
+            moved = int(_sweep_groups(self.y, self.v, za, zb, sums.n, sums.sa, sums.sb,
+                                      sums.qa, sums.qb, self.alpha))
             moves += moved
             if not moved:
                 break
@@ -436,13 +434,59 @@ class Problem:
         return trace
 
 
+@numba.njit(cache=True, error_model="numpy", boundscheck=False)
+def _sweep_groups(y: NDArray[np.int64], v: NDArray[np.bool_], za: F64, zb: F64, n: F64,
+                  sa: F64, sb: F64, qa: F64, qb: F64,
+                  alpha: float) -> int:  # pragma: no cover - compiled
+    """One sweep of :meth:`Problem.update_y` in place on ``y`` and the group sums: per pair
+    the costs of :meth:`Problem.column_costs`, a move to the first group of least cost when
+    it lowers the pair's cost. Returns the number of moves."""
+    groups, width = sa.shape
+    costs = np.empty(groups)
+    moved = 0
+    for i in range(len(y)):
+        na2, nb2, own = 0.0, 0.0, 0.0
+        for k in range(width):
+            na2 += za[i, k] * za[i, k]
+            nb2 += zb[i, k] * zb[i, k]
+            own += (za[i, k] - zb[i, k]) ** 2
+        for c in range(groups):
+            dot_b, dot_a = 0.0, 0.0
+            for k in range(width):
+                dot_b += sb[c, k] * za[i, k]
+                dot_a += sa[c, k] * zb[i, k]
+            costs[c] = n[c] * (na2 + nb2) - 2.0 * dot_b - 2.0 * dot_a + qa[c] + qb[c]
+        old = y[i]
+        costs[old] -= 2.0 * own
+        for c in range(groups):
+            fit = -2.0 * (za[i, c] + zb[i, c]) if v[i] else 0.0
+            costs[c] = fit + alpha * costs[c]
+        new = int(np.argmin(costs))
+        if new == old or costs[new] >= costs[old]:
+            continue
+        n[old] -= 1.0
+        n[new] += 1.0
+        for k in range(width):
+            sa[old, k] -= za[i, k]
+            sa[new, k] += za[i, k]
+            sb[old, k] -= zb[i, k]
+            sb[new, k] += zb[i, k]
+        qa[old] -= na2
+        qa[new] += na2
+        qb[old] -= nb2
+        qb[new] += nb2
+        y[i] = new
+        moved += 1
+    return moved
+
+
 @dataclass(frozen=True)
 class ProblemWork:
     """The work of :class:`Problem`'s steps, counted from its sizes: ``n`` pairs, ``da``, ``db``
     features per modality (the constant included), ``c = groups``, ``r`` neighbours; all
     float64 (itemsize 8). Terms O(n c) or O(c^2) per step (group sums, masks, the fit
-    residuals) are left out; the per-pair Python loop of :meth:`Problem.update_y` is charged its
-    ``O(c^2)`` arithmetic only.
+    residuals) are left out; the compiled per-pair loop of :meth:`Problem.update_y` is charged
+    its ``O(c^2)`` arithmetic.
 
     The Laplacians are charged their largest size, ``nnz(L) = n (2 r + 1)``: an
     r-nearest-neighbour graph symmetrised by the maximum has at most ``2 n r`` edges (fewer when

@@ -457,18 +457,31 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
     def evaluation_work(self, gallery: int) -> Work:
         """The base class's count (the query's kept-feature map, the ``g + 1`` stored and
         arriving features times ``W``: ``2 (g + 1) m q``, the scores: ``2 (g + 1) q``) for the
-        steady-state heads, so it is the same before the first solve (no head yet) and while
-        the provisional landmarks grow: the query's features are
-        :class:`~streamxm.models.heads.RbfFeatures` over ``m`` landmarks of :meth:`_steady_sizes`
-        (a shape-only stand-in: the count reads their number, not their values)."""
+        steady-state heads (:meth:`_steady_features`), so it is the same before the first solve
+        (no head yet) and while the provisional landmarks grow."""
         total = Work()
         for modality in ("image", "text"):
-            dim, m, power = self._side(modality)
-            gamma = self.sigma_img if modality == "image" else self.sigma_txt
-            features = RbfFeatures(power_features(power), np.empty((m, 0)), gamma)
-            total += (features.work(1, dim) + gemm(gallery + 1, self.q, m)
-                      + gemm(1, gallery + 1, self.q))
+            dim, m, _ = self._side(modality)
+            total += (self._steady_features(modality).work(1, dim)
+                      + gemm(gallery + 1, self.q, m) + gemm(1, gallery + 1, self.q))
         return total
+
+    def kept_feature_work(self, rows: int) -> Work:
+        """The base class's count for the steady-state heads (:meth:`_steady_features`)."""
+        total = Work()
+        for modality in ("image", "text"):
+            dim = self._side(modality)[0]
+            total += (elementwise(rows * dim, 4, flops_per_item=3.0, passes=3.0)
+                      + self._steady_features(modality).work(rows, dim))
+        return total
+
+    def _steady_features(self, modality: str) -> RbfFeatures:
+        """A shape-only stand-in for a steady-state head's feature map: the
+        :class:`~streamxm.models.heads.RbfFeatures` over the ``m`` landmarks of
+        :meth:`_steady_sizes` (the count reads their number, not their values)."""
+        _, m, power = self._side(modality)
+        gamma = self.sigma_img if modality == "image" else self.sigma_txt
+        return RbfFeatures(power_features(power), np.empty((m, 0)), gamma)
 
     def _side(self, modality: str) -> tuple[int, int, float]:
         """``(input size, steady-state landmarks, power)`` of ``modality``."""

@@ -38,7 +38,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from streamxm.learning.learner import StreamLearner
-from streamxm.learning.schedule import EvalEvery
+from streamxm.learning.schedule import EvalEvery, evaluation_interval
 from streamxm.models import create_model, split_name
 from streamxm.models.work import Rates
 from streamxm.stream.messages import Pair
@@ -89,6 +89,9 @@ def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+#: The rolling evaluation's gallery: the learner's default.
+_EVAL_GALLERY = 200
+
 #: The smallest and largest matrix the streaming read is timed on (bytes): 16 MB is
 #: :func:`_machine_rates`' reference, which a large last-level cache holds; 1 GB is past any.
 _READ_BYTES = (16 << 20, 1 << 30)
@@ -138,11 +141,15 @@ def _state_bytes(model: Any) -> int:
 
 def _roofline(timed: _Timed, pairs: int, rates: Rates) -> dict[str, Any]:
     """The model's counted work per pair (its evaluation's share over the ``pairs`` timed
-    included), the time it needs at ``rates`` and the measured time's ratio to it."""
+    included, with the kept features of the pairs stored between two evaluations), the time
+    it needs at ``rates`` and the measured time's ratio to it."""
     work = timed.learner.model.learning_work()
     evaluation = timed.learner.model.evaluation_work(timed.learner.eval_gallery)
     if work is None or evaluation is None:
         return {}
+    if timed.evaluated:  # each evaluation also computes the kept features of the new pairs
+        stale = min(round(pairs / timed.evaluated), timed.learner.eval_gallery)
+        evaluation = evaluation + timed.learner.model.kept_feature_work(stale)
     work = work + evaluation * (timed.evaluated / pairs)
     per_pair = timed.seconds
     roof = work.seconds(rates)
@@ -169,7 +176,8 @@ def throughput(
     """Measure the learner, the BLAS limit and (for CMOS) the literal baseline; return JSON.
 
     ``eval_every``: time the learner with the worker's rolling evaluation scoring every
-    ``eval_every``-th pair (the service's default is 1), and beside it, in the same repeat, the
+    ``eval_every``-th pair (``"auto"``, the service's default: sized from the counted work;
+    ``pairs`` then spans at least two intervals), and beside it, in the same repeat, the
     same stream with the evaluation off: ``learning_only_pairs_per_s`` and
     ``evaluation_share``, the share of the learner's time the evaluation takes (the
     difference of the two medians over the time with it).
@@ -198,6 +206,10 @@ def throughput(
             params.setdefault("replay", 0)
     probe = create_model(model, img_dim, txt_dim, params)
     start, period = probe.periodic_work()
+    if eval_every is not None:  # at least two evaluations timed: their share is measured
+        interval = (evaluation_interval(probe, _EVAL_GALLERY) if eval_every == "auto"
+                    else eval_every)
+        pairs = max(pairs, 2 * interval)
     pairs = -(-pairs // period) * period  # whole periods: each periodic solve timed once
     if warmup is None:
         warmup = 100 if order == "file" else 500
