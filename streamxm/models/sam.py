@@ -532,7 +532,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         return x if power is None else power_normalize(x, power)
 
     def _stored_labels(self, slots: NDArray[np.int_]) -> list[tuple[int, ...]]:
-        return [tuple(int(x) for x in row if x >= 0) for row in self.reservoir.labels[slots]]
+        # tolist() first: Python ints at once, not one numpy scalar per entry.
+        return [tuple(x for x in row if x >= 0) for row in self.reservoir.labels[slots].tolist()]
 
     def _distances(self, img: NDArray[np.floating],
                    txt: NDArray[np.floating]) -> tuple[Tensor, Tensor]:
@@ -548,11 +549,15 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
 
     def _category_matrix(self, labels: list[tuple[int, ...]]) -> Tensor:
         """(b, classes) 0/1: the known classes of each item (filled on the CPU, then moved)."""
-        y = torch.zeros(len(labels), len(self.classes))
+        y = np.zeros((len(labels), len(self.classes)), dtype=np.float32)
+        rows: list[int] = []
+        cols: list[int] = []
         for i, item in enumerate(labels):
-            cols = self.classes.columns(item, arriving=False)
-            y[i, cols] = 1.0
-        return y.to(self.device_)
+            found = self.classes.columns(item, arriving=False)
+            rows += [i] * len(found)
+            cols += found
+        y[rows, cols] = 1.0  # one assignment: a tensor indexed per item costs microseconds each
+        return torch.from_numpy(y).to(self.device_)
 
     def _update_centroids(self, y: Tensor, zi: Tensor, zt: Tensor) -> None:
         grow = y.shape[1] - self.cent_img.shape[0]
