@@ -328,6 +328,10 @@ class ReplayBuffer:
         """The labels of the pair stored at ``slot``."""
         return tuple(int(x) for x in self.labels[slot] if x >= 0)
 
+    def labels_of(self, slots: NDArray[np.intp]) -> list[tuple[int, ...]]:
+        """:meth:`labels_at` of several slots (read as Python ints at once)."""
+        return [tuple(x for x in row if x >= 0) for row in self.labels[slots].tolist()]
+
     def labels_list(self) -> list[tuple[int, ...]]:
         return [self.labels_at(int(slot)) for slot in self.order()]
 

@@ -18,6 +18,7 @@ from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import append_constant, power_normalize, power_normalize_work
 from streamxm.models.optim import adagrad_step, adagrad_work
+from streamxm.models.slots import SlotRows
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
@@ -126,6 +127,7 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         self.Gx = np.zeros_like(self.Wx)
         self.Gy = np.zeros_like(self.Wy)
         self.skipped_unlabelled = 0
+        self._stored = SlotRows()  # the stored pairs' features (derived)
 
     @property
     def classes(self) -> list[int]:
@@ -167,7 +169,7 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         if not pair.labels:
             self.skipped_unlabelled += 1
             return
-        imgs, txts, labels = [pair.img], [pair.txt], [pair.labels]
+        slots, labels = [slot], [pair.labels]
         if self.replay:
             drawable = buffer.drawable()
             labelled = np.flatnonzero(buffer.labelled(drawable))
@@ -177,16 +179,23 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
                 # arrived in the whole stream (from the ring and the memory), not as the ring
                 # does.
                 mix = buffer.stream_mix(labelled) if drawable > buffer.recent else None
-                for j in rng.choice(labelled, size=self.replay, p=mix):
-                    imgs.append(buffer.img[j])
-                    txts.append(buffer.txt[j])
-                    labels.append(buffer.labels_at(int(j)))
-        self.learn_labelled(np.stack(imgs), np.stack(txts), labels, stats)
+                drawn = rng.choice(labelled, size=self.replay, p=mix)
+                slots += drawn.tolist()
+                labels += buffer.labels_of(drawn)
+        fx, fy = self._stored.rows(buffer, np.asarray(slots, dtype=np.intp), self._features,
+                                   self._features)
+        self._learn_features(fx, fy, labels, stats)
 
     def learn_labelled(self, imgs: NDArray[np.floating], txts: NDArray[np.floating],
                        labels: list[tuple[int, ...]], stats: LearnStats) -> None:
         """One AdaGrad step of each softmax model on the mean loss of a mini-batch of labelled
         pairs; the first pair is the arriving one and the only one counted in ``stats``."""
+        self._learn_features(self._features(imgs), self._features(txts), labels, stats)
+
+    def _learn_features(self, fx: NDArray[np.float64], fy: NDArray[np.float64],
+                        labels: list[tuple[int, ...]], stats: LearnStats) -> None:
+        """:meth:`learn_labelled` on the pairs' features (:meth:`_features`, the same for a
+        stored pair at every step: :class:`~streamxm.models.slots.SlotRows` keeps them)."""
         cols = [self._add_classes(lab, arriving=i == 0) for i, lab in enumerate(labels)]
         rows = [i for i, c in enumerate(cols) if c]
         if not rows:
@@ -194,9 +203,9 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         target = np.zeros((len(rows), len(self.classes)))
         for r, i in enumerate(rows):
             target[r, cols[i]] = 1.0 / len(cols[i])
-        for direction, x, w, g in (("i2t", imgs, self.Wx, self.Gx),
-                                   ("t2i", txts, self.Wy, self.Gy)):
-            f = self._features(np.asarray(x)[rows])
+        for direction, x, w, g in (("i2t", fx, self.Wx, self.Gx),
+                                   ("t2i", fy, self.Wy, self.Gy)):
+            f = x[rows]
             p = softmax(f @ w, axis=-1)
             if rows[0] == 0:
                 loss = float(-(target[0] * np.log(np.maximum(p[0], 1e-300))).sum())
@@ -208,19 +217,20 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         """Per arriving labelled pair, with the ring full of labelled pairs and ``C`` the
         classes seen so far (at least one: the weights grow a column with each), a
         mini-batch of ``b = 1 + replay`` rows and ``D = d + 1`` a side (float64 throughout):
-        the rows gathered into one array (2 passes of 4 bytes an item) and the target zeroed
-        (``b C`` items); per side the rows gathered again (2 passes of 4 bytes),
-        :meth:`_feature_work`, the logits ``gemm(b, C, D)``, the softmax
-        (:func:`_softmax_work`), ``p - target`` (3 passes of ``b C``), the gradient
-        ``gemm(D, C, b)``, its division by ``b`` (2 passes of ``D C``) and AdaGrad over the
-        whole ``D x C`` weight matrix (:func:`~streamxm.models.optim.adagrad_work`)."""
+        the target zeroed (``b C`` items); per side :meth:`_feature_work` of one row (each
+        stored pair is mapped once, :class:`~streamxm.models.slots.SlotRows`), the batch's
+        rows gathered from the kept features (2 passes of ``b D``), the logits
+        ``gemm(b, C, D)``, the softmax (:func:`_softmax_work`), ``p - target`` (3 passes of
+        ``b C``), the gradient ``gemm(D, C, b)``, its division by ``b`` (2 passes of ``D C``)
+        and AdaGrad over the whole ``D x C`` weight matrix
+        (:func:`~streamxm.models.optim.adagrad_work`)."""
         b, c = 1 + self.replay, max(1, len(self.class_index))
-        total = elementwise(b * (self.img_dim + self.txt_dim), 4, flops_per_item=0.0,
-                            passes=2.0) + elementwise(b * c, flops_per_item=0.0, passes=1.0)
+        total = elementwise(b * c, flops_per_item=0.0, passes=1.0)
         for dim in (self.img_dim, self.txt_dim):
             width = dim + 1
-            total += (elementwise(b * dim, 4, flops_per_item=0.0, passes=2.0)
-                      + self._feature_work(b, dim) + gemm(b, c, width) + _softmax_work(b * c)
+            total += (self._feature_work(1, dim)
+                      + elementwise(b * width, flops_per_item=0.0, passes=2.0)
+                      + gemm(b, c, width) + _softmax_work(b * c)
                       + elementwise(b * c, flops_per_item=1.0, passes=3.0)
                       + gemm(width, c, b) + elementwise(width * c, passes=2.0)
                       + adagrad_work(width * c, 8))

@@ -28,6 +28,7 @@ from streamxm.models.moments import (
     ridge_whitener,
 )
 from streamxm.models.optim import adagrad_outer_step, adagrad_outer_work
+from streamxm.models.slots import SlotRows
 from streamxm.models.work import (
     Work,
     elementwise,
@@ -96,8 +97,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       instead of one per pair during a burst. Outside a burst nothing changes.
     - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64,
       folded in blocks of rows (:class:`~streamxm.models.moments.RunningMoments`). Each stored
-      pair is whitened once per whitener and cached per buffer slot (:class:`_FeatureCache`):
-      at 4096-d a whitening reads a 134 MB matrix, and a step draws 10 stored partners.
+      pair is whitened once per whitener and cached per buffer slot
+      (:class:`~streamxm.models.slots.SlotRows`): at 4096-d a whitening reads a 134 MB
+      matrix, and a step draws 10 stored partners.
     - **Several ranks** (``streamxm worker --world-size N``): the moments are summed (exact) and
       ``W`` and the AdaGrad sums averaged after each round, weighted by the pairs each rank
       learned (iterative parameter mixing: SGD steps from one start on disjoint data); the
@@ -181,7 +183,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         self.mean_y = np.zeros(txt_dim)
         self.white_x = np.eye(img_dim)
         self.white_y = np.eye(txt_dim)
-        self._cache = _FeatureCache()
+        self._cache = SlotRows()
 
 
     # -- features ----------------------------------------------------------------------------
@@ -207,8 +209,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     def buffer_features(self, buffer: ReplayBuffer, rows: NDArray[np.intp]
                         ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         """:meth:`image_features` and :meth:`text_features` of the pairs stored at ``rows``,
-        each stored pair whitened once per whitener (:class:`_FeatureCache`)."""
-        return self._cache.features(self, buffer, rows)
+        each stored pair whitened once per whitener (:class:`~streamxm.models.slots.SlotRows`)."""
+        return self._cache.rows(buffer, rows, self.image_features, self.text_features)
 
     def _refresh_whitener(self) -> None:
         m = self.moments
@@ -488,37 +490,3 @@ def _stale_whitenings(ring: int, partners: int, every: int) -> float:
     drawn_never = miss * (1.0 - miss**exposed) / (1.0 - miss) + (others - exposed) * (
         miss**exposed)
     return others - drawn_never
-
-
-class _FeatureCache:
-    """Whitened features of the pairs in a replay buffer, one row per slot, kept until the slot
-    is written (:attr:`~streamxm.buffer.replay.ReplayBuffer.versions`) or the whitener changes.
-
-    Every step whitens 11 stored pairs and a burst's rehearsal steps whiten only stored pairs;
-    at 4096-d a whitening is a pass over a 134 MB matrix, so a pair is whitened once (when it
-    arrives) instead of at every step that draws it. The cache holds as many rows as the
-    buffer (float32, the size of the buffer's own vectors); it is derived, never checkpointed.
-    """
-
-    def __init__(self) -> None:
-        self.fx = np.zeros((0, 0), dtype=np.float32)
-        self.fy = np.zeros((0, 0), dtype=np.float32)
-        self.versions = np.zeros(0, dtype=np.int64)
-
-    def clear(self) -> None:
-        self.versions[:] = 0  # no slot's version: versions start at 1
-
-    def features(self, model: PairwiseLogistic, buffer: ReplayBuffer, rows: NDArray[np.intp]
-                 ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
-        if len(self.versions) != buffer.capacity:
-            self.fx = np.zeros((buffer.capacity, model.img_dim + 1), dtype=np.float32)
-            self.fy = np.zeros((buffer.capacity, model.txt_dim + 1), dtype=np.float32)
-            self.versions = np.zeros(buffer.capacity, dtype=np.int64)
-        # One row at a time: a product's last bits depend on how many rows it holds, and which
-        # rows are stale together differs between a learner and its restored copy (whose cache
-        # starts empty); row by row both compute every row alike, bit for bit.
-        for slot in np.unique(rows[self.versions[rows] != buffer.versions[rows]]):
-            self.fx[slot] = model.image_features(buffer.img[slot])[0]
-            self.fy[slot] = model.text_features(buffer.txt[slot])[0]
-            self.versions[slot] = buffer.versions[slot]
-        return self.fx[rows], self.fy[rows]

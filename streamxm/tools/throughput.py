@@ -56,6 +56,7 @@ class _Timed(NamedTuple):
     learner: StreamLearner
     in_burst: int  # timed pairs that arrived in a burst
     evaluated: int  # timed pairs the rolling evaluation scored
+    evaluation_seconds: float  # per timed pair, spent scoring them
 
 
 def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
@@ -68,13 +69,16 @@ def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str,
     learner.learn(pairs[:warmup])
     learner.flush()
     in_burst, evaluated = learner.pairs_in_burst, learner.pairs_evaluated
+    scoring = learner.evaluation_seconds
     start = time.perf_counter()
     for i in range(warmup, len(pairs), 256):
         learner.learn(pairs[i : i + 256])
     learner.flush()
-    seconds = (time.perf_counter() - start) / (len(pairs) - warmup)
+    timed = len(pairs) - warmup
+    seconds = (time.perf_counter() - start) / timed
     return _Timed(seconds, learner, learner.pairs_in_burst - in_burst,
-                  learner.pairs_evaluated - evaluated)
+                  learner.pairs_evaluated - evaluated,
+                  (learner.evaluation_seconds - scoring) / timed)
 
 
 def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
@@ -178,9 +182,10 @@ def throughput(
     ``eval_every``: time the learner with the worker's rolling evaluation scoring every
     ``eval_every``-th pair (``"auto"``, the service's default: sized from the counted work;
     ``pairs`` then spans at least two intervals), and beside it, in the same repeat, the
-    same stream with the evaluation off: ``learning_only_pairs_per_s`` and
-    ``evaluation_share``, the share of the learner's time the evaluation takes (the
-    difference of the two medians over the time with it).
+    same stream with the evaluation off (``learning_only_pairs_per_s``); and
+    ``evaluation_share``, the share of the learner's time spent scoring, timed inside the same
+    run (the median over repeats; two runs' difference would carry the machine's drift
+    between them).
 
     For CMOS the default is ``triplets_per_pair=2`` (one triplet per direction, so the limit is
     the two matrix-vector products per pair of the issue) and, in file order, ``replay=0`` (a
@@ -256,8 +261,9 @@ def throughput(
                       **_roofline(last._replace(seconds=per_pair), pairs, rates))
         if learning_only:
             alone = statistics.median(learning_only)
+            share = statistics.median(t.evaluation_seconds / t.seconds for t in learned)
             result.update(learning_only_pairs_per_s=round(1 / alone, 1),
-                          evaluation_share=round(max(0.0, per_pair - alone) / per_pair, 3))
+                          evaluation_share=round(share, 3))
         if file_order:
             reference = statistics.median(file_order)
             result.update(file_order_pairs_per_s=round(1 / reference, 1),
