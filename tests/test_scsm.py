@@ -161,20 +161,24 @@ def test_work_counts_the_space_each_modality_is_solved_in() -> None:
     assert work.update_u("text").flops < 2.0 * 1001**2 * 2500
 
 
+def solved_problem(seed: int) -> Problem:
+    """A random problem started and taken through one ``v`` and ``U`` step (``seed`` drives
+    both)."""
+    p = random_problem(seed)
+    p.start(np.random.default_rng(seed))
+    p.update_v()
+    p.update_u("image")
+    p.update_u("text")
+    return p
+
+
 def test_the_compiled_group_sweep_moves_as_the_column_costs_say() -> None:
     """``update_y``'s compiled sweep against the same sweep written with ``column_costs``
     (checked against the brute force below): the same moves, pair by pair."""
 
-    def prepared() -> Problem:
-        p = random_problem(7)
-        p.start(np.random.default_rng(7))
-        p.update_v()
-        p.update_u("image")
-        p.update_u("text")
+    reference, compiled = solved_problem(7), solved_problem(7)
+    for p in (reference, compiled):
         p.v[::3] = False  # pairs out of the fit take the cross term alone
-        return p
-
-    reference, compiled = prepared(), prepared()
     za, zb = reference.projections()
     sums = reference.group_sums(za, zb)
     moved = 0
@@ -191,11 +195,7 @@ def test_the_compiled_group_sweep_moves_as_the_column_costs_say() -> None:
 
 
 def test_y_column_update_is_the_brute_force_argmin() -> None:
-    p = random_problem(6)
-    p.start(np.random.default_rng(6))
-    p.update_v()
-    p.update_u("image")
-    p.update_u("text")
+    p = solved_problem(6)
     za, zb = p.projections()
     sums = p.group_sums(za, zb)
     for i in (0, 7, 33):

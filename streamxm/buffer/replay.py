@@ -56,7 +56,7 @@ from numpy.typing import ArrayLike, NDArray
 from streamxm.stream.messages import Pair
 
 __all__ = ["BURST_THRESHOLD", "BURST_WINDOW", "MAX_GROUPS", "ReplayBuffer", "TripletSampler",
-           "group_keys", "sample_triplet_slots", "skip_past"]
+           "group_keys", "label_tuples", "sample_triplet_slots", "skip_past"]
 
 #: Arrivals whose class mix :meth:`ReplayBuffer.burst` compares with the whole stream's.
 BURST_WINDOW = 100
@@ -84,6 +84,16 @@ def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float32]:
         np.einsum("ij,ij->i", rows, rows, dtype=np.float64)).astype(np.float32)
     norms[norms == 0] = 1.0
     return norms
+
+
+def label_tuples(rows: NDArray[np.integer[Any]]) -> list[tuple[int, ...]]:
+    """Each row of a padded label array (``-1`` pads) as a tuple of its labels; read as Python
+    ints at once, not one numpy scalar per entry.
+
+    >>> label_tuples(np.array([[3, -1], [1, 2]]))
+    [(3,), (1, 2)]
+    """
+    return [tuple(x for x in row if x >= 0) for row in rows.tolist()]
 
 
 class ReplayBuffer:
@@ -329,8 +339,8 @@ class ReplayBuffer:
         return tuple(int(x) for x in self.labels[slot] if x >= 0)
 
     def labels_of(self, slots: NDArray[np.intp]) -> list[tuple[int, ...]]:
-        """:meth:`labels_at` of several slots (read as Python ints at once)."""
-        return [tuple(x for x in row if x >= 0) for row in self.labels[slots].tolist()]
+        """:meth:`labels_at` of several slots."""
+        return label_tuples(self.labels[slots])
 
     def labels_list(self) -> list[tuple[int, ...]]:
         return [self.labels_at(int(slot)) for slot in self.order()]

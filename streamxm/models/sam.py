@@ -16,7 +16,7 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor, nn
 
-from streamxm.buffer.replay import ReplayBuffer
+from streamxm.buffer.replay import ReplayBuffer, label_tuples
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler, power_normalize
@@ -532,8 +532,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         return x if power is None else power_normalize(x, power)
 
     def _stored_labels(self, slots: NDArray[np.int_]) -> list[tuple[int, ...]]:
-        # tolist() first: Python ints at once, not one numpy scalar per entry.
-        return [tuple(x for x in row if x >= 0) for row in self.reservoir.labels[slots].tolist()]
+        return label_tuples(self.reservoir.labels[slots])
 
     def _distances(self, img: NDArray[np.floating],
                    txt: NDArray[np.floating]) -> tuple[Tensor, Tensor]:
