@@ -140,6 +140,38 @@ def test_feature_space_falls_back_to_lu_when_cholesky_fails() -> None:
     np.testing.assert_allclose(eq.solve(w, -0.5, r), np.linalg.solve(a, x.T @ r), rtol=1e-8)
 
 
+def test_knn_graph_links_each_row_to_its_r_nearest_by_the_dense_distances() -> None:
+    """The one-pass selection against the distance matrix sorted outright."""
+    rng = np.random.default_rng(12)
+    x, r = rng.random((50, 6)), 4
+    d2 = np.maximum(((x[:, None, :] - x[None, :, :]) ** 2).sum(axis=2), 0.0)
+    np.fill_diagonal(d2, np.inf)
+    nn = np.argsort(d2, axis=1, kind="stable")[:, :r]
+    dist = np.take_along_axis(d2, nn, axis=1)
+    want = np.zeros((50, 50))
+    want[np.repeat(np.arange(50), r), nn.ravel()] = np.exp(-dist.ravel() / dist.max(axis=1).mean())
+    want = np.maximum(want, want.T)
+    np.testing.assert_allclose(knn_graph(x, r).toarray(), want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("space", ["n", "d"])
+def test_a_solve_with_the_last_weights_reuses_their_factorisation(space: str) -> None:
+    """Same weights: the kept factorisation, bit for bit what a fresh one gives; new weights:
+    a new one."""
+    rng = np.random.default_rng(13)
+    x, lap = rng.random((30, 8)), sparse.csr_matrix((30, 30))
+    gram_x = x @ x.T if space == "n" else None
+    eq = NormalEquations.of(x, lap, 0.0, gram_x)
+    w, r1, r2 = rng.random(30), rng.random((30, 3)), rng.random((30, 3))
+    eq.solve(w, 0.1, r1)
+    kept = eq._factor["factor"]
+    np.testing.assert_array_equal(eq.solve(w, 0.1, r2),
+                                  NormalEquations.of(x, lap, 0.0, gram_x).solve(w, 0.1, r2))
+    assert eq._factor["factor"] is kept
+    eq.solve(w + 1.0, 0.1, r2)
+    assert eq._factor["factor"] is not kept
+
+
 def test_projections_are_kept_until_u_is_replaced() -> None:
     p = random_problem(7)
     p.start(np.random.default_rng(7))

@@ -19,7 +19,7 @@ exact minimisation of ``J`` over its block, so ``J`` never increases.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numba
 import numpy as np
@@ -68,16 +68,39 @@ def knn_graph(x: NDArray[np.floating], r: int,
     if r < 1:
         return sparse.csr_matrix((n, n))
     sq = np.einsum("ij,ij->i", x, x)
-    g = gram(x) if gram_x is None else gram_x
-    d2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * g, 0.0)
-    np.fill_diagonal(d2, np.inf)
-    nn = np.argpartition(d2, r - 1, axis=1)[:, :r]
+    nn, dist = _nearest(gram(x) if gram_x is None else gram_x, sq, r)
+    sigma2 = float(np.mean(dist.max(axis=1)))
+    w = np.exp(-dist.ravel() / max(sigma2, 1e-12))
     rows = np.repeat(np.arange(n), r)
-    dist = d2[rows, nn.ravel()]
-    sigma2 = float(np.mean(np.max(d2[np.arange(n)[:, None], nn], axis=1)))
-    w = np.exp(-dist / max(sigma2, 1e-12))
     g = sparse.csr_matrix((w, (rows, nn.ravel())), shape=(n, n))
     return g.maximum(g.T).tocsr()
+
+
+@numba.njit(cache=True, error_model="numpy", boundscheck=False)
+def _nearest(g: F64, sq: F64, r: int) -> tuple[NDArray[np.int64], F64]:  # pragma: no cover
+    """Per row ``i`` of the Gram ``g`` the ``r`` nearest other rows by
+    ``d^2_ij = max(sq_i + sq_j - 2 g_ij, 0)`` and their squared distances, nearest first (a
+    tie keeps the lower index). One pass over ``g``: the distance matrix is never formed."""
+    n = len(sq)
+    nn = np.empty((n, r), dtype=np.int64)
+    dist = np.empty((n, r))
+    for i in range(n):
+        kept = 0
+        for j in range(n):
+            if j == i:
+                continue
+            d2 = max(sq[i] + sq[j] - 2.0 * g[i, j], 0.0)
+            if kept == r and d2 >= dist[i, r - 1]:
+                continue
+            at = kept if kept < r else r - 1
+            while at > 0 and dist[i, at - 1] > d2:
+                dist[i, at] = dist[i, at - 1]
+                nn[i, at] = nn[i, at - 1]
+                at -= 1
+            dist[i, at] = d2
+            nn[i, at] = j
+            kept = min(kept + 1, r)
+    return nn, dist
 
 
 def laplacian(w: sparse.csr_matrix) -> sparse.csr_matrix:
@@ -199,6 +222,8 @@ class NormalEquations:
     gram: F64 | None
     #: ``alpha gamma L G`` (``n x n``) or ``alpha gamma X'LX`` (``d x d``).
     fixed: F64
+    #: The last weights' factorisation (:meth:`solve`); derived, never compared.
+    _factor: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, x: F64, lap: sparse.csr_matrix, alpha_gamma: float,
@@ -211,22 +236,46 @@ class NormalEquations:
         return cls(x, None, (xlx + xlx.T) * 0.5)
 
     def solve(self, w: F64, beta: float, r: F64) -> F64:
-        """``U = (X' diag(w) X + alpha gamma X'LX + beta I)^-1 X'R``."""
+        """``U = (X' diag(w) X + alpha gamma X'LX + beta I)^-1 X'R``. The factorisation of
+        the last ``(w, beta)`` is kept: :meth:`Problem.start`'s two rounds solve with the same
+        weights, so the second round only substitutes."""
+        key = (w.tobytes(), beta)
+        if self._factor.get("key") != key:
+            self._factor.clear()
+            self._factor.update(key=key, factor=self._factorise(w, beta))
+        kind, factor = self._factor["factor"]
+        if kind == "lu":
+            lu, piv = factor
+            # ``lu`` factors K' (K's C-ordered buffer read in Fortran order): solve K' ' T = R.
+            t, info = scipy.linalg.lapack.dgetrs(lu, piv, r, trans=1)
+            if info:
+                raise np.linalg.LinAlgError(f"dgetrs returned {info}")
+            return np.asarray(self.x.T @ t)
+        rhs = self.x.T @ r
+        if kind == "cholesky":
+            return np.asarray(scipy.linalg.cho_solve(factor, rhs, check_finite=False))
+        return np.asarray(np.linalg.solve(factor, rhs))
+
+    def _factorise(self, w: F64, beta: float) -> tuple[str, Any]:
+        """Sample space: ``K = W G + alpha gamma L G + beta I`` by LU with partial pivoting
+        (``dgetrf`` in place on ``K``'s buffer, read as ``K'`` in Fortran order: no copy).
+        Feature space: ``A`` by Cholesky, or kept whole for an LU solve should Cholesky fail."""
         if self.gram is not None:
             k = self.gram * w[:, None]
             k += self.fixed
             k.flat[:: len(k) + 1] += beta
-            return np.asarray(self.x.T @ np.linalg.solve(k, r))
+            lu, piv, info = scipy.linalg.lapack.dgetrf(k.T, overwrite_a=True)
+            if info:  # > 0: exactly singular, as numpy.linalg.solve refuses it
+                raise np.linalg.LinAlgError(f"dgetrf returned {info}")
+            return "lu", (lu, piv)
         s = self.x * np.sqrt(w)[:, None]
         a = np.asarray(s.T @ s)  # syrk: exactly symmetric, so a.T (Fortran-ordered) is a
         a += self.fixed
         a.flat[:: len(a) + 1] += beta
-        rhs = self.x.T @ r
         try:
-            factor = scipy.linalg.cho_factor(a.T, check_finite=False)
+            return "cholesky", scipy.linalg.cho_factor(a.T, check_finite=False)
         except np.linalg.LinAlgError:
-            return np.asarray(np.linalg.solve(a, rhs))
-        return np.asarray(scipy.linalg.cho_solve(factor, rhs, check_finite=False))
+            return "dense", a
 
 
 @dataclass
@@ -510,14 +559,12 @@ class ProblemWork:
 
     def graph(self, d: int) -> Work:
         """:func:`gram` and :func:`knn_graph` on ``n`` rows of ``d``: the squared norms
-        (``2 n d``), the Gram (:func:`syrk`), the distances ``sq_i + sq_j - 2 G`` and
-        their ``max(., 0)`` (4 flops, 8 passes of ``n^2``), and ``argpartition`` (about 2
-        comparisons per entry; reads the distances, writes and permutes ``n^2`` int64
-        indices: 3 passes)."""
+        (``2 n d``), the Gram (:func:`syrk`) and one pass over it for the ``r`` nearest
+        (``sq_i + sq_j - 2 G`` and its ``max(., 0)``: 4 flops an entry; the insertions into
+        the ``r`` kept are rare and not counted)."""
         n = self.n
         return (Work(2.0 * n * d, 8.0 * n * d) + syrk(n, d)
-                + elementwise(n * n, flops_per_item=4.0, passes=8.0)
-                + elementwise(n * n, flops_per_item=2.0, passes=3.0))
+                + elementwise(n * n, flops_per_item=4.0))
 
     def fixed(self, d: int) -> Work:
         """:meth:`NormalEquations.of`, once per problem: in sample space ``(alpha gamma L) G``
@@ -552,24 +599,26 @@ class ProblemWork:
                         8.0 * (self.nnz * self.groups + 2 * self.n * self.groups))
         return sparse_z * 2
 
-    def update_u(self, modality: str) -> Work:
-        """:meth:`Problem.update_u` for ``X`` (``n x d``), the other side's projection kept.
+    def update_u(self, modality: str, factorise: bool = True) -> Work:
+        """:meth:`Problem.update_u` for ``X`` (``n x d``), the other side's projection kept;
+        ``factorise=False`` for a solve with the weights of the last one (the factorisation
+        kept, :meth:`NormalEquations.solve`).
 
         Sample space (``d > n``): ``K = w G + alpha gamma L G`` (2 flops, 5 passes of
-        ``n^2``), its LU solve (:func:`lu_solve_work` of ``n``) and ``U = X'W``
-        (``gemm(d, c, n)``). Feature space: ``sqrt(w) X`` (``n d``), its ``syrk``
-        (:func:`syrk`), the fixed part added (1 flop, 3 passes of ``d^2``), ``X'R``
-        (``gemm(d, c, n)``), the Cholesky (``d^3 / 3``, on a copy: one more pass of ``d^2``
-        read and written) and its two triangular solves (``2 d^2 c``)."""
+        ``n^2``), its LU in place (:func:`lu_work`), the two triangular solves
+        (:func:`substitution_work`) and ``U = X'T`` (``gemm(d, c, n)``). Feature space:
+        ``sqrt(w) X`` (``n d``), its ``syrk`` (:func:`syrk`), the fixed part added (1 flop,
+        3 passes of ``d^2``), the Cholesky (``d^3 / 3``, on a copy: one more pass of ``d^2``
+        read and written), ``X'R`` (``gemm(d, c, n)``) and the triangular solves."""
         d = self.da if modality == "image" else self.db
         n, c = self.n, self.groups
         if self.n_space(d):
-            return (elementwise(n * n, flops_per_item=2.0, passes=5.0) + lu_solve_work(n, c)
-                    + gemm(d, c, n))
-        cho_solve = Work(2.0 * d * d * c, 8.0 * (d * d + 2.0 * d * c))
-        return (elementwise(n * d) + syrk(d, n)
-                + elementwise(d * d, flops_per_item=1.0, passes=3.0) + gemm(d, c, n)
-                + elementwise(d * d, flops_per_item=0.0) + cholesky(d) + cho_solve)
+            factor = elementwise(n * n, flops_per_item=2.0, passes=5.0) + lu_work(n)
+            return (factor if factorise else Work()) + substitution_work(n, c) + gemm(d, c, n)
+        factor = (elementwise(n * d) + syrk(d, n)
+                  + elementwise(d * d, flops_per_item=1.0, passes=3.0)
+                  + elementwise(d * d, flops_per_item=0.0) + cholesky(d))
+        return (factor if factorise else Work()) + gemm(d, c, n) + substitution_work(d, c)
 
     def update_y(self, sweeps: int) -> Work:
         """:meth:`Problem.update_y` (the projections kept): per pair and sweep two ``c x c``
@@ -581,13 +630,17 @@ class ProblemWork:
         """:meth:`Problem.start`, warm (the k-means of a cold start is not counted): the
         ``unplaced`` pairs' nearest text centroids (the members' rows copied and averaged, 3
         passes of ``n d_t``; per group the unplaced rows copied, subtracted, squared and summed,
-        3 flops and 8 passes of ``unplaced d_t``), two rounds of ``U_a``, ``U_b``, and the
-        projections each needs: ``X_b U_b`` three times (for the two ``U_a`` and the losses,
+        3 flops and 8 passes of ``unplaced d_t``), two rounds of ``U_a``, ``U_b`` (the weights
+        do not change between them: the second round only substitutes), and the projections
+        each needs: ``X_b U_b`` three times (for the two ``U_a`` and the losses,
         the first with ``U_b = 0``), ``X_a U_a`` twice (for the two ``U_b``)."""
         dt = self.db - 1
         centroids = (elementwise(self.n * dt, passes=3.0)
                      + elementwise(unplaced * dt, flops_per_item=3.0, passes=8.0) * self.groups)
-        return (centroids + (self.update_u("image") + self.update_u("text")) * 2
+        rounds = (self.update_u("image") + self.update_u("text")
+                  + self.update_u("image", factorise=False)
+                  + self.update_u("text", factorise=False))
+        return (centroids + rounds
                 + self.projection(self.da) * 2 + self.projection(self.db) * 3)
 
     def iterate(self, sweeps: int = 2) -> Work:
@@ -598,10 +651,13 @@ class ProblemWork:
                 + self.update_y(sweeps) + self.objective() * 4)
 
 
-def lu_solve_work(m: int, c: int) -> Work:
-    """``numpy.linalg.solve`` of an ``m x m`` system for ``c`` columns (the sample-space
-    solve): the LU (``2 m^3 / 3``)
-    and the two triangular solves (``2 m^2 c``); the matrix copied to Fortran order, factored
-    in place and read by the solve (5 passes of ``m^2``), the right-hand side read and the
-    solution written."""
-    return Work(2.0 * m**3 / 3.0 + 2.0 * m * m * c, 8.0 * (5.0 * m * m + 2.0 * m * c))
+def lu_work(m: int) -> Work:
+    """``dgetrf`` of an ``m x m`` matrix in place: ``2 m^3 / 3`` flops, the matrix read and
+    written once."""
+    return Work(2.0 * m**3 / 3.0, 16.0 * m * m)
+
+
+def substitution_work(m: int, c: int) -> Work:
+    """The two triangular solves with an ``m x m`` factorisation for ``c`` columns:
+    ``2 m^2 c`` flops, the factors read, the right-hand side read and the solution written."""
+    return Work(2.0 * m * m * c, 8.0 * (m * m + 2.0 * m * c))
