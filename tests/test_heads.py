@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.learning.learner import StreamLearner
-from streamxm.models.heads import RbfFeatures, power_features
+from streamxm.models.heads import RbfFeatures, SlotFeatures, power_features
 from streamxm.serving.gallery import GalleryChunk
 from streamxm.serving.search import scan_margin
 from tests.conftest import IMG, TXT, class_stream
@@ -57,3 +58,22 @@ def test_kernel_rows_to_grown_landmarks_reuse_the_kept_columns() -> None:
     np.testing.assert_allclose(extended, fresh, rtol=1e-6)
     other = RbfFeatures(power_features(0.5), landmarks[::-1].copy(), 1.0)  # not a prefix
     assert other.extend({first.key: kept}, chunk.features("image", first.inputs)) is None
+
+
+def test_kept_features_of_runs_of_slots_are_read_in_place() -> None:
+    """The ring's newest pairs in any rotation (two runs of slots) are views of the kept rows
+    that together equal the gathered copy; scattered slots are gathered."""
+    buffer = ReplayBuffer(12, IMG, TXT)
+    for pair in class_stream(17, IMG, TXT, seed=3):  # the ring has wrapped
+        buffer.add(pair)
+    kept, fmap = SlotFeatures(), power_features(0.5)
+    for rows in (buffer.order()[-8:], buffer.order(), buffer.order()[:4]):
+        runs = kept.runs(fmap, "image", buffer, rows)
+        assert len(runs) == 1 + int(not np.array_equal(rows, np.sort(rows)))
+        assert all(np.shares_memory(run, kept._kept["image"][1]) for run in runs)
+        np.testing.assert_array_equal(np.concatenate(runs),
+                                      kept.features(fmap, "image", buffer, rows))
+    scattered = np.array([0, 5, 9], dtype=np.intp)
+    (gathered,) = kept.runs(fmap, "image", buffer, scattered)
+    assert not np.shares_memory(gathered, kept._kept["image"][1])
+    np.testing.assert_array_equal(gathered, kept.features(fmap, "image", buffer, scattered))

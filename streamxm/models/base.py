@@ -172,7 +172,8 @@ class CrossModalModel(ABC):
         for head, modality, query in ((image_head, "image", pair.img),
                                       (text_head, "text", pair.txt)):
             own = head.embed(unit_features(head.features, query))[0].astype(np.float64)
-            stored = head.embed_float32(kept.features(head.features, modality, buffer, rows))
+            stored = np.concatenate([head.embed_float32(run) for run in
+                                     kept.runs(head.features, modality, buffer, rows)])
             sides.append((own, stored.astype(np.float64)))
         (image, images), (text, texts) = sides
         return (np.concatenate([[text @ image], texts @ image]),
@@ -211,7 +212,9 @@ class CrossModalModel(ABC):
             if head is not None:
                 width, k = head.weight.shape
                 query = head.features.work(1, dim) if head.features is not None else Work()
-                kept = elementwise(gallery * width, 4, flops_per_item=0.0)  # gathered
+                # Read in place when the rows are a run of slots (the ring's newest pairs),
+                # gathered otherwise; charged the gather either way, an upper bound.
+                kept = elementwise(gallery * width, 4, flops_per_item=0.0)
                 total += (query + gemm(1, k, width) + kept + gemm(gallery, k, width, 4)
                           + gemm(1, gallery + 1, k))
                 continue

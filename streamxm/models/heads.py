@@ -242,6 +242,23 @@ class SlotFeatures:
 
     def features(self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer,
                  rows: NDArray[np.intp]) -> F32:
+        """The features of the pairs stored at ``rows`` (a copy, in their order)."""
+        return self._current(fmap, modality, buffer, rows)[rows]
+
+    def runs(self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer,
+             rows: NDArray[np.intp]) -> list[F32]:
+        """:meth:`features` in pieces whose concatenation is the rows' features: one view of
+        the kept rows per run of consecutive slots when there are at most two, as the ring's
+        newest pairs are in any rotation (nothing copied); otherwise one gathered copy."""
+        values = self._current(fmap, modality, buffer, rows)
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        if len(breaks) > 1 or not len(rows):
+            return [values[rows]]
+        return [values[int(run[0]) : int(run[-1]) + 1] for run in np.split(rows, breaks)]
+
+    def _current(self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer,
+                 rows: NDArray[np.intp]) -> F32:
+        """The kept features, one row per slot, with those of ``rows`` made current."""
         stored = buffer.img if modality == "image" else buffer.txt
         key = fmap.key if fmap is not None else ()
         kept = self._kept.get(modality)
@@ -255,4 +272,4 @@ class SlotFeatures:
         if len(stale):
             values[stale] = unit_features(fmap, stored[stale])
             versions[stale] = buffer.versions[stale]
-        return values[rows]
+        return values
