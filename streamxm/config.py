@@ -56,6 +56,10 @@ class Settings(BaseSettings):
         "checkpoints may take: after a checkpoint that took c seconds the next waits at least "
         "c (1 - share) / share, whatever the pairs or seconds say (large models checkpoint "
         "less often; 1: no wait)")
+    checkpoint_in_background: bool = Field(
+        default=D.CHECKPOINT_IN_BACKGROUND, description="write scheduled checkpoints from a "
+        "thread while the worker learns (from a copy of the state: one more state's memory "
+        "while it is written); false: on the learning path")
     checkpoint_keep: int = Field(default=D.CHECKPOINT_KEEP, ge=1)
     read_batch: int = Field(default=D.READ_BATCH, ge=1, le=10_000)
     block_ms: int = Field(default=D.BLOCK_MS, ge=1)

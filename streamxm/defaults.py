@@ -11,6 +11,8 @@ CHECKPOINT_EVERY_PAIRS = 2000
 CHECKPOINT_EVERY_SECONDS = 2.0
 # Checkpoints take at most this share of a worker's time: the next one waits for it.
 CHECKPOINT_MAX_SHARE = 0.1
+# Scheduled checkpoints are written by a thread while learning goes on.
+CHECKPOINT_IN_BACKGROUND = True
 CHECKPOINT_KEEP = 3
 READ_BATCH = 256  # XREADGROUP COUNT
 BLOCK_MS = 200  # XREADGROUP BLOCK

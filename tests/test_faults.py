@@ -292,7 +292,8 @@ def test_corrupt_checkpoint_falls_back_replays_and_counts(
     client = StreamClient(r, settings.namespace)
     client.push_pairs(pairs[:600])
     every = settings.model_copy(update={"checkpoint_every_pairs": 150, "read_batch": 50,
-                                        "checkpoint_every_seconds": 60.0})
+                                        "checkpoint_every_seconds": 60.0,
+                                        "checkpoint_max_share": 1.0})  # every 150, no hold-back
     build_worker(every, r, "cmos").run(until_idle=True)
     store = RedisCheckpointStore(r, keys)
     head = store.head("cmos")

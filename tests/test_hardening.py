@@ -94,8 +94,11 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
     pairs = class_stream(1500, IMG, TXT, seed=23)
     client = StreamClient(r, settings.namespace)
     client.push_pairs(pairs[:500])
+    # The whole process freezes: with its checkpoint written on the learning path, the pause
+    # in the write stops the loop that refreshes the lease too.
     env = worker_env(settings, STREAMXM_CHECKPOINT_STORE="dir",
-                     STREAMXM_CHECKPOINT_DIR=str(ckpt_dir), STREAMXM_READ_BATCH="50")
+                     STREAMXM_CHECKPOINT_DIR=str(ckpt_dir), STREAMXM_READ_BATCH="50",
+                     STREAMXM_CHECKPOINT_IN_BACKGROUND="false")
     stale = WorkerProcess({**env, "STREAMXM_CONSUMER": "a",
                            "STREAMXM_FAULT_PAUSE": "checkpoint.partial_write:8"})
     successor = None

@@ -28,8 +28,9 @@ def _learn_all(settings: Settings, r: redis.Redis, model: str = "cmos") -> None:
 def test_the_stream_is_trimmed_to_what_learners_and_gallery_need(
         r: redis.Redis, settings: Settings) -> None:
     keys = Keys(settings.namespace)
+    # A checkpoint every 97 pairs: no hold-back after a slow write (share 1).
     cfg = settings.model_copy(update={"gallery_max": 300, "checkpoint_every_pairs": 97,
-                                      "checkpoint_keep": 3})
+                                      "checkpoint_keep": 3, "checkpoint_max_share": 1.0})
     pairs = fx.class_stream(2000, fx.IMG, fx.TXT, seed=5)
     StreamClient(r, settings.namespace).push_pairs(pairs)
     _learn_all(cfg, r)

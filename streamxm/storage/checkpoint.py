@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -178,12 +179,16 @@ class CheckpointStore(ABC):
         """Delete what the committed head no longer names, if stored outside Redis."""
 
     def commit(self, model: str, ckpt: Checkpoint, head_extra: dict[str, Any],
-               hook: PipelineHook | None = None, lease: tuple[str, str] | None = None) -> None:
+               hook: PipelineHook | None = None, lease: tuple[str, str] | None = None,
+               fence: threading.Lock | None = None) -> None:
         """Make ``ckpt`` durable and newest; ``hook`` adds commands to the same transaction.
 
         ``lease`` is ``(key, owner)``: the commit happens only while ``key`` holds ``owner``
         (:class:`LeaseLost` otherwise, ``redis.WatchError`` if it changes meanwhile), so a worker
-        that lost its lease can never overwrite its successor's checkpoint.
+        that lost its lease can never overwrite its successor's checkpoint. ``fence`` is held
+        from the ``WATCH`` of the lease to the ``EXEC``: the owner's own refresh of the lease
+        from another thread would change the watched key and abort the transaction, so the
+        refresh skips while it is held.
         """
         blob = encode_blob(ckpt)
         sha = blob_sha(blob)
@@ -205,19 +210,21 @@ class CheckpointStore(ABC):
             if hook:
                 hook(pipe)
 
-        self.commit_blob(model, ckpt.version, blob, kept, dropped, with_head, lease, sha=sha)
+        self.commit_blob(model, ckpt.version, blob, kept, dropped, with_head, lease, sha=sha,
+                         fence=fence)
 
     def commit_blob(self, name: str, version: int, blob: bytes | None,
                     kept: list[tuple[int, str]], dropped: list[tuple[int, str]],
                     hook: PipelineHook, lease: tuple[str, str] | None = None,
-                    sha: str | None = None) -> None:
+                    sha: str | None = None, fence: threading.Lock | None = None) -> None:
         """The durable write under :meth:`commit`: ``blob`` (if any) staged, stored and made
         current by ``hook``'s commands in one lease-fenced transaction; ``dropped`` blobs
         deleted with it, ``kept`` ones left alone (the search gallery's segments use it too).
-        ``sha``: the blob's SHA-256 when the caller has it already."""
+        ``sha``: the blob's SHA-256 when the caller has it already; ``fence``: as in
+        :meth:`commit`."""
         if blob is not None:
             self._stage(name, version, sha or blob_sha(blob), blob)
-        with self.r.pipeline(transaction=True) as pipe:
+        with self.r.pipeline(transaction=True) as pipe, fence or contextlib.nullcontext():
             _check_lease(pipe, lease)
             pipe.multi()
             self._put(pipe, name, version, blob, dropped)

@@ -32,6 +32,9 @@ class Lease:
         self.key = key
         self.owner = owner
         self.ttl_ms = ttl_ms
+        #: Held by a commit of this process from its ``WATCH`` of the key to its ``EXEC``
+        #: (:meth:`~streamxm.storage.checkpoint.CheckpointStore.commit`).
+        self.fence = threading.Lock()
         self._refresh = client.register_script(REFRESH_LEASE)
         self._release = client.register_script(RELEASE_LEASE)
 
@@ -40,7 +43,15 @@ class Lease:
         return bool(self.r.set(self.key, self.owner, nx=True, px=self.ttl_ms)) or self.extend()
 
     def extend(self) -> bool:
-        return bool(self._refresh(keys=[self.key], args=[self.owner, self.ttl_ms]))
+        """Extend the lease if ``owner`` holds it. While a commit of this process holds
+        :attr:`fence` it is not extended (that would abort the commit, which watches the key)
+        and counts as held: the commit checks the holder itself, and fails if it changed."""
+        if not self.fence.acquire(blocking=False):
+            return True
+        try:
+            return bool(self._refresh(keys=[self.key], args=[self.owner, self.ttl_ms]))
+        finally:
+            self.fence.release()
 
     def release(self) -> None:
         self._release(keys=[self.key], args=[self.owner])

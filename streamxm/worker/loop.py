@@ -28,11 +28,17 @@ Delivery guarantees (``docs/design.md``):
   the worker backs off and reloads the checkpoint and replays, like after a lost connection.
   After ``max_learn_attempts`` failures on the same entry it is dead-lettered with reason
   ``learn_error`` (the exception in ``detail``) and learning goes on after it.
+- A scheduled checkpoint is written in the background: the learner's state is copied, then
+  encoded, hashed and committed by a thread while learning goes on. Entries applied meanwhile
+  wait for the next checkpoint; a new one starts only after the last has ended, and a dropped
+  state (lost lease, lost connection) waits for it before anything is reloaded, so the store
+  never moves behind the worker's back.
 - SIGTERM (``stop`` set) ends with a final checkpoint and releases the lease.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -41,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import redis
 
 from streamxm import defaults as D
@@ -89,6 +96,25 @@ class _Pending:
         return bool(self.ack or self.dead)
 
 
+@dataclass
+class _Commit:
+    """One checkpoint's commit: what it makes durable, taken when it was started."""
+
+    pending: _Pending
+    #: ``None``: only dead letters so far, nothing to checkpoint.
+    ckpt: Checkpoint | None
+    head_extra: dict[str, Any]
+    stats: dict[str, str]
+    #: The last entry it applies.
+    last_id: str
+    started: float
+    #: When the write ended (set by the thread that wrote it).
+    ended: float = 0.0
+    thread: threading.Thread | None = None
+    #: What the write raised (set by the thread that wrote it).
+    error: BaseException | None = None
+
+
 class LearnerWorker:
     """Learn one model from the namespace's stream.
 
@@ -118,6 +144,11 @@ class LearnerWorker:
         is large checkpoints less often instead of learning less. Checkpoints are points of
         the stream at which everything before them is durable; when they come does not change
         what is learned.
+    checkpoint_in_background
+        Write scheduled checkpoints from a thread while learning goes on (the state is copied
+        first: the checkpoint's bytes are what they would be at that point); ``False`` writes
+        them on the learning path. Explicit :meth:`commit` calls and the final checkpoint are
+        always written before they return.
     max_learn_attempts
         Failures of learning one entry before it is dead-lettered as ``learn_error``.
     retain_entries
@@ -139,6 +170,7 @@ class LearnerWorker:
         checkpoint_every_pairs: int = D.CHECKPOINT_EVERY_PAIRS,
         checkpoint_every_seconds: float = D.CHECKPOINT_EVERY_SECONDS,
         checkpoint_max_share: float = D.CHECKPOINT_MAX_SHARE,
+        checkpoint_in_background: bool = D.CHECKPOINT_IN_BACKGROUND,
         read_batch: int = D.READ_BATCH,
         block_ms: int = D.BLOCK_MS,
         lease_ttl_ms: int = D.LEASE_TTL_MS,
@@ -159,6 +191,7 @@ class LearnerWorker:
         self.every_pairs = checkpoint_every_pairs
         self.every_seconds = checkpoint_every_seconds
         self.max_share = checkpoint_max_share
+        self.in_background = checkpoint_in_background
         self.read_batch = read_batch
         self.block_ms = block_ms
         self.lease_ttl_ms = lease_ttl_ms
@@ -175,6 +208,7 @@ class LearnerWorker:
         self._pending = _Pending()
         self._last_commit = time.monotonic()
         self._commit_seconds = 0.0  # what the last checkpoint took
+        self._writing: _Commit | None = None  # the checkpoint being written in the background
         self._learned_time: float | None = None
         self.entries = EntryDecoder(self.r, self.keys, self.model, self.consumer, limits)
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
@@ -250,7 +284,12 @@ class LearnerWorker:
         return delay
 
     def _drop_state(self) -> None:
-        """Forget everything not in a checkpoint; the next lease reloads and replays."""
+        """Forget everything not in a checkpoint; the next lease reloads and replays (after the
+        checkpoint being written has ended, whatever its outcome: the store then holds what
+        the reload reads)."""
+        writing, self._writing = self._writing, None
+        if writing is not None and writing.thread is not None:
+            writing.thread.join()
         self.leader, self.learner, self._pending = False, None, _Pending()
         self.entries.forget()
 
@@ -322,6 +361,8 @@ class LearnerWorker:
     def step(self) -> int:
         """Read one batch (our own pending entries first after a takeover), learn, and commit if
         due. Returns the number of entries read."""
+        if not self._reap(wait=False):
+            return 0  # the background checkpoint lost the lease: the state is gone
         entries: list[StreamEntry]
         if self._recovering:
             # Everything after the checkpoint that the group has delivered: replayed in order.
@@ -339,7 +380,12 @@ class LearnerWorker:
                 self._recovery_cursor = entries[-1][0]
         self._apply(entries)
         if self._commit_due():
-            self.commit()
+            if not self.in_background:
+                self.commit()
+            # The last checkpoint must have ended (only a write longer than the interval makes
+            # this wait) and its time decides whether the next is due yet.
+            elif self._reap(wait=True) and self._commit_due():
+                self._commit_in_background()
         return len(entries)
 
     def _commit_due(self) -> bool:
@@ -422,18 +468,69 @@ class LearnerWorker:
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Checkpoint, dead-letter and acknowledge everything since the last commit, atomically."""
+        """Checkpoint, dead-letter and acknowledge everything since the last commit, atomically,
+        before returning (after the background checkpoint, if one is being written)."""
+        if not self._reap(wait=True):
+            return
+        job = self._snapshot(copied=False)
+        if job is not None:
+            self._write_caught(job)
+            self._finish(job)
+
+    def _commit_in_background(self) -> None:
+        """Start the commit of everything since the last one on a thread (:meth:`_reap` ends
+        it); learning goes on from a copy of the state."""
+        job = self._snapshot(copied=True)
+        if job is None:
+            return
+        job.thread = threading.Thread(target=self._write_caught, args=(job,), daemon=True,
+                                      name=f"checkpoint-{self.model}")
+        self._writing = job
+        job.thread.start()
+
+    def _reap(self, wait: bool) -> bool:
+        """End the background checkpoint if it is done (or ``wait`` for it): its outcome as a
+        synchronous commit's. ``False`` if it lost the lease, so the state is dropped."""
+        job = self._writing
+        if job is None or job.thread is None or (not wait and job.thread.is_alive()):
+            return True
+        job.thread.join()
+        self._writing = None
+        return self._finish(job)
+
+    def _snapshot(self, copied: bool) -> _Commit | None:
+        """What the next commit makes durable, taken now; the state's arrays ``copied`` when
+        learning goes on while it is written."""
         pending = self._pending
         if not pending:
-            return
-        learner = self.learner
-        started = time.monotonic()
+            return None
+        self._pending = _Pending()
         self.dead_letters += len(pending.dead)
-        if learner is not None:
+        ckpt, extra = None, {}
+        if self.learner is not None:
             self.version += 1
-            arrays, meta = learner.state()
+            arrays, meta = self.learner.state()
+            if copied:
+                arrays = {name: np.array(value, copy=True) for name, value in arrays.items()}
+                meta = copy.deepcopy(meta)
             meta["worker"] = {"dead_letters": self.dead_letters}
             ckpt = Checkpoint(self.version, arrays, meta, last_id=self.last_id)
+            extra = {"pairs_seen": self.learner.pairs_seen}
+        return _Commit(pending, ckpt, extra, self._stats_fields(), self.last_id,
+                       time.monotonic())
+
+    def _write_caught(self, job: _Commit) -> None:
+        """:meth:`_write`, with what it raised kept on ``job`` for :meth:`_finish`."""
+        try:
+            self._write(job)
+        except Exception as exc:  # handed to _finish, which raises what it does not handle
+            job.error = exc
+        finally:
+            job.ended = time.monotonic()
+
+    def _write(self, job: _Commit) -> None:
+        """The checkpoint, its dead letters, acknowledgements and stats in one transaction."""
+        pending = job.pending
 
         def hook(pipe: redis.client.Pipeline) -> None:
             if pending.ack:
@@ -441,38 +538,49 @@ class LearnerWorker:
             for letter in pending.dead:
                 pipe.xadd(self.keys.dead, letter)  # type: ignore[arg-type]
                 pipe.hincrby(self.keys.dead_counts, f"{self.model}|{letter['reason']!s}", 1)
-            pipe.hset(self.keys.stats(self.model),
-                      mapping=self._stats_fields())  # type: ignore[arg-type]
+            pipe.hset(self.keys.stats(self.model), mapping=job.stats)  # type: ignore[arg-type]
 
-        lease = (self.keys.lease(self.model), self.consumer)
-        try:
-            if learner is None:  # only dead letters so far: nothing to checkpoint yet
-                with self.r.pipeline(transaction=True) as pipe:
-                    hook(pipe)
-                    pipe.execute()
-                wait_replicated(self.r, self.keys.replicated, self.store.replication)
-            else:
-                self.store.commit(self.model, ckpt, {"pairs_seen": learner.pairs_seen},
-                                  hook=hook, lease=lease)
-        except (LeaseLost, redis.WatchError):
+        if job.ckpt is None:
+            with self.r.pipeline(transaction=True) as pipe:
+                hook(pipe)
+                pipe.execute()
+            wait_replicated(self.r, self.keys.replicated, self.store.replication)
+        else:
+            self.store.commit(self.model, job.ckpt, job.head_extra, hook=hook,
+                              lease=(self.keys.lease(self.model), self.consumer),
+                              fence=self.lease.fence)
+
+    def _finish(self, job: _Commit) -> bool:
+        """After a write: on success the schedule and the failure counts move on; a lost lease
+        or a commit not replicated drops the state (``False``); anything else is raised."""
+        if isinstance(job.error, (LeaseLost, redis.WatchError)):
             log.error("worker %s lost the lease during a commit; dropping its state",
                       self.consumer)
             self._drop_state()
-            return
-        except NotReplicated as exc:
+            return False
+        if isinstance(job.error, NotReplicated):
             # Committed on the master, maybe not on its replicas: a failover now could lose the
             # commit while this process went on from it. Reload what the store holds instead.
             log.error("worker %s: commit not replicated (%s); reloading its checkpoint",
-                      self.consumer, exc)
+                      self.consumer, job.error)
             self._drop_state()
-            return
-        self._pending = _Pending()
-        self._last_commit = time.monotonic()
-        self._commit_seconds = self._last_commit - started
-        done = entry_id_key(self.last_id)
+            return False
+        if job.error is not None:
+            # Not committed: its entries go with the next commit, unless the caller drops
+            # the state (as the loop does when Redis is unreachable).
+            later = self._pending
+            self._pending = _Pending(job.pending.ack + later.ack, job.pending.dead + later.dead,
+                                     job.pending.pairs + later.pairs)
+            self.dead_letters -= len(job.pending.dead)
+            raise job.error
+        self._last_commit = job.ended  # the schedule counts from the write, not from now
+        self._commit_seconds = job.ended - job.started
+        done = entry_id_key(job.last_id)
         self._failures = {k: v for k, v in self._failures.items() if entry_id_key(k) > done}
-        log.debug("checkpoint %s v%d at %s", self.model, self.version, self.last_id)
+        log.debug("checkpoint %s v%d at %s", self.model,
+                  job.ckpt.version if job.ckpt is not None else self.version, job.last_id)
         self._trim()
+        return True
 
     def _trim(self) -> None:
         if self.retain_entries is None:
