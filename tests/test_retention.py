@@ -89,9 +89,11 @@ def test_sigkill_while_learning_and_while_trimming_loses_nothing(
     n = 3000
     keys = Keys(settings.namespace)
     pairs = fx.class_stream(n, fx.IMG, fx.TXT, seed=9)
+    # A checkpoint every 89 pairs, with no hold-back after a slow write (share 1): the bound on
+    # the trimmed stream below counts on it.
     env = fx.worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="89",
                         STREAMXM_READ_BATCH="40", STREAMXM_GALLERY_MAX="150",
-                        STREAMXM_CHECKPOINT_KEEP="2")
+                        STREAMXM_CHECKPOINT_KEEP="2", STREAMXM_CHECKPOINT_MAX_SHARE="1")
     client = StreamClient(r, settings.namespace)
 
     def produce() -> None:

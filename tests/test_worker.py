@@ -1,6 +1,7 @@
 """The learner worker against a real Redis: dead letters, crash and restart, reclaiming."""
 
 import signal
+import socket
 import subprocess
 import threading
 
@@ -88,6 +89,10 @@ def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
     try:
         wait_for(lambda: _stats(r, keys).get("pairs_processed") == "1500", 60, "all pairs")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+        # The killed workers may have committed every pair: the last must be running (its
+        # SIGTERM handler installed) before it is asked to stop.
+        wait_for(lambda: r.get(keys.lease("cmos")) == f"{socket.gethostname()}-{proc.pid}"
+                 .encode(), 60, "the last worker to lead")
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
