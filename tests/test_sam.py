@@ -15,13 +15,17 @@ import torch
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
 from streamxm.models import LearnStats, create_model
+from streamxm.models.optim import nesterov_step
 from streamxm.models.sam import (
     SAM,
     batch_loss,
     centroid_margin,
+    pairwise_distances,
     schedule_alpha,
+    score_gradient,
     semantic_margin,
 )
+from streamxm.models.sam_tower import Tower, dropout_multipliers
 from streamxm.service import build_worker
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.client import StreamClient
@@ -123,6 +127,86 @@ def test_step_loss_equals_a_direct_loop_over_triplets(seed: int) -> None:
     f = m.margins(*m._distances(img, txt), m._category_matrix(labels)).numpy().astype(np.float64)
     assert loss == pytest.approx(direct_loss(zi, zt, f, labels), rel=1e-5)
     assert stats.loss["i2t"] + stats.loss["t2i"] == pytest.approx(loss * len(img), rel=1e-5)
+
+
+def _autograd_tower(tower: Tower, x: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
+    """The tower's training pass as torch's modules write it, for autograd."""
+    h = torch.tanh(x @ tower.w1 + tower.b1) * multipliers
+    return torch.nn.functional.normalize(torch.tanh(h @ tower.w2 + tower.b2), dim=1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_written_out_gradients_equal_autograd(seed: int) -> None:
+    """Both towers' gradients (score_gradient, Tower.set_gradients) against autograd over the
+    same forward pass, dropout multipliers and margins."""
+    g = torch.Generator().manual_seed(seed)
+    b, hidden = 12, 16
+    towers = Tower(7, hidden, 5), Tower(4, hidden, 5)
+    for tower in towers:
+        tower.reset(g)
+        with torch.no_grad():
+            tower.b1.uniform_(-0.5, 0.5, generator=g)
+            tower.b2.uniform_(-0.5, 0.5, generator=g)
+    xs = torch.randn(b, 7, generator=g), torch.randn(b, 4, generator=g)
+    mults = [dropout_multipliers((b, hidden), 0.3, g, torch.device("cpu")) for _ in towers]
+    margins = torch.rand(b, b, generator=g) + 0.5
+    negatives = (torch.rand(b, b, generator=g) > 0.3).fill_diagonal_(False)
+
+    passes = [t.train_forward(x, m) for t, x, m in zip(towers, xs, mults, strict=True)]
+    zi, zt = passes[0].z, passes[1].z
+    grad_s = score_gradient(*batch_loss(zi @ zt.T, margins, negatives))
+    towers[0].set_gradients(passes[0], grad_s @ zt)
+    towers[1].set_gradients(passes[1], grad_s.T @ zi)
+    written = [p.grad.clone() for t in towers for p in t.parameters()]  # type: ignore[union-attr]
+    for tower in towers:
+        tower.zero_grad(set_to_none=True)
+
+    zi, zt = (_autograd_tower(t, x, m) for t, x, m in zip(towers, xs, mults, strict=True))
+    assert torch.allclose(zi, passes[0].z, atol=1e-6)
+    i2t, t2i = batch_loss(zi @ zt.T, margins, negatives)
+    assert float(i2t.detach().sum()) > 0 and float(t2i.detach().sum()) > 0  # both sides active
+    ((i2t.sum() + t2i.sum()) / b).backward()  # type: ignore[no-untyped-call]
+    for mine, params in zip(written, (p for t in towers for p in t.parameters()), strict=True):
+        assert params.grad is not None
+        assert torch.allclose(mine, params.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_nesterov_step_is_torchs_sgd() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 5)).astype(np.float32)
+    mine, buf = w.copy(), np.zeros_like(w)
+    param = torch.nn.Parameter(torch.from_numpy(w.copy()))
+    sgd = torch.optim.SGD([param], lr=0.05, momentum=0.9, nesterov=True)
+    for _ in range(4):
+        grad = rng.standard_normal(w.shape).astype(np.float32)
+        nesterov_step(mine, buf, grad, lr=0.05, momentum=0.9)
+        param.grad = torch.from_numpy(grad)
+        sgd.step()
+    assert np.allclose(mine, param.detach().numpy(), rtol=1e-6, atol=1e-7)
+    assert np.allclose(buf, sgd.state[param]["momentum_buffer"].numpy(), rtol=1e-6)
+    with pytest.raises(TypeError, match="float32"):
+        nesterov_step(mine.astype(np.float64), buf, grad, lr=0.1, momentum=0.9)
+
+
+def test_dropout_drops_its_rate_independently_per_unit() -> None:
+    g = torch.Generator().manual_seed(3)
+    m = dropout_multipliers((400, 1000), 0.3, g, torch.device("cpu"))
+    dropped = (m == 0).double()
+    assert abs(float(dropped.mean()) - 0.3) < 0.003  # 400,000 draws: sd 0.0007
+    assert torch.all((m == 0) | torch.isclose(m, torch.tensor(1 / 0.7)))
+    # the four units sharing a word are independent: neighbours' correlation near 0
+    flat = dropped.reshape(-1)
+    assert abs(float(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1])) < 0.01
+    # the next draw differs
+    assert not torch.equal(m, dropout_multipliers((400, 1000), 0.3, g, torch.device("cpu")))
+
+
+def test_pairwise_distances_match_cdist() -> None:
+    x = torch.randn(40, 9, generator=torch.Generator().manual_seed(0)) * 3.0
+    d = pairwise_distances(x)
+    assert torch.allclose(d, torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist"),
+                          atol=1e-4)
+    assert torch.all(d.diagonal() == 0)
 
 
 def test_batch_loss_masks_to_the_negatives() -> None:

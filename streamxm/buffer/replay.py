@@ -93,7 +93,8 @@ def label_tuples(rows: NDArray[np.integer[Any]]) -> list[tuple[int, ...]]:
     >>> label_tuples(np.array([[3, -1], [1, 2]]))
     [(3,), (1, 2)]
     """
-    return [tuple(x for x in row if x >= 0) for row in rows.tolist()]
+    labelled = (0).__le__  # a builtin predicate: filter() then runs without a Python frame
+    return [tuple(filter(labelled, row)) for row in rows.tolist()]
 
 
 class ReplayBuffer:

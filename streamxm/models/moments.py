@@ -370,12 +370,18 @@ class FeatureScaler:
         self.sum += x.sum(axis=0)
         self.sum_sq += np.einsum("ij,ij->j", x, x)
 
-    def transform(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+    def standardisation(self) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """The mean and standard deviation (its variance floored) that :meth:`transform`
+        applies: ``z = (x - mean) / std``."""
         n = max(self.n, 1)
         mean = self.sum / n
         var = np.maximum(self.sum_sq / n - mean * mean, 0.0)
         var += 1e-6 * float(var.mean()) + 1e-12
-        z = (np.atleast_2d(np.asarray(x, dtype=np.float64)) - mean) / np.sqrt(var)
+        return mean, np.sqrt(var)
+
+    def transform(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        mean, std = self.standardisation()
+        z = (np.atleast_2d(np.asarray(x, dtype=np.float64)) - mean) / std
         return z.astype(np.float32)
 
     def state(self, prefix: str) -> Arrays:

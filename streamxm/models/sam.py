@@ -20,10 +20,18 @@ from streamxm.buffer.replay import ReplayBuffer, label_tuples
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler, power_normalize
+from streamxm.models.optim import nesterov_step, nesterov_work
+from streamxm.models.sam_tower import (
+    Tower,
+    dropout_multipliers,
+    tower_forward_work,
+    tower_training_work,
+)
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair, make_pair
 
-__all__ = ["SAM", "Tower", "batch_loss", "centroid_margin", "schedule_alpha", "semantic_margin"]
+__all__ = ["SAM", "Tower", "batch_loss", "centroid_margin", "pairwise_distances", "schedule_alpha",
+           "score_gradient", "semantic_margin"]
 
 _EMBED_ROWS = 4096  # rows per forward pass when embedding: bounds the hidden activations
 
@@ -86,14 +94,25 @@ def batch_loss(s: Tensor, margins: Tensor, negatives: Tensor) -> tuple[Tensor, T
     return i2t, t2i
 
 
+def score_gradient(i2t: Tensor, t2i: Tensor) -> Tensor:
+    """The gradient of :func:`batch_loss`'s loss ``(sum(i2t) + sum(t2i)) / b`` with respect to
+    the scores ``s``: with ``A = [i2t > 0]`` and ``B = [t2i > 0]`` (the active hinges, zero off
+    the negatives), ``(A + B^T - diag(rowsum(A) + rowsum(B))) / b``; a hinge at exactly zero
+    passes no gradient, as ``relu``'s.
+
+    >>> score_gradient(torch.tensor([[0.0, 0.2], [0.0, 0.0]]), torch.zeros(2, 2))
+    tensor([[-0.5000,  0.5000],
+            [ 0.0000,  0.0000]])
+    """
+    active_i2t = (i2t > 0).to(i2t.dtype)
+    active_t2i = (t2i > 0).to(t2i.dtype)
+    grad = active_i2t + active_t2i.T
+    grad.diagonal().sub_(active_i2t.sum(dim=1) + active_t2i.sum(dim=1))
+    return grad.div_(i2t.shape[0])
+
+
 # -- the work counted (streamxm/models/work.py) ------------------------------------------------
 _NET = 4  # itemsize of the towers, their inputs, margins and optimiser state: float32
-#: Float32 passes over the (b, hidden) activations of a training forward and backward pass:
-#: forward bias 2, tanh 2, dropout draw 1, mask 1.25, masking 2.25, rescale 2; backward
-#: rescale 2, masking 2.25, tanh 3, bias sum 1.
-_HIDDEN_PASSES = 19.0
-#: The same over the (b, dim) outputs: bias 2, tanh 2, normalise 3, each way, plus the bias sum.
-_OUTPUT_PASSES = 16.0
 #: Float32 passes over a (b, b) matrix: the margins (Eq. 6-10), the two hinges (Eq. 5), their
 #: backward, the negatives and the statistics of :meth:`SAM._record` (an estimate of ~100
 #: elementwise torch ops, each reading or writing one (b, b) array).
@@ -104,19 +123,16 @@ _CATEGORY_PASSES = 7.0
 
 
 def _prepare_work(rows: int, dim: int, power: float | None) -> Work:
-    """Inputs before a tower, float32 in and out, float64 between: ``power_normalize`` (upcast
-    12 B, sign 16, abs 16, power 16, product 24, square 16, sum 8, divide 16 = 124 B and 7
-    flops per item; 52 B and 3 flops at ``power = 1``) when ``power`` is set, else an upcast
-    (12 B); then ``FeatureScaler.transform`` (subtract 16, divide 16, downcast 12 = 44 B, 3
-    flops)."""
+    """Inputs before a tower (:meth:`SAM._prepare`), float32: when ``power`` is set, the
+    absolute value (8 B per item), its power (8; none at ``power = 1``), the sign (8) and the
+    product (12), the row norms (4) and the division (8); then the standardisation, subtract
+    (12) and divide (8)."""
     n = float(rows) * dim
+    prepare = Work(2.0 * n, 20.0 * n, 2.0 * n)
     if power is None:
-        prepare = Work(0.0, 12.0 * n)
-    elif power == 1.0:
-        prepare = Work(3.0 * n, 52.0 * n)
-    else:
-        prepare = Work(7.0 * n, 124.0 * n)
-    return prepare + Work(3.0 * n, 44.0 * n)
+        return prepare
+    mapped = 5.0 * n if power != 1.0 else 4.0 * n
+    return prepare + Work(mapped, (48.0 if power != 1.0 else 40.0) * n, mapped)
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -138,74 +154,26 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device("cuda" if device == "cuda" or (device == "auto" and cuda) else "cpu")
 
 
-def _tower_training_work(rows: int, in_dim: int, hidden: int, dim: int) -> Work:
-    """One tower's training pass over ``rows`` rows ``r``, float32: forward ``x W1`` and ``h
-    W2`` (``2 r (in h + h d)`` flops), backward ``x^T g1``, ``h^T g2`` and ``g2 W2^T`` (``2 r
-    in h + 4 r h d``: the inputs need no gradient), and the elementwise passes over the
-    ``r x h`` activations and ``r x d`` outputs (dropout, tanh, normalisation, both ways)."""
-    return (gemm(rows, hidden, in_dim, _NET) + gemm(rows, dim, hidden, _NET)
-            + gemm(in_dim, hidden, rows, _NET) + gemm(hidden, dim, rows, _NET)
-            + gemm(rows, hidden, dim, _NET)
-            + elementwise(rows * hidden, _NET, flops_per_item=10.0, passes=_HIDDEN_PASSES)
-            + elementwise(rows * dim, _NET, flops_per_item=10.0, passes=_OUTPUT_PASSES))
+def pairwise_distances(x: Tensor) -> Tensor:
+    """Euclidean distances between the rows of ``x``, from their Gram matrix: ``d_ij^2 =
+    |x_i|^2 + |x_j|^2 - 2 x_i . x_j``, clipped at 0 (the product path ``torch.cdist`` takes for
+    more than 25 rows, without its padded copies of the operands; the diagonal is exactly 0).
 
-
-def _tower_forward_work(rows: int, in_dim: int, hidden: int, dim: int) -> Work:
-    """An inference pass: ``x W1`` and ``h W2`` (``2 r (in h + h d)`` flops), bias and tanh on
-    the ``r x h`` activations (4 passes), bias, tanh and normalisation on the ``r x d`` outputs
-    (7 passes) and their copy out (2)."""
-    return (gemm(rows, hidden, in_dim, _NET) + gemm(rows, dim, hidden, _NET)
-            + elementwise(rows * hidden, _NET, flops_per_item=2.0, passes=4.0)
-            + elementwise(rows * dim, _NET, flops_per_item=5.0, passes=9.0))
+    >>> pairwise_distances(torch.tensor([[0.0, 0.0], [3.0, 4.0]]))
+    tensor([[0., 5.],
+            [5., 0.]])
+    """
+    gram = x @ x.T
+    norms = gram.diagonal().clone()
+    return gram.mul_(-2.0).add_(norms[:, None]).add_(norms[None, :]).clamp_min_(0.0).sqrt_()
 
 
 def _distance_work(rows: int, dim: int) -> Work:
-    """``torch.cdist(x, x)`` of ``r`` rows on the product path (``r > 25``): the ``r x r x (d +
-    2)`` product plus squared norms, ``-2 x`` and the padded copies of both operands (48 B and 6
-    flops per input item)."""
-    return gemm(rows, rows, dim + 2, _NET) + Work(6.0 * rows * dim, 48.0 * rows * dim)
-
-
-class Tower(nn.Module):
-    """``in -> hidden (tanh, dropout) -> out (tanh) -> L2 normalised``.
-
-    The dropout mask is drawn from the caller's generator, so the model's randomness is its own
-    (and checkpointed), not torch's global state. The weights live on ``device``; the
-    generator of :meth:`forward` must be on the same device.
-    """
-
-    def __init__(self, in_dim: int, hidden: int, out_dim: int,
-                 device: torch.device | str = "cpu") -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.zeros(in_dim, hidden, device=device))
-        self.b1 = nn.Parameter(torch.zeros(hidden, device=device))
-        self.w2 = nn.Parameter(torch.zeros(hidden, out_dim, device=device))
-        self.b2 = nn.Parameter(torch.zeros(out_dim, device=device))
-
-    def reset(self, generator: torch.Generator) -> None:
-        """Glorot-uniform weights, zero biases (the Keras defaults the paper's code used).
-
-        The weights are drawn on the generator's device (a CPU generator gives the same weights
-        whatever device the tower is on) and copied to the tower's.
-        """
-        with torch.no_grad():
-            for w in (self.w1, self.w2):
-                bound = math.sqrt(6.0 / (w.shape[0] + w.shape[1]))
-                if w.device == generator.device:
-                    w.uniform_(-bound, bound, generator=generator)
-                else:
-                    drawn = torch.empty(w.shape, device=generator.device)
-                    w.copy_(drawn.uniform_(-bound, bound, generator=generator))
-            self.b1.zero_()
-            self.b2.zero_()
-
-    def forward(self, x: Tensor, dropout: float = 0.0,
-                generator: torch.Generator | None = None) -> Tensor:
-        h = torch.tanh(x @ self.w1 + self.b1)
-        if dropout > 0:
-            keep = torch.rand(h.shape, generator=generator, device=h.device) >= dropout
-            h = h * keep / (1.0 - dropout)
-        return nn.functional.normalize(torch.tanh(h @ self.w2 + self.b2), dim=1)
+    """:func:`pairwise_distances` of ``r`` rows: the ``r x r x d`` product and five passes over
+    the ``r x r`` result (scale, two norm additions, clip, square root, each read and
+    written)."""
+    return gemm(rows, rows, dim, _NET) + elementwise(rows * rows, _NET, flops_per_item=5.0,
+                                                     passes=10.0)
 
 
 class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
@@ -269,9 +237,15 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
       each time, the same step as the stream.
     - **Weights**: Glorot-uniform, zero biases, drawn when learning starts from a seed taken
-      from the learner's RNG; dropout masks come from the model's own torch generator, whose
-      state is checkpointed (with weights, momentum buffers, clock, centroids and scaler), so a
+      from the learner's RNG; dropout masks come from the model's own torch generator (15
+      random bits a unit, :func:`~streamxm.models.sam_tower.dropout_multipliers`), whose state
+      is checkpointed (with weights, momentum buffers, clock, centroids and scaler), so a
       restored model continues exactly as the original would have.
+    - **Training pass**: the gradients are the chain rule written out
+      (:func:`score_gradient`, :meth:`~streamxm.models.sam_tower.Tower.set_gradients`), equal
+      to autograd's over the same forward pass up to rounding; on the CPU the Nesterov step is
+      one compiled pass over each parameter (:func:`~streamxm.models.optim.nesterov_step`);
+      inputs are prepared in float32 (:meth:`_prepare`).
     - **Metrics**: each step scores the triplets whose anchor is a newly arrived pair with the
       training forward pass before the update: a mistake is ``s(a, p) - s(a, n) <= 0``, the loss
       the hinge with the step's margin, ``updates`` the triplets with a positive hinge. Offline,
@@ -330,8 +304,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         from the model's CPU generator on the CPU and, on CUDA, from a CUDA generator re-seeded
         each step from it, so the checkpointed RNG state is the CPU generator's either way
         (a CUDA checkpoint continues on the CPU, and a CPU one on CUDA); CPU and CUDA draw
-        different masks (and round differently), so their results differ, and the CPU path is
-        bit for bit what it was before this parameter.
+        different masks (and round differently), so their results differ; ``"cpu"`` and
+        ``"auto"`` on a machine without CUDA learn bit for bit alike.
 
     Examples
     --------
@@ -439,7 +413,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
 
     def _dropout_generator(self) -> torch.Generator:
         """The generator of this step's dropout masks: the model's own on the CPU; on another
-        device, the device's, seeded from the model's (one draw a step)."""
+        device, the device's, seeded from the model's (one draw per tower a step)."""
         if self._device_generator is None:
             return self.generator
         seed = int(torch.randint(2**62, (1,), generator=self.generator))
@@ -531,6 +505,21 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         """Inputs before standardisation: as sent, or power-mapped and L2-normalised."""
         return x if power is None else power_normalize(x, power)
 
+    def _prepare(self, x: NDArray[np.floating], scaler: FeatureScaler,
+                 power: float | None) -> Tensor:
+        """A tower's input rows, float32 on the model's device: power-mapped and L2-normalised
+        when ``power`` is set (:func:`~streamxm.models.moments.power_normalize`'s map), then
+        standardised by ``scaler``'s running moments (computed in float64, applied in
+        float32)."""
+        rows = self._tensor(np.asarray(x, dtype=np.float32))  # shares the caller's memory
+        if power is not None:
+            mapped = rows.abs() if power == 1.0 else rows.abs().pow_(power)
+            rows = mapped.mul_(rows.sign())
+            norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
+            rows.div_(norms.masked_fill_(norms == 0, 1.0))
+        mean, std = (self._tensor(v.astype(np.float32)) for v in scaler.standardisation())
+        return (rows - mean).div_(std)
+
     def _stored_labels(self, slots: NDArray[np.int_]) -> list[tuple[int, ...]]:
         return label_tuples(self.reservoir.labels[slots])
 
@@ -539,7 +528,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         """Euclidean distances between the rows, per modality, on the vectors as sent."""
         ti = self._tensor(np.asarray(img, dtype=np.float32))
         tt = self._tensor(np.asarray(txt, dtype=np.float32))
-        return torch.cdist(ti, ti), torch.cdist(tt, tt)
+        return pairwise_distances(ti), pairwise_distances(tt)
 
     def _observe_scale(self, dist_img: Tensor, dist_txt: Tensor) -> None:
         """Raise the ``f_ms`` normalisers to the largest of these distances."""
@@ -593,45 +582,75 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
              labels: list[tuple[int, ...]], new: NDArray[np.bool_], stats: LearnStats,
              epoch: int) -> float:
         """One SGD step on a mini-batch; returns its loss. ``new`` marks the anchors whose
-        triplets enter ``stats``; ``epoch`` is the clock's unit in rows."""
+        triplets enter ``stats``; ``epoch`` is the clock's unit in rows. The gradients are the
+        chain rule written out (:func:`score_gradient`, :meth:`Tower.set_gradients`)."""
         b = len(img)
         y = self._category_matrix(labels)
-        labelled = y.sum(dim=1) > 0
-        shared = (y @ y.T) > 0
-        negatives = torch.where(labelled[:, None], labelled[None, :] & ~shared,
-                                torch.ones(b, b, dtype=torch.bool, device=self.device_))
-        negatives &= ~torch.eye(b, dtype=torch.bool, device=self.device_)
-
-        xi = self._tensor(self.img_scaler.transform(self._rows(img, self.power_img)))
-        xt = self._tensor(self.txt_scaler.transform(self._rows(txt, self.power_txt)))
-        generator = self._dropout_generator() if self.dropout > 0 else None
-        zi = self.img_tower(xi, self.dropout, generator)
-        zt = self.txt_tower(xt, self.dropout, generator)
+        negatives = self._negatives(y)
+        xi = self._prepare(img, self.img_scaler, self.power_img)
+        xt = self._prepare(txt, self.txt_scaler, self.power_txt)
         with torch.no_grad():
-            self._update_centroids(y, zi.detach(), zt.detach())
+            img_pass = self.img_tower.train_forward(xi, self._multipliers(b))
+            txt_pass = self.txt_tower.train_forward(xt, self._multipliers(b))
+            zi, zt = img_pass.z, txt_pass.z
+            self._update_centroids(y, zi, zt)
             distances = self._distances(img, txt)
             self._observe_scale(*distances)
             margins = self.margins(*distances, y)
-        s = zi @ zt.T
-        i2t, t2i = batch_loss(s, margins, negatives)
-        loss = (i2t.sum() + t2i.sum()) / b
-        self._record(s.detach(), i2t.detach(), t2i.detach(), negatives,
-                     self._tensor(np.asarray(new, dtype=np.bool_)), stats)
-        self.optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr / (1.0 + self.decay * self.steps)
-        self.optimizer.step()
+            s = zi @ zt.T
+            i2t, t2i = batch_loss(s, margins, negatives)
+            loss = float(i2t.sum() + t2i.sum()) / b
+            self._record(s, i2t, t2i, negatives, self._tensor(np.asarray(new, dtype=np.bool_)),
+                         stats)
+            grad_s = score_gradient(i2t, t2i)
+            self.img_tower.set_gradients(img_pass, grad_s @ zt)
+            self.txt_tower.set_gradients(txt_pass, grad_s.T @ zi)
+        self._descend(self.lr / (1.0 + self.decay * self.steps))
         self.steps += 1
         self.clock += b / epoch
-        return float(loss.detach())
+        return loss
+
+    def _descend(self, lr: float) -> None:
+        """The optimiser's step at learning rate ``lr``: on the CPU with momentum, one compiled
+        pass per parameter (:func:`~streamxm.models.optim.nesterov_step`, torch's rule) over
+        the momentum buffers the torch optimiser holds (so its state is the checkpoint's);
+        elsewhere the torch optimiser itself."""
+        if self.device_.type != "cpu" or self.momentum == 0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            return
+        for p in self._parameters():
+            state = self.optimizer.state[p]
+            if "momentum_buffer" not in state:  # torch's first step: the buffer is the gradient
+                state["momentum_buffer"] = torch.zeros_like(
+                    p, memory_format=torch.contiguous_format)
+            assert p.grad is not None
+            nesterov_step(p.detach().numpy(), state["momentum_buffer"].numpy(), p.grad.numpy(),
+                          lr, self.momentum)
+
+    def _negatives(self, y: Tensor) -> Tensor:
+        """(b, b): whether item ``n`` is a negative of anchor ``a`` (see the class docstring)."""
+        labelled = y.sum(dim=1) > 0
+        unshared = (y @ y.T) == 0
+        # a labelled anchor: the labelled items sharing no label; an unlabelled one: all
+        negatives = unshared.logical_and_(labelled[None, :]).logical_or_(~labelled[:, None])
+        return negatives.fill_diagonal_(False)
+
+    def _multipliers(self, rows: int) -> Tensor | None:
+        """This step's dropout multipliers for one tower's ``rows x hidden`` activations."""
+        if self.dropout == 0:
+            return None
+        return dropout_multipliers((rows, self.hidden), self.dropout,
+                                   self._dropout_generator(), self.device_)
 
     @staticmethod
     def _record(s: Tensor, i2t: Tensor, t2i: Tensor, negatives: Tensor, new: Tensor,
                 stats: LearnStats) -> None:
-        pos = torch.diagonal(s)[:, None]
-        rows = negatives & new[:, None]
-        for direction, scores, hinge in (("i2t", s, i2t), ("t2i", s.T, t2i)):
+        """The triplets of the new anchors: their rows of the scores, hinges and negatives."""
+        pos = torch.diagonal(s)[new, None]
+        rows = negatives[new]
+        for direction, scores, hinge in (("i2t", s[new], i2t[new]), ("t2i", s.T[new], t2i[new])):
             stats.triplets[direction] += int(rows.sum())
             stats.mistakes[direction] += int(((pos - scores <= 0) & rows).sum())
             stats.loss[direction] += float(hinge[rows].sum())
@@ -646,8 +665,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         out = np.empty((len(x), self.dim), dtype=np.float32)
         with torch.no_grad():
             for at in range(0, len(x), _EMBED_ROWS):
-                rows = self._rows(x[at : at + _EMBED_ROWS], power)
-                chunk = self._tensor(scaler.transform(rows))
+                chunk = self._prepare(x[at : at + _EMBED_ROWS], scaler, power)
                 out[at : at + _EMBED_ROWS] = tower(chunk).cpu().numpy()
         return out
 
@@ -676,22 +694,23 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
 
         - gathering: ``b`` rows of each modality from the reservoir and stacked (16 B per item);
         - both towers: inputs prepared (:func:`_prepare_work`) and one forward and backward pass
-          of ``b`` rows (:func:`_tower_training_work`): ``2 b (d_in h + h d) + 2 b d_in h +
-          4 b h d`` flops per tower;
+          of ``b`` rows (:func:`~streamxm.models.sam_tower.tower_training_work`): ``2 b (d_in h +
+          h d) + 2 b d_in h + 4 b h d`` flops per tower;
         - scores ``S = Z_v Z_t^T`` and its two backward products: ``3 x 2 b^2 d``; centroid
           cosines ``U U^T`` per modality: ``2 x 2 b^2 d``; input distances
-          (:func:`_distance_work`): ``2 b^2 (d_v + d_t + 4)``; ``b x b`` elementwise passes;
+          (:func:`_distance_work`): ``2 b^2 (d_v + d_t)``; ``b x b`` elementwise passes;
         - categories: ``Y Y^T`` (``2 b^2 C``), the class sums ``Y^T Z`` per modality (``2 x 2 C b
           d``), the items' centroids ``Y_n Cent`` per modality (``2 x 2 b C d``), passes over
           ``Y`` (``b x C``);
-        - Nesterov SGD (single-tensor torch path): ``buf = mu buf + g``, ``g' = g + mu buf``,
-          ``w -= lr g'``: 7 flops and 11 float32 passes (44 B) per parameter.
+        - Nesterov SGD, ``buf = mu buf + g``, ``w -= lr (g + mu buf)``: on the CPU one pass
+          (:func:`~streamxm.models.optim.nesterov_work`: 5 flops and 20 B per parameter),
+          elsewhere torch's single-tensor path (7 flops and 11 float32 passes, 44 B).
         """
         b, h, d, c = self.batch_size, self.hidden, self.dim, max(1, len(self.classes))
         total = Work(0.0, 16.0 * b * (self.img_dim + self.txt_dim))
         params = 0
         for in_dim, power in ((self.img_dim, self.power_img), (self.txt_dim, self.power_txt)):
-            total += (_prepare_work(b, in_dim, power) + _tower_training_work(b, in_dim, h, d)
+            total += (_prepare_work(b, in_dim, power) + tower_training_work(b, in_dim, h, d)
                       + _distance_work(b, in_dim)
                       + gemm(b, b, d, _NET)        # centroid cosines U U^T
                       + gemm(c, d, b, _NET)        # class sums Y^T Z
@@ -701,12 +720,14 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         total += elementwise(b * b, _NET, _PAIRWISE_FLOPS, _PAIRWISE_PASSES)
         total += gemm(b, b, c, _NET)              # shared classes Y Y^T
         total += elementwise(b * c, _NET, flops_per_item=3.0, passes=_CATEGORY_PASSES)
+        if self.device_.type == "cpu" and self.momentum > 0:
+            return total + nesterov_work(params)
         return total + elementwise(params, _NET, flops_per_item=7.0, passes=11.0)
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """Per chunk of ``r <= 4096`` rows (:data:`_EMBED_ROWS`; the weights are read once per
         chunk): the inputs prepared (:func:`_prepare_work`) and the tower's inference pass
-        (:func:`_tower_forward_work`): ``2 r (d_in h + h d)`` flops."""
+        (:func:`~streamxm.models.sam_tower.tower_forward_work`): ``2 r (d_in h + h d)`` flops."""
         if modality == "image":
             in_dim, power = self.img_dim, self.power_img
         elif modality == "text":
@@ -718,7 +739,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         for chunk, times in ((_EMBED_ROWS, full), (rest, 1 if rest else 0)):
             if times:
                 total += times * (_prepare_work(chunk, in_dim, power)
-                                  + _tower_forward_work(chunk, in_dim, self.hidden, self.dim))
+                                  + tower_forward_work(chunk, in_dim, self.hidden, self.dim))
         return total
 
     # -- several ranks ---------------------------------------------------------------------------
