@@ -245,7 +245,11 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       (:func:`score_gradient`, :meth:`~streamxm.models.sam_tower.Tower.set_gradients`), equal
       to autograd's over the same forward pass up to rounding; on the CPU the Nesterov step is
       one compiled pass over each parameter (:func:`~streamxm.models.optim.nesterov_step`);
-      inputs are prepared in float32 (:meth:`_prepare`).
+      inputs are prepared in float32 (:meth:`_prepare`). This learns the same model by the
+      same rule faster; its dropout draws and rounding differ from the earlier autograd pass
+      with ``torch.rand`` masks, so a given seed's Wikipedia figure differs from that code's
+      by about one seed-to-seed spread, and the mean over five seeds is not lower
+      (``docs/benchmarks.md``, stream order).
     - **Metrics**: each step scores the triplets whose anchor is a newly arrived pair with the
       training forward pass before the update: a mistake is ``s(a, p) - s(a, n) <= 0``, the loss
       the hinge with the step's margin, ``updates`` the triplets with a positive hinge. Offline,
