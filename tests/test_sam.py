@@ -31,6 +31,7 @@ from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.bench import quality
+from streamxm.tools.datasets import synthetic_pairs
 from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
 
 SMALL = {"dim": 8, "hidden": 32, "batch_size": 16, "replay": 64, "step_every": 3,
@@ -186,6 +187,36 @@ def test_nesterov_step_is_torchs_sgd() -> None:
     assert np.allclose(buf, sgd.state[param]["momentum_buffer"].numpy(), rtol=1e-6)
     with pytest.raises(TypeError, match="float32"):
         nesterov_step(mine.astype(np.float64), buf, grad, lr=0.1, momentum=0.9)
+
+
+def test_nesterov_momentum_never_becomes_subnormal() -> None:
+    """Zero gradients decay the buffer geometrically; below float32's smallest normal number it
+    is stored as 0 (subnormal arithmetic is ~100x slower), the weights unchanged."""
+    tiny = np.finfo(np.float32).tiny
+    w = np.ones(3, np.float32)
+    buf = np.array([tiny * 1.05, tiny * 4, -tiny * 1.05], np.float32)
+    nesterov_step(w, buf, np.zeros(3, np.float32), lr=0.1, momentum=0.9)
+    assert buf[0] == 0 and buf[2] == 0 and buf[1] == np.float32(tiny * 4) * np.float32(0.9)
+    assert np.all(w == 1.0)
+    for _ in range(1000):
+        nesterov_step(w, buf, np.zeros(3, np.float32), lr=0.1, momentum=0.9)
+        assert not np.any((buf != 0) & (np.abs(buf) < tiny))
+    assert np.all(buf == 0)
+
+
+def test_a_quiet_loss_leaves_no_subnormal_state_and_the_thread_ieee() -> None:
+    """Well-separated classes: the hinges go quiet and the momentum decays; it is flushed at
+    float32's smallest normal number, and the thread's arithmetic is IEEE again after a step."""
+    learner = StreamLearner("sam", 7, 5, {**SMALL, "dropout": 0.0, "step_every": 1}, seed=1)
+    learner.learn(synthetic_pairs(1200, 7, 5, n_classes=3, spread=0.05, seed=3))
+    assert isinstance(learner.model, SAM)
+    tiny = np.finfo(np.float32).tiny
+    buf = np.concatenate([learner.model.optimizer.state[p]["momentum_buffer"].numpy().ravel()
+                          for p in learner.model._parameters()])
+    assert np.any(buf == 0)  # decayed below the smallest normal number, and flushed
+    assert not np.any((buf != 0) & (np.abs(buf) < tiny))
+    halves = torch.tensor([tiny], dtype=torch.float32) / 4  # a subnormal result survives
+    assert float(halves) > 0 and float(np.float32(tiny) / np.float32(4)) > 0
 
 
 def test_dropout_drops_its_rate_independently_per_unit() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import numpy as np
@@ -133,6 +134,24 @@ def _prepare_work(rows: int, dim: int, power: float | None) -> Work:
         return prepare
     mapped = 5.0 * n if power != 1.0 else 4.0 * n
     return prepare + Work(mapped, (48.0 if power != 1.0 else 40.0) * n, mapped)
+
+
+@contextmanager
+def _subnormals_flushed() -> Iterator[None]:
+    """This thread's floating-point unit flushes subnormal results and inputs to zero (x86
+    FTZ/DAZ, ``torch.set_flush_denormal``) inside the block, and stops after it.
+
+    Where the hinges go quiet (every margin met, as on well-separated classes), gradients are
+    exactly zero and the momentum decays geometrically into subnormal numbers, whose arithmetic
+    runs about a hundred times slower on x86. Values that small move no weight. The mode is per thread, so other threads (the API's
+    embedding) keep IEEE arithmetic; a caller that had it on finds it off afterwards.
+    """
+    flushing = torch.set_flush_denormal(True)  # False where the CPU has no such mode
+    try:
+        yield
+    finally:
+        if flushing:
+            torch.set_flush_denormal(False)
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -587,7 +606,14 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
              epoch: int) -> float:
         """One SGD step on a mini-batch; returns its loss. ``new`` marks the anchors whose
         triplets enter ``stats``; ``epoch`` is the clock's unit in rows. The gradients are the
-        chain rule written out (:func:`score_gradient`, :meth:`Tower.set_gradients`)."""
+        chain rule written out (:func:`score_gradient`, :meth:`Tower.set_gradients`); the step
+        runs with subnormal numbers flushed to zero (:func:`_subnormals_flushed`)."""
+        with _subnormals_flushed():
+            return self._step(img, txt, labels, new, stats, epoch)
+
+    def _step(self, img: NDArray[np.floating], txt: NDArray[np.floating],
+              labels: list[tuple[int, ...]], new: NDArray[np.bool_], stats: LearnStats,
+              epoch: int) -> float:
         b = len(img)
         y = self._category_matrix(labels)
         negatives = self._negatives(y)
