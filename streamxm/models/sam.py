@@ -143,8 +143,9 @@ def _subnormals_flushed() -> Iterator[None]:
 
     Where the hinges go quiet (every margin met, as on well-separated classes), gradients are
     exactly zero and the momentum decays geometrically into subnormal numbers, whose arithmetic
-    runs about a hundred times slower on x86. Values that small move no weight. The mode is per thread, so other threads (the API's
-    embedding) keep IEEE arithmetic; a caller that had it on finds it off afterwards.
+    runs about a hundred times slower on x86. Values that small move no weight. The mode is
+    per thread, so other threads (the API's embedding) keep IEEE arithmetic; a caller that had
+    it on finds it off afterwards.
     """
     flushing = torch.set_flush_denormal(True)  # False where the CPU has no such mode
     try:
