@@ -104,9 +104,8 @@ class Tower(nn.Module):
             self.b2.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        """The inference pass (no dropout)."""
-        h = torch.addmm(self.b1, x, self.w1).tanh_()
-        return nn.functional.normalize(torch.addmm(self.b2, h, self.w2).tanh_(), dim=1)
+        """The inference pass: :meth:`train_forward`'s output without dropout."""
+        return self.train_forward(x, None).z
 
     @torch.no_grad()
     def train_forward(self, x: Tensor, multipliers: Tensor | None) -> TowerPass:
