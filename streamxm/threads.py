@@ -4,9 +4,10 @@ A learner, a rank, the indexer and the API each run numpy's BLAS (OpenBLAS or MK
 SAM, PyTorch. Left alone, each library starts a pool of one thread per core in every process,
 and several processes on one machine (the way the service is deployed: workers, indexer and API
 side by side) then fight for the cores: PyTorch's pool in particular collapses when a core is
-taken (a SAM learner beside one busy process took three times as long, beside another learner
-fifty). So each process sizes every pool from one setting, applied at start-up before the
-libraries spin their pools up, and the same in child processes (through the environment).
+taken (a SAM learner beside one busy process takes several times as long, beside another
+learner many times longer still). So each process sizes every pool from one setting, applied at
+start-up before the libraries spin their pools up, and the same in child processes (through the
+environment).
 
 The default, 1, is the measured choice for processes that share a machine; a lone learner on a
 machine of its own may set it to its cores.

@@ -57,10 +57,10 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
 
     - inputs L2-normalised (``power=1``; ``0.5`` is the Hellinger map) before the moments;
     - ridge ``r = ridge * trace(C) / d`` on each modality's covariance (``ridge=0.3``): the
-      unregularised solution over-fits the 128-d visual words (0.261 image->text vs 0.275);
+      unregularised solution over-fits the 128-d visual words and ranks images to texts worse;
     - each canonical coordinate is scaled by its correlation before the cosine
-      (``scale_by_correlation``), so weakly correlated directions count less (0.275 vs 0.249
-      image->text).
+      (``scale_by_correlation``), so weakly correlated directions count less; unscaled, every
+      direction counts alike and image->text ranks clearly worse.
 
     Several ranks (``streamxm worker --world-size N``) **sum** their moments after each round:
     the statistics are sums over pairs, so the merged ones are exactly one learner's on the same

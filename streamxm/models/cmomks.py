@@ -238,9 +238,9 @@ class CMOMKS(CrossModalModel, name="cmomks"):
       buffer, its class-balanced memory included, and ``rehearse`` more triplets per pair take
       a remembered pair as the query (as CMOS's ``replay``), so the exact support is not all of
       the arriving class. The landmark pool is still the stream's first pairs: in class order
-      it holds the first classes only, which is what keeps CMOMKS at about 87% / 84% of its
-      file-order figure there (77% / 72% without the memory; ``docs/benchmarks.md``, "Stream
-      order").
+      it holds the first classes only, which is what keeps CMOMKS further below its
+      file-order figure there than the other online models, though well above where it stays
+      without the memory (``docs/benchmarks.md``, "Stream order").
     - **Embeddings**: an image becomes, per kernel pair, ``theta_j / sum(theta)`` times
       ``[A_j^T k~_P(v), tau_jk <phi_j(v), a_k>]`` and a text ``[k~_P(t), <b_k, psi_j(t)>]``
       (``len(kernels) * (landmarks + budget)`` numbers), so ``f`` is their inner product and the

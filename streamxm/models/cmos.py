@@ -58,11 +58,10 @@ class CMOS(CrossModalModel, name="cmos"):
       (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`), the triplets' candidates come from
       the ring and the memory together, and each pair adds ``replay`` triplets whose query is a
       remembered pair (uniform over the memory), drawn and solved like the others. Outside a
-      burst CMOS learns exactly by the paper's rule: on Wikipedia in file order the figure is
-      the paper rule's to the bit (0.2809 / 0.2150); streamed one class at a time it keeps
-      99.9% / 96.2% of it (seed 0; 99.9% / 96.3% over seeds 0-2; 94.6% / 90.2% for the paper's
-      rule; ``docs/benchmarks.md``, "Stream order"). ``buffer_memory = 0`` gives the paper's
-      rule in bursts too.
+      burst CMOS learns exactly by the paper's rule, so in file order its figure is the paper
+      rule's to the bit; streamed one class at a time it keeps nearly all of its file-order
+      figure, where the paper's rule loses clearly more (``docs/benchmarks.md``, "Stream
+      order"). ``buffer_memory = 0`` gives the paper's rule in bursts too.
     - A triplet whose ``||V||_F^2`` is 0 (identical positive and negative) is counted but never
       updates ``W``: PA's step is undefined there.
     - ``W`` is float32 by default (``dtype``): the two products per triplet are memory-bound, and
@@ -75,8 +74,8 @@ class CMOS(CrossModalModel, name="cmos"):
       summed (exact). PA updates are additive corrections: one learner would apply all of them
       (their sum), but corrections learned from one start on disjoint data of the same classes
       repeat each other in part (their mean is the other extreme, iterative parameter mixing's
-      average). On Wikipedia over seeds 0-3, two ranks' mean mAP was 1.6% below one rank's with
-      the mean, 2.2% below with the sum (seed 0), and 0.7% below with the scaled sum
+      average). The scaled sum lies between the two, and on the Wikipedia features it kept two
+      ranks' mAP closest to one rank's, closer than the mean or the sum
       (``docs/benchmarks.md``). The mix costs one all-reduce of ``W`` per round (16 MB at
       4096 x 1000, float32).
 

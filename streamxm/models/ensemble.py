@@ -12,14 +12,15 @@ Per-query standardisation makes members with different score scales (a bilinear 
 a class-probability product) commensurable, and drops what is constant per query, which never
 affects a ranking. In ``streamxm bench quality`` the reference is the test gallery that is ranked
 (exactly the z-score of each member's row of scores); the API uses an evenly strided sample of at
-most :data:`REFERENCE_ITEMS` items of the served gallery (a sample of 256 moves Wikipedia's
-fused mAP by less than 0.001, docs/benchmarks.md). A member whose reference scores are all equal
+most :data:`REFERENCE_ITEMS` items of the served gallery (a sample of that size leaves the
+fused mAP on the Wikipedia features practically where the whole gallery puts it,
+``docs/benchmarks.md``). A member whose reference scores are all equal
 contributes its unscaled deviations (std taken as 1).
 
 Weights: equal unless written in the name (``ensemble:sdsrl*2+sam``). They are not learned
-from the members' rolling mAP: on the Wikipedia stream the members' rolling figures differ by a
-few hundredths and move more than that within a pass, so weights following them would be equal
-weights plus noise; a user who knows better writes them.
+from the members' rolling mAP: on the Wikipedia stream the members' rolling figures differ by
+less than each of them moves within a pass, so weights following them would be equal weights
+plus noise; a user who knows better writes them.
 
 The score depends on which side is the query, so an ensemble's similarity has a direction:
 ``i2t`` (the image is the query, the default) or ``t2i``.

@@ -222,7 +222,7 @@ def unit_features(fmap: FeatureMap | None, x: NDArray[np.floating]) -> F32:
     them; a zero row stays zero)."""
     rows = np.atleast_2d(np.asarray(x, dtype=np.float32))
     norms = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))[:, None]
-    # Divided in float32, as a float32 row by its norm always was here.
+    # Divided in float32, as every float32 row is divided by its norm here (the same bits).
     unit: F32 = np.divide(rows, np.where(norms > 0, norms, 1.0).astype(np.float32))
     return unit if fmap is None else fmap(unit)
 

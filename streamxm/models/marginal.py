@@ -44,25 +44,25 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
       counted. A multi-label pair's target is uniform over its labels.
     - **Features**: ``power=0.5`` (the Hellinger map, ``sqrt`` of the histograms) then L2
       normalisation, plus a constant 1 for the bias; on the Wikipedia features the Hellinger map
-      beats plain L2 normalisation (0.319 vs 0.304 image->text offline, 0.312 vs 0.305 in one
-      pass).
+      beats plain L2 normalisation for image->text, offline and in one pass.
     - **Optimiser**: one AdaGrad step per arriving labelled pair on each softmax model's mean
       cross-entropy over a mini-batch of that pair and ``replay`` labelled pairs drawn uniformly
       from the replay buffer, plus ``lam / 2 ||W||^2`` (the bias row included); AdaGrad as in
       :class:`~streamxm.models.pairwise.PairwiseLogistic`. Replay lets one pass over a stream
       do the work of several epochs (each pair is revisited about ``replay`` times while it is
       buffered) without any pair arriving twice. Defaults (``replay = 64``, ``lr = 0.1``,
-      ``lam = 1e-4``) from the sweep in ``docs/benchmarks.md``: one pass reaches 0.312
-      image->text where replay 4 reaches 0.297 and no replay 0.272.
+      ``lam = 1e-4``) from the sweep in ``docs/benchmarks.md``: in one pass image->text rises
+      with the replay, from none through 4 to 64.
     - **Bursts**: the model asks its learner for a class-balanced memory of the whole history
-      twice the size of the ring (``memory_share = 2``: 1,000 slots beside 500; with 500, class
-      order kept 99.2% / 95.7%, with 1,000 99.6% / 100.3%). While the buffer says the stream is in
-      a burst of few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the ring
+      twice the size of the ring (``memory_share = 2``: 1,000 slots beside 500; in class order a
+      memory of 1,000 keeps more of the file-order figure than one of 500, text->image most of
+      all, ``docs/benchmarks.md``). While the buffer says the stream is in a burst of few
+      classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the ring
       holds the class arriving now, so the replayed pairs are drawn from the ring and the
       memory together with each class as likely as its share of the whole stream
       (:meth:`~streamxm.buffer.replay.ReplayBuffer.stream_mix`): replaying the ring would
-      deepen the bias towards the arriving class, and the memory's even mix of classes costs
-      text->image a few percent against the stream's own mix. Outside a burst the replays come
+      deepen the bias towards the arriving class, and the memory's even mix of classes scores
+      text->image lower than the stream's own mix. Outside a burst the replays come
       from the ring, exactly as without a memory.
     - Learning curves: each labelled pair counts one "triplet" per direction in the metrics, a
       mistake when the model's most probable class is not among the pair's labels (before the

@@ -140,7 +140,7 @@ def ridge_whitener(cov: NDArray[np.float64], ridge: float,
     """
     chol = ridge_cholesky(cov, ridge, overwrite=overwrite)
     # The triangular inverse (LAPACK trtri): an eighth of the work of a general solve against
-    # the identity (0.5 s against 4 s at d = 4096, one core), the same matrix to rounding.
+    # the identity, the same matrix to rounding.
     inverse, info = lapack.dtrtri(chol, lower=1)
     if info:
         raise np.linalg.LinAlgError(f"singular Cholesky factor (trtri info {info})")
@@ -155,7 +155,7 @@ class RunningMoments:
     never need it. Rows added one at a time wait in a block of up to :attr:`BLOCK` and are
     folded into the sums by one matrix product when it is full or when anything reads the
     moments: a rank-one update of a 4096 x 4096 sum per pair streams 134 MB through memory, a
-    block of 64 does that once (30 times less per pair). The fold adds into the sums in place
+    block of 64 does that once for 64 pairs. The fold adds into the sums in place
     (BLAS ``syrk`` and ``gemm`` with ``beta = 1``), so no ``d x d`` temporary is allocated; the
     symmetric sums keep their **lower triangle** only (Fortran order, the other triangle unset),
     half the work of a full product. The pending rows are part of :meth:`state`, so a restored

@@ -72,8 +72,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       whitener of its running covariance (:func:`~streamxm.models.moments.ridge_whitener`,
       ``ridge=3`` relative to the mean eigenvalue), then a constant 1 is appended, so ``W`` also
       holds the linear and bias terms of the cross-product expansion. Whitening is what lets the
-      logistic model reach the paper's figure on the Wikipedia features (one pass: 0.277
-      image->text, 0.236 with ``whiten=False``; ``docs/benchmarks.md``). The whitener is
+      logistic model reach the paper's figure on the Wikipedia features in one pass; without it
+      (``whiten=False``) image->text stays well below (``docs/benchmarks.md``). The whitener is
       refreshed on a doubling schedule (after 64, 128, ... pairs, then every ``whiten_every``);
       ``W`` stays in whitened coordinates, so the served similarity shifts a little at a
       refresh, less and less as the statistics settle.
@@ -81,8 +81,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       (the mini-batch) plus ``lam / 2 ||W||^2``: ``G += g^2``, ``W -= lr g / (sqrt(G) + 1e-8)``.
       AdaGrad's per-coordinate ``1 / sqrt(t)`` decay needs no schedule tuned to the stream
       length, which a stream does not have. The positive's loss is weighted by ``pos_weight``
-      (10: one positive against S = 10 formed pairs; with weight 1 one pass reaches 0.211
-      image->text instead of 0.277, five passes 0.265 instead of 0.274). Defaults ``lr = 0.01``,
+      (10: one positive against S = 10 formed pairs, so positives and formed pairs weigh the
+      same; with weight 1 the model learns much more slowly: after one pass it is well below
+      weight 10's figure, after five still a little below). Defaults ``lr = 0.01``,
       ``lam = 0.02`` come from the sweep in ``docs/benchmarks.md``; they serve both variants.
     - **Bursts**: each arriving pair is the only positive of its step, so on a stream that
       arrives one topic at a time every positive is of the arriving class, and the others fade.
@@ -91,10 +92,10 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       a burst of few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the
       partners come from the ring and the memory together, and ``rehearse`` more steps per
       pair (8) take a stored pair, drawn uniformly from both, as the positive; they are not
-      counted in the metrics. On Wikipedia in class order (seed 0) the logistic variant keeps
-      93.3% / 97.1% of its file-order figure (81% / 83% without), the bipartite one 97.8% /
-      99.4% (96.5% / 95%; ``docs/benchmarks.md``, "Stream order"), at the cost of nine steps
-      instead of one per pair during a burst. Outside a burst nothing changes.
+      counted in the metrics. Streamed one class at a time, both variants keep more of their
+      file-order figure with the rehearsal than without it, the logistic one by far the more
+      (``docs/benchmarks.md``, "Stream order"), at the cost of nine steps instead of one per
+      pair during a burst. Outside a burst nothing changes.
     - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64,
       folded in blocks of rows (:class:`~streamxm.models.moments.RunningMoments`). Each stored
       pair is whitened once per whitener and cached per buffer slot

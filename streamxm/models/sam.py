@@ -86,7 +86,7 @@ def batch_loss(s: Tensor, margins: Tensor, negatives: Tensor) -> tuple[Tensor, T
     ``negatives[a, n]`` whether ``n`` is a negative of ``a``. Returns the hinge terms of the
     image anchors (against texts) and of the text anchors (against images), each (b, b), zero
     off the negatives; the loss is their sum divided by the batch size (the mean over anchors
-    of the per-anchor sum, PAPER-NOTES: the plain sum diverges at the paper's learning rate).
+    of the per-anchor sum: the plain sum diverges at the paper's learning rate).
     """
     pos = torch.diagonal(s)[:, None]
     mask = negatives.to(s.dtype)
@@ -212,19 +212,20 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     ``docs/benchmarks.md``): **dropout 0.3** instead of 0.1 (at 0.1 the towers overfit the 2,173
     training pairs: test text->image mAP is lower after 100 epochs than after 10) and **images
     Hellinger-mapped and L2-normalised** (``power_img=0.5``) before standardisation. The
-    paper's setting, ``dropout=0.1, power_img=None``, scores 0.273 / 0.213 (image->text /
-    text->image) against 0.285 / 0.231 for the defaults.
+    paper's setting, ``dropout=0.1, power_img=None``, scores lower than the defaults in both
+    directions.
 
     Where the paper is silent (each a parameter, tested):
 
     - **Loss scale**: the per-anchor sums averaged over the batch's anchors
-      (:func:`batch_loss`); the plain sum diverges at lr 5e-3 (PAPER-NOTES).
+      (:func:`batch_loss`); the plain sum of a mini-batch's hinge terms, whose steps are
+      ``batch_size`` times the mean's, diverges or collapses at lr 5e-3.
     - **Decay**: Keras's ``decay`` (the paper's framework): ``lr_t = lr / (1 + decay * step)``.
     - **Inputs**: optionally power-mapped and L2-normalised per row (``power_img``,
       ``power_txt``; ``None`` leaves the vector as sent), then each feature standardised by the
       running mean and variance of the pairs seen
       (:class:`~streamxm.models.moments.FeatureScaler`; offline: of the training set), which
-      beat L2 normalisation alone and raw histograms (PAPER-NOTES).
+      beat L2 normalisation alone and raw histograms on the Wikipedia features.
     - **f_ms**: Euclidean distances between the raw input vectors (the "original space"; raw so
       the normaliser does not move with the standardisation), each modality divided by the
       largest distance seen (offline: over the training set, from up to 4,096 sampled rows;
@@ -251,9 +252,10 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       with every class equally likely (:meth:`~streamxm.buffer.replay.ReplayBuffer.
       balanced_mix`) instead of uniformly. One pass over a reservoir draws a pair less the later
       it arrives, so in class order the last classes are learned least; a class-balanced fill
-      gives the arriving class its share from the start of its burst. Wikipedia in class order,
-      seeds 0-5: 0.2731 / 0.2192 against 0.2664 / 0.2173 uniform (``docs/benchmarks.md``). A
-      well-mixed stream is never in a burst and is learned exactly as before.
+      gives the arriving class its share from the start of its burst. On Wikipedia in class
+      order the balanced fill scores higher than the uniform one in both directions
+      (``docs/benchmarks.md``). A well-mixed stream is never in a burst and is learned exactly
+      as with ``balance=False``.
     - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
       each time, the same step as the stream.
     - **Weights**: Glorot-uniform, zero biases, drawn when learning starts from a seed taken
@@ -265,11 +267,10 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       (:func:`score_gradient`, :meth:`~streamxm.models.sam_tower.Tower.set_gradients`), equal
       to autograd's over the same forward pass up to rounding; on the CPU the Nesterov step is
       one compiled pass over each parameter (:func:`~streamxm.models.optim.nesterov_step`);
-      inputs are prepared in float32 (:meth:`_prepare`). This learns the same model by the
-      same rule faster; its dropout draws and rounding differ from the earlier autograd pass
-      with ``torch.rand`` masks, so a given seed's Wikipedia figure differs from that code's
-      by about one seed-to-seed spread, and the mean over five seeds is not lower
-      (``docs/benchmarks.md``, stream order).
+      inputs are prepared in float32 (:meth:`_prepare`). This learns by the same rule as
+      autograd with ``torch.rand`` dropout masks, faster; the dropout draws and the rounding
+      differ, so a given seed's figures differ from such a pass's by about the spread between
+      seeds, and the mean over seeds is not lower.
     - **Metrics**: each step scores the triplets whose anchor is a newly arrived pair with the
       training forward pass before the update: a mistake is ``s(a, p) - s(a, n) <= 0``, the loss
       the hinge with the step's margin, ``updates`` the triplets with a positive hinge. Offline,
@@ -286,9 +287,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       maximum, class centroids the mean of the ranks that hold one (classes numbered in
       stream order on every rank first). The reservoir stays per rank. Until the first step
       rank 0 learns alone. Rounds are at most 64 pairs a rank (``merge_every``): on Wikipedia,
-      two ranks' mean mAP against one rank's was -2.0% and -3.8% at seed 0 with rounds of 256
-      pairs a rank, -1.0% (seed 0) and +5.3% (seed 1) with rounds of 64; at 4096/1000 a round
-      of 64 pairs is ~2.8 s of learning against a ~0.3 s merge.
+      rounds of 256 pairs a rank left two ranks' mAP below one rank's in both directions,
+      rounds of 64 within the spread between seeds; at 4096/1000 a round of 64 pairs still
+      takes several times longer to learn than to merge.
 
     Parameters
     ----------

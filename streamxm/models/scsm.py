@@ -61,15 +61,16 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
       two sweeps of ``Y``). Raising ``lam`` only lowers Eq. 14, so the objective decreases over
       the whole run (docs: the curve), except where the empty-group guard refills a group.
     - **Y update**: derived from the full Eq. 14 with the Laplacian's degree terms (the literal
-      Eq. 21-22 moves pairs toward the group they match worst, PAPER-NOTES); each column takes
+      Eq. 21-22, the argmin with ``+alpha`` on the cross terms, moves pairs toward the group
+      they match worst; with the degree terms the objective decreases); each column takes
       the exact argmin over the ``c`` groups. A group left empty takes the worst-fitting pair of
       a larger group (otherwise its column of ``U`` regresses to zero and it never recovers).
     - **Inputs**: images ``power_img = 0.5`` (Hellinger) then L2-normalised, texts L2-normalised;
       a constant feature appended to both (an intercept).
     - **Retrieval**: cosine of the projections after subtracting their mean over the working set
       (``center=True``): uncentred, every projection leans towards the mean group profile and
-      cosines mostly measure that (0.248 vs 0.271 image->text offline, the sweep of
-      ``scripts/scsm_analysis.py`` in ``docs/benchmarks.md``).
+      cosines mostly measure that (centred, image->text ranks clearly better offline: the
+      sweep of ``scripts/scsm_analysis.py`` in ``docs/benchmarks.md``).
     - Metrics: one triplet per arriving pair (its own partner against a buffered pair) scored
       before learning (:func:`~streamxm.models.base.observe_triplet`) once the model serves.
     - **Several ranks** (``streamxm worker --world-size N``): rank 0 learns alone and the others

@@ -70,11 +70,10 @@ def server_options(settings: Settings) -> dict[str, Any]:
 def freeze_startup_objects() -> None:
     """Leave the objects made at import time out of every later garbage collection.
 
-    PyTorch, FastAPI and pydantic leave ~270,000 long-lived objects after import, and each
-    full collection walked all of them (~140 ms): in ``bench query`` at 100,000 items those
-    pauses were the p99 (234 ms against a p50 of 71 ms; 109 ms frozen). Frozen, a full
-    collection only walks what the server made since; call it once the app is imported,
-    before serving.
+    PyTorch, FastAPI and pydantic leave hundreds of thousands of long-lived objects after
+    import, and each full collection walks all of them: in ``bench query`` at 100,000 items
+    those pauses set the p99 latency, far above the median. Frozen, a full collection only
+    walks what the server made since; call it once the app is imported, before serving.
     """
     gc.collect()
     gc.freeze()

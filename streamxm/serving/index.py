@@ -19,10 +19,10 @@ exact score, and the server re-ranks the candidates with the served version and 
 top ``k`` complete against that bound (or scans the float32 rows when it cannot).
 
 FAISS (``faiss-cpu``) was measured for this role and not chosen: its flat inner-product search
-took 0.54 s for 32 queries over 1,000,000 x 128 rows on one thread where the float32 path here
-took 0.16 s (2.15 s against 0.45 s at 512 dimensions), and its 8-bit scalar quantiser scans one
-query at a time (0.88 s for 32 at 512). Keeping the interface this small leaves room for a vector
-database backend later.
+and its 8-bit scalar quantiser scan each query on its own, so over a million rows on one thread
+both are slower than the batched float32 path here, the flat search several times so, at 128
+and at 512 dimensions (``streamxm bench scan`` includes FAISS when it is importable). Keeping the
+interface this small leaves room for a vector database backend later.
 
 :class:`QueryCoalescer` gathers the queries that arrive while a product runs and answers them
 with the next one: under load the product's cost is shared by a batch of queries (one pass over
@@ -97,7 +97,7 @@ class Bf16Block:
 
     Why padded: PyTorch's bfloat16 matrix product (oneDNN) keeps state for every distinct
     operand shape it meets, and never frees it; a gallery whose blocks take every size as
-    rows arrive grew the API by ~20 MB a minute (``bench soak``). With row counts drawn from
+    rows arrive grew the API's memory steadily (``bench soak``). With row counts drawn from
     a few size classes and query batches padded to a multiple of 8, the shapes, and that
     memory, stay bounded. The padding rows score 0 and are cut before the top k.
     """
@@ -256,8 +256,8 @@ def top_k_bounded(queries: NDArray[np.float32], blocks: Sequence[Block], k: int,
     the ceiling. A caller that re-ranks the returned rows exactly has the exact top ``j`` when
     its ``j``-th best exact score is above the ceiling.
 
-    Why per chunk: a top-k selection costs more the larger ``k`` (``torch.topk`` of 400 takes
-    2.4 times as long as of 100 per chunk here), but a completeness proof needs only a low
+    Why per chunk: a top-k selection costs more the larger ``k`` (``torch.topk`` of 400 per
+    chunk takes much longer than of 100), but a completeness proof needs only a low
     ceiling, not the exact top ``k`` of the scan. 100 rows from each of 16 chunks leave out no
     row scoring above roughly the union's 1,600th, at the selection cost of 100.
 
@@ -312,7 +312,7 @@ def _top_k_float32(queries: NDArray[np.float32], part: NDArray[np.float32], k: i
 def _padded_batch(m: int) -> int:
     """Query rows of a reduced-precision product: ``m`` rounded up to a multiple of 8, which
     bounds oneDNN's set of shapes (see :class:`Bf16Block`) and wastes less of a compute-bound
-    product than the power of two it was (17 queries cost 24 rows, not 32)."""
+    product than rounding up to a power of two would (17 queries cost 24 rows, not 32)."""
     return -(-m // 8) * 8
 
 
@@ -405,7 +405,8 @@ def _select_chunk(scores: Any, rows: int, k: int
     A full chunk is selected in two steps: the maximum of each group of ``_GROUP`` rows, the
     best ``k + 1`` groups by it, then the best ``k`` rows of those groups. A row in a group
     left out scored at most the best left-out group's maximum, so the cut stays a bound;
-    ``torch.topk`` over all 65,536 scores per query was 15% of the API's CPU at 1M (perf).
+    ``torch.topk`` over all 65,536 scores per query was a large share of the API's CPU at
+    1,000,000 rows (perf).
     """
     m = len(scores)
     if rows < _BLOCK or (k + 1) * _GROUP * 4 > _BLOCK:

@@ -64,19 +64,19 @@ class Catalogue(Protocol):
 #: A reduced-precision (int8 or bfloat16) scan of a fixed space proposes at least one candidate
 #: per this many gallery rows (400 at 1,000,000). The rows whose scores the error bound cannot
 #: tell from the k-th best lie in a band of fixed width, so their number grows with the
-#: gallery; with 100 candidates at 1M, 15% of searches in ``bench query`` could not be proven
-#: complete and paid a float32 pass (0.15-0.27 s at 512 dimensions). With chunks offering half
-#: the re-ranked count and the grouped selection of
+#: gallery; with 100 candidates at 1M, a sizeable share of the searches in ``bench query``
+#: could not be proven complete and paid a float32 pass, far slower than the scan. With chunks
+#: offering half the re-ranked count and the grouped selection of
 #: :func:`~streamxm.serving.index.top_k_bounded`, 400 cost no more per bfloat16 pass than a
-#: plain top 100 did.
+#: plain top 100.
 _ROWS_PER_PROOF_CANDIDATE = 2_500
 
 
 def proof_candidates(gallery_rows: int, wanted: int, int8: bool = False) -> int:
     """Candidates a reduced-precision scan of a fixed space proposes for ``wanted`` re-ranked
-    ones; at least twice ``wanted`` from an int8 scan, whose error bound is ~1.6 times as wide
-    as bfloat16's (at 100k, ``bench query`` with 100 int8 candidates sent 3,125 of 11,330
-    searches to the float32 pass, with 200 none).
+    ones; at least twice ``wanted`` from an int8 scan, whose error bound is wider than
+    bfloat16's (at 100,000 rows, ``bench query`` with 100 int8 candidates sent a large share of
+    the searches to the float32 pass, with 200 none).
 
     >>> proof_candidates(100_000, 100), proof_candidates(1_000_000, 100), proof_candidates(50, 100)
     (100, 400, 50)
@@ -194,8 +194,8 @@ class Searcher:
         """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
         of the candidates) run on the loop, the scan is awaited from the coalescing thread,
         and heavy work (loading a pinned version, building a missing index) goes to ``offload``.
-        Under load this saves two thread hand-offs per search (2.4 ms of API CPU a search
-        where it was 3.0, docs/benchmarks.md)."""
+        Under load this saves two thread hand-offs per search, a measurable part of the API's
+        CPU per search (``docs/benchmarks.md``)."""
         steps = self._steps(name, modality, vector, k, target, version)
         try:
             step = next(steps)
@@ -289,8 +289,8 @@ class Searcher:
                 # holds at most CHUNK_MAX rows) and the best ``scanned`` of their union are
                 # re-ranked: the ceiling of a larger top at a smaller selection's cost. At 1M:
                 # 50 of each 65,536, the union's 800 hold the best 400. A gallery of a few
-                # chunks gets a plain top ``scanned`` (each chunk's share is most of it; 50
-                # per chunk left 747 of 14,383 searches unproven at 100k).
+                # chunks gets a plain top ``scanned`` (each chunk's share is most of it; at
+                # 100k, 50 per chunk left a share of the searches unproven).
                 per_chunk = max(1, wanted // 2,
                                 -(-2 * scanned * CHUNK_MAX // len(gallery)))
         _, rows, ceiling = yield _Scan(blocks, query, scanned, per_chunk)

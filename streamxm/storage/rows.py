@@ -60,8 +60,8 @@ class GalleryRows:
 
 
 def _unit_rows(x: NDArray[np.float32]) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
-    # Norms accumulated in float64, rows scaled in float32: no float64 copy of the rows (11x
-    # faster at 4096-d, where the copy made this the largest cost of reading the stream).
+    # Norms accumulated in float64, rows scaled in float32: no float64 copy of the rows (at
+    # 4096-d such a copy makes this the largest cost of reading the stream).
     norms = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))
     safe = np.where(norms > 0, norms, 1.0)
     with np.errstate(over="ignore", invalid="ignore"):  # the tiny rows, redone just below

@@ -29,14 +29,15 @@ __all__ = ["hostile"]
 
 # -- hostile bodies ---------------------------------------------------------------------------
 def _junk_body(mib: float) -> bytes:
-    """The body issue 17 reported: one image "vector" of strings, ``mib`` MiB long."""
+    """A junk body: one image "vector" of strings, ``mib`` MiB long."""
     n = max(1, int(mib * (1 << 20)) // 4)
     return b'{"images":[[' + b",".join([b'"a"'] * n) + b']],"texts":[[1]]}'
 
 
 def _labels_bomb(mib: float) -> bytes:
     """One message v1 frame of a valid pair whose ``labels`` field is ``1,1,1,...`` (``mib``
-    MiB): it used to be split into ints before the 64-label limit applied."""
+    MiB): the API must refuse it by the field's byte limit, which follows from the 64-label
+    limit, without first splitting it into ints."""
     fields = encode_pair(make_pair("bomb", [0.5] * 64, [0.5] * 32))
     fields[b"labels"] = b",".join([b"1"] * max(1, int(mib * (1 << 20)) // 2))
     return encode_frame(fields)

@@ -78,7 +78,8 @@ async def run_clients(url: str, bodies: list[bytes], clients: int, seconds: floa
 
     Written on raw asyncio streams with the requests encoded once, like ``wrk``: the load
     generator shares the machine's two cores with the API and the worker, and an HTTP client
-    library's per-request cost (httpx: ~3 ms of CPU) would take them from the server measured.
+    library's per-request CPU cost (httpx's is of the order of the API's own per search) would
+    take them from the server measured.
     """
     host, port = host_port(url)
     requests = [raw_request(url, "/v1/search", "application/json", body) for body in bodies]

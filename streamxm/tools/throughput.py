@@ -188,7 +188,7 @@ def throughput(
     between them).
 
     For CMOS the default is ``triplets_per_pair=2`` (one triplet per direction, so the limit is
-    the two matrix-vector products per pair of the issue) and, in file order, ``replay=0`` (a
+    two matrix-vector products per pair) and, in file order, ``replay=0`` (a
     replayed query would be a third; CMOS replays only in bursts anyway); pass ``params`` to
     change them. The buffer is the model's default: its
     memory of the whole history is drawn from during bursts of few classes only, and the
