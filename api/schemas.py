@@ -231,7 +231,7 @@ class SearchIn(_Strict):
     modality: Literal["image", "text"] = Field(description="modality of the query vector")
     target: Literal["image", "text"] | None = Field(
         default=None, description="modality of the results; default the other one. The same "
-        "modality as the query needs a model with a shared space (sdsrl, scsm, cca, "
+        "modality as the query needs a model with a shared space (sam, sdsrl, scsm, cca, "
         "pairwise:marginal)")
     vector: Vector
     k: StrictInt = Field(default=10, ge=1, le=MAX_K_CEILING)

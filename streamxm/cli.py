@@ -592,7 +592,7 @@ def _bench_service_commands(
     ho.add_argument("--labels-mib", type=float, default=11.5, help="size of the labels bomb: "
                     "one frame whose labels field is this many MiB, to /v1/pairs/frames")
     sc = bench_sub.add_parser("scan", help="the search candidate scan's backends side by side "
-                              "(float32, bfloat16, FAISS when installed), one thread")
+                              "(float32, bfloat16, int8, FAISS when installed), one thread")
     sc.add_argument("--rows", type=int, default=1_000_000)
     sc.add_argument("--dims", default="128,512", help="two dimensions, comma-separated")
     sc.add_argument("--queries", type=int, default=32)

@@ -1,7 +1,7 @@
 """Settings, read from ``STREAMXM_*`` environment variables or a ``.env`` file.
 
-Every setting is documented in the README; the names there are the field names upper-cased with
-the ``STREAMXM_`` prefix (``redis_url`` -> ``STREAMXM_REDIS_URL``).
+Every setting is documented in ``docs/settings.md``; the names there are the field names
+upper-cased with the ``STREAMXM_`` prefix (``redis_url`` -> ``STREAMXM_REDIS_URL``).
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 class DriftMonitor:
     """Counts the changes ADWIN finds in a model's mistake rate.
 
-    The counts and the stream positions of the last ``keep`` detections go into checkpoints;
-    ADWIN's window does not (it is river's object, and checkpoints hold no pickles), so a
-    restored learner starts a fresh window and needs a few hundred triplets before it can
-    detect again.
+    The counts, the stream positions of the last ``keep`` detections and the last ``warm_up``
+    values fed go into checkpoints; ADWIN's window does not (it is river's object, and
+    checkpoints hold no pickles), so a restored learner warms a fresh window up from those
+    values.
 
     Parameters
     ----------
