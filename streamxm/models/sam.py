@@ -253,9 +253,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       balanced_mix`) instead of uniformly. One pass over a reservoir draws a pair less the later
       it arrives, so in class order the last classes are learned least; a class-balanced fill
       gives the arriving class its share from the start of its burst. On Wikipedia in class
-      order the balanced fill scores higher than the uniform one in both directions
-      (``docs/benchmarks.md``). A well-mixed stream is never in a burst and is learned exactly
-      as with ``balance=False``.
+      order the balanced fill scores higher than the uniform one image->text and the same
+      text->image (``docs/benchmarks.md``). A well-mixed stream is never in a burst and is
+      learned exactly as with ``balance=False``.
     - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
       each time, the same step as the stream.
     - **Weights**: Glorot-uniform, zero biases, drawn when learning starts from a seed taken
