@@ -189,6 +189,23 @@ def test_streamed_cca_equals_the_batch_fit_and_its_directions_are_canonical() ->
     assert np.all(np.diff(batch.correlations) <= 0) and batch.correlations[0] > 0.5
 
 
+@pytest.mark.parametrize("restart", [True, False])
+def test_steps_before_the_first_whitener_do_not_survive_it_with_restart(restart: bool) -> None:
+    """With ``restart`` the first whitener starts ``W`` again: whatever it held before (here
+    noise added to one learner's) is gone after the refresh; without, it stays."""
+    pairs = class_stream(40, 6, 4, seed=3)
+    params = {"whiten_first": 16, "restart": restart}
+    a, b = (StreamLearner("pairwise", 6, 4, params, seed=2, eval_every=10**9) for _ in "ab")
+    a.learn(pairs[:15])
+    b.learn(pairs[:15])
+    noise = np.random.default_rng(0).normal(size=b.model.W.shape).astype(np.float32)
+    b.model.W += noise
+    b.model.G += noise**2
+    a.learn(pairs[15:])
+    b.learn(pairs[15:])
+    assert np.array_equal(a.model.W, b.model.W) == restart
+
+
 # -- state, worker, quality ------------------------------------------------------------------
 @pytest.mark.parametrize("name", VARIANTS)
 def test_state_round_trip_continues_identically(name: str) -> None:

@@ -77,6 +77,14 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       refreshed on a doubling schedule (after 64, 128, ... pairs, then every ``whiten_every``);
       ``W`` stays in whitened coordinates, so the served similarity shifts a little at a
       refresh, less and less as the statistics settle.
+    - **Restart at the first whitener** (``restart``): the steps before it (the first
+      ``whiten_first`` pairs) were taken on unwhitened rows, which the whitened ``W`` would
+      read as noise. At the first refresh ``W`` and the AdaGrad sums start again from zero and
+      take one step with each stored pair as the positive (as the rehearsal below), then the
+      arriving pair's, so the first pairs are learned in the coordinates every later step uses.
+      On a stream that arrives one topic at a time they are the first topic's only pairs
+      outside the memory. ``restart=False`` keeps the steps as they were (``docs/benchmarks.md``,
+      "Stream order").
     - **Optimiser.** One AdaGrad step per arriving pair on the mean loss of its ``1 + S`` examples
       (the mini-batch) plus ``lam / 2 ||W||^2``: ``G += g^2``, ``W -= lr g / (sqrt(G) + 1e-8)``.
       AdaGrad's per-coordinate ``1 / sqrt(t)`` decay needs no schedule tuned to the stream
@@ -128,6 +136,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         Whitener refresh schedule (pairs).
     rehearse
         Extra steps per pair during a burst, each with a stored pair as the positive.
+    restart
+        Restart ``W`` at the first whitener and learn the stored pairs again.
 
     Examples
     --------
@@ -145,7 +155,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     """
 
     memory_share = 1.0
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0}  # came later, off
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0, "restart": False}  # came later
 
     def __init__(
         self, img_dim: int, txt_dim: int,
@@ -159,6 +169,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         power: float = 1.0,
         whiten_first: int = 64, whiten_every: int = 1024,
         rehearse: int = 8,
+        restart: bool = True,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant not in ("logistic", "bipartite"):
@@ -176,6 +187,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         self.power = float(power)
         self.whiten_first, self.whiten_every = whiten_first, whiten_every
         self.rehearse = int(rehearse)
+        self.restart = bool(restart)
         self.schedule = ResolveSchedule(whiten_first, whiten_every)
         self.moments = RunningMoments(img_dim, txt_dim, cross=False)
         self.W = np.zeros((img_dim + 1, txt_dim + 1), dtype=np.float32)
@@ -229,6 +241,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         if self.schedule.due(self.moments.n):
             self._refresh_whitener()
         drawable = buffer.drawable()
+        if self.restart and self.moments.n == self.whiten_first:
+            self._restart(slot, drawable, buffer, rng)
         if drawable <= len(buffer.others(slot, drawable)):
             return
         others = self.draw_partners(buffer.others(slot, drawable), drawable, rng)
@@ -239,6 +253,17 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         if self.rehearse and drawable > buffer.recent:  # a burst: rehearse the whole history
             for q in rng.integers(drawable, size=self.rehearse):
                 self.learn_stored(int(q), drawable, buffer, rng)
+
+    def _restart(self, slot: int, drawable: int, buffer: ReplayBuffer,
+                 rng: np.random.Generator) -> None:
+        """``W`` and the AdaGrad sums from zero, then one step for each stored pair but the
+        arriving one (at ``slot``), in slot order."""
+        self.W[:] = 0.0
+        self.G[:] = 0.0
+        if drawable > 2:  # partners besides the positive and the arriving pair
+            for q in range(drawable):
+                if q != slot:
+                    self.learn_stored(q, drawable, buffer, rng)
 
     def learn_stored(self, q: int, drawable: int, buffer: ReplayBuffer,
                      rng: np.random.Generator) -> None:
