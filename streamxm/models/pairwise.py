@@ -99,11 +99,13 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
       ring (``memory_share = 1``: 500 slots beside 500). While the buffer says the stream is in
       a burst of few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the
       partners come from the ring and the memory together, and ``rehearse`` more steps per
-      pair (8) take a stored pair, drawn uniformly from both, as the positive; they are not
+      pair take a stored pair, drawn uniformly from both, as the positive; they are not
       counted in the metrics. Streamed one class at a time, both variants keep more of their
-      file-order figure with the rehearsal than without it, the logistic one by far the more
-      (``docs/benchmarks.md``, "Stream order"), at the cost of nine steps instead of one per
-      pair during a burst. Outside a burst nothing changes.
+      file-order figure with the rehearsal than without it (``docs/benchmarks.md``, "Stream
+      order"), at the cost of ``1 + rehearse`` steps instead of one per pair during a burst:
+      the fewest that keep the class-order figure, 2 for the logistic variant (which the
+      restart above already helps most) and 8 for the bipartite one. Outside a burst nothing
+      changes.
     - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64,
       folded in blocks of rows (:class:`~streamxm.models.moments.RunningMoments`). Each stored
       pair is whitened once per whitener and cached per buffer slot
@@ -135,7 +137,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     whiten_first, whiten_every
         Whitener refresh schedule (pairs).
     rehearse
-        Extra steps per pair during a burst, each with a stored pair as the positive.
+        Extra steps per pair during a burst, each with a stored pair as the positive (``None``:
+        2 for the logistic variant, 8 for the bipartite one, whose loss learns only from formed
+        pairs of other classes and needs more).
     restart
         Restart ``W`` at the first whitener and learn the stored pairs again.
 
@@ -168,13 +172,15 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         whiten: bool = True,
         power: float = 1.0,
         whiten_first: int = 64, whiten_every: int = 1024,
-        rehearse: int = 8,
+        rehearse: int | None = None,
         restart: bool = True,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant not in ("logistic", "bipartite"):
             raise ValueError(f"pairwise variant must be 'logistic', 'bipartite' or 'marginal', "
                              f"got {variant!r}")
+        if rehearse is None:
+            rehearse = 2 if variant == "logistic" else 8
         require(locals(), negatives=">= 1", lam=">= 0", lr="> 0", pos_weight="> 0", ridge=">= 0",
                 power="> 0", rehearse=">= 0")
         self.variant = variant
