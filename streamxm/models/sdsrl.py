@@ -101,8 +101,11 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
       has a model from the first solve on. ``fit`` (the offline protocol) draws the landmarks
       from the whole training set.
     - **mu** is relative to the pair count (``mu n`` is the paper's ``mu``), so the solution
-      does not drift as the statistics grow; ``mu = 5e-4`` is about the paper's ``mu = 1`` on
-      the 2173 Wikipedia training pairs (swept in ``docs/benchmarks.md``).
+      does not drift as the statistics grow. The paper's ``mu = 1`` on the 2173 Wikipedia
+      training pairs is about ``mu = 5e-4``, the best offline figure on clean labels; the
+      default ``7e-4`` regularises a little more, which keeps more of the figure when labels are
+      wrong (a stream's labels are not curated) for a file-order figure within the seeds'
+      spread (both swept in ``docs/benchmarks.md``); ``mu=5e-4`` is the paper's setting.
     - **Inputs**: images go through ``power_img = 0.5`` (the Hellinger map of the visual-word
       histograms) before L2 normalisation, texts are only L2-normalised; ``sigma = 1`` for both.
     - **Statistics** accumulate in float64 (``Phi'Phi`` is ill-conditioned); they are folded in
@@ -172,7 +175,7 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
     def __init__(
         self, img_dim: int, txt_dim: int,
         q: int = 10,
-        mu: float = 5e-4,
+        mu: float = 7e-4,
         m_img: int = 1000, m_txt: int | None = None,
         sigma_img: float = 1.0, sigma_txt: float = 1.0,
         power_img: float = 0.5, power_txt: float = 1.0,
