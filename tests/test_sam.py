@@ -277,6 +277,28 @@ def test_stream_clock_steps_and_reservoir() -> None:
     assert 0 < stats.triplets["i2t"] == stats.triplets["t2i"] < m.steps * 3 * 16
 
 
+@pytest.mark.parametrize("scale_pairs", [50, None])
+def test_standardisation_learns_from_the_first_scale_pairs_then_stays(
+        scale_pairs: int | None) -> None:
+    """On a stream the scaler's statistics stop after ``scale_pairs`` pairs (exactly those
+    pairs' rows); offline they are the whole training set's."""
+    pairs = class_stream(200, 6, 5, seed=3)
+    m = SAM(6, 5, **SMALL, scale_pairs=scale_pairs)
+    rng, stats = np.random.default_rng(0), LearnStats()
+    buf = StreamLearner("cmos", 6, 5).buffer
+    for p in pairs:
+        m.update(p, buf.add(p), buf, rng, stats)
+    kept = pairs[: scale_pairs or len(pairs)]
+    reference = SAM(6, 5, **SMALL, epochs=0, scale_pairs=scale_pairs)
+    reference.fit(kept, np.random.default_rng(0), LearnStats())
+    assert m.img_scaler.n == m.txt_scaler.n == len(kept)
+    assert np.array_equal(m.img_scaler.sum, reference.img_scaler.sum)
+    assert np.array_equal(m.txt_scaler.sum_sq, reference.txt_scaler.sum_sq)
+    offline = SAM(6, 5, **SMALL, epochs=0, scale_pairs=scale_pairs)
+    offline.fit(pairs, np.random.default_rng(0), LearnStats())
+    assert offline.img_scaler.n == len(pairs)
+
+
 def test_learning_separates_classes() -> None:
     pairs = class_stream(300, 12, 6, seed=5, n_classes=3)
     learner = StreamLearner("sam", 12, 6, SMALL, seed=1)

@@ -256,6 +256,14 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
       order the balanced fill scores higher than the uniform one image->text and the same
       text->image (``docs/benchmarks.md``). A well-mixed stream is never in a burst and is
       learned exactly as with ``balance=False``.
+    - **Standardisation** (``scale_pairs``): the paper standardises inputs with the training
+      set's statistics, fixed while the towers train. A stream's running statistics would keep
+      moving under towers trained on the earlier ones, most when classes arrive one at a time
+      (each moves them). They learn from the first ``scale_pairs`` pairs (300: enough for a
+      feature's mean to within a tenth of its deviation, before the towers have learned much)
+      and stay fixed after; ``None`` follows the whole stream. On Wikipedia this keeps the
+      file-order figure and lifts class order most (``docs/benchmarks.md``, "Stream order").
+      Offline the statistics are the whole training set's, as the paper's.
     - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
       each time, the same step as the stream.
     - **Weights**: Glorot-uniform, zero biases, drawn when learning starts from a seed taken
@@ -315,6 +323,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         Row power map before L2 normalisation and standardisation (``None``: none).
     balance
         During a burst of few classes, fill mini-batches class-balanced from the reservoir.
+    scale_pairs
+        Pairs the input standardisation learns from on a stream (``None``: every pair).
     device
         Where the towers, the optimiser state, the centroids and every tensor of a step live:
         ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU), ``"cpu"`` or
@@ -347,10 +357,11 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     True
     """
 
-    #: Parameters added later, with their earlier behaviour: ``balance`` was off. ``device``
-    #: needs no entry: a checkpoint without it restores with the default ``"auto"`` (the
-    #: device is resolved again on the machine that restores; the arrays are the same).
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"balance": False}
+    #: Parameters added later, with their earlier behaviour: ``balance`` was off and the
+    #: standardisation followed every pair. ``device`` needs no entry: a checkpoint without it
+    #: restores with the default ``"auto"`` (the device is resolved again on the machine that
+    #: restores; the arrays are the same).
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"balance": False, "scale_pairs": None}
 
     def __init__(
         self, img_dim: int, txt_dim: int,
@@ -365,6 +376,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         max_classes: int = 1000,
         power_img: float | None = 0.5, power_txt: float | None = None,
         balance: bool = True,
+        scale_pairs: int | None = 300,
         device: str = "auto",
     ) -> None:
         super().__init__(img_dim, txt_dim)
@@ -375,6 +387,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
                 decay=">= 0", lam="in [0, 1]", step_every=">= 1", centroid_rate="in (0, 1]")
         if alpha is not None:
             require(locals(), alpha="in [0, 1]")
+        if scale_pairs is not None:
+            require(locals(), scale_pairs=">= 1")
         if step_every > batch_size:
             raise ValueError(f"step_every must be <= batch_size ({batch_size}), got {step_every}")
         if replay < batch_size:
@@ -393,6 +407,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.power_img = None if power_img is None else float(power_img)
         self.power_txt = None if power_txt is None else float(power_txt)
         self.balance = bool(balance)
+        self.scale_pairs = None if scale_pairs is None else int(scale_pairs)
 
         self.img_tower = Tower(img_dim, self.hidden, self.dim, self.device_)
         self.txt_tower = Tower(txt_dim, self.hidden, self.dim, self.device_)
@@ -459,9 +474,16 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.txt_tower.reset(self.generator)
         self.initialised = True
 
-    def _arrive(self, pairs: list[Pair]) -> None:
-        self.img_scaler.add(self._rows(np.stack([p.img for p in pairs]), self.power_img))
-        self.txt_scaler.add(self._rows(np.stack([p.txt for p in pairs]), self.power_txt))
+    def _arrive(self, pairs: list[Pair], scale_all: bool = False) -> None:
+        """Count the pairs' classes; their rows join the standardisation's statistics up to
+        ``scale_pairs`` rows in all (every row with ``scale_all``: the offline training set)."""
+        room = len(pairs)
+        if not scale_all and self.scale_pairs is not None:
+            room = max(0, min(room, self.scale_pairs - self.img_scaler.n))
+        if room:
+            scaled = pairs[:room]
+            self.img_scaler.add(self._rows(np.stack([p.img for p in scaled]), self.power_img))
+            self.txt_scaler.add(self._rows(np.stack([p.txt for p in scaled]), self.power_txt))
         for p in pairs:
             self.classes.columns(p.labels)
 
@@ -507,7 +529,7 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
                    stats: LearnStats) -> Iterator[int]:
         """:meth:`fit`, yielding the number of epochs done after each one (to trace them)."""
         self._start(rng)
-        self._arrive(pairs)
+        self._arrive(pairs, scale_all=True)
         img = np.stack([p.img for p in pairs])
         txt = np.stack([p.txt for p in pairs])
         labels = [p.labels for p in pairs]
@@ -716,8 +738,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         """Per pair, ``1 / step_every`` of one step on a mini-batch of ``b = batch_size`` rows
         (``b / step_every`` rows of gradient work per pair; the reservoir holds ``replay >= b``
         pairs in the steady state, so every step has ``b`` rows), float32 throughout
-        (:meth:`_step_work`). Per arriving pair, the scaler's sums and the reservoir's write are
-        ``O(d_v + d_t)`` and not counted."""
+        (:meth:`_step_work`). Per arriving pair, the scaler's sums (the first ``scale_pairs``)
+        and the reservoir's write are ``O(d_v + d_t)`` and not counted."""
         return self._step_work() * (1.0 / self.step_every)
 
     def _step_work(self) -> Work:
