@@ -105,7 +105,7 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
       training pairs is about ``mu = 5e-4``, the best offline figure on clean labels; the
       default ``7e-4`` regularises a little more, which keeps more of the figure when labels are
       wrong (a stream's labels are not curated) for a file-order figure within the seeds'
-      spread (both swept in ``docs/benchmarks.md``); ``mu=5e-4`` is the paper's setting.
+      spread (both swept in ``docs/benchmarks.md``); ``mu=5e-4`` is about the paper's setting.
     - **Inputs**: images go through ``power_img = 0.5`` (the Hellinger map of the visual-word
       histograms) before L2 normalisation, texts are only L2-normalised; ``sigma = 1`` for both.
     - **Statistics** accumulate in float64 (``Phi'Phi`` is ill-conditioned); they are folded in
