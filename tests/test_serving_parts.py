@@ -10,14 +10,16 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
+from streamxm.models.heads import PowerFeatures
 from streamxm.service import build_indexer, build_worker, open_store
 from streamxm.serving.following import GalleryFollower
+from streamxm.serving.gallery import Gallery
 from streamxm.serving.pins import PinnedVersions
 from streamxm.serving.versions import ServedVersions
 from streamxm.storage.checkpoint import VersionUnreadable
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import Limits
+from streamxm.stream.messages import Limits, make_pair
 from tests.conftest import class_stream, latest
 
 
@@ -65,6 +67,52 @@ def test_the_gallery_follower_reads_the_stream_then_the_segments(settings: Setti
     ids = follower.gallery.ids_at(np.arange(300, dtype=np.int64))
     assert sorted(ids) == sorted(p.id for p in pairs)
     assert not follower.read()  # nothing new
+
+
+class _CountedPower(PowerFeatures):
+    """The power map, counting the rows it computes."""
+
+    computed: list[int]
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        self.computed.append(len(x))
+        return super().apply(x)
+
+
+def _features(gallery: Gallery, fmap: PowerFeatures) -> np.ndarray:
+    return np.vstack([c.features("image", fmap) for c in gallery.chunks])
+
+
+def test_rows_moving_into_segments_keep_their_features(settings: Settings,
+                                                        r: redis.Redis) -> None:
+    """A model's kept features (sdsrl's kernel rows) follow the rows from the stream tail into
+    the indexer's segments and through merges; only rows the snapshot did not hold, or held
+    with other vectors under the same id, are computed."""
+    pairs = class_stream(300, 8, 4, seed=5)
+    client = StreamClient(r, settings.namespace)
+    store = open_store(settings, r)
+    follower = GalleryFollower(r, store, Keys(settings.namespace), 1000, Limits(), 64)
+    fmap = _CountedPower(0.5)
+    object.__setattr__(fmap, "computed", [])
+    indexer = build_indexer(settings, r)
+    client.push_pairs(pairs[:100])
+    indexer.run(until_idle=True)
+    follower.read()
+    client.push_pairs(pairs[100:200])
+    follower.read()  # the segment, then 100 rows of the stream tail
+    _features(follower.gallery, fmap)
+    assert sum(fmap.computed) == 200
+    # The indexer merges the tail's rows into the segment; one more pair the follower has not
+    # seen, and one that repeats an id with other vectors.
+    again = make_pair(pairs[10].id, pairs[20].img, pairs[20].txt, labels=[0])
+    client.push_pairs([pairs[200], again])
+    indexer.run(until_idle=True)
+    fmap.computed.clear()
+    assert follower.read() and len(follower.gallery) == 202
+    got = _features(follower.gallery, fmap)
+    assert sum(fmap.computed) == 2  # the unseen pair and the repeated id
+    units = np.vstack([c.unit("image") for c in follower.gallery.chunks])
+    np.testing.assert_array_equal(got, fmap(units))
 
 
 def test_pinned_versions_keep_the_most_recent_few_and_refuse_a_corrupt_one(

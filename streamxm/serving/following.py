@@ -105,6 +105,7 @@ class GalleryFollower:
                 slice(manifest.skip, None))}
             chunks[0] = self._sliced[sliced]
         self._segment_chunks = tuple(chunks)
+        self._carry(chunks)
         if self._revision is None:  # from the stream alone to segments: the tail is reread
             self.last_gallery_id, self._tail = manifest.last_id, []
         covered = entry_id_key(manifest.last_id)
@@ -120,6 +121,15 @@ class GalleryFollower:
             self.last_gallery_id = manifest.last_id
         self._revision = manifest.revision
         self._publish()
+
+    def _carry(self, chunks: list[GalleryChunk]) -> None:
+        """New chunks take the features that the published snapshot keeps for their rows."""
+        published = {id(c) for c in self.gallery.chunks}
+        for chunk in chunks:
+            if id(chunk) not in published:
+                carried = chunk.carry_features(self.gallery)
+                log.debug("gallery chunk of %d rows: features of %d carried", len(chunk),
+                          carried)
 
     def _publish(self) -> None:
         self.gallery = Gallery((*self._segment_chunks, *(c for c, _ in self._tail)))

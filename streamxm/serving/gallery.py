@@ -41,6 +41,9 @@ class GalleryChunk(GalleryRows):
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {})
         object.__setattr__(self, "_features", {})
+        # key -> (rows already known, features with those rows filled): carried from an
+        # earlier snapshot's chunks (carry_features), the other rows computed on first use.
+        object.__setattr__(self, "_partial", {})
 
     def features(self, modality: str, fmap: FeatureMap | None) -> NDArray[np.float32]:
         """``fmap``'s features of this chunk's unit rows of ``modality`` (``None``: the unit
@@ -53,21 +56,74 @@ class GalleryChunk(GalleryRows):
         found = cache.get(key)
         if found is None:
             x = self.features(modality, fmap.inputs)
-            kept = {k[1:]: v for k, v in list(cache.items()) if k[0] == modality}
-            extended = fmap.extend(kept, x)
-            found = fmap.apply(x) if extended is None else extended
+            partial = self._partial.pop(key, None)  # type: ignore[attr-defined]
+            if partial is not None:
+                known, found = partial
+                found[~known] = fmap.apply(x[~known])
+            else:
+                kept = {k[1:]: v for k, v in list(cache.items()) if k[0] == modality}
+                extended = fmap.extend(kept, x)
+                found = fmap.apply(x) if extended is None else extended
             cache[key] = found
         return found
+
+    def rows_in(self, previous: Gallery) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """This chunk's rows that ``previous`` holds, and their global rows there: a row is
+        found when ``previous`` has a row with the same id and the same unit rows of both
+        modalities, bit for bit (what a row's features and embeddings are computed from, so
+        a repeated id with other vectors is not mistaken for it; of repeated ids the newest
+        is tried)."""
+        if not len(self) or not len(previous):
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        ids = np.concatenate([c.ids for c in previous.chunks])
+        order = np.argsort(ids, kind="stable")
+        ordered = ids[order]
+        at = np.maximum(np.searchsorted(ordered, self.ids, side="right") - 1, 0)
+        rows = np.flatnonzero(ordered[at] == self.ids)
+        source = order[at[rows]].astype(np.int64)
+        for modality in ("image", "text"):
+            same = (previous.gather(previous.exact_blocks(modality), source)
+                    == self.unit(modality)[rows]).all(axis=1)
+            rows, source = rows[same], source[same]
+        return rows.astype(np.int64), source
+
+    def carry_features(self, previous: Gallery) -> int:
+        """Take the kept features of the rows ``previous`` already holds (:meth:`rows_in`),
+        so that rows moving into a new chunk (the stream tail or merged segments becoming one
+        segment) are not computed again: a model's kernel rows at 100,000 items take
+        seconds, and a version waits for them. The other rows are computed on first use,
+        alone. Returns the rows carried."""
+        donors = Gallery(tuple(c for c in previous.chunks
+                               if c._features))  # type: ignore[attr-defined]
+        keys = (set.intersection(*(c.feature_keys() for c in donors.chunks))
+                if donors.chunks else set())
+        if not keys:
+            return 0
+        rows, source = self.rows_in(donors)
+        if not len(rows):
+            return 0
+        known = np.zeros(len(self), dtype=bool)
+        known[rows] = True
+        for key in keys:
+            values = donors.gather([c._features[key] for c in donors.chunks],  # type: ignore
+                                   source)
+            if len(rows) == len(self):  # rows is then every row, in order
+                self._features[key] = values  # type: ignore[attr-defined]
+            else:
+                full = np.empty((len(self), *values.shape[1:]), dtype=values.dtype)
+                full[rows] = values
+                self._partial[key] = (known, full)  # type: ignore[attr-defined]
+        return len(rows)
 
     def feature_keys(self) -> set[tuple[object, ...]]:
         return set(self._features)  # type: ignore[attr-defined]
 
     def keep_features(self, keys: set[tuple[object, ...]]) -> None:
-        """Drop the kept features whose key is not in ``keys``."""
-        cache: dict[tuple[object, ...], NDArray[np.float32]] = self._features  # type: ignore
-        for key in list(cache):
-            if key not in keys:
-                cache.pop(key, None)
+        """Drop the kept (and carried) features whose key is not in ``keys``."""
+        for cache in (self._features, self._partial):  # type: ignore[attr-defined]
+            for key in list(cache):
+                if key not in keys:
+                    cache.pop(key, None)
 
     def sliced(self, rows: slice) -> Self:
         chunk = super().sliced(rows)
@@ -187,6 +243,7 @@ class Gallery:
         """Bytes of the features the chunks keep."""
         kept: list[NDArray[np.float32]] = [
             v for c in self.chunks for v in c._features.values()]  # type: ignore[attr-defined]
+        kept += [v for c in self.chunks for _, v in c._partial.values()]  # type: ignore
         return sum(int(v.nbytes) for v in kept)
 
     def keep_features(self, keys: Iterable[tuple[object, ...]]) -> None:

@@ -126,7 +126,33 @@ class EmbeddedGallery:
         known = {id(c): (c, a, b) for c, a, b in self.embedded}
         heads = _heads(self.model)
         return EmbeddedGallery(self.version, self.model, tuple(
-            known.get(id(c)) or _embed(self.model, heads, c) for c in gallery.chunks))
+            known.get(id(c)) or self._carried(heads, c) for c in gallery.chunks))
+
+    def _carried(self, heads: dict[str, LinearHead | None], chunk: GalleryChunk
+                 ) -> tuple[GalleryChunk, Block, Block]:
+        """A new chunk's embeddings, those of the rows this index holds already taken from it
+        (:meth:`~streamxm.serving.gallery.GalleryChunk.rows_in`) when the model embeds raw
+        vectors into float32 rows: rows moving from the stream tail into a segment would
+        otherwise pass through sam's towers again, as costly as a new version. (A linear
+        head embeds from the features its chunk carries: one product.)"""
+        if any(h is not None for h in heads.values()) or not (
+                self.exact("image") and self.exact("text")):
+            return _embed(self.model, heads, chunk)
+        rows, source = chunk.rows_in(self.gallery)
+        if not len(rows):
+            return _embed(self.model, heads, chunk)
+        missing = np.ones(len(chunk), dtype=bool)
+        missing[rows] = False
+        blocks = []
+        for modality, embed in (("image", self.model.embed_images),
+                                ("text", self.model.embed_texts)):
+            known = self.embedded_at(source, modality)
+            out = np.empty((len(chunk), known.shape[1]), dtype=np.float32)
+            out[rows] = known
+            if missing.any():
+                out[missing] = _embedded_raw(embed, chunk, modality, np.flatnonzero(missing))
+            blocks.append(out)
+        return chunk, blocks[0], blocks[1]
 
     @classmethod
     def build(cls, version: int, model: CrossModalModel, gallery: Gallery) -> EmbeddedGallery:
@@ -166,9 +192,16 @@ _EMBED_ROWS = 8192
 
 
 def _embedded_raw(embed: Callable[[NDArray[np.float32]], NDArray[np.float32]],
-                  chunk: GalleryChunk, modality: str) -> NDArray[np.float32]:
-    parts = [embed(chunk.raw(modality, slice(at, at + _EMBED_ROWS))).astype(np.float32)
-             for at in range(0, len(chunk), _EMBED_ROWS)]
+                  chunk: GalleryChunk, modality: str,
+                  rows: NDArray[np.int64] | None = None) -> NDArray[np.float32]:
+    """The embeddings of the chunk's raw vectors (``rows``: of those rows only)."""
+    size = len(chunk) if rows is None else len(rows)
+
+    def part(at: int) -> NDArray[np.float32]:
+        which = slice(at, at + _EMBED_ROWS) if rows is None else rows[at : at + _EMBED_ROWS]
+        return embed(chunk.raw(modality, which)).astype(np.float32)
+
+    parts = [part(at) for at in range(0, size, _EMBED_ROWS)]
     return np.concatenate(parts) if parts else embed(chunk.raw(modality)).astype(np.float32)
 
 
