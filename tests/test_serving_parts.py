@@ -13,14 +13,17 @@ from streamxm.learning.learner import StreamLearner
 from streamxm.models.heads import PowerFeatures
 from streamxm.service import build_indexer, build_worker, open_store
 from streamxm.serving.following import GalleryFollower
-from streamxm.serving.gallery import Gallery
+from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.pins import PinnedVersions
+from streamxm.serving.served import EmbeddedGallery
 from streamxm.serving.versions import ServedVersions
 from streamxm.storage.checkpoint import VersionUnreadable
+from streamxm.storage.segments import read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import Limits, make_pair
+from streamxm.stream.messages import Limits, Pair, make_pair
 from tests.conftest import class_stream, latest
+from tests.test_model_contract import SMALL
 
 
 def _learned(settings: Settings, r: redis.Redis, pairs: int, keep: int = 10) -> Settings:
@@ -113,6 +116,64 @@ def test_rows_moving_into_segments_keep_their_features(settings: Settings,
     assert sum(fmap.computed) == 2  # the unseen pair and the repeated id
     units = np.vstack([c.unit("image") for c in follower.gallery.chunks])
     np.testing.assert_array_equal(got, fmap(units))
+
+
+def test_a_segment_merged_away_meanwhile_is_not_taken_for_corrupt(settings: Settings,
+                                                                    r: redis.Redis) -> None:
+    """An API that read the manifest just before the indexer merged a segment into a larger one
+    (and deleted it) finds the segment gone: it opens the newer manifest instead of recording
+    the segment corrupt and dropping its rows."""
+    pairs = class_stream(300, 8, 4, seed=7)
+    client = StreamClient(r, settings.namespace)
+    keys = Keys(settings.namespace)
+    indexer = build_indexer(settings, r)
+    client.push_pairs(pairs[:100])
+    indexer.run(until_idle=True)
+    before = read_manifest(r, keys)
+    client.push_pairs(pairs[100:])
+    indexer.run(until_idle=True)
+    after = read_manifest(r, keys)
+    assert before is not None and after is not None
+    assert before.segments[0] not in after.segments  # merged away, its blob deleted
+    follower = GalleryFollower(r, open_store(settings, r), keys, 1000, Limits(), 64)
+    assert not follower._open(before)
+    assert follower.read() and len(follower.gallery) == 300
+    assert not follower.corrupt_segments and follower.gallery_corrupt == {}
+
+
+def test_a_raw_vector_index_carries_the_embeddings_of_rows_it_holds() -> None:
+    """A chunk made of rows the index embedded (segments merged, the tail moved into one)
+    takes their embeddings; only its new rows pass through the model (sam's towers)."""
+    pairs = class_stream(300, 8, 4, seed=6)
+    learner = StreamLearner("sam", 8, 4, SMALL["sam"], seed=0)
+    learner.learn(pairs[:200])
+    learner.flush()
+    model = learner.model
+    assert model.linear_head("image") is None  # embeds raw vectors
+
+    def chunk(rows: list[Pair]) -> GalleryChunk:
+        return GalleryChunk.of(np.array([p.id for p in rows]), np.vstack([p.img for p in rows]),
+                               np.vstack([p.txt for p in rows]))
+
+    old = [chunk(pairs[:100]), chunk(pairs[100:150])]
+    index = EmbeddedGallery.build(1, model, Gallery(tuple(old)))
+    embedded: list[int] = []
+    embed_images = model.embed_images
+
+    def counted(x: np.ndarray) -> np.ndarray:
+        embedded.append(len(x))
+        return embed_images(x)
+
+    object.__setattr__(model, "embed_images", counted)
+    merged = GalleryChunk.joined([*old, chunk(pairs[150:160])])
+    covered = index.covering(Gallery((merged,)))
+    assert sum(embedded) == 10
+    fresh = EmbeddedGallery.build(1, learner.model, Gallery((merged,)))
+    for modality in ("image", "text"):
+        np.testing.assert_allclose(covered.blocks(modality)[0], fresh.blocks(modality)[0],
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(covered.blocks(modality)[0][:150],
+                                      np.vstack(index.blocks(modality)))
 
 
 def test_pinned_versions_keep_the_most_recent_few_and_refuse_a_corrupt_one(

@@ -74,20 +74,24 @@ class GalleryFollower:
         changed = False
         if int(text(revision)) != self._revision:
             manifest = read_manifest(self.r, self.keys)
-            if manifest is not None:
-                self._open(manifest)
+            if manifest is not None and self._open(manifest):
                 changed = True
         return self._read_stream() or changed
 
-    def _open(self, manifest: Manifest) -> None:
+    def _open(self, manifest: Manifest) -> bool:
         """Use the manifest's segments (those already open are kept, not reread); rows of the
-        stream tail that the segments now cover leave the tail."""
+        stream tail that the segments now cover leave the tail. False, with nothing changed,
+        when a segment is gone because a newer manifest replaced it meanwhile."""
         opened = {}
         for ref in manifest.segments:
             key = (ref.seq, ref.sha)
             chunk = self._segments.get(key)
             if chunk is None and key not in self.corrupt_segments:
                 rows = open_segment(self.store, ref)
+                if rows is None and self._superseded(manifest):
+                    # The indexer merged or retired it and deleted its blob after this manifest
+                    # was read: not corrupt. The next read opens the newer manifest.
+                    return False
                 if rows is None:  # quarantined: the rest of the gallery is served
                     self.corrupt_segments.add(key)
                     self._corrupt.record(ref, manifest.live_rows(ref))
@@ -121,6 +125,12 @@ class GalleryFollower:
             self.last_gallery_id = manifest.last_id
         self._revision = manifest.revision
         self._publish()
+        return True
+
+    def _superseded(self, manifest: Manifest) -> bool:
+        """Whether the manifest in Redis is no longer ``manifest``."""
+        revision = self.r.hget(self.keys.gallery, "revision")
+        return revision is not None and int(text(revision)) != manifest.revision
 
     def _carry(self, chunks: list[GalleryChunk]) -> None:
         """New chunks take the features that the published snapshot keeps for their rows."""

@@ -93,20 +93,20 @@ class GalleryChunk(GalleryRows):
         segment) are not computed again: a model's kernel rows at 100,000 items take
         seconds, and a version waits for them. The other rows are computed on first use,
         alone. Returns the rows carried."""
-        donors = Gallery(tuple(c for c in previous.chunks
-                               if c._features))  # type: ignore[attr-defined]
-        keys = (set.intersection(*(c.feature_keys() for c in donors.chunks))
-                if donors.chunks else set())
+        # Copies of the donors' dicts: a served version may drop features meanwhile.
+        kept = [(c, dict(c._features)) for c in previous.chunks]  # type: ignore[attr-defined]
+        kept = [(c, features) for c, features in kept if features]
+        keys = set.intersection(*(set(f) for _, f in kept)) if kept else set()
         if not keys:
             return 0
+        donors = Gallery(tuple(c for c, _ in kept))
         rows, source = self.rows_in(donors)
         if not len(rows):
             return 0
         known = np.zeros(len(self), dtype=bool)
         known[rows] = True
         for key in keys:
-            values = donors.gather([c._features[key] for c in donors.chunks],  # type: ignore
-                                   source)
+            values = donors.gather([features[key] for _, features in kept], source)
             if len(rows) == len(self):  # rows is then every row, in order
                 self._features[key] = values  # type: ignore[attr-defined]
             else:
