@@ -133,11 +133,15 @@ class GalleryFollower:
         return revision is not None and int(text(revision)) != manifest.revision
 
     def _carry(self, chunks: list[GalleryChunk]) -> None:
-        """New chunks take the features that the published snapshot keeps for their rows."""
+        """New chunks take the features that the published snapshot keeps for their rows,
+        from the chunks they replace (matching against the whole gallery would cost a sort
+        of every id at each indexer commit)."""
         published = {id(c) for c in self.gallery.chunks}
+        staying = {id(c) for c in chunks}
+        replaced = Gallery(tuple(c for c in self.gallery.chunks if id(c) not in staying))
         for chunk in chunks:
             if id(chunk) not in published:
-                carried = chunk.carry_features(self.gallery)
+                carried = chunk.carry_features(replaced)
                 log.debug("gallery chunk of %d rows: features of %d carried", len(chunk),
                           carried)
 
