@@ -125,8 +125,12 @@ class EmbeddedGallery:
             return self  # the common case on the query path: nothing to build
         known = {id(c): (c, a, b) for c, a, b in self.embedded}
         heads = _heads(self.model)
+        staying = {id(c) for c in gallery.chunks}
+        # What new chunks can take rows from: the chunks they replace, not the whole index.
+        replaced = EmbeddedGallery(self.version, self.model, tuple(
+            e for e in self.embedded if id(e[0]) not in staying))
         return EmbeddedGallery(self.version, self.model, tuple(
-            known.get(id(c)) or self._carried(heads, c) for c in gallery.chunks))
+            known.get(id(c)) or replaced._carried(heads, c) for c in gallery.chunks))
 
     def _carried(self, heads: dict[str, LinearHead | None], chunk: GalleryChunk
                  ) -> tuple[GalleryChunk, Block, Block]:
@@ -135,7 +139,7 @@ class EmbeddedGallery:
         vectors into float32 rows: rows moving from the stream tail into a segment would
         otherwise pass through sam's towers again, as costly as a new version. (A linear
         head embeds from the features its chunk carries: one product.)"""
-        if any(h is not None for h in heads.values()) or not (
+        if not self.embedded or any(h is not None for h in heads.values()) or not (
                 self.exact("image") and self.exact("text")):
             return _embed(self.model, heads, chunk)
         rows, source = chunk.rows_in(self.gallery)
