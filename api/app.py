@@ -144,7 +144,7 @@ def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
                          champion=ChampionRule(min_pairs=settings.champion_min_pairs,
                                                margin=settings.champion_margin,
                                                confirmations=settings.champion_confirmations),
-                         request_client=r)
+                         request_client=r, wait_for_index=settings.wait_for_index)
     metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
     return ApiContext(settings=settings, r=r, keys=keys, limits=limits, server=server,
                       metrics=metrics, producer=StreamClient(r, settings.namespace, limits,

@@ -259,9 +259,10 @@ class SearchOut(BaseModel):
     version_lag_s: float = Field(
         description="seconds since a checkpoint newer than `version` was written (0: none is)")
     index_version: int | None = Field(
-        description="version whose gallery index proposed the candidates: always `version` (a "
-        "version is served once it has embedded the gallery); null for an ensemble, whose "
-        "members each propose theirs")
+        description="version whose embeddings of the gallery proposed the candidates: "
+        "`version` (the answer is its exact ranking), or an earlier one while a model that "
+        "embeds raw vectors (sam, cmomks) embeds the gallery with `version` (its best "
+        "candidates re-ranked by `version`'s exact scores); null for an ensemble")
     results: list[Hit]
 
 
@@ -276,6 +277,10 @@ class ModelInfo(BaseModel):
     rolling_map: dict[str, float | None]
     checkpoint_time: float | None
     gallery_items: int
+    index_version: int | None = Field(
+        default=None, description="version whose embeddings of the gallery propose this "
+        "model's search candidates (`version` but while a model that embeds raw vectors "
+        "embeds the gallery again)")
     champion_of: list[str] = Field(
         default_factory=list, description="directions in which this model answers model=auto")
 

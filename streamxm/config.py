@@ -119,6 +119,12 @@ class Settings(BaseSettings):
         default=D.SEARCH_CANDIDATES, ge=1, le=10_000, description="candidates re-ranked per "
         "search: max(this, 4 k); a fixed-space model's bfloat16 scan proposes at least one "
         "per 2,500 gallery rows")
+    wait_for_index: bool = Field(
+        default=D.WAIT_FOR_INDEX, description="a model that embeds raw vectors (sam, cmomks) "
+        "serves a new version once it has embedded the gallery: every answer its exact "
+        "ranking, each version seconds late at 100,000 items; false: serve it at once, its "
+        "candidates (search_candidates) from the newest embedded index re-ranked by its "
+        "exact scores (the answer's index_version names that index)")
     reload_interval_seconds: float = Field(default=0.25, gt=0)
     query_threads: int = Field(default=32, ge=1, le=256,
                                description="threads for similarity and search, apart from "

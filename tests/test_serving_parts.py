@@ -16,8 +16,9 @@ from streamxm.serving.following import GalleryFollower
 from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.pins import PinnedVersions
 from streamxm.serving.served import EmbeddedGallery
+from streamxm.serving.server import ModelServer
 from streamxm.serving.versions import ServedVersions
-from streamxm.storage.checkpoint import VersionUnreadable
+from streamxm.storage.checkpoint import Checkpoint, VersionUnreadable
 from streamxm.storage.segments import read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
@@ -197,3 +198,51 @@ def test_pinned_versions_keep_the_most_recent_few_and_refuse_a_corrupt_one(
     r.set(Keys(cfg.namespace).checkpoint_blob("cmos", kept[3]), b"garbage")
     with pytest.raises(VersionUnreadable, match="kept but unreadable"):
         pins.load("cmos", kept[3])
+
+
+def _commit(cfg: Settings, r: redis.Redis, learner: StreamLearner, version: int) -> None:
+    learner.flush()
+    arrays, meta = learner.state()
+    open_store(cfg, r).commit(learner.model_name, Checkpoint(version, arrays, meta), {})
+    r.sadd(Keys(cfg.namespace).models, learner.model_name)
+
+
+def _exact_top(model: object, query: np.ndarray, items: np.ndarray, k: int) -> list[int]:
+    scores = model.similarity(query[None, :], items)[0]  # type: ignore[attr-defined]
+    return np.argsort(-scores, kind="stable")[:k].tolist()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_raw_vector_model_serves_a_new_version_before_its_index(
+        settings: Settings, r: redis.Redis, wait: bool) -> None:
+    """sam's new version answers at once from the earlier version's index (the answer names
+    it), scored by the new version; the background pass then makes the new version's own
+    index and the answer is its exact ranking. ``wait_for_index``: only the exact answer."""
+    pairs = class_stream(300, 8, 4, seed=8)
+    StreamClient(r, settings.namespace).push_pairs(pairs)
+    learner = StreamLearner("sam", 8, 4, SMALL["sam"], seed=0)
+    learner.learn(pairs[:100])
+    _commit(settings, r, learner, 1)
+    server = ModelServer(r, open_store(settings, r), settings.namespace, wait_for_index=wait)
+    server.refresh()
+    assert server.served["sam"].index_version == 1
+    learner.learn(pairs[100:300])
+    _commit(settings, r, learner, 2)
+    server.refresh_versions()
+    served = server.served["sam"]
+    assert served.version == 2 and served.index_version == (2 if wait else 1)
+    texts = np.vstack([p.txt for p in pairs])
+    ids = np.array([p.id for p in pairs])
+    query = pairs[17].img.astype(np.float32)
+    answer = server.search("sam", "image", query, k=10)
+    assert answer.served.version == 2 and answer.index_version == served.index_version
+    hits = dict(answer.hits)
+    scores = served.model.similarity(query[None, :], texts)[0]
+    np.testing.assert_allclose([hits[i] for i in ids[np.isin(ids, list(hits))]],
+                               scores[np.isin(ids, list(hits))], rtol=1e-5, atol=1e-6)
+    assert server.searcher.earlier_index_scans == (0 if wait else 1)
+    server.refresh_index()
+    assert server.served["sam"].index_version == 2
+    answer = server.search("sam", "image", query, k=10)
+    assert answer.index_version == 2
+    assert [h[0] for h in answer.hits] == ids[_exact_top(served.model, query, texts, 10)].tolist()

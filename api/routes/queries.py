@@ -43,6 +43,7 @@ def models(server: Server) -> ModelsOut:
             mistakes=stats.mistakes, triplets=stats.triplets, rolling_map=stats.rolling_map,
             checkpoint_time=stats.checkpoint_time,
             gallery_items=served.gallery_size if served else 0,
+            index_version=served.index_version if served else None,
             champion_of=[d for d, m in server.champion.champions.items() if m == name],
         ))
     return ModelsOut(models=out, champions=dict(server.champion.champions),

@@ -152,6 +152,12 @@ class StreamCollector(Collector):
             "because the first could not prove the top k complete (embedding scans, ensembles)")
         expansions.add_metric([], self.server.searcher.expansions)
         yield expansions
+        earlier = CounterMetricFamily(
+            "streamxm_search_earlier_index_scans", "candidate scans of an earlier version's "
+            "index (a model that embeds raw vectors, while its served version embeds the "
+            "gallery): re-ranked exactly, not proven complete")
+        earlier.add_metric([], self.server.searcher.earlier_index_scans)
+        yield earlier
         retention = str_hash(self.r.hgetall(self.keys.retention))
         trimmed = CounterMetricFamily("streamxm_stream_trimmed",
                                       "entries trimmed from the pairs stream by retention",
@@ -240,19 +246,24 @@ class StreamCollector(Collector):
         gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
                                     labels=["model"])
         embedding = GaugeMetricFamily(
-            "streamxm_version_embedding_seconds", "seconds the served version took to embed the "
-            "gallery before it was swapped in (0: a fixed space needs none)", labels=["model"])
+            "streamxm_version_embedding_seconds", "seconds the newest embedding of the gallery "
+            "took (0: a fixed space needs none)", labels=["model"])
+        index_version = GaugeMetricFamily(
+            "streamxm_index_version", "version whose embeddings of the gallery propose the "
+            "served version's candidates (below streamxm_model_version while a model that "
+            "embeds raw vectors embeds it again)", labels=["model"])
         for model in models:
             served = self.server.served.get(model)
             if served is not None:
                 served_version.add_metric([model], served.version)
                 gallery.add_metric([model], served.gallery_size)
                 embedding.add_metric([model], served.index_seconds)
+                index_version.add_metric([model], served.index_version)
                 for direction in DIRECTIONS:
                     champion.add_metric(
                         [model, direction],
                         float(self.server.champion.champions.get(direction) == model))
-        yield from (served_version, gallery, champion, embedding)
+        yield from (served_version, gallery, champion, embedding, index_version)
 
     def _distributed_families(self, stats: dict[str, dict[str, str]]) -> Iterator[Metric]:
         """Distributed learners: ranks, rounds, time in the collective, formations."""

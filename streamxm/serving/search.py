@@ -1,14 +1,16 @@
-"""Top-k search of the gallery, exact for the served version: candidates from a
-version-independent index, re-ranked by the served version's own scores.
+"""Top-k search of the gallery, exact for the served version: candidates from a version-independent
+index, re-ranked by the served version's own scores.
 
 A model whose score is bilinear in the gallery's unit rows (``fixed_space``: cmos, pairwise,
 pairwise:bipartite) moves the *query* into the target modality's unit rows with the served
 version, O(model), and the rows are the index; a reduced-precision scan of them is proven
-complete or redone in float32. The other models search an index of embeddings made by some
-version (:class:`~streamxm.serving.served.EmbeddedGallery`), rebuilt in the background. Either
-way the candidates are re-ranked exactly, so scores are the similarity's and ties keep gallery
-order. A search is a generator of steps (scans, heavy work) that a driver runs: on a thread
-(:meth:`Searcher.search`) or on an event loop (:meth:`Searcher.search_async`).
+complete or redone in float32. The other models search an index of embeddings
+(:class:`~streamxm.serving.served.EmbeddedGallery`): the served version's own, whose float32
+scan bounds the rows it leaves out, or, for a model that embeds raw vectors while its new
+version embeds the gallery, an earlier version's, whose best rows are re-ranked without a bound.
+Either way the candidates are re-ranked exactly, so scores are the similarity's and ties keep
+gallery order. A search is a generator of steps (scans, heavy work) that a driver runs: on a
+thread (:meth:`Searcher.search`) or on an event loop (:meth:`Searcher.search_async`).
 """
 
 from __future__ import annotations
@@ -157,6 +159,9 @@ class Searcher:
         #: Candidate scans repeated with four times as many rows because the first could not
         #: prove the top k complete (an embedded index's or an ensemble's).
         self.expansions = 0
+        #: Candidate scans of an earlier version's index (a model that embeds raw vectors,
+        #: while its served version embeds the gallery): re-ranked, not proven complete.
+        self.earlier_index_scans = 0
         # Per (ensemble, target): its members' rows side by side, while they are current.
         self._fused: dict[tuple[str, str], FusedSpace] = {}
         self._fused_lock = threading.Lock()
@@ -238,7 +243,7 @@ class Searcher:
         order = np.argsort(-found.scores, kind="stable")[:k]
         ids = found.gallery.ids_at(found.rows[order])
         return SearchAnswer(served, list(zip(ids, found.scores[order].tolist(), strict=True)),
-                            lag, served.version)
+                            lag, served.index_version)
 
     def _candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
                     wanted: int, target: str, k: int | None
@@ -257,12 +262,16 @@ class Searcher:
             return (yield from self._fixed_candidates(served, modality, vector, wanted, target,
                                                       k))
         index = served.index
-        if index is None or index.version != served.version:  # a pinned version's first use
+        if index is None or index.version > served.version:  # a pinned version's first use
             index = yield _Work(partial(self.catalogue.index_of, served))
         gallery = index.gallery
         query, _ = scan_query(model, modality, target, vector)
         _, rows, ceiling = yield _Scan(index.blocks(target), query, min(wanted, len(gallery)))
-        if not index.exact(target):
+        if index.version < served.version:
+            # An earlier version's embeddings (the served one's are being made): its best
+            # rows, re-ranked by the served version, without a bound on the rest.
+            self.earlier_index_scans += 1
+        if not index.exact(target) or index.version < served.version:
             return _Candidates.of(gallery, rows, model, modality, target, vector, np.inf)
         bound = raised(float(ceiling), reach=float(np.linalg.norm(query)) * index.norm(target))
         # The version's own embeddings of the candidates are in the index: scoring them again

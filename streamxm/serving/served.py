@@ -22,8 +22,8 @@ from streamxm.serving.index import Block, index_block
 
 __all__ = ["AUTO", "EXACT_SCAN_DIMS", "EmbeddedGallery", "EnsembleUnsupported",
            "InvalidModelName", "ModelNotReady", "SameModalityUnsupported", "SearchAnswer",
-           "ServedEnsemble", "ServedModel", "UnknownModel", "direction_of", "feature_keys",
-           "other_modality"]
+           "ServedEnsemble", "ServedModel", "UnknownModel", "direction_of", "embeds_raw_vectors",
+           "feature_keys", "other_modality"]
 
 
 class InvalidModelName(ValueError):
@@ -168,6 +168,13 @@ def _heads(model: CrossModalModel) -> dict[str, LinearHead | None]:
     return {m: model.linear_head(m) for m in ("image", "text")}
 
 
+def embeds_raw_vectors(model: CrossModalModel) -> bool:
+    """Whether a version of ``model`` embeds the gallery's raw vectors (sam, cmomks, sdsrl
+    before its landmarks freeze): a pass as costly as the model's forward pass over every
+    item, where a linear head needs one product and a fixed space nothing."""
+    return not model.fixed_space and any(h is None for h in _heads(model).values())
+
+
 def feature_keys(model: CrossModalModel) -> set[tuple[object, ...]]:
     """Keys of the chunk features ``model``'s linear heads read (every map of each chain)."""
     keys: set[tuple[object, ...]] = set()
@@ -211,8 +218,9 @@ def _embedded_raw(embed: Callable[[NDArray[np.float32]], NDArray[np.float32]],
 
 @dataclass(frozen=True, eq=False)
 class ServedModel:
-    """One model version; for a model without a fixed space also the gallery index that this
-    version embedded, and how long it took (``index_seconds``: what the version cost the
+    """One model version; for a model without a fixed space also its gallery index (this
+    version's embeddings, or an earlier version's while a model that embeds raw vectors makes
+    its own) and how long the newest one took (``index_seconds``: what a version costs the
     server)."""
 
     name: str
@@ -223,6 +231,12 @@ class ServedModel:
     index: EmbeddedGallery | None = None
     gallery_items: int = 0
     index_seconds: float = 0.0
+
+    @property
+    def index_version(self) -> int:
+        """Version whose embeddings of the gallery propose this version's candidates: its own,
+        or an earlier one while its own are being made (``wait_for_index`` off)."""
+        return self.index.version if self.index is not None else self.version
 
     @property
     def gallery_size(self) -> int:

@@ -1,16 +1,17 @@
-"""Serving: the newest checkpoint of every model, hot-swapped, a search gallery kept from the
-pairs stream, and the queries against them.
+"""Serving: the newest checkpoint of every model, hot-swapped, a search gallery kept from the pairs
+stream, and the queries against them.
 
 :class:`ModelServer` puts the parts together: :class:`~streamxm.serving.versions.ServedVersions`
 (hot swap and the gallery index of models without a fixed space),
 :class:`~streamxm.serving.following.GalleryFollower` (the gallery from the indexer's segments
 and the stream), :class:`~streamxm.serving.pins.PinnedVersions` (kept versions queries name),
 :class:`~streamxm.serving.champion.ChampionRule` (who answers ``model: "auto"``) and
-:class:`~streamxm.serving.search.Searcher` (exact top-k). Two background threads do all the
-writing: :meth:`ModelServer.refresh_versions` loads new versions (and embeds the gallery for
-those without a fixed space before swapping them in), :meth:`ModelServer.refresh_gallery` reads
-new gallery rows; :meth:`ModelServer.refresh` does both. Readers take a reference
-to an immutable :class:`~streamxm.serving.served.ServedModel` and
+:class:`~streamxm.serving.search.Searcher` (top-k). Three background threads do all the writing:
+:meth:`ModelServer.refresh_versions` loads new versions (a model with a linear head embeds the
+gallery before it is swapped in), :meth:`ModelServer.refresh_gallery` reads new gallery rows,
+:meth:`ModelServer.refresh_index` embeds the gallery with the served version of a model that
+embeds raw vectors; :meth:`ModelServer.refresh` does all three. Readers take a reference to an
+immutable :class:`~streamxm.serving.served.ServedModel` and
 :class:`~streamxm.serving.gallery.Gallery` and never lock, so a query sees one model version,
 never half of a swap.
 """
@@ -92,12 +93,13 @@ class ModelServer:
                  gallery_max: int = D.GALLERY_MAX, limits: Limits = Limits(),
                  read_count: int = D.GALLERY_READ_COUNT,
                  candidates: int = D.SEARCH_CANDIDATES, champion: ChampionRule | None = None,
-                 request_client: redis.Redis | None = None) -> None:
+                 request_client: redis.Redis | None = None,
+                 wait_for_index: bool = D.WAIT_FOR_INDEX) -> None:
         self.r = client
         self.request_r = request_client or client
         self.store = store
         self.keys = Keys(namespace)
-        self.versions = ServedVersions(store)
+        self.versions = ServedVersions(store, wait_for_index)
         self.following = GalleryFollower(client, store, self.keys, gallery_max, limits,
                                          read_count)
         self.pins = PinnedVersions(store)
@@ -151,7 +153,7 @@ class ModelServer:
             return loop
 
         for name, step in (("versions", self.refresh_versions),
-                           ("gallery", self.refresh_gallery)):
+                           ("gallery", self.refresh_gallery), ("index", self.refresh_index)):
             thread = threading.Thread(target=every(step, interval), name=f"streamxm-{name}",
                                       daemon=True)
             thread.start()
@@ -164,10 +166,12 @@ class ModelServer:
         self.searcher.close()
 
     def refresh(self) -> None:
-        """Load new checkpoint versions, then read new gallery rows (a bounded amount per
-        call)."""
+        """Load new checkpoint versions, read new gallery rows (a bounded amount per call),
+        then embed the gallery with every served version still searching an earlier one's
+        index."""
         self.refresh_versions()
         self.refresh_gallery()
+        self.refresh_index()
 
     def refresh_versions(self) -> None:
         """Load each model's new checkpoint version, if any, and swap it in (after embedding
@@ -185,6 +189,12 @@ class ModelServer:
         if self.following.read():
             self.versions.cover(self.gallery)
             self._warm_unit_index()
+
+    def refresh_index(self) -> None:
+        """Embed the gallery with each served version of a model that embeds raw vectors
+        whose candidates still come from an earlier version's index (a thread of its own:
+        new versions are swapped in meanwhile)."""
+        self.versions.embed_behind(lambda: self.gallery)
 
     def _warm_unit_index(self) -> None:
         """Make the reduced-precision copy of the unit rows here, in the background, when a

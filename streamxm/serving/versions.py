@@ -1,6 +1,8 @@
-"""The newest checkpoint version of every model, hot-swapped; a model without a fixed space is
-swapped only once its new version has embedded the whole gallery, so every answer is ranked by
-the version it names."""
+"""The newest checkpoint version of every model, hot-swapped. A model with a linear head is
+swapped once its new version has embedded the whole gallery (one product), so its answers are
+the exact ranking of the version they name; a model that embeds raw vectors (sam, cmomks) is
+swapped at once and ranks candidates from the newest index while a background pass embeds the
+gallery again (or waits for it, ``wait_for_index``)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,19 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
+from streamxm import defaults as D
 from streamxm.learning.learner import model_from_state
+from streamxm.models import CrossModalModel
 from streamxm.serving.gallery import Gallery
-from streamxm.serving.served import EmbeddedGallery, ServedEnsemble, ServedModel, feature_keys
+from streamxm.serving.served import (
+    EmbeddedGallery,
+    ServedEnsemble,
+    ServedModel,
+    embeds_raw_vectors,
+    feature_keys,
+)
 from streamxm.storage.checkpoint import CheckpointStore
 
 __all__ = ["ServedVersions"]
@@ -24,19 +36,27 @@ class ServedVersions:
     """What each model serves now (:attr:`served`, replaced by one reference assignment per
     swap) and the newest version its store holds (:attr:`newest`).
 
-    A new version of a model without a fixed space embeds the gallery before it is swapped in
-    (from the features the gallery keeps for its linear head, one product, or from the raw
-    vectors); until then the previous version answers, and the lag
-    (:meth:`lag`) says for how long a newer one has existed.
+    A new version of a model with a linear head embeds the gallery from the features the
+    gallery keeps for it (one product) before it is swapped in; until then the previous
+    version answers, and the lag (:meth:`lag`) says for how long a newer one has existed.
+    A model that embeds raw vectors pays a forward pass over every item per version (sam's
+    towers: seconds at 100,000 items), longer than a worker takes to write the next version;
+    its new version is swapped in at once and searches the newest index there is, its
+    candidates re-ranked by the new version's exact scores, while :meth:`embed_behind` embeds
+    the gallery with the newest version in the background.
 
     Parameters
     ----------
     store
         Checkpoint store the workers write to.
+    wait_for_index
+        Swap a model that embeds raw vectors in only once its version has embedded the
+        gallery, as a linear head is: every answer exact, the lag about two embedding passes.
     """
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, wait_for_index: bool = D.WAIT_FOR_INDEX) -> None:
         self.store = store
+        self.wait_for_index = wait_for_index
         self.served: dict[str, ServedModel] = {}
         self.newest: dict[str, tuple[int, float]] = {}  # model -> (head version, created)
         # Head version last tried per model: a corrupt newest version (served: the previous
@@ -64,19 +84,56 @@ class ServedVersions:
         head = dict(self.store.head(name) or {})
         head["pairs_seen"] = int(ckpt.meta["pairs_seen"])
         started = time.perf_counter()
-        index = None if model.fixed_space else EmbeddedGallery.build(ckpt.version, model,
-                                                                     gallery())
+        earlier = self.served.get(name)
+        behind = self._searches_earlier_index(model, earlier)
+        index = None
+        if not model.fixed_space and not behind:
+            index = EmbeddedGallery.build(ckpt.version, model, gallery())
         with self._swap:
             latest = gallery()
+            took = time.perf_counter() - started if index is not None else 0.0
+            if behind:  # the newest index there is (the gallery thread keeps it covering)
+                index, took = self.served[name].index, self.served[name].index_seconds
             if index is not None:
                 index = index.covering(latest)  # rows that arrived while it was built
-            took = time.perf_counter() - started if index is not None else 0.0
             self.served[name] = ServedModel(  # one reference assignment: the atomic swap
                 name=name, version=ckpt.version, model=model, head=head, loaded_at=time.time(),
                 index=index, gallery_items=len(latest), index_seconds=took)
         self.keep_features(latest)
-        log.info("serving %s version %d (%d pairs seen; gallery embedded in %.2f s)", name,
-                 ckpt.version, head["pairs_seen"], took)
+        log.info("serving %s version %d (%d pairs seen; %s)", name, ckpt.version,
+                 head["pairs_seen"], f"candidates from version {index.version}'s index"
+                 if behind and index is not None else f"gallery embedded in {took:.2f} s")
+
+    def _searches_earlier_index(self, model: CrossModalModel, earlier: ServedModel | None
+                                ) -> bool:
+        """Whether a new version of ``model`` is served at once, searching ``earlier``'s index
+        until :meth:`embed_behind` makes its own: it embeds raw vectors, waiting is not asked
+        for, and its embeddings are as wide as the index's."""
+        if (self.wait_for_index or earlier is None or earlier.index is None
+                or not embeds_raw_vectors(model)):
+            return False
+        probe = np.zeros((1, model.img_dim), dtype=np.float32)
+        widths = (m.embed_images(probe).shape[1] for m in (model, earlier.index.model))
+        return bool(next(widths) == next(widths))
+
+    def embed_behind(self, gallery: Callable[[], Gallery]) -> None:
+        """Embed the gallery with each served version whose candidates come from an earlier
+        version's index, and swap the new index in (the version served by then may be newer
+        still: its candidates then come from this fresher index)."""
+        for name in list(self.served):
+            current = self.served[name]
+            if current.index_version >= current.version:
+                continue
+            started = time.perf_counter()
+            index = EmbeddedGallery.build(current.version, current.model, gallery())
+            with self._swap:
+                latest = self.served[name]
+                index = index.covering(gallery())
+                took = time.perf_counter() - started
+                if latest.index_version < index.version:
+                    self.served[name] = replace(latest, index=index, index_seconds=took)
+            log.info("%s: gallery embedded by version %d in %.2f s (serving version %d)", name,
+                     index.version, took, self.served[name].version)
 
     def keep_features(self, gallery: Gallery) -> None:
         """Drop the gallery features no served model reads any more (an earlier version's
