@@ -124,7 +124,7 @@ class Settings(BaseSettings):
         "serves a new version once it has embedded the gallery: every answer its exact "
         "ranking, each version seconds late at 100,000 items; false: serve it at once, its "
         "candidates (search_candidates) from the newest embedded index re-ranked by its "
-        "exact scores (the answer's index_version names that index)")
+        "exact scores (the answer's index_version names that index; approximate)")
     reload_interval_seconds: float = Field(default=0.25, gt=0)
     query_threads: int = Field(default=32, ge=1, le=256,
                                description="threads for similarity and search, apart from "

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Bf16Block", "Block", "Int8Block", "QueryCoalescer",
+__all__ = ["Bf16Block", "Block", "Int8Block", "QueryCoalescer", "bf16_native",
            "bf16_score_error", "index_block", "int8_available", "top_k", "top_k_bounded"]
 
 _BLOCK = 65_536  # rows per product: bounds the (queries x rows) float32 temporary
@@ -64,16 +64,18 @@ def index_block(rows: NDArray[np.float32], precision: str = "auto") -> Block:
     """Rows as the backend scans them: an ``"int8"`` :class:`Int8Block`, a ``"bfloat16"``
     :class:`Bf16Block`, or the ``"float32"`` array itself.
 
-    ``"auto"``: float32 without PyTorch; with it, int8 where this CPU's int8 product is
-    exact (:func:`int8_available`), bfloat16 otherwise.
+    ``"auto"``: int8 where PyTorch is installed and this CPU's int8 product is exact
+    (:func:`int8_available`), else bfloat16 where the CPU multiplies it natively
+    (:func:`bf16_native`), else float32: emulated bfloat16 products are tens of times slower
+    than float32 ones (AVX2 without AVX512-BF16 or AMX).
     """
     if precision == "auto":
-        if torch is None:
-            precision = "float32"
-        elif int8_available():
+        if torch is not None and int8_available():
             precision = "int8"
-        else:
+        elif torch is not None and bf16_native():
             precision = "bfloat16"
+        else:
+            precision = "float32"
     if precision == "float32":
         return rows
     if torch is None:
@@ -204,6 +206,16 @@ def int8_available() -> bool:
             except (RuntimeError, AttributeError):  # no oneDNN int8 kernel in this build
                 _int8_checked = False
     return _int8_checked
+
+
+def bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), as PyTorch
+    reports it; an older PyTorch that cannot tell counts as no."""
+    cpu: Any = getattr(torch, "cpu", None)
+    try:
+        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    except AttributeError:  # no torch, or one without these probes
+        return False
 
 
 def bf16_score_error(query_norm: Any, score: Any) -> Any:

@@ -29,6 +29,9 @@ from streamxm.storage.checkpoint import CheckpointStore
 
 __all__ = ["ServedVersions"]
 
+#: What a swap serves: a version and its index.
+_Swap = tuple[ServedModel, EmbeddedGallery | None]
+
 log = logging.getLogger(__name__)
 
 
@@ -62,7 +65,9 @@ class ServedVersions:
         # Head version last tried per model: a corrupt newest version (served: the previous
         # good one) is tried once, not on every refresh.
         self._attempted: dict[str, int] = {}
-        self._swap = threading.Lock()  # writers of self.served (version and gallery threads)
+        self._swap = threading.Lock()  # writers of self.served (version, gallery, index threads)
+        # Model -> its newest version whose index the index thread is to embed.
+        self._staged: dict[str, ServedModel] = {}
 
     def follow(self, names: set[str], gallery: Callable[[], Gallery]) -> None:
         """Load the new head version of each of ``names``, if any (``gallery``: the snapshot
@@ -85,55 +90,83 @@ class ServedVersions:
         head["pairs_seen"] = int(ckpt.meta["pairs_seen"])
         started = time.perf_counter()
         earlier = self.served.get(name)
-        behind = self._searches_earlier_index(model, earlier)
-        index = None
-        if not model.fixed_space and not behind:
-            index = EmbeddedGallery.build(ckpt.version, model, gallery())
+        if earlier is not None and self._embedded_behind(model, earlier):
+            # The index thread embeds the gallery with it (embed_behind); meanwhile it waits,
+            # or answers from the earlier version's index.
+            staged = ServedModel(name=name, version=ckpt.version, model=model, head=head,
+                                 loaded_at=time.time(), index=earlier.index,
+                                 gallery_items=earlier.gallery_items,
+                                 index_seconds=earlier.index_seconds)
+            self._staged[name] = staged
+            if not self.wait_for_index:  # with the newest index then (the index thread's)
+                self._swap_in(name, lambda current: (
+                    staged, current.index if current is not None else staged.index), gallery)
+            log.info("%s version %d (%d pairs seen) %s", name, ckpt.version, head["pairs_seen"],
+                     "waits for its index" if self.wait_for_index
+                     else f"serves candidates from version {staged.index_version}'s index")
+            return
+        index = None if model.fixed_space else EmbeddedGallery.build(ckpt.version, model,
+                                                                     gallery())
+        self._staged.pop(name, None)
+        served = ServedModel(name=name, version=ckpt.version, model=model, head=head,
+                             loaded_at=time.time())
+        self._swap_in(name, lambda _: (served, index), gallery,
+                      time.perf_counter() - started if index is not None else 0.0)
+        log.info("serving %s version %d (%d pairs seen; gallery embedded in %.2f s)", name,
+                 ckpt.version, head["pairs_seen"], self.served[name].index_seconds)
+
+    def _swap_in(self, name: str, pick: Callable[[ServedModel | None], _Swap | None],
+                 gallery: Callable[[], Gallery], took: float | None = None) -> None:
+        """Serve what ``pick`` chooses, given what is served now (under the swap lock: the
+        other threads swap too), with its index over the newest gallery snapshot, in one
+        reference assignment (the atomic swap); ``took``: the index's embedding time, when
+        the index is new."""
         with self._swap:
+            chosen = pick(self.served.get(name))
+            if chosen is None:
+                return
+            served, index = chosen
             latest = gallery()
-            took = time.perf_counter() - started if index is not None else 0.0
-            if behind:  # the newest index there is (the gallery thread keeps it covering)
-                index, took = self.served[name].index, self.served[name].index_seconds
             if index is not None:
                 index = index.covering(latest)  # rows that arrived while it was built
-            self.served[name] = ServedModel(  # one reference assignment: the atomic swap
-                name=name, version=ckpt.version, model=model, head=head, loaded_at=time.time(),
-                index=index, gallery_items=len(latest), index_seconds=took)
+            self.served[name] = replace(
+                served, index=index, gallery_items=len(latest),
+                index_seconds=served.index_seconds if took is None else took)
         self.keep_features(latest)
-        log.info("serving %s version %d (%d pairs seen; %s)", name, ckpt.version,
-                 head["pairs_seen"], f"candidates from version {index.version}'s index"
-                 if behind and index is not None else f"gallery embedded in {took:.2f} s")
 
-    def _searches_earlier_index(self, model: CrossModalModel, earlier: ServedModel | None
-                                ) -> bool:
-        """Whether a new version of ``model`` is served at once, searching ``earlier``'s index
-        until :meth:`embed_behind` makes its own: it embeds raw vectors, waiting is not asked
-        for, and its embeddings are as wide as the index's."""
-        if (self.wait_for_index or earlier is None or earlier.index is None
-                or not embeds_raw_vectors(model)):
+    def _embedded_behind(self, model: CrossModalModel, earlier: ServedModel) -> bool:
+        """Whether a new version of ``model`` has the index thread embed the gallery
+        (:meth:`embed_behind`), the version thread going on to other models: it embeds raw
+        vectors, and its embeddings are as wide as ``earlier``'s index, which answers
+        meanwhile when ``wait_for_index`` is off."""
+        if earlier.index is None or not embeds_raw_vectors(model):
             return False
         probe = np.zeros((1, model.img_dim), dtype=np.float32)
         widths = (m.embed_images(probe).shape[1] for m in (model, earlier.index.model))
         return bool(next(widths) == next(widths))
 
     def embed_behind(self, gallery: Callable[[], Gallery]) -> None:
-        """Embed the gallery with each served version whose candidates come from an earlier
-        version's index, and swap the new index in (the version served by then may be newer
-        still: its candidates then come from this fresher index)."""
-        for name in list(self.served):
-            current = self.served[name]
-            if current.index_version >= current.version:
-                continue
+        """Embed the gallery with the newest version of each model that embeds raw vectors
+        and swap it in with its index; a newer version served meanwhile (``wait_for_index``
+        off) takes the fresher index."""
+        for name, staged in list(self._staged.items()):
             started = time.perf_counter()
-            index = EmbeddedGallery.build(current.version, current.model, gallery())
-            with self._swap:
-                latest = self.served[name]
-                index = index.covering(gallery())
-                took = time.perf_counter() - started
-                if latest.index_version < index.version:
-                    self.served[name] = replace(latest, index=index, index_seconds=took)
-            log.info("%s: gallery embedded by version %d in %.2f s (serving version %d)", name,
-                     index.version, took, self.served[name].version)
+            index = EmbeddedGallery.build(staged.version, staged.model, gallery())
+            took = time.perf_counter() - started
+
+            def pick(current: ServedModel | None, staged: ServedModel = staged,
+                     index: EmbeddedGallery = index) -> _Swap | None:
+                if current is None or current.version <= staged.version:
+                    return staged, index
+                # A newer version answers from an earlier index: this one is fresher.
+                return (current, index) if current.index_version < index.version else None
+
+            self._swap_in(name, pick, gallery, took)
+            if self._staged.get(name) is staged:
+                del self._staged[name]
+            log.info("serving %s version %d (%d pairs seen; gallery embedded by version %d in "
+                     "%.2f s)", name, self.served[name].version, self.served[name].head.get(
+                         "pairs_seen", 0), index.version, took)
 
     def keep_features(self, gallery: Gallery) -> None:
         """Drop the gallery features no served model reads any more (an earlier version's
