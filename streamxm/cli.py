@@ -576,6 +576,9 @@ def _bench_service_commands(
                      help="answers checked against the exact ranking of their version")
     qry.add_argument("--candidates", type=int, default=100,
                      help="STREAMXM_SEARCH_CANDIDATES of the API")
+    qry.add_argument("--no-wait-for-index", dest="wait_for_index", action="store_false",
+                     help="STREAMXM_WAIT_FOR_INDEX=false: sam and cmomks serve a version at "
+                     "once, candidates from the earlier version's index")
     sk = bench_sub.add_parser("soak", help="long push/learn/query run sampling resident memory")
     sk.add_argument("--minutes", type=float, default=20.0)
     sk.add_argument("--rate", type=float, default=100.0, help="pairs pushed per second")

@@ -148,7 +148,8 @@ class _ExactScores:
 
 def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, clients: int = 32,
           seconds: float = 30.0, k: int = 10, model: str = "cmos", recall_sample: int = 200,
-          candidates: int = 100, seed: int = 0) -> dict[str, Any]:
+          candidates: int = 100, seed: int = 0, wait_for_index: bool = True
+          ) -> dict[str, Any]:
     """``/v1/search`` under ``clients`` concurrent connections for ``seconds`` while a worker
     learns from the stream and checkpoints every 2 s; image and text queries alternate.
 
@@ -171,7 +172,8 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
               for m, v in queries]
     # Checkpoints and segments on disk (the directory store): Redis then holds only the stream.
     with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000,
-               checkpoint_store="dir", search_candidates=candidates) as st:
+               checkpoint_store="dir", search_candidates=candidates,
+               wait_for_index=wait_for_index) as st:
         client = StreamClient(st.r, NAMESPACE)
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
             client.push_pairs([make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
@@ -206,6 +208,7 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
     return {
         "benchmark": "query", "gallery": gallery, "img_dim": img_dim, "txt_dim": txt_dim,
         "model": model, "k": k, "clients": clients, "candidates": candidates,
+        "wait_for_index": wait_for_index,
         "seconds": round(elapsed, 2),
         "requests": len(ms), "requests_per_s": round(len(ms) / elapsed, 1),
         "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
