@@ -1,8 +1,8 @@
 """The newest checkpoint version of every model, hot-swapped. A model with a linear head is
 swapped once its new version has embedded the whole gallery (one product), so its answers are
-the exact ranking of the version they name; a model that embeds raw vectors (sam, cmomks) is
-swapped at once and ranks candidates from the newest index while a background pass embeds the
-gallery again (or waits for it, ``wait_for_index``)."""
+the exact ranking of the version they name; a model that embeds raw vectors (sam, cmomks) has
+its new version embed the gallery on the index thread and is swapped in then (or at once,
+``wait_for_index`` off, ranking candidates from the earlier version's index meanwhile)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ class ServedVersions:
     gallery keeps for it (one product) before it is swapped in; until then the previous
     version answers, and the lag (:meth:`lag`) says for how long a newer one has existed.
     A model that embeds raw vectors pays a forward pass over every item per version (sam's
-    towers: seconds at 100,000 items), longer than a worker takes to write the next version;
-    its new version is swapped in at once and searches the newest index there is, its
-    candidates re-ranked by the new version's exact scores, while :meth:`embed_behind` embeds
-    the gallery with the newest version in the background.
+    towers: seconds at 100,000 items), longer than a worker takes to write the next version:
+    :meth:`embed_behind` (the index thread) embeds the gallery with its newest version and
+    swaps both in, so the version thread goes on loading the other models meanwhile. With
+    ``wait_for_index`` off the new version is swapped in at once and searches the newest index
+    there is, its candidates re-ranked by its exact scores, until then.
 
     Parameters
     ----------
@@ -54,7 +55,7 @@ class ServedVersions:
         Checkpoint store the workers write to.
     wait_for_index
         Swap a model that embeds raw vectors in only once its version has embedded the
-        gallery, as a linear head is: every answer exact, the lag about two embedding passes.
+        gallery, as a linear head is: every answer exact, the lag up to two embedding passes.
     """
 
     def __init__(self, store: CheckpointStore, wait_for_index: bool = D.WAIT_FOR_INDEX) -> None:
