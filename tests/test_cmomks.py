@@ -137,6 +137,37 @@ def test_state_round_trip_continues_identically_even_before_the_pool_is_full() -
     np.testing.assert_allclose(emb, a.model.similarity(probe_i, probe_t), rtol=1e-4, atol=1e-6)
 
 
+def test_a_new_version_recomputes_only_its_rewritten_support_slots_of_the_index_rows() -> None:
+    """``index_rows_since`` (the server's next index from the previous version's) equals the
+    new version's own ``index_rows``, with the columns of the slots not written since copied;
+    a model whose pool is not the earlier one's recomputes all of them."""
+    pairs = class_stream(300, 6, 4, seed=3)
+    params = {"kernels": KERNELS, "landmarks": 20, "budget": 60, "triplets_per_pair": 2}
+    learner = StreamLearner("cmomks", 6, 4, params, seed=0)
+    learner.learn(pairs[:100])
+    learner.flush()
+    earlier = StreamLearner.from_state(*learner.state()).model
+    learner.learn(pairs[100:110])
+    learner.flush()
+    later = StreamLearner.from_state(*learner.state()).model
+    assert isinstance(earlier, CMOMKS) and isinstance(later, CMOMKS)
+    gallery = {"image": np.stack([p.img for p in pairs[150:]]),
+               "text": np.stack([p.txt for p in pairs[150:]])}
+    for modality, side, before in (("image", later.img_side, earlier.img_side),
+                                   ("text", later.txt_side, earlier.txt_side)):
+        written = side.rewritten(before, later.support_size, earlier.support_size)
+        assert 0 < len(written) < later.budget  # some slots, not all: a partial recompute
+        kept = earlier.index_rows(modality, gallery[modality])
+        since = later.index_rows_since(earlier, modality, kept, gallery[modality])
+        assert since is not None
+        np.testing.assert_allclose(since, later.index_rows(modality, gallery[modality]),
+                                   rtol=1e-5, atol=1e-6)
+        other_pool = StreamLearner("cmomks", 6, 4, params, seed=0)
+        other_pool.learn(pairs[200:])
+        assert other_pool.model.index_rows_since(earlier, modality, kept,
+                                                 gallery[modality]) is None
+
+
 def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
         r: redis.Redis, settings: Settings) -> None:
     pairs = class_stream(300, 6, 4, seed=7)

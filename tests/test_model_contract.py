@@ -117,6 +117,26 @@ def test_embeddings_inner_products_are_the_similarity(model: str) -> None:
 
 
 @pytest.mark.parametrize("model", MODEL_NAMES)
+def test_index_rows_against_index_queries_are_the_similarity(model: str) -> None:
+    """What a server's embedded index keeps (``index_rows``) scores against a query of the other
+    modality (``index_query``) as the similarity does, both ways."""
+    pairs = class_stream(240, IMG, TXT, seed=0)
+    learner = StreamLearner(model, IMG, TXT, SMALL.get(model, {}), seed=0)
+    learner.learn(pairs)
+    learner.flush()
+    m = learner.model
+    probe_i = np.stack([p.img for p in pairs[:7]]) + 0.01
+    probe_t = np.stack([p.txt for p in pairs[:9]]) + 0.01
+    want = m.similarity(probe_i, probe_t)
+    i2t = m.index_query("image", probe_i).astype(np.float64) @ m.index_rows(
+        "text", probe_t).astype(np.float64).T
+    t2i = m.index_rows("image", probe_i).astype(np.float64) @ m.index_query(
+        "text", probe_t).astype(np.float64).T
+    np.testing.assert_allclose(i2t, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(t2i, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
 def test_the_rolling_evaluation_scores_as_the_similarity_does(model: str) -> None:
     """``evaluation_scores`` (kept features of the stored pairs, or the similarity) gives the
     arriving pair's scores against the newest stored pairs that :meth:`similarity` gives, as

@@ -177,6 +177,49 @@ def test_a_raw_vector_index_carries_the_embeddings_of_rows_it_holds() -> None:
                                       np.vstack(index.blocks(modality)))
 
 
+def test_cmomks_builds_a_new_version_index_from_the_earlier_versions_rows() -> None:
+    """cmomks's next index recomputes only the support slots written since the version whose
+    index the server holds, for the chunks that index has (a new chunk is computed whole), and
+    ranks as the new version's own index built from nothing."""
+    pairs = class_stream(400, 8, 4, seed=6)
+    params = {"landmarks": 20, "budget": 60, "triplets_per_pair": 2}
+    learner = StreamLearner("cmomks", 8, 4, params, seed=0)
+    learner.learn(pairs[:150])
+    learner.flush()
+    earlier = StreamLearner.from_state(*learner.state()).model
+    learner.learn(pairs[150:160])
+    learner.flush()
+    later = StreamLearner.from_state(*learner.state()).model
+
+    def chunk(rows: list[Pair]) -> GalleryChunk:
+        return GalleryChunk.of(np.array([p.id for p in rows]), np.vstack([p.img for p in rows]),
+                               np.vstack([p.txt for p in rows]))
+
+    held = chunk(pairs[200:300])
+    index = EmbeddedGallery.build(1, earlier, Gallery((held,)))
+    gallery = Gallery((held, chunk(pairs[300:])))
+    computed: list[int] = []
+    index_rows = later.index_rows
+
+    def counted(modality: str, x: np.ndarray) -> np.ndarray:
+        computed.append(len(x))
+        return index_rows(modality, x)
+
+    object.__setattr__(later, "index_rows", counted)
+    since = EmbeddedGallery.build(2, later, gallery, index)
+    assert computed == [100, 100]  # the new chunk's rows, both modalities: the held one updated
+    fresh = EmbeddedGallery.build(2, later, gallery)
+    for modality in ("image", "text"):
+        for got, want in zip(since.blocks(modality), fresh.blocks(modality), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert not np.array_equal(since.blocks(modality)[0], index.blocks(modality)[0])
+    query = later.index_query("image", pairs[5].img[None, :])[0]
+    np.testing.assert_allclose(since.blocks("text")[0] @ query,
+                               later.similarity(pairs[5].img[None, :],
+                                                np.vstack([p.txt for p in pairs[200:300]]))[0],
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_pinned_versions_keep_the_most_recent_few_and_refuse_a_corrupt_one(
         settings: Settings, r: redis.Redis) -> None:
     cfg = _learned(settings, r, 400)

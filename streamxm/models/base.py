@@ -266,6 +266,27 @@ class CrossModalModel(ABC):
         when there is no such form now: the server then embeds the raw vectors."""
         return None
 
+    # -- the rows a server's embedded index keeps ------------------------------------------------
+    def index_rows(self, modality: str, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        """The rows a server's index keeps for gallery items of ``modality``, scored against
+        :meth:`index_query` of a query of the other modality: ``similarity = row . query``.
+        The default: the embeddings. A model may keep rows that change less between its
+        versions than its embeddings (cmomks: kernel terms, its learned weights moved into the
+        query), so that a new version recomputes part of them (:meth:`index_rows_since`)."""
+        return self.embed_images(x) if modality == "image" else self.embed_texts(x)
+
+    def index_query(self, modality: str, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        """Queries of ``modality`` against the other modality's :meth:`index_rows`."""
+        return self.embed_images(x) if modality == "image" else self.embed_texts(x)
+
+    def index_rows_since(self, earlier: CrossModalModel, modality: str,
+                         kept: NDArray[np.float32], x: NDArray[np.floating]
+                         ) -> NDArray[np.float32] | None:
+        """:meth:`index_rows` of the items ``x``, given ``earlier``'s rows ``kept`` of the same
+        items, recomputing only what changed since that version; ``None`` (the default) when
+        that is not possible: the server then computes them all."""
+        return None
+
     @abstractmethod
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         """Learned state as named arrays plus JSON-serialisable metadata."""

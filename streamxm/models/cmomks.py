@@ -91,9 +91,11 @@ class _Side:
         return out
 
     def kernels(self, parts: list[NDArray[np.float32]], points: list[NDArray[np.float32]],
-                points_sq: list[NDArray[np.float32]] | None = None) -> F64:
+                points_sq: list[NDArray[np.float32]] | None = None,
+                dtype: type[np.floating] = np.float64) -> F64:
         """(M, n, p): raw kernel values between prepared rows and prepared points (whose squared
-        norms may be given, to spare a pass over large stored arrays)."""
+        norms may be given, to spare a pass over large stored arrays), in ``dtype`` (learning:
+        float64; a server's index rows: float32, whose exponentials cost a fifth)."""
         dists = []
         for b, (part, pts) in enumerate(zip(parts, points, strict=True)):
             pts_sq = np.einsum("ij,ij->i", pts, pts) if points_sq is None else points_sq[b]
@@ -101,18 +103,24 @@ class _Side:
             # points); with the rows on the left it packs the points first, twice the time.
             d = (np.einsum("ij,ij->i", part, part)[:, None] + pts_sq[None, :]
                  - 2 * (pts @ part.T).T)
-            dists.append(np.maximum(d, 0.0, dtype=np.float64))
-        return np.stack([np.exp(-g * dists[b]) for b, g in zip(self.block_of, self.gammas,
-                                                                strict=True)])
+            dists.append(np.maximum(d, 0.0, dtype=dtype))
+        out = np.empty((len(self.block_of), *dists[0].shape), dtype=dtype)
+        for j, (b, g) in enumerate(zip(self.block_of, self.gammas, strict=True)):
+            np.exp(np.multiply(dists[b], -g, out=out[j]), out=out[j])  # in place: n x p is large
+        return out
 
     def pool_points(self) -> list[NDArray[np.float32]]:
         return [p[: self.pool_size] for p in self.pool]
 
-    def centred_to_pool(self, parts: list[NDArray[np.float32]]) -> tuple[F64, F64]:
+    def centred_to_pool(self, parts: list[NDArray[np.float32]],
+                        dtype: type[np.floating] = np.float64) -> tuple[F64, F64]:
         """``k~(x, r)`` for every pool point ``r``, (M, n, P), and ``m(x)``, (M, n)."""
-        k = self.kernels(parts, self.pool_points(), [q[: self.pool_size] for q in self.pool_sq])
-        m_x = k.mean(axis=2)
-        return k - m_x[:, :, None] - self.pool_m[:, None, :] + self.c[:, None, None], m_x
+        k = self.kernels(parts, self.pool_points(), [q[: self.pool_size] for q in self.pool_sq],
+                         dtype)
+        m_x = k.mean(axis=2, dtype=np.float64)
+        k -= (self.pool_m - self.c[:, None]).astype(dtype)[:, None, :]
+        k -= m_x[:, :, None].astype(dtype)
+        return k, m_x
 
     def close_pool(self) -> None:
         k = self.kernels(self.pool_points(), self.pool_points())
@@ -126,13 +134,48 @@ class _Side:
 
     def centred_to_support(self, parts: list[NDArray[np.float32]], m_x: F64, used: int) -> F64:
         """``sum_c coef_kc k~(x, x_kc)`` for every support triplet ``k``: (M, n, used)."""
-        if used == 0:
+        return self.centred_to_slots(parts, m_x, slice(0, used))
+
+    def centred_to_slots(self, parts: list[NDArray[np.float32]], m_x: F64,
+                         slots: slice | NDArray[np.int64],
+                         dtype: type[np.floating] = np.float64) -> F64:
+        """:meth:`centred_to_support` for the support triplets in ``slots`` only (a slice of
+        slots from 0 reads the stored points in place), the kernels in ``dtype``."""
+        count = len(range(len(self.coef))[slots]) if isinstance(slots, slice) else len(slots)
+        if count == 0:
             return np.zeros((len(self.block_of), len(parts[0]), 0))
-        pts = [s[:used].reshape(used * 2, s.shape[2]) for s in self.support]
-        k = self.kernels(parts, pts, [q[: used * 2] for q in self.support_sq])
-        k = k.reshape(len(self.block_of), len(parts[0]), used, 2)
-        k = k - m_x[:, :, None, None] - self.support_m[:, None, :used] + self.c[:, None, None, None]
-        return np.asarray(np.einsum("mnkc,kc->mnk", k, self.coef[:used]))
+        pts = [s[slots].reshape(count * 2, s.shape[2]) for s in self.support]
+        if isinstance(slots, slice):
+            pts_sq = [q[: count * 2] for q in self.support_sq]
+        else:
+            pts_sq = [q.reshape(-1, 2)[slots].ravel() for q in self.support_sq]
+        k = self.kernels(parts, pts, pts_sq, dtype).reshape(len(self.block_of), len(parts[0]),
+                                                             count, 2)
+        # The centring summed over each triplet's points: sum_c coef_c (k_c - m(x) - m(x_c) + c)
+        # = sum_c coef_c k_c - (m(x) - c) sum_c coef_c - sum_c coef_c m(x_c), so only one pass
+        # reads the (M, n, slots, 2) kernels.
+        coef = self.coef[slots].astype(np.float64)
+        weight = coef.sum(axis=1)
+        offset = np.einsum("mkc,kc->mk", self.support_m[:, slots], coef)
+        summed = np.einsum("mnkc,kc->mnk", k, coef.astype(dtype))
+        summed -= ((m_x - self.c[:, None])[:, :, None] * weight).astype(dtype)
+        summed -= offset[:, None, :].astype(dtype)
+        return np.asarray(summed)
+
+    def same_pool(self, other: _Side) -> bool:
+        """Whether ``other`` has this side's closed landmark pool (so its kernels centre alike)."""
+        return (self.pool_size == other.pool_size and np.array_equal(self.c, other.c)
+                and all(np.array_equal(a, b) for a, b in zip(self.pool, other.pool, strict=True)))
+
+    def rewritten(self, before: _Side, used: int, used_before: int) -> NDArray[np.int64]:
+        """The support slots below ``used`` whose triplet is not ``before``'s (written since, or
+        not filled there)."""
+        same = np.arange(used) < used_before
+        for mine, theirs in zip(self.support, before.support, strict=True):
+            same &= (mine[:used] == theirs[:used]).all(axis=(1, 2))
+        same &= (self.coef[:used] == before.coef[:used]).all(axis=1)
+        same &= (self.support_m[:, :used] == before.support_m[:, :used]).all(axis=(0, 2))
+        return np.flatnonzero(~same).astype(np.int64)
 
     def put(self, slot: int, parts: list[NDArray[np.float32]], m_x: F64,
             coef: tuple[float, float]) -> None:
@@ -161,8 +204,8 @@ class _Side:
         block of width ``w`` the float32 product ``gemm(n, p, w)`` (the points read once),
         ``2 x`` and the rows' squared norms (``3 n w``), the points' norms when not given
         (``2 p w``), the distances ``|x|^2 + |y|^2 - 2 x.y`` clipped into float64 (``3 n p``
-        flops, 7 float32 passes); per kernel pair ``exp(-gamma d)`` and the stack
-        (``2 M n p`` flops, ``exp`` counted as one, 6 float64 passes)."""
+        flops, 7 float32 passes); per kernel pair ``exp(-gamma d)`` in place (``2 M n p`` flops,
+        ``exp`` counted as one, 4 float64 passes)."""
         total = Work()
         for start, stop in self.blocks:
             width = stop - start
@@ -172,7 +215,7 @@ class _Side:
             if not norms_given:
                 total += elementwise(points * width, 4, flops_per_item=2.0, passes=1.0)
         return total + elementwise(len(self.block_of) * rows * points, 8, flops_per_item=2.0,
-                                   passes=6.0)
+                                   passes=4.0)
 
     def pool_work(self, rows: int) -> Work:
         """:meth:`centred_to_pool` of ``rows`` rows: the kernels to the ``P`` pool points, their
@@ -245,6 +288,11 @@ class CMOMKS(CrossModalModel, name="cmomks"):
       ``[A_j^T k~_P(v), tau_jk <phi_j(v), a_k>]`` and a text ``[k~_P(t), <b_k, psi_j(t)>]``
       (``len(kernels) * (landmarks + budget)`` numbers), so ``f`` is their inner product and the
       shared inner-product search serves it.
+    - **Search index**: a server keeps, per kernel pair, the centred kernels of each gallery
+      item to the pool and to every support triplet (:meth:`index_rows`) and moves ``A``,
+      ``tau`` and ``theta`` into the query (:meth:`index_query`): a new version recomputes the
+      columns of the support slots written since the version whose rows the server holds, and
+      the pool's kernels never (:meth:`index_rows_since`).
     - **Several ranks** (``streamxm worker --world-size N``): rank 0 learns alone and the others
       wait. Parameter mixing needs the ranks' parameters to be coordinates in one basis, and
       CMOMKS's are not: each rank's support triplets (the budget ring) are the triplets it drew
@@ -505,6 +553,74 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self, imgs: NDArray[np.floating], txts: NDArray[np.floating]
     ) -> NDArray[np.float64]:
         return np.asarray(np.einsum("m,mij->ij", self.theta, self.kernel_scores(imgs, txts)))
+
+    # -- the rows a server's index keeps ---------------------------------------------------
+    def index_rows(self, modality: str, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        """Per kernel pair ``[k~_P(x), sum_c coef_kc k~(x, x_kc)]`` (the centred kernels to the
+        pool and to each support triplet: they change only where a support slot is written,
+        never with ``A``, ``tau`` or ``theta``, which :meth:`index_query` carries), then the
+        ``M`` pool means ``m_j(x)``, which the query weighs 0: kept so that a later version
+        recomputes its rewritten slots' columns without the pool's kernels
+        (:meth:`index_rows_since`)."""
+        m, rows = len(self.kernels), len(np.atleast_2d(x))
+        if not self.pool_full:
+            return self._index_flat(np.zeros((m, rows, 0)), np.zeros((m, rows)))
+        side = self.img_side if modality == "image" else self.txt_side
+        parts = side.prep(x)
+        to_pool, m_x = side.centred_to_pool(parts, np.float32)
+        support = side.centred_to_slots(parts, m_x, slice(0, self.support_size), np.float32)
+        return self._index_flat(np.concatenate([to_pool, support], axis=2), m_x)
+
+    def index_query(self, modality: str, x: NDArray[np.floating]) -> NDArray[np.float32]:
+        """An image query as :meth:`embed_images`; a text query ``theta_j [A_j k~_P(t),
+        tau_jk <b_k, psi_j(t)>]`` (``A`` applied from the text side); both with ``M`` zeros
+        for the rows' pool means."""
+        m, rows = len(self.kernels), len(np.atleast_2d(x))
+        if not self.pool_full:
+            return self._index_flat(np.zeros((m, rows, 0)), np.zeros((m, rows)))
+        if modality == "image":
+            terms = self._image_terms(x)
+        else:
+            to_pool, support = self._features(self.txt_side, x)
+            terms = np.concatenate([np.matmul(to_pool, self.A.transpose(0, 2, 1)),
+                                    support * self.tau[:, None, : self.support_size]], axis=2)
+        return self._index_flat(terms * self.theta[:, None, None], np.zeros((m, rows)))
+
+    def index_rows_since(self, earlier: CrossModalModel, modality: str,
+                         kept: NDArray[np.float32], x: NDArray[np.floating]
+                         ) -> NDArray[np.float32] | None:
+        """``kept`` with the columns of the support slots written since ``earlier`` recomputed
+        (the pool means read from ``kept``); ``None`` unless ``earlier`` is an earlier version
+        of this model (same settings, the same closed pool, no larger support)."""
+        if not (isinstance(earlier, CMOMKS) and self.pool_full and earlier.pool_full
+                and kept.shape[1] == self._index_width()
+                and self._settings() == earlier._settings()
+                and earlier.support_size <= self.support_size):
+            return None
+        side = self.img_side if modality == "image" else self.txt_side
+        before = earlier.img_side if modality == "image" else earlier.txt_side
+        if not side.same_pool(before):
+            return None
+        slots = side.rewritten(before, self.support_size, earlier.support_size)
+        out = np.array(kept, dtype=np.float32)
+        if len(slots):
+            m, width = len(self.kernels), self.landmarks + self.budget
+            m_x = kept[:, -m:].T.astype(np.float64)
+            values = side.centred_to_slots(side.prep(x), m_x, slots, np.float32)  # (M, n, slots)
+            columns = np.arange(m)[:, None] * width + self.landmarks + slots[None, :]
+            out[:, columns.ravel()] = values.transpose(1, 0, 2).reshape(len(out), -1)
+        return out
+
+    def _settings(self) -> tuple[object, ...]:
+        """What two versions share when one's index rows can be the other's."""
+        return (tuple(self.kernels), self.landmarks, self.budget, self.power)
+
+    def _index_width(self) -> int:
+        return len(self.kernels) * (self.landmarks + self.budget + 1)
+
+    def _index_flat(self, terms: F64, m_x: F64) -> NDArray[np.float32]:
+        """:meth:`_flat` of ``terms`` followed by the ``M`` columns of ``m_x`` (M, n)."""
+        return np.hstack([self._flat(terms), m_x.T.astype(np.float32)])
 
     # -- the work counted (streamxm/models/work.py) ------------------------------------------
     def learning_work(self) -> Work:

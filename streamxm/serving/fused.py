@@ -30,11 +30,13 @@ def scan_query(model: CrossModalModel, modality: str, target: str, vector: F32
                ) -> tuple[F32, float]:
     """``(query, c)`` with the model's score of an item ``= row . query + c``, ``row`` being
     the item's row in the member's scanned blocks (unit rows for a fixed space, else the
-    version's embedding)."""
+    version's index rows: :meth:`~streamxm.models.base.CrossModalModel.index_rows`)."""
     if model.fixed_space:
         transform = model.queries_for_texts if target == "text" else model.queries_for_images
         moved, constant = transform(vector[None, :])
         return moved[0].astype(np.float32), float(constant[0])
+    if target != modality:
+        return model.index_query(modality, vector[None, :])[0].astype(np.float32), 0.0
     embed = model.embed_images if modality == "image" else model.embed_texts
     return embed(vector[None, :])[0].astype(np.float32), 0.0
 

@@ -7,7 +7,6 @@ swap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -148,20 +147,31 @@ class EmbeddedGallery:
         missing = np.ones(len(chunk), dtype=bool)
         missing[rows] = False
         blocks = []
-        for modality, embed in (("image", self.model.embed_images),
-                                ("text", self.model.embed_texts)):
+        for modality in ("image", "text"):
             known = self.embedded_at(source, modality)
             out = np.empty((len(chunk), known.shape[1]), dtype=np.float32)
             out[rows] = known
             if missing.any():
-                out[missing] = _embedded_raw(embed, chunk, modality, np.flatnonzero(missing))
+                out[missing] = _embedded_raw(self.model, chunk, modality,
+                                             np.flatnonzero(missing))
             blocks.append(out)
         return chunk, blocks[0], blocks[1]
 
     @classmethod
-    def build(cls, version: int, model: CrossModalModel, gallery: Gallery) -> EmbeddedGallery:
+    def build(cls, version: int, model: CrossModalModel, gallery: Gallery,
+              earlier: EmbeddedGallery | None = None) -> EmbeddedGallery:
+        """``model``'s index of ``gallery``; ``earlier`` (an earlier version's index) lends the
+        rows of the chunks it holds to a model that recomputes only what changed since
+        (:meth:`~streamxm.models.base.CrossModalModel.index_rows_since`)."""
         heads = _heads(model)
-        return cls(version, model, tuple(_embed(model, heads, c) for c in gallery.chunks))
+        known = {id(e[0]): e for e in earlier.embedded} if earlier is not None else {}
+        embedded = []
+        for chunk in gallery.chunks:
+            found = known.get(id(chunk))
+            since = (_embedded_since(model, earlier.model, found)
+                     if found is not None and earlier is not None else None)
+            embedded.append(since or _embed(model, heads, chunk))
+        return cls(version, model, tuple(embedded))
 
 
 def _heads(model: CrossModalModel) -> dict[str, LinearHead | None]:
@@ -189,11 +199,37 @@ def feature_keys(model: CrossModalModel) -> set[tuple[object, ...]]:
 def _embed(model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: GalleryChunk
            ) -> tuple[GalleryChunk, Block, Block]:
     blocks = []
-    for modality, embed in (("image", model.embed_images), ("text", model.embed_texts)):
+    for modality in ("image", "text"):
         head = heads[modality]
         rows = (head.embed(chunk.features(modality, head.features)) if head is not None
-                else _embedded_raw(embed, chunk, modality))
-        blocks.append(rows if rows.shape[1] <= EXACT_SCAN_DIMS else index_block(rows))
+                else _embedded_raw(model, chunk, modality))
+        blocks.append(_scanned(rows))
+    return chunk, blocks[0], blocks[1]
+
+
+def _scanned(rows: NDArray[np.float32]) -> Block:
+    return rows if rows.shape[1] <= EXACT_SCAN_DIMS else index_block(rows)
+
+
+def _embedded_since(model: CrossModalModel, earlier: CrossModalModel,
+                    found: tuple[GalleryChunk, Block, Block]
+                    ) -> tuple[GalleryChunk, Block, Block] | None:
+    """A chunk's rows for ``model`` from ``earlier``'s (float32) rows of it, when the model
+    recomputes only what changed between the two versions; ``None`` otherwise."""
+    chunk, *kept = found
+    blocks = []
+    for modality, rows in zip(("image", "text"), kept, strict=True):
+        if not isinstance(rows, np.ndarray):
+            return None
+        parts = []
+        for at in range(0, len(chunk), _EMBED_ROWS):
+            which = slice(at, at + _EMBED_ROWS)
+            part = model.index_rows_since(earlier, modality, rows[which],
+                                          chunk.raw(modality, which))
+            if part is None:
+                return None
+            parts.append(part)
+        blocks.append(_scanned(np.concatenate(parts) if parts else rows.copy()))
     return chunk, blocks[0], blocks[1]
 
 
@@ -202,18 +238,18 @@ def _embed(model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: G
 _EMBED_ROWS = 8192
 
 
-def _embedded_raw(embed: Callable[[NDArray[np.float32]], NDArray[np.float32]],
-                  chunk: GalleryChunk, modality: str,
+def _embedded_raw(model: CrossModalModel, chunk: GalleryChunk, modality: str,
                   rows: NDArray[np.int64] | None = None) -> NDArray[np.float32]:
-    """The embeddings of the chunk's raw vectors (``rows``: of those rows only)."""
+    """The index rows of the chunk's raw vectors (``rows``: of those rows only)."""
     size = len(chunk) if rows is None else len(rows)
 
     def part(at: int) -> NDArray[np.float32]:
         which = slice(at, at + _EMBED_ROWS) if rows is None else rows[at : at + _EMBED_ROWS]
-        return embed(chunk.raw(modality, which)).astype(np.float32)
+        return model.index_rows(modality, chunk.raw(modality, which)).astype(np.float32)
 
     parts = [part(at) for at in range(0, size, _EMBED_ROWS)]
-    return np.concatenate(parts) if parts else embed(chunk.raw(modality)).astype(np.float32)
+    return np.concatenate(parts) if parts else model.index_rows(
+        modality, chunk.raw(modality)).astype(np.float32)
 
 
 @dataclass(frozen=True, eq=False)

@@ -106,8 +106,8 @@ class ServedVersions:
                      "waits for its index" if self.wait_for_index
                      else f"serves candidates from version {staged.index_version}'s index")
             return
-        index = None if model.fixed_space else EmbeddedGallery.build(ckpt.version, model,
-                                                                     gallery())
+        index = None if model.fixed_space else EmbeddedGallery.build(
+            ckpt.version, model, gallery(), earlier.index if earlier is not None else None)
         self._staged.pop(name, None)
         served = ServedModel(name=name, version=ckpt.version, model=model, head=head,
                              loaded_at=time.time())
@@ -152,7 +152,8 @@ class ServedVersions:
         off) takes the fresher index."""
         for name, staged in list(self._staged.items()):
             started = time.perf_counter()
-            index = EmbeddedGallery.build(staged.version, staged.model, gallery())
+            index = EmbeddedGallery.build(staged.version, staged.model, gallery(),
+                                          self.served[name].index)
             took = time.perf_counter() - started
 
             def pick(current: ServedModel | None, staged: ServedModel = staged,
