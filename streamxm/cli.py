@@ -620,6 +620,8 @@ def _bench_service_commands(
     vc.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated")
     vc.add_argument("--pairs", type=int, default=1500, help="pairs each model learns first")
     vc.add_argument("--versions", type=int, default=3, help="builds timed per model")
+    vc.add_argument("--pairs-between", type=int, default=20,
+                    help="pairs learned before each later version")
     for p in (ing, e2e, qry, sk, ho, sc, er, vc):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
