@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-long lint install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ test: install
 	$(PY) -m ruff check streamxm api workers tests
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not long"
+
+# The long tests (quality on the benchmark data, long streams): CI runs them after `make test`.
+test-long: install
+	$(PY) -m pytest -q -m long
 
 clean:
 	rm -rf $(VENV) .streamxm

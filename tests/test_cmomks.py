@@ -89,6 +89,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@pytest.mark.long
 def test_budget_keeps_memory_and_time_flat_over_100000_pairs() -> None:
     pairs = class_stream(2000, 8, 4, seed=4)
     learner = StreamLearner("cmomks", 8, 4, {"kernels": KERNELS, "landmarks": 10, "budget": 100,

@@ -183,6 +183,7 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
     assert generations is not None and generations >= 3
 
 
+@pytest.mark.long
 def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
         settings: Settings, r: redis.Redis) -> None:
     """SAM merges every 64 pairs a rank, so one read is several rounds; a checkpoint falling
@@ -259,6 +260,7 @@ def test_poison_pair_on_any_rank_is_dead_lettered_once(settings: Settings,
 _MAP_TOLERANCE = {"pairwise:marginal": 0.01, "cmos": 0.03, "sam": 0.05}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("model", sorted(_MAP_TOLERANCE))
 def test_two_ranks_map_close_to_one(model: str) -> None:
     """Two ranks' test mAP on Wikipedia (mean of both directions) against one rank's, through

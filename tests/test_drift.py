@@ -18,7 +18,9 @@ FAST = {"cmomks": {"budget": 200, "landmarks": 100}, "sam": {"hidden": 64, "dim"
 
 
 # CMOMKS's kernels take seconds over 2,400 pairs: part of the slow set.
-MODELS = [pytest.param(m, marks=pytest.mark.slow) if m == "cmomks" else m for m in MODEL_NAMES]
+#: cmomks and sam learn these streams slowest: they run with the long tests (`make test-long`).
+MODELS = [pytest.param(m, marks=[pytest.mark.slow, pytest.mark.long]) if m in ("cmomks", "sam")
+          else m for m in MODEL_NAMES]
 
 
 def relation_switch_stream(seed: int, n: int, switch: int) -> list[Pair]:

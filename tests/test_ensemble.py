@@ -130,6 +130,7 @@ def test_ensemble_over_http(r: redis.Redis, learned: tuple[Settings, list]) -> N
         assert "ensemble:" not in text
 
 
+@pytest.mark.long
 def test_bench_quality_scores_an_ensemble_beside_its_members() -> None:
     fused = quality("wiki", "ensemble:cca+pairwise:marginal")
     alone = {m: quality("wiki", m) for m in ("cca", "pairwise:marginal")}

@@ -541,6 +541,7 @@ def test_api_serves_sam_and_reembeds_its_gallery_on_swap(r: redis.Redis,
         thread.join(timeout=30)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not SHARED_WIKI.exists(), reason="../shared/datasets not present")
 def test_offline_quality_on_wikipedia() -> None:
     result = quality(SHARED_WIKI, "sam", protocol="offline", seed=0)

@@ -137,7 +137,8 @@ def test_cmos_replays_remembered_queries_during_a_burst_only() -> None:
         StreamLearner("cmos", 8, 4, {"replay": -1})
 
 
-@pytest.mark.parametrize("model", ["cmos", "cmomks", "pairwise", "pairwise:marginal"])
+@pytest.mark.parametrize("model", ["cmos", pytest.param("cmomks", marks=pytest.mark.long),
+                                   "pairwise", "pairwise:marginal"])
 def test_a_well_mixed_stream_is_learned_exactly_as_without_memory(model: str) -> None:
     """The memory is drawn from during a burst only: on a stream whose classes are mixed
     (never a burst) a learner with a memory learns bit for bit as one with the ring alone,
@@ -269,6 +270,7 @@ def test_each_model_gets_its_own_memory_unless_told(model: str) -> None:
         assert set(learner.buffer.labels[: learner.buffer.recent, 0].tolist()) <= {1, 2, 3}
 
 
+@pytest.mark.long
 def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
         tmp_path: Path) -> None:
     """``streamxm bench order --seeds`` runs each model in file order, class order and with
