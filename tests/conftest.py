@@ -18,6 +18,7 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
+from streamxm.models import CrossModalModel
 from streamxm.service import open_store
 from streamxm.serving.httpserver import server_options
 from streamxm.stream.keys import Keys
@@ -188,6 +189,19 @@ def stats(r: redis.Redis, keys: Keys, model: str = "cmos") -> dict[str, str]:
 
 def processed(r: redis.Redis, keys: Keys) -> int:
     return int(stats(r, keys).get("pairs_processed", 0))
+
+
+def two_versions(name: str, pairs: list[Pair], params: dict[str, object], first: int,
+                 then: int) -> tuple[CrossModalModel, CrossModalModel]:
+    """Two checkpointed versions of one learner, as a server loads them: after ``pairs[:first]``
+    and after ``then`` more."""
+    learner = StreamLearner(name, len(pairs[0].img), len(pairs[0].txt), params, seed=0)
+    versions = []
+    for part in (pairs[:first], pairs[first : first + then]):
+        learner.learn(part)
+        learner.flush()
+        versions.append(StreamLearner.from_state(*learner.state()).model)
+    return versions[0], versions[1]
 
 
 def latest(settings: Settings, r: redis.Redis) -> StreamLearner:

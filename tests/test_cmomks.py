@@ -14,7 +14,7 @@ from streamxm.service import build_worker, open_store
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import make_pair
-from tests.conftest import class_stream
+from tests.conftest import class_stream, two_versions
 
 KERNELS = [{"img_gamma": 0.5, "txt_gamma": 0.5}, {"img_gamma": 4.0, "txt_gamma": 2.0}]
 
@@ -144,13 +144,7 @@ def test_a_new_version_recomputes_only_its_rewritten_support_slots_of_the_index_
     a model whose pool is not the earlier one's recomputes all of them."""
     pairs = class_stream(300, 6, 4, seed=3)
     params = {"kernels": KERNELS, "landmarks": 20, "budget": 60, "triplets_per_pair": 2}
-    learner = StreamLearner("cmomks", 6, 4, params, seed=0)
-    learner.learn(pairs[:100])
-    learner.flush()
-    earlier = StreamLearner.from_state(*learner.state()).model
-    learner.learn(pairs[100:110])
-    learner.flush()
-    later = StreamLearner.from_state(*learner.state()).model
+    earlier, later = two_versions("cmomks", pairs, params, 100, 10)
     assert isinstance(earlier, CMOMKS) and isinstance(later, CMOMKS)
     gallery = {"image": np.stack([p.img for p in pairs[150:]]),
                "text": np.stack([p.txt for p in pairs[150:]])}

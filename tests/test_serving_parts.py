@@ -23,7 +23,7 @@ from streamxm.storage.segments import read_manifest
 from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits, Pair, make_pair
-from tests.conftest import class_stream, latest
+from tests.conftest import class_stream, latest, two_versions
 from tests.test_model_contract import SMALL
 
 
@@ -183,13 +183,7 @@ def test_cmomks_builds_a_new_version_index_from_the_earlier_versions_rows() -> N
     ranks as the new version's own index built from nothing."""
     pairs = class_stream(400, 8, 4, seed=6)
     params = {"landmarks": 20, "budget": 60, "triplets_per_pair": 2}
-    learner = StreamLearner("cmomks", 8, 4, params, seed=0)
-    learner.learn(pairs[:150])
-    learner.flush()
-    earlier = StreamLearner.from_state(*learner.state()).model
-    learner.learn(pairs[150:160])
-    learner.flush()
-    later = StreamLearner.from_state(*learner.state()).model
+    earlier, later = two_versions("cmomks", pairs, params, 150, 10)
 
     def chunk(rows: list[Pair]) -> GalleryChunk:
         return GalleryChunk.of(np.array([p.id for p in rows]), np.vstack([p.img for p in rows]),
