@@ -217,6 +217,7 @@ def _settled(r: redis.Redis, keys: Keys) -> bool:
         return False
 
 
+@pytest.mark.long
 def test_cluster_bench_ingest_reports_one_and_three_namespaces() -> None:
     from streamxm.tools.bench_ingest import ingest
 

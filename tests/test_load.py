@@ -15,6 +15,7 @@ from streamxm.tools.stack import rss_mb
 pytestmark = pytest.mark.slow  # whole stacks of processes: a minute or more
 
 
+@pytest.mark.long
 def test_ingest_reports_client_http_and_redis_benchmark_rates() -> None:
     result = ingest(img_dim=16, txt_dim=8, pairs=300, http_batch=50, repeats=1)
     assert result["client_pairs_per_s"] > 0 and result["http_pairs_per_s"] > 0

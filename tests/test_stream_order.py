@@ -204,6 +204,7 @@ def test_the_burst_signal_tells_a_topic_burst_from_a_mixed_stream() -> None:
     assert unlabelled.burst() == 0.0 and unlabelled.drawable() == 200
 
 
+@pytest.mark.long
 def test_the_counts_per_class_stay_bounded_however_many_labels_arrive() -> None:
     """Labels may be ids up to a million: the buffer's counts (and the checkpoint's JSON) keep
     at most 2 * MAX_GROUPS + 1 keys, a random order of 50,000 distinct labels still reads as no

@@ -214,8 +214,9 @@ def _scanned(rows: NDArray[np.float32]) -> Block:
 def _embedded_since(model: CrossModalModel, earlier: CrossModalModel,
                     found: tuple[GalleryChunk, Block, Block]
                     ) -> tuple[GalleryChunk, Block, Block] | None:
-    """A chunk's rows for ``model`` from ``earlier``'s (float32) rows of it, when the model
-    recomputes only what changed between the two versions; ``None`` otherwise."""
+    """A chunk's rows for ``model`` from ``earlier``'s float32 rows of it, when the model
+    recomputes only what changed between the two versions; ``None`` otherwise (or when the
+    earlier rows are reduced-precision codes, kept without their float32)."""
     chunk, *kept = found
     blocks = []
     for modality, rows in zip(("image", "text"), kept, strict=True):
