@@ -139,7 +139,7 @@ def test_state_round_trip_continues_identically_even_before_the_pool_is_full() -
 
 
 def test_a_new_version_recomputes_only_its_rewritten_support_slots_of_the_index_rows() -> None:
-    """``index_rows_since`` (the server's next index from the previous version's) equals the
+    """``index_update`` (the server's next index from the previous version's) equals the
     new version's own ``index_rows``, with the columns of the slots not written since copied;
     a model whose pool is not the earlier one's recomputes all of them."""
     pairs = class_stream(300, 6, 4, seed=3)
@@ -153,14 +153,14 @@ def test_a_new_version_recomputes_only_its_rewritten_support_slots_of_the_index_
         written = side.rewritten(before, later.support_size, earlier.support_size)
         assert 0 < len(written) < later.budget  # some slots, not all: a partial recompute
         kept = earlier.index_rows(modality, gallery[modality])
-        since = later.index_rows_since(earlier, modality, kept, gallery[modality])
-        assert since is not None
+        update = later.index_update(earlier, modality)
+        assert update is not None
+        since = update(kept, gallery[modality])
         np.testing.assert_allclose(since, later.index_rows(modality, gallery[modality]),
                                    rtol=1e-5, atol=1e-6)
         other_pool = StreamLearner("cmomks", 6, 4, params, seed=0)
         other_pool.learn(pairs[200:])
-        assert other_pool.model.index_rows_since(earlier, modality, kept,
-                                                 gallery[modality]) is None
+        assert other_pool.model.index_update(earlier, modality) is None
 
 
 def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -17,13 +18,16 @@ from streamxm.models.moments import ResolveSchedule
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
-__all__ = ["DIRECTIONS", "CrossModalModel", "LearnStats", "MergeParts", "observe_triplet",
-           "require"]
+__all__ = ["DIRECTIONS", "CrossModalModel", "IndexUpdate", "LearnStats", "MergeParts",
+           "observe_triplet", "require"]
 
 #: Query directions: an image query ranks texts (i2t), a text query ranks images (t2i).
 DIRECTIONS = ("i2t", "t2i")
 
 Arrays = dict[str, NDArray[Any]]
+
+#: ``(kept rows, raw vectors) -> rows``: :meth:`CrossModalModel.index_update`'s answer.
+IndexUpdate = Callable[[NDArray[np.float32], NDArray[np.floating]], NDArray[np.float32]]
 
 #: What the ranks of a distributed learner combine after a round, by name: ``(operation,
 #: array)``. Operations (:mod:`streamxm.learning.ranks`): ``"sum"`` adds every rank's change
@@ -272,19 +276,18 @@ class CrossModalModel(ABC):
         :meth:`index_query` of a query of the other modality: ``similarity = row . query``.
         The default: the embeddings. A model may keep rows that change less between its
         versions than its embeddings (cmomks: kernel terms, its learned weights moved into the
-        query), so that a new version recomputes part of them (:meth:`index_rows_since`)."""
+        query), so that a new version recomputes part of them (:meth:`index_update`)."""
         return self.embed_images(x) if modality == "image" else self.embed_texts(x)
 
     def index_query(self, modality: str, x: NDArray[np.floating]) -> NDArray[np.float32]:
         """Queries of ``modality`` against the other modality's :meth:`index_rows`."""
         return self.embed_images(x) if modality == "image" else self.embed_texts(x)
 
-    def index_rows_since(self, earlier: CrossModalModel, modality: str,
-                         kept: NDArray[np.float32], x: NDArray[np.floating]
-                         ) -> NDArray[np.float32] | None:
-        """:meth:`index_rows` of the items ``x``, given ``earlier``'s rows ``kept`` of the same
-        items, recomputing only what changed since that version; ``None`` (the default) when
-        that is not possible: the server then computes them all."""
+    def index_update(self, earlier: CrossModalModel, modality: str) -> IndexUpdate | None:
+        """A function from ``earlier``'s :meth:`index_rows` of some items of ``modality`` (and
+        the items' raw vectors) to this version's, recomputing only what changed since that
+        version (what changed is worked out once, here); ``None`` (the default) when that is
+        not possible: the server then computes the rows anew."""
         return None
 
     @abstractmethod

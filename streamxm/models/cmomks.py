@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
+from streamxm.models.base import Arrays, CrossModalModel, IndexUpdate, LearnStats, require
 from streamxm.models.work import Work, elementwise, gemm, matvec
 from streamxm.stream.messages import Pair
 
@@ -292,7 +292,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
       item to the pool and to every support triplet (:meth:`index_rows`) and moves ``A``,
       ``tau`` and ``theta`` into the query (:meth:`index_query`): a new version recomputes the
       columns of the support slots written since the version whose rows the server holds, and
-      the pool's kernels never (:meth:`index_rows_since`).
+      the pool's kernels never (:meth:`index_update`).
     - **Several ranks** (``streamxm worker --world-size N``): rank 0 learns alone and the others
       wait. Parameter mixing needs the ranks' parameters to be coordinates in one basis, and
       CMOMKS's are not: each rank's support triplets (the budget ring) are the triplets it drew
@@ -561,7 +561,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         never with ``A``, ``tau`` or ``theta``, which :meth:`index_query` carries), then the
         ``M`` pool means ``m_j(x)``, which the query weighs 0: kept so that a later version
         recomputes its rewritten slots' columns without the pool's kernels
-        (:meth:`index_rows_since`)."""
+        (:meth:`index_update`)."""
         m, rows = len(self.kernels), len(np.atleast_2d(x))
         if not self.pool_full:
             return self._index_flat(np.zeros((m, rows, 0)), np.zeros((m, rows)))
@@ -586,14 +586,11 @@ class CMOMKS(CrossModalModel, name="cmomks"):
                                     support * self.tau[:, None, : self.support_size]], axis=2)
         return self._index_flat(terms * self.theta[:, None, None], np.zeros((m, rows)))
 
-    def index_rows_since(self, earlier: CrossModalModel, modality: str,
-                         kept: NDArray[np.float32], x: NDArray[np.floating]
-                         ) -> NDArray[np.float32] | None:
-        """``kept`` with the columns of the support slots written since ``earlier`` recomputed
-        (the pool means read from ``kept``); ``None`` unless ``earlier`` is an earlier version
-        of this model (same settings, the same closed pool, no larger support)."""
+    def index_update(self, earlier: CrossModalModel, modality: str) -> IndexUpdate | None:
+        """Kept rows with the columns of the support slots written since ``earlier`` recomputed
+        (the pool means read from the kept rows); ``None`` unless ``earlier`` is an earlier
+        version of this model (same settings, the same closed pool, no larger support)."""
         if not (isinstance(earlier, CMOMKS) and self.pool_full and earlier.pool_full
-                and kept.shape[1] == self._index_width()
                 and self._settings() == earlier._settings()
                 and earlier.support_size <= self.support_size):
             return None
@@ -602,14 +599,21 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         if not side.same_pool(before):
             return None
         slots = side.rewritten(before, self.support_size, earlier.support_size)
-        out = np.array(kept, dtype=np.float32)
-        if len(slots):
-            m, width = len(self.kernels), self.landmarks + self.budget
-            m_x = kept[:, -m:].T.astype(np.float64)
-            values = side.centred_to_slots(side.prep(x), m_x, slots, np.float32)  # (M, n, slots)
-            columns = np.arange(m)[:, None] * width + self.landmarks + slots[None, :]
-            out[:, columns.ravel()] = values.transpose(1, 0, 2).reshape(len(out), -1)
-        return out
+        m, width = len(self.kernels), self.landmarks + self.budget
+        columns = (np.arange(m)[:, None] * width + self.landmarks + slots[None, :]).ravel()
+
+        def update(kept: NDArray[np.float32], x: NDArray[np.floating]) -> NDArray[np.float32]:
+            if kept.shape[1] != self._index_width():
+                raise ValueError(f"kept rows are {kept.shape[1]} wide, not cmomks's "
+                                 f"{self._index_width()}")
+            out = np.array(kept, dtype=np.float32)
+            if len(slots):
+                m_x = kept[:, -m:].T.astype(np.float64)
+                values = side.centred_to_slots(side.prep(x), m_x, slots, np.float32)
+                out[:, columns] = values.transpose(1, 0, 2).reshape(len(out), -1)
+            return out
+
+        return update
 
     def _settings(self) -> tuple[object, ...]:
         """What two versions share when one's index rows can be the other's."""

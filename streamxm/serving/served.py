@@ -14,6 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.models import CrossModalModel
+from streamxm.models.base import IndexUpdate
 from streamxm.models.ensemble import Ensemble, EnsembleSpec
 from streamxm.models.heads import LinearHead
 from streamxm.serving.gallery import Gallery, GalleryChunk, largest_norm
@@ -162,14 +163,16 @@ class EmbeddedGallery:
               earlier: EmbeddedGallery | None = None) -> EmbeddedGallery:
         """``model``'s index of ``gallery``; ``earlier`` (an earlier version's index) lends the
         rows of the chunks it holds to a model that recomputes only what changed since
-        (:meth:`~streamxm.models.base.CrossModalModel.index_rows_since`)."""
+        (:meth:`~streamxm.models.base.CrossModalModel.index_update`)."""
         heads = _heads(model)
+        updates = ((model.index_update(earlier.model, "image"),
+                    model.index_update(earlier.model, "text")) if earlier is not None
+                   else (None, None))
         known = {id(e[0]): e for e in earlier.embedded} if earlier is not None else {}
         embedded = []
         for chunk in gallery.chunks:
             found = known.get(id(chunk))
-            since = (_embedded_since(model, earlier.model, found)
-                     if found is not None and earlier is not None else None)
+            since = _embedded_since(updates, found) if found is not None else None
             embedded.append(since or _embed(model, heads, chunk))
         return cls(version, model, tuple(embedded))
 
@@ -211,25 +214,21 @@ def _scanned(rows: NDArray[np.float32]) -> Block:
     return rows if rows.shape[1] <= EXACT_SCAN_DIMS else index_block(rows)
 
 
-def _embedded_since(model: CrossModalModel, earlier: CrossModalModel,
+def _embedded_since(updates: tuple[IndexUpdate | None, IndexUpdate | None],
                     found: tuple[GalleryChunk, Block, Block]
                     ) -> tuple[GalleryChunk, Block, Block] | None:
-    """A chunk's rows for ``model`` from ``earlier``'s float32 rows of it, when the model
-    recomputes only what changed between the two versions; ``None`` otherwise (or when the
-    earlier rows are reduced-precision codes, kept without their float32)."""
+    """A chunk's rows updated from an earlier version's float32 rows of it (``updates``: the
+    model's :meth:`~streamxm.models.base.CrossModalModel.index_update` per modality); ``None``
+    when the model has no update or the earlier rows are reduced-precision codes, kept without
+    their float32."""
     chunk, *kept = found
     blocks = []
-    for modality, rows in zip(("image", "text"), kept, strict=True):
-        if not isinstance(rows, np.ndarray):
+    for modality, update, rows in zip(("image", "text"), updates, kept, strict=True):
+        if update is None or not isinstance(rows, np.ndarray):
             return None
-        parts = []
-        for at in range(0, len(chunk), _EMBED_ROWS):
-            which = slice(at, at + _EMBED_ROWS)
-            part = model.index_rows_since(earlier, modality, rows[which],
-                                          chunk.raw(modality, which))
-            if part is None:
-                return None
-            parts.append(part)
+        parts = [update(rows[at : at + _EMBED_ROWS],
+                        chunk.raw(modality, slice(at, at + _EMBED_ROWS)))
+                 for at in range(0, len(chunk), _EMBED_ROWS)]
         blocks.append(_scanned(np.concatenate(parts) if parts else rows.copy()))
     return chunk, blocks[0], blocks[1]
 

@@ -101,7 +101,7 @@ def version_cost(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128,
             "per_version_s": round(float(np.median(times[1:] or times)), 3),
             "features_mb": round(features / 2**20, 1),
             "embeddings_mb": round(_nbytes(index) / 2**20, 1)}
-        if type(model).index_rows_since is not CrossModalModel.index_rows_since:
+        if model.index_update(model, "image") is not None:
             results[name]["embed_s"] = round(_embedding_pass(model, rows), 3)
     return {"benchmark": "version-cost", "gallery": gallery, "img_dim": img_dim,
             "txt_dim": txt_dim, "pairs_learned": pairs, "versions": versions,
