@@ -175,8 +175,18 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
     assert split > 0
     # What Grafana sees: two ranks, the rounds, and the group formed three times (start, then
     # after each killed rank).
+    # A scrape whose Redis read timed out (a fresh API on a loaded machine) says so with
+    # streamxm_redis_up 0 and leaves the stream's families out, as Prometheus would see: the
+    # next one has them.
+    scrapes: list[str] = []
     with ApiServer(settings) as api:
-        scrape = httpx.get(f"{api.url}/metrics", timeout=10).text
+
+        def read_redis() -> bool:
+            scrapes.append(httpx.get(f"{api.url}/metrics", timeout=10).text)
+            return metric(scrapes[-1], "streamxm_redis_up") == 1.0
+
+        wait_for(read_redis, 30, "a scrape that read Redis")
+    scrape = scrapes[-1]
     assert metric(scrape, "streamxm_distributed_ranks", model="cmos") == 2
     assert metric(scrape, "streamxm_distributed_rounds_total", model="cmos") == split
     generations = metric(scrape, "streamxm_distributed_generations_total", model="cmos")
