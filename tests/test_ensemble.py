@@ -11,6 +11,7 @@ import redis
 from streamxm.config import Settings
 from streamxm.models.ensemble import REFERENCE_ITEMS, parse_ensemble
 from streamxm.service import build_worker, open_store
+from streamxm.serving import served as served_module
 from streamxm.serving.served import (
     EnsembleUnsupported,
     InvalidModelName,
@@ -39,8 +40,14 @@ def learned(r: redis.Redis, settings: Settings) -> tuple[Settings, list]:
     return settings, pairs
 
 
+@pytest.mark.parametrize("compact", [False, True])
 def test_ensemble_search_is_the_fused_ranking_of_the_gallery(
-        r: redis.Redis, learned: tuple[Settings, list]) -> None:
+        r: redis.Redis, learned: tuple[Settings, list], compact: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also as a large gallery keeps sdsrl's kernel rows (float16): its member's index then
+    only bounds its scores and the ensemble fuses member by member."""
+    if compact:
+        monkeypatch.setattr(served_module, "COMPACT_FEATURES_ROWS", 1)
     settings, pairs = learned
     # Candidates >= gallery: the union of the members' candidates is the whole gallery, so the
     # answer must be the brute-force fused ranking, scored as /v1/similarity scores.
@@ -75,6 +82,33 @@ def test_ensemble_search_is_the_fused_ranking_of_the_gallery(
     _, paired = server.similarity(ENSEMBLE, few_img, few_txt, False, direction="t2i")
     _, full = server.similarity(ENSEMBLE, few_img, few_txt, True, direction="t2i")
     np.testing.assert_allclose(paired, np.diag(full), rtol=1e-6)  # float32 embeddings
+
+
+def test_sdsrl_from_float16_kernel_rows_answers_its_exact_ranking(
+        r: redis.Redis, learned: tuple[Settings, list], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large gallery keeps sdsrl's kernel rows in float16: the index's scores then only
+    bound the version's, so a search proves its few candidates complete by the kept rows'
+    rounding bound and scores them from the raw vectors: the answer is the exact ranking,
+    with the version's own scores."""
+    monkeypatch.setattr(served_module, "COMPACT_FEATURES_ROWS", 1)
+    settings, pairs = learned
+    server = ModelServer(r, open_store(settings, r), settings.namespace, candidates=1)
+    server.refresh()
+    served = server.get("sdsrl")
+    index = server.index_of(served)
+    assert not index.exact("image") and not index.exact("text")
+    img = np.stack([p.img for p in pairs]).astype(np.float32)
+    txt = np.stack([p.txt for p in pairs]).astype(np.float32)
+    for j in range(0, 60, 6):
+        for modality, vector, items in (("image", img[j], txt), ("text", txt[j], img)):
+            answer = server.search("sdsrl", modality, vector, k=5)
+            want = (served.model.similarity(vector[None, :], items)[0] if modality == "image"
+                    else served.model.similarity(items, vector[None, :])[:, 0])
+            order = np.argsort(-want.astype(np.float64), kind="stable")[:5]
+            assert [h[0] for h in answer.hits] == [pairs[i].id for i in order]
+            np.testing.assert_allclose([h[1] for h in answer.hits], want[order], rtol=1e-6)
+    query = served.model.embed_images(img[:1])[0]
+    assert index.scan_error("text", query) > 0  # the bound the candidates were proven by
 
 
 def test_ensemble_refusals_name_what_is_wrong(r: redis.Redis,

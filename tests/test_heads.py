@@ -1,5 +1,6 @@
 """Linear heads (streamxm/models/heads.py): a gallery embedded from kept features equals the
-model's own embedding, for every model that has one, and kept kernel rows are extended when
+model's own embedding, for every model that has one, within the bound of how a large gallery
+keeps the features (sdsrl's kernel rows: float16), and kept kernel rows are extended when
 sdsrl's provisional landmarks grow."""
 
 from __future__ import annotations
@@ -30,16 +31,45 @@ def test_a_linear_head_embeds_the_gallery_as_the_model_does(name: str) -> None:
                                    ("text", model.embed_texts, model.embed_images)):
         head = model.linear_head(modality)
         assert head is not None
-        got = head.embed(chunk.features(modality, head.features)).astype(np.float64)
         want = embed(chunk.raw(modality)).astype(np.float64)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        # Scores by the kept features stay within the search's rounding margin of the model's.
+        units = chunk.unit(modality)
+        computed = units if head.features is None else head.features(units)
+        np.testing.assert_allclose(head.embed(computed), want, rtol=1e-5, atol=1e-6)
+        if head.features is not None:
+            np.testing.assert_array_equal(chunk.features(modality, head.features), computed)
+        kept = chunk.features(modality, head.features, compact=True)  # a large gallery's
+        got = head.embed(kept).astype(np.float64)
+        error = chunk.kept_error(modality, head.features) if head.features else 0.0
+        assert (error > 0) == (name == "sdsrl") == (kept.dtype == np.float16), name
+        # Scores by the kept features stay within the search's rounding margin of the model's,
+        # plus the bound of the kept features' rounding where there is one.
         queries = other(np.stack([p.txt if modality == "image" else p.img
                                   for p in pairs[:20]])).astype(np.float64)
         exact, scanned = queries @ want.T, queries @ got.T
         reach = np.linalg.norm(queries, axis=1)[:, None] * np.linalg.norm(got, axis=1).max()
-        margin = np.vectorize(scan_margin)(scanned, reach)
-        assert np.all(np.abs(exact - scanned) <= margin / 10), name  # a tenth of it, at most
+        margin = np.vectorize(scan_margin)(scanned, reach) / 10  # a tenth of it, at most
+        bounds = np.array([head.score_error(error, q) for q in queries])[:, None]
+        assert np.all(np.abs(exact - scanned) <= margin + bounds), name
+        if error:  # the bound is not vacuous: within 20x of the largest error seen
+            assert np.abs(exact - scanned).max() > bounds.max() / 20, name
+
+
+def test_kernel_rows_are_kept_in_half_the_bytes_within_their_bound() -> None:
+    """Each kept kernel row is within ``kept_error`` (L2) of the float32 row, keeping restored
+    rows again changes no bit, and values near 1 keep more than float16's spacing there."""
+    rng = np.random.default_rng(1)
+    units = rng.random((500, IMG), dtype=np.float32)
+    units /= np.linalg.norm(units, axis=1, keepdims=True)
+    fmap = RbfFeatures(None, units[:60].astype(np.float64), 0.05)  # values near 1
+    computed = fmap(units)
+    kept = fmap.keep(computed)
+    assert kept.dtype == np.float16 and kept.nbytes * 2 == computed.nbytes
+    restored = fmap.restore(kept)
+    errors = np.linalg.norm(restored - computed, axis=1)
+    assert errors.max() <= fmap.kept_error(kept)
+    assert errors.max() > fmap.kept_error(kept) / 10
+    np.testing.assert_array_equal(fmap.keep(restored), kept)
+    assert np.abs(restored - computed).max() < 2.0**-13  # float16 of the values: 2^-12
 
 
 def test_kernel_rows_to_grown_landmarks_reuse_the_kept_columns() -> None:
@@ -51,11 +81,15 @@ def test_kernel_rows_to_grown_landmarks_reuse_the_kept_columns() -> None:
     landmarks /= np.linalg.norm(landmarks, axis=1, keepdims=True)
     first = RbfFeatures(power_features(0.5), landmarks[:25], 1.0)
     grown = RbfFeatures(power_features(0.5), landmarks, 1.0)
-    kept = chunk.features("image", first)
-    extended = chunk.features("image", grown)  # from the 25 kept columns and 15 new ones
-    np.testing.assert_array_equal(extended[:, :25], kept)
     fresh = grown(chunk.unit("image"))
-    np.testing.assert_allclose(extended, fresh, rtol=1e-6)
+    for compact in (False, True):  # float32, and float16 as a large gallery keeps them
+        chunk = GalleryChunk.of(chunk.ids, chunk.raw("image"), chunk.raw("text"))
+        kept = chunk.features("image", first, compact)
+        extended = chunk.features("image", grown, compact)  # 25 kept columns and 15 new
+        np.testing.assert_array_equal(extended[:, :25], kept)
+        assert extended.dtype == (np.float16 if compact else np.float32)
+        errors = np.linalg.norm(grown.restore(extended) - fresh, axis=1)
+        assert errors.max() <= max(grown.kept_error(extended), 1e-6)
     other = RbfFeatures(power_features(0.5), landmarks[::-1].copy(), 1.0)  # not a prefix
     assert other.extend({first.key: kept}, chunk.features("image", first.inputs)) is None
 

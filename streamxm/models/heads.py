@@ -10,6 +10,11 @@ per gallery item and keeps it; each new version then costs one product of the ke
 Features are computed from the gallery's *unit rows* (each vector divided by its L2 norm): every
 map here starts with :func:`~streamxm.models.moments.power_normalize`, which gives the same
 result for a vector and any positive multiple of it.
+
+A server keeps features as :meth:`FeatureMap.keep` says: as computed (float32), or, for kernel
+rows (as wide as the landmarks, wider than the gallery's own rows), as float16 complements whose
+rounding :meth:`FeatureMap.kept_error` bounds, so that a search can prove its candidates
+complete and score them from the raw vectors.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ F64 = NDArray[np.float64]
 
 #: Rows per product in :meth:`LinearHead.embed` (bounds its float64 temporaries).
 _ROWS = 8192
+#: float16's unit roundoff (10 stored fraction bits) and the largest error of rounding a
+#: value below its smallest normal number (2^-14), where the spacing is 2^-24.
+_HALF_U = 2.0**-11
+_HALF_SUBNORMAL = 2.0**-25
 
 
 def rbf_kernel(x: NDArray[np.floating], y: NDArray[np.floating], gamma: float,
@@ -73,6 +82,20 @@ class FeatureMap:
         """This map's features of ``x`` from the features of another map kept for the same
         rows (``kept``: key -> features), when some can be extended; ``None`` otherwise."""
         return None
+
+    def keep(self, features: F32) -> NDArray[np.floating]:
+        """``features`` as a server keeps them (:meth:`restore` gives them back): the float32
+        features themselves."""
+        return features
+
+    def restore(self, kept: NDArray[np.floating]) -> F32:
+        """The float32 features of rows kept by :meth:`keep` (rows already float32 pass)."""
+        return np.asarray(kept, dtype=np.float32)
+
+    def kept_error(self, kept: NDArray[np.floating]) -> float:
+        """A bound on the L2 norm of any row's difference between the features and
+        :meth:`restore` of ``kept``: 0 for features kept as computed."""
+        return 0.0
 
     def work(self, rows: int, width: int) -> Work:
         """The work of :meth:`__call__` on ``rows`` unit rows of ``width`` values."""
@@ -119,7 +142,17 @@ def power_features(power: float) -> PowerFeatures | None:
 @dataclass(frozen=True, eq=False)
 class RbfFeatures(FeatureMap):
     """``exp(-gamma ||x - l||^2)`` against each landmark ``l`` (rows of ``landmarks``), of the
-    ``inputs``' features: sdsrl's kernel rows, which stay the same once its landmarks freeze."""
+    ``inputs``' features: sdsrl's kernel rows, which stay the same once its landmarks freeze.
+
+    Kept as float16 complements ``1 - k`` (:meth:`keep`): half the float32 bytes, for rows as
+    wide as the landmarks (1,000 and 256 floats an item at sdsrl's defaults, where the gallery
+    holds 640). The complement because a kernel value of a nearby landmark is close to 1,
+    where float16's spacing (2^-11) is coarse, while ``1 - k`` is small and keeps 11
+    significant bits; ``1 - (1 - k)`` is exact in float32 for every float16 ``1 - k`` in
+    [0, 1], so keeping restored rows again changes nothing. Each kept value is within
+    ``u |d| + 2^-25`` of its float32 complement ``d`` (``u = 2^-11``), which bounds a row's
+    error by ``u / (1 - u) ||kept row|| + 2^-25 sqrt(width)`` (:meth:`kept_error`).
+    """
 
     inputs: FeatureMap | None
     landmarks: F64
@@ -136,6 +169,26 @@ class RbfFeatures(FeatureMap):
     def own_work(self, rows: int, width: int) -> Work:
         return gemm(rows, len(self.landmarks), width) + elementwise(
             rows * len(self.landmarks), flops_per_item=20.0)  # the exponential
+
+    def keep(self, features: F32) -> NDArray[np.floating]:
+        out = np.empty(features.shape, dtype=np.float16)
+        for at in range(0, len(features), _ROWS):
+            out[at : at + _ROWS] = 1.0 - features[at : at + _ROWS]
+        return out
+
+    def restore(self, kept: NDArray[np.floating]) -> F32:
+        if kept.dtype != np.float16:
+            return np.asarray(kept, dtype=np.float32)
+        return np.asarray(np.subtract(np.float32(1.0), kept, dtype=np.float32))
+
+    def kept_error(self, kept: NDArray[np.floating]) -> float:
+        if kept.dtype != np.float16 or not kept.size:
+            return 0.0
+        largest = max(float(np.einsum("ij,ij->i", part, part, dtype=np.float64).max())
+                      for part in (kept[at : at + _ROWS].astype(np.float32)
+                                   for at in range(0, len(kept), _ROWS)))
+        return float(_HALF_U / (1 - _HALF_U) * np.sqrt(largest)
+                     + _HALF_SUBNORMAL * np.sqrt(kept.shape[1]))
 
     def apply(self, x: F32, landmarks: F64 | None = None) -> F32:
         norms: F64 | None = self._norms if landmarks is None else None
@@ -159,7 +212,7 @@ class RbfFeatures(FeatureMap):
                 best_rows, best = rows, values
         if best is None:
             return None
-        return np.hstack([best, self.apply(x, self.landmarks[best_rows:])])
+        return np.hstack([self.restore(best), self.apply(x, self.landmarks[best_rows:])])
 
 
 def _digest(rows: F64) -> str:
@@ -192,13 +245,25 @@ class LinearHead:
     def key(self) -> tuple[object, ...]:
         return self.features.key if self.features is not None else ()
 
-    def embed(self, features: F32) -> F32:
-        """The embeddings of rows whose features are ``features`` (products in float64)."""
+    def embed(self, features: NDArray[np.floating]) -> F32:
+        """The embeddings of rows whose features are ``features``, float32 or as a server
+        keeps them (:meth:`FeatureMap.keep`); products in float64."""
+        restore = self.features.restore if self.features is not None else np.asarray
         out = np.empty((len(features), self.weight.shape[1]), dtype=np.float32)
         for at in range(0, len(features), _ROWS):
             out[at : at + _ROWS] = self._finish(
-                features[at : at + _ROWS].astype(np.float64) @ self.weight)
+                restore(features[at : at + _ROWS]).astype(np.float64) @ self.weight)
         return out
+
+    def score_error(self, feature_error: float, query: NDArray[np.floating]) -> float:
+        """How far an embedding's inner product with ``query`` can move when its features
+        move by at most ``feature_error`` (L2): ``feature_error ||W query||`` (Cauchy-Schwarz),
+        for a head without a finish (a finish would bend the error: not derived)."""
+        if feature_error == 0.0:
+            return 0.0
+        if self.finish != "none":
+            raise ValueError(f"no error bound through a {self.finish!r} finish")
+        return feature_error * float(np.linalg.norm(self.weight @ np.asarray(query, np.float64)))
 
     def embed_float32(self, features: F32) -> F32:
         """:meth:`embed` with the product in float32: no float64 copy of ``features``, for

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -13,6 +13,8 @@ from numpy.typing import NDArray
 from streamxm.models.heads import FeatureMap
 from streamxm.serving.index import Block, index_block
 from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
+
+_Value = TypeVar("_Value", bound=np.generic)
 
 __all__ = ["CHUNK_MAX", "Gallery", "GalleryChunk", "GalleryRows", "largest_norm",
            "merge_count", "reference_rows"]
@@ -44,28 +46,51 @@ class GalleryChunk(GalleryRows):
         # key -> (rows already known, features with those rows filled): carried from an
         # earlier snapshot's chunks (carry_features), the other rows computed on first use.
         object.__setattr__(self, "_partial", {})
+        object.__setattr__(self, "_errors", {})  # key -> kept_error
 
-    def features(self, modality: str, fmap: FeatureMap | None) -> NDArray[np.float32]:
+    def features(self, modality: str, fmap: FeatureMap | None, compact: bool = False
+                 ) -> NDArray[np.floating]:
         """``fmap``'s features of this chunk's unit rows of ``modality`` (``None``: the unit
-        rows), each map of the chain computed once and kept (two threads computing the same
-        one at once both get equal arrays)."""
+        rows), computed once and kept (two threads computing the same one at once both get
+        equal arrays): float32, or with ``compact`` as the map keeps them
+        (:meth:`~streamxm.models.heads.FeatureMap.keep`; float32 ones kept before are
+        converted). The maps below ``fmap`` in its chain are computed for it and not kept: at
+        1,000,000 items sdsrl's power-normalised images alone would take 2 GB."""
         if fmap is None:
             return self.unit(modality)
-        cache: dict[tuple[object, ...], NDArray[np.float32]] = self._features  # type: ignore
+        cache: dict[tuple[object, ...], NDArray[np.floating]] = self._features  # type: ignore
         key = (modality, *fmap.key)
         found = cache.get(key)
         if found is None:
-            x = self.features(modality, fmap.inputs)
             partial = self._partial.pop(key, None)  # type: ignore[attr-defined]
             if partial is not None:
                 known, found = partial
-                found[~known] = fmap.apply(x[~known])
+                fill = fmap.apply(self._inputs(modality, fmap, ~known))
+                found[~known] = fill if found.dtype == np.float32 else fmap.keep(fill)
             else:
+                x = self._inputs(modality, fmap)
                 kept = {k[1:]: v for k, v in list(cache.items()) if k[0] == modality}
                 extended = fmap.extend(kept, x)
                 found = fmap.apply(x) if extended is None else extended
-            cache[key] = found
+        if compact and found.dtype == np.float32:
+            found = fmap.keep(found)
+        cache[key] = found
         return found
+
+    def _inputs(self, modality: str, fmap: FeatureMap,
+                rows: NDArray[np.bool_] | slice = slice(None)) -> NDArray[np.float32]:
+        """The features ``fmap`` reads of ``rows``, computed through the chain below it."""
+        units = self.unit(modality)[rows]
+        return units if fmap.inputs is None else fmap.inputs(units)
+
+    def kept_error(self, modality: str, fmap: FeatureMap) -> float:
+        """:meth:`~streamxm.models.heads.FeatureMap.kept_error` of this chunk's kept features
+        of ``fmap`` (computed once: a pass over them)."""
+        errors: dict[tuple[object, ...], float] = self._errors  # type: ignore[attr-defined]
+        key = (modality, *fmap.key)
+        if key not in errors:
+            errors[key] = fmap.kept_error(self.features(modality, fmap))
+        return errors[key]
 
     def rows_in(self, previous: Gallery) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """This chunk's rows that ``previous`` holds, and their global rows there: a row is
@@ -106,6 +131,8 @@ class GalleryChunk(GalleryRows):
         known = np.zeros(len(self), dtype=bool)
         known[rows] = True
         for key in keys:
+            if len({features[key].dtype for _, features in kept}) > 1:
+                continue  # float32 beside kept float16: computed again, never mixed
             values = donors.gather([features[key] for _, features in kept], source)
             if len(rows) == len(self):  # rows is then every row, in order
                 self._features[key] = values  # type: ignore[attr-defined]
@@ -120,7 +147,7 @@ class GalleryChunk(GalleryRows):
 
     def keep_features(self, keys: set[tuple[object, ...]]) -> None:
         """Drop the kept (and carried) features whose key is not in ``keys``."""
-        for cache in (self._features, self._partial):  # type: ignore[attr-defined]
+        for cache in (self._features, self._partial, self._errors):  # type: ignore[attr-defined]
             for key in list(cache):
                 if key not in keys:
                     cache.pop(key, None)
@@ -138,8 +165,9 @@ class GalleryChunk(GalleryRows):
         parts = [c for c in chunks if isinstance(c, GalleryChunk)]
         if len(parts) == len(chunks):
             for key in set.intersection(*(c.feature_keys() for c in parts)):
-                chunk._features[key] = np.concatenate(  # type: ignore[attr-defined]
-                    [c._features[key] for c in parts])  # type: ignore[attr-defined]
+                values = [c._features[key] for c in parts]  # type: ignore[attr-defined]
+                if len({v.dtype for v in values}) == 1:  # float32 and float16 are not joined
+                    chunk._features[key] = np.concatenate(values)  # type: ignore[attr-defined]
         return chunk
 
     @classmethod
@@ -195,15 +223,15 @@ class Gallery:
                             .shape[1:] if self.chunks else (0,)),
                 self.gather(norms, rows, ()))
 
-    def gather(self, blocks: Sequence[NDArray[np.float32]], rows: NDArray[np.int64],
-               shape: tuple[int, ...] | None = None) -> NDArray[np.float32]:
+    def gather(self, blocks: Sequence[NDArray[_Value]], rows: NDArray[np.int64],
+               shape: tuple[int, ...] | None = None) -> NDArray[_Value]:
         """The rows at global row positions of per-chunk arrays (one per chunk of this
         snapshot, in order: its unit rows, an index's embeddings); ``shape``: a row's, when
         ``blocks`` may be empty."""
         if shape is None:
             shape = blocks[0].shape[1:] if blocks else (0,)
         which, local = self.split(rows)
-        out = np.empty((len(rows), *shape), dtype=np.float32)
+        out = np.empty((len(rows), *shape), dtype=blocks[0].dtype if blocks else np.float32)
         for c in np.unique(which):
             at = which == c
             out[at] = blocks[c][local[at]]

@@ -271,9 +271,17 @@ class Searcher:
             # An earlier version's embeddings (the served one's are being made): its best
             # rows, re-ranked by the served version, without a bound on the rest.
             self.earlier_index_scans += 1
-        if not index.exact(target) or index.version < served.version:
+        if not index.float32(target) or index.version < served.version:
             return _Candidates.of(gallery, rows, model, modality, target, vector, np.inf)
         bound = raised(float(ceiling), reach=float(np.linalg.norm(query)) * index.norm(target))
+        error = index.scan_error(target, query)
+        if error > 0.0:
+            # Embeddings made from rounded features (sdsrl's float16 kernel rows in a large
+            # gallery, COMPACT_FEATURES_ROWS): each row's
+            # exact score is within ``error`` of its scan score, so the bound moves up by it
+            # and the candidates are scored from their raw vectors.
+            return _Candidates.of(gallery, rows, model, modality, target, vector,
+                                  bound + error)
         # The version's own embeddings of the candidates are in the index: scoring them again
         # would cost a tower or kernel pass per candidate for the same numbers (to float32
         # rounding of the kept features, well inside the scan margin: tests/test_heads.py).

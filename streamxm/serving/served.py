@@ -20,10 +20,10 @@ from streamxm.models.heads import LinearHead
 from streamxm.serving.gallery import Gallery, GalleryChunk, largest_norm
 from streamxm.serving.index import Block, index_block
 
-__all__ = ["AUTO", "EXACT_SCAN_DIMS", "EmbeddedGallery", "EnsembleUnsupported",
-           "InvalidModelName", "ModelNotReady", "SameModalityUnsupported", "SearchAnswer",
-           "ServedEnsemble", "ServedModel", "UnknownModel", "direction_of", "embeds_raw_vectors",
-           "feature_keys", "other_modality"]
+__all__ = ["AUTO", "COMPACT_FEATURES_ROWS", "EXACT_SCAN_DIMS", "EmbeddedGallery",
+           "EnsembleUnsupported", "InvalidModelName", "ModelNotReady", "SameModalityUnsupported",
+           "SearchAnswer", "ServedEnsemble", "ServedModel", "UnknownModel", "direction_of",
+           "embeds_raw_vectors", "feature_keys", "other_modality"]
 
 
 class InvalidModelName(ValueError):
@@ -67,6 +67,12 @@ class EnsembleUnsupported(ValueError):
 #: Widest embedding whose index is scanned in float32 (exactly); wider ones (cmomks's kernel
 #: terms) are scanned in the backend's reduced precision and re-ranked, without a proof.
 EXACT_SCAN_DIMS = 256
+#: Galleries of at least this many rows keep their chunks' features as the feature maps keep
+#: them (:meth:`~streamxm.models.heads.FeatureMap.keep`: sdsrl's kernel rows in float16, half
+#: the bytes, 2.4 GB instead of 4.8 GB at 1,000,000 items); smaller ones keep float32, whose
+#: embeddings are the version's own scores, so a search needs no pass over its candidates'
+#: raw vectors and an ensemble scans its members side by side.
+COMPACT_FEATURES_ROWS = 250_000
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,6 +100,7 @@ class EmbeddedGallery:
             "text": tuple(b for _, _, b in self.embedded)})
         object.__setattr__(self, "gallery", Gallery(tuple(c for c, _, _ in self.embedded)))
         object.__setattr__(self, "_norms", {})
+        object.__setattr__(self, "_errors", {})
 
     def blocks(self, modality: str) -> tuple[Block, ...]:
         return self._blocks[modality]  # type: ignore[attr-defined,no-any-return]
@@ -109,9 +116,38 @@ class EmbeddedGallery:
             norms[modality] = largest_norm(self.blocks(modality))
         return norms[modality]
 
-    def exact(self, modality: str) -> bool:
+    def float32(self, modality: str) -> bool:
         """Whether ``modality``'s blocks are float32 (scan scores are the embeddings')."""
         return all(isinstance(b, np.ndarray) for b in self.blocks(modality))
+
+    def exact(self, modality: str) -> bool:
+        """Whether ``modality``'s scan scores are the version's own (to float32 rounding):
+        float32 blocks embedded from features kept as computed."""
+        return self.float32(modality) and self._feature_error(modality) == 0.0
+
+    def scan_error(self, modality: str, query: NDArray[np.float32]) -> float:
+        """How far the version's exact score of any row of ``modality`` can lie from its
+        embedding's inner product with ``query`` beyond float32 rounding: the rounding of the
+        chunks' kept features (:meth:`~streamxm.models.heads.FeatureMap.kept_error`) through
+        the version's linear head (:meth:`~streamxm.models.heads.LinearHead.score_error`);
+        0 where the features are kept as computed. The embeddings' own scores then stand
+        for the version's only as a bound, and a search scores its candidates from the raw
+        vectors."""
+        head = _heads(self.model)[modality]
+        if head is None:
+            return 0.0
+        return head.score_error(self._feature_error(modality), query)
+
+    def _feature_error(self, modality: str) -> float:
+        """The largest :meth:`~streamxm.serving.gallery.GalleryChunk.kept_error` of the
+        chunks' features of ``modality`` (computed once)."""
+        errors: dict[str, float] = self._errors  # type: ignore[attr-defined]
+        if modality not in errors:
+            head = _heads(self.model)[modality]
+            fmap = head.features if head is not None else None
+            errors[modality] = 0.0 if fmap is None else max(
+                (c.kept_error(modality, fmap) for c in self.gallery.chunks), default=0.0)
+        return errors[modality]
 
     def covers(self, gallery: Gallery) -> bool:
         """Whether this index is over exactly ``gallery``'s chunks (nothing to embed)."""
@@ -125,15 +161,16 @@ class EmbeddedGallery:
             return self  # the common case on the query path: nothing to build
         known = {id(c): (c, a, b) for c, a, b in self.embedded}
         heads = _heads(self.model)
+        compact = len(gallery) >= COMPACT_FEATURES_ROWS
         staying = {id(c) for c in gallery.chunks}
         # What new chunks can take rows from: the chunks they replace, not the whole index.
         replaced = EmbeddedGallery(self.version, self.model, tuple(
             e for e in self.embedded if id(e[0]) not in staying))
         return EmbeddedGallery(self.version, self.model, tuple(
-            known.get(id(c)) or replaced._carried(heads, c) for c in gallery.chunks))
+            known.get(id(c)) or replaced._carried(heads, c, compact) for c in gallery.chunks))
 
-    def _carried(self, heads: dict[str, LinearHead | None], chunk: GalleryChunk
-                 ) -> tuple[GalleryChunk, Block, Block]:
+    def _carried(self, heads: dict[str, LinearHead | None], chunk: GalleryChunk,
+                 compact: bool) -> tuple[GalleryChunk, Block, Block]:
         """A new chunk's embeddings, those of the rows this index holds already taken from it
         (:meth:`~streamxm.serving.gallery.GalleryChunk.rows_in`) when the model embeds raw
         vectors into float32 rows: rows moving from the stream tail into a segment would
@@ -141,10 +178,10 @@ class EmbeddedGallery:
         head embeds from the features its chunk carries: one product.)"""
         if not self.embedded or any(h is not None for h in heads.values()) or not (
                 self.exact("image") and self.exact("text")):
-            return _embed(self.model, heads, chunk)
+            return _embed(self.model, heads, chunk, compact)
         rows, source = chunk.rows_in(self.gallery)
         if not len(rows):
-            return _embed(self.model, heads, chunk)
+            return _embed(self.model, heads, chunk, compact)
         missing = np.ones(len(chunk), dtype=bool)
         missing[rows] = False
         blocks = []
@@ -169,11 +206,12 @@ class EmbeddedGallery:
                     model.index_update(earlier.model, "text")) if earlier is not None
                    else (None, None))
         known = {id(e[0]): e for e in earlier.embedded} if earlier is not None else {}
+        compact = len(gallery) >= COMPACT_FEATURES_ROWS
         embedded = []
         for chunk in gallery.chunks:
             found = known.get(id(chunk))
             since = _embedded_since(updates, found) if found is not None else None
-            embedded.append(since or _embed(model, heads, chunk))
+            embedded.append(since or _embed(model, heads, chunk, compact))
         return cls(version, model, tuple(embedded))
 
 
@@ -189,22 +227,18 @@ def embeds_raw_vectors(model: CrossModalModel) -> bool:
 
 
 def feature_keys(model: CrossModalModel) -> set[tuple[object, ...]]:
-    """Keys of the chunk features ``model``'s linear heads read (every map of each chain)."""
-    keys: set[tuple[object, ...]] = set()
-    for modality, head in _heads(model).items():
-        fmap = head.features if head is not None else None
-        while fmap is not None:
-            keys.add((modality, *fmap.key))
-            fmap = fmap.inputs
-    return keys
+    """Keys of the chunk features ``model``'s linear heads read (the maps below a head's
+    are computed for it, never kept: :meth:`GalleryChunk.features`)."""
+    return {(modality, *head.features.key) for modality, head in _heads(model).items()
+            if head is not None and head.features is not None}
 
 
-def _embed(model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: GalleryChunk
-           ) -> tuple[GalleryChunk, Block, Block]:
+def _embed(model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: GalleryChunk,
+           compact: bool) -> tuple[GalleryChunk, Block, Block]:
     blocks = []
     for modality in ("image", "text"):
         head = heads[modality]
-        rows = (head.embed(chunk.features(modality, head.features)) if head is not None
+        rows = (head.embed(chunk.features(modality, head.features, compact)) if head is not None
                 else _embedded_raw(model, chunk, modality))
         blocks.append(_scanned(rows))
     return chunk, blocks[0], blocks[1]
