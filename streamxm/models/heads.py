@@ -88,9 +88,10 @@ class FeatureMap:
         features themselves."""
         return features
 
-    def restore(self, kept: NDArray[np.floating]) -> F32:
-        """The float32 features of rows kept by :meth:`keep` (rows already float32 pass)."""
-        return np.asarray(kept, dtype=np.float32)
+    def restore(self, kept: NDArray[np.floating], dtype: type[np.floating] = np.float32
+                ) -> NDArray[np.floating]:
+        """The features of rows kept by :meth:`keep`, as ``dtype`` (float32 rows pass)."""
+        return np.asarray(kept, dtype=dtype)
 
     def kept_error(self, kept: NDArray[np.floating]) -> float:
         """A bound on the L2 norm of any row's difference between the features and
@@ -176,10 +177,11 @@ class RbfFeatures(FeatureMap):
             out[at : at + _ROWS] = 1.0 - features[at : at + _ROWS]
         return out
 
-    def restore(self, kept: NDArray[np.floating]) -> F32:
+    def restore(self, kept: NDArray[np.floating], dtype: type[np.floating] = np.float32
+                ) -> NDArray[np.floating]:
         if kept.dtype != np.float16:
-            return np.asarray(kept, dtype=np.float32)
-        return np.asarray(np.subtract(np.float32(1.0), kept, dtype=np.float32))
+            return np.asarray(kept, dtype=dtype)
+        return np.asarray(np.subtract(dtype(1.0), kept, dtype=dtype))
 
     def kept_error(self, kept: NDArray[np.floating]) -> float:
         if kept.dtype != np.float16 or not kept.size:
@@ -248,11 +250,11 @@ class LinearHead:
     def embed(self, features: NDArray[np.floating]) -> F32:
         """The embeddings of rows whose features are ``features``, float32 or as a server
         keeps them (:meth:`FeatureMap.keep`); products in float64."""
-        restore = self.features.restore if self.features is not None else np.asarray
+        fmap = self.features if self.features is not None else FeatureMap()
         out = np.empty((len(features), self.weight.shape[1]), dtype=np.float32)
         for at in range(0, len(features), _ROWS):
             out[at : at + _ROWS] = self._finish(
-                restore(features[at : at + _ROWS]).astype(np.float64) @ self.weight)
+                fmap.restore(features[at : at + _ROWS], np.float64) @ self.weight)
         return out
 
     def score_error(self, feature_error: float, query: NDArray[np.floating]) -> float:
