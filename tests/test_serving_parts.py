@@ -10,7 +10,7 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.learning.learner import StreamLearner
-from streamxm.models.heads import PowerFeatures
+from streamxm.models.heads import PowerFeatures, RbfFeatures
 from streamxm.service import build_indexer, build_worker, open_store
 from streamxm.serving.following import GalleryFollower
 from streamxm.serving.gallery import Gallery, GalleryChunk
@@ -286,3 +286,34 @@ def test_a_raw_vector_model_embeds_a_new_version_on_the_index_thread(
     answer = server.search("sam", "image", query, k=10)
     assert answer.index_version == 2
     assert [h[0] for h in answer.hits] == ids[_exact_top(served.model, query, texts, 10)].tolist()
+
+
+def test_float16_kernel_rows_are_joined_and_carried_only_beside_their_kind() -> None:
+    """Chunks merging keep their kernel rows when all keep the same kind (float32, or float16
+    as a large gallery keeps them); float32 beside float16 is never concatenated (the float16
+    rows are complements, 1 - k) but computed again for the merged chunk, in the kind asked."""
+    rng = np.random.default_rng(2)
+    landmarks = rng.random((30, 8))
+    fmap = RbfFeatures(None, landmarks / np.linalg.norm(landmarks, axis=1, keepdims=True), 0.5)
+
+    def chunk(at: int) -> GalleryChunk:
+        return GalleryChunk.of(np.array([f"p{i}" for i in range(at, at + 50)]),
+                               rng.random((50, 8), dtype=np.float32),
+                               rng.random((50, 4), dtype=np.float32))
+
+    a, b, c = chunk(0), chunk(50), chunk(100)
+    kinds = [a.features("image", fmap, compact=True), b.features("image", fmap, compact=True),
+             c.features("image", fmap)]
+    assert [k.dtype for k in kinds] == [np.float16, np.float16, np.float32]
+    same = GalleryChunk.joined([a, b])
+    assert (("image", *fmap.key)) in same.feature_keys()
+    np.testing.assert_array_equal(same.features("image", fmap), np.vstack(kinds[:2]))
+    mixed = GalleryChunk.joined([b, c])
+    assert not mixed.feature_keys()
+    rows = mixed.features("image", fmap, compact=True)
+    assert rows.dtype == np.float16
+    np.testing.assert_array_equal(rows, fmap.keep(fmap(mixed.unit("image"))))
+    carried = GalleryChunk.joined([a, c])  # as a merge's new chunk: rows from both donors
+    assert carried.carry_features(Gallery((a, c))) == 0  # no key both keep in one kind
+    assert carried.carry_features(Gallery((a, b))) == 50  # a's rows, float16 as a keeps them
+    assert carried.features("image", fmap).dtype == np.float16

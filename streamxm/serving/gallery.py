@@ -122,6 +122,8 @@ class GalleryChunk(GalleryRows):
         kept = [(c, dict(c._features)) for c in previous.chunks]  # type: ignore[attr-defined]
         kept = [(c, features) for c, features in kept if features]
         keys = set.intersection(*(set(f) for _, f in kept)) if kept else set()
+        # float32 beside kept float16 (complements) is never mixed: computed again instead.
+        keys = {key for key in keys if len({f[key].dtype for _, f in kept}) == 1}
         if not keys:
             return 0
         donors = Gallery(tuple(c for c, _ in kept))
@@ -131,8 +133,6 @@ class GalleryChunk(GalleryRows):
         known = np.zeros(len(self), dtype=bool)
         known[rows] = True
         for key in keys:
-            if len({features[key].dtype for _, features in kept}) > 1:
-                continue  # float32 beside kept float16: computed again, never mixed
             values = donors.gather([features[key] for _, features in kept], source)
             if len(rows) == len(self):  # rows is then every row, in order
                 self._features[key] = values  # type: ignore[attr-defined]

@@ -167,7 +167,16 @@ class EmbeddedGallery:
         replaced = EmbeddedGallery(self.version, self.model, tuple(
             e for e in self.embedded if id(e[0]) not in staying))
         return EmbeddedGallery(self.version, self.model, tuple(
-            known.get(id(c)) or replaced._carried(heads, c, compact) for c in gallery.chunks))
+            known.get(id(c)) or replaced._carried(heads, c, compact) for c in gallery.chunks)
+        ).bounded()
+
+    def bounded(self) -> EmbeddedGallery:
+        """This index with the bound of its kept features' rounding worked out
+        (:meth:`scan_error`): a pass over the kept float16 rows of chunks new to it, on the
+        thread that builds it, not on the first search (the event loop)."""
+        for modality in ("image", "text"):
+            self._feature_error(modality)
+        return self
 
     def _carried(self, heads: dict[str, LinearHead | None], chunk: GalleryChunk,
                  compact: bool) -> tuple[GalleryChunk, Block, Block]:
@@ -212,7 +221,7 @@ class EmbeddedGallery:
             found = known.get(id(chunk))
             since = _embedded_since(updates, found) if found is not None else None
             embedded.append(since or _embed(model, heads, chunk, compact))
-        return cls(version, model, tuple(embedded))
+        return cls(version, model, tuple(embedded)).bounded()
 
 
 def _heads(model: CrossModalModel) -> dict[str, LinearHead | None]:
