@@ -302,9 +302,11 @@ def test_float16_kernel_rows_are_joined_and_carried_only_beside_their_kind() -> 
                                rng.random((50, 4), dtype=np.float32))
 
     a, b, c = chunk(0), chunk(50), chunk(100)
+    assert a.kept_error("image", fmap) == 0.0  # float32, as a small gallery keeps them
     kinds = [a.features("image", fmap, compact=True), b.features("image", fmap, compact=True),
              c.features("image", fmap)]
     assert [k.dtype for k in kinds] == [np.float16, np.float16, np.float32]
+    assert a.kept_error("image", fmap) > 0.0  # the bound of the rows it keeps now
     same = GalleryChunk.joined([a, b])
     assert (("image", *fmap.key)) in same.feature_keys()
     np.testing.assert_array_equal(same.features("image", fmap), np.vstack(kinds[:2]))

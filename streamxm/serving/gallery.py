@@ -74,6 +74,7 @@ class GalleryChunk(GalleryRows):
                 found = fmap.apply(x) if extended is None else extended
         if compact and found.dtype == np.float32:
             found = fmap.keep(found)
+            self._errors.pop(key, None)  # type: ignore[attr-defined]  # the float32 rows' bound
         cache[key] = found
         return found
 
