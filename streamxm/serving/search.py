@@ -277,9 +277,9 @@ class Searcher:
         error = index.scan_error(target, query)
         if error > 0.0:
             # Embeddings made from rounded features (sdsrl's float16 kernel rows in a large
-            # gallery, COMPACT_FEATURES_ROWS): each row's
-            # exact score is within ``error`` of its scan score, so the bound moves up by it
-            # and the candidates are scored from their raw vectors.
+            # gallery, COMPACT_FEATURES_ROWS): each row's exact score is within ``error`` of
+            # its scan score, so the bound moves up by it and the candidates are scored from
+            # their raw vectors.
             return _Candidates.of(gallery, rows, model, modality, target, vector,
                                   bound + error)
         # The version's own embeddings of the candidates are in the index: scoring them again
