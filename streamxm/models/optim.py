@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.models.compiled import njit
 from streamxm.models.work import Work, elementwise
 
 __all__ = ["adagrad_outer_step", "adagrad_outer_work", "adagrad_step", "adagrad_work",
@@ -42,7 +42,7 @@ def adagrad_step(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: 
     _adagrad_arrays(w, sq_sum, grad, lr, lam)
 
 
-@numba.njit(cache=True, error_model="numpy", boundscheck=False)
+@njit(error_model="numpy", boundscheck=False)
 def _adagrad_pass(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: Any, lam: Any,
                   eps: Any) -> None:  # pragma: no cover - compiled
     for i in range(w.size):
@@ -81,7 +81,7 @@ def adagrad_outer_step(w: NDArray[np.float32], sq_sum: NDArray[np.float32],
                         kind(lr), kind(lam), kind(1e-8))
 
 
-@numba.njit(cache=True, error_model="numpy", boundscheck=False)
+@njit(error_model="numpy", boundscheck=False)
 def _adagrad_outer_pass(w: NDArray[Any], sq_sum: NDArray[Any], left_t: NDArray[Any],
                         right: NDArray[Any], lr: Any, lam: Any,
                         eps: Any) -> None:  # pragma: no cover - compiled
@@ -156,7 +156,7 @@ def nesterov_step(w: NDArray[np.float32], buf: NDArray[np.float32], grad: NDArra
                    np.float32(momentum))
 
 
-@numba.njit(cache=True, error_model="numpy", boundscheck=False)
+@njit(error_model="numpy", boundscheck=False)
 def _nesterov_pass(w: NDArray[Any], buf: NDArray[Any], grad: NDArray[Any], lr: Any,
                    momentum: Any) -> None:  # pragma: no cover - compiled
     smallest = np.float32(np.finfo(np.float32).tiny)

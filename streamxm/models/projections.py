@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.models.compiled import njit
 from streamxm.models.work import Work, elementwise, gemm, syrk
 
 __all__ = ["CDResult", "dense_targets", "mpl_cd", "mpl_cd_work", "projection_loss"]
@@ -47,12 +47,12 @@ def dense_targets(g: F64, h: F64) -> tuple[F64, F64, F64]:
     return g @ g.T, h @ h.T, g @ h.T
 
 
-@numba.njit(cache=True)
+@njit()
 def _quartic_change(d: float, grad: float, hess: float, aij: float) -> float:
     return d * (grad + d * (0.5 * hess + d * (4.0 * aij + d)))
 
 
-@numba.njit(cache=True)
+@njit()
 def _quartic_argmin(grad: float, hess: float, aij: float) -> float:
     """The step minimising the coordinate's quartic exactly: the best real root of its
     derivative ``4 d^3 + 12 A_ij d^2 + f2 d + f1`` (Cardano on the depressed cubic)."""
@@ -95,7 +95,7 @@ def _sweep(a: F64, g: F64, btb: F64, htb: F64, order: NDArray[np.intp]) -> None:
     _steps(a, np.ascontiguousarray(g), p, r, row_sq, g_sq, np.asarray(order, dtype=np.int64))
 
 
-@numba.njit(cache=True, boundscheck=False)
+@njit(boundscheck=False)
 def _steps(a: F64, g: F64, p: F64, r: F64, row_sq: F64, g_sq: F64,
            order: NDArray[np.int64]) -> None:  # pragma: no cover - compiled
     q, c = a.shape[1], g.shape[1]

@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numba
 import numpy as np
 import scipy.linalg
 from numpy.typing import NDArray
 from scipy import sparse
 
+from streamxm.models.compiled import njit
 from streamxm.models.work import Work, cholesky, elementwise, gemm, matvec, syrk
 
 __all__ = ["GroupSums", "NormalEquations", "Problem", "ProblemWork", "kmeans", "knn_graph"]
@@ -76,7 +76,7 @@ def knn_graph(x: NDArray[np.floating], r: int,
     return g.maximum(g.T).tocsr()
 
 
-@numba.njit(cache=True, error_model="numpy", boundscheck=False)
+@njit(error_model="numpy", boundscheck=False)
 def _nearest(g: F64, sq: F64, r: int) -> tuple[NDArray[np.int64], F64]:  # pragma: no cover
     """Per row ``i`` of the Gram ``g`` the ``r`` nearest other rows by
     ``d^2_ij = max(sq_i + sq_j - 2 g_ij, 0)`` and their squared distances, nearest first (a
@@ -483,7 +483,7 @@ class Problem:
         return trace
 
 
-@numba.njit(cache=True, error_model="numpy", boundscheck=False)
+@njit(error_model="numpy", boundscheck=False)
 def _sweep_groups(y: NDArray[np.int64], v: NDArray[np.bool_], za: F64, zb: F64, n: F64,
                   sa: F64, sb: F64, qa: F64, qb: F64,
                   alpha: float) -> int:  # pragma: no cover - compiled
