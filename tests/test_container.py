@@ -22,9 +22,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import redis
 
 from streamxm.client import Client, StreamxmError
 from streamxm.config import Settings
+from streamxm.stream.keys import Keys
 from tests.conftest import ROOT, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -125,7 +127,10 @@ def home_and_workdir(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
 
 
 def test_worker_indexer_and_api_start_from_a_wheel_as_an_unprivileged_user(
-    installed_wheel: Path, home_and_workdir: tuple[Path, Path, Path], settings: Settings
+    installed_wheel: Path,
+    home_and_workdir: tuple[Path, Path, Path],
+    settings: Settings,
+    r: redis.Redis,
 ) -> None:
     home, workdir, tmp = home_and_workdir
     prefix = _unprivileged()
@@ -236,6 +241,17 @@ def test_worker_indexer_and_api_start_from_a_wheel_as_an_unprivileged_user(
         check=True,
         timeout=120,
     )
+    # The deploy documents' one way to push: `streamxm push` in a one-shot container.
+    pushed = subprocess.run(
+        [*prefix, str(python), "-m", "streamxm", "push", "--dataset", "wiki", "--limit", "40"],
+        env={**env, "STREAMXM_NAMESPACE": settings.namespace + "-push"},
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    assert r.xlen(Keys(settings.namespace + "-push").pairs) == 40
     cache = next(tmp.glob("streamxm-numba-*"))
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert any(cache.rglob("*.nbi")), "numba's cache index under the fallback directory"

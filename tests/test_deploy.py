@@ -401,3 +401,49 @@ def test_distributed_override_runs_sam_as_ranks_under_torchrun() -> None:
 
     args = build_parser().parse_args(command[command.index("--no-python") + 2 :])
     assert args.model == "sam" and args.world_size is None and args.rank is None
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_every_link_between_the_documents_reaches_a_file_and_its_section() -> None:
+    root = DEPLOY.parent
+    pages = [root / "README.md", DEPLOY / "README.md", *sorted((root / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.MULTILINE)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such section)")
+    # Sections named in prose and in the demo's closing hints: README, "Section" or 'Section'.
+    readme = {_slug(h) for h in re.findall(r"^#+ (.+)$", (root / "README.md").read_text(),
+                                           flags=re.MULTILINE)}
+    for source in [*pages, root / "streamxm" / "tools" / "demo.py"]:
+        for name in re.findall(r"README, [\"']([^\"']+)[\"']", source.read_text()):
+            if _slug(name) not in readme:
+                broken.append(f"{source.name}: README section {name!r}")
+    assert not broken, broken
+
+
+def test_the_deploy_documents_push_one_way() -> None:
+    """Pairs reach a compose deployment one way, from inside its network, written once."""
+    root = DEPLOY.parent
+    texts = {p: p.read_text() for p in [DEPLOY / "README.md", root / "docs" / "scaling.md"]}
+    pushes = [line.strip() for text in texts.values() for line in text.splitlines()
+              if "streamxm push" in line and not line.lstrip().startswith(("-", "|"))]
+    assert pushes, "deploy/README.md shows how to push"
+    assert all("run --rm api streamxm push" in line for line in pushes), pushes
+    for page, text in texts.items():
+        assert "127.0.0.1:6379/0" not in text, f"{page.name} pushes from the host into Redis"
+    bring_up = "docker compose -f deploy/docker-compose.yml up -d --build"
+    assert sum(text.count(bring_up) for text in texts.values()) == 1, "the bring-up is written once"

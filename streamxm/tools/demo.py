@@ -165,7 +165,7 @@ def render(result: dict[str, Any]) -> str:
         f"  logs of this run:  {result['logs']}/worker.log and api.log",
         "  run it yourself:   streamxm worker --model cmos &   then   streamxm api",
         "  push and query:    streamxm push --dataset wiki --url http://127.0.0.1:8000",
-        "                     (or streamxm.client.Client from Python: README, 'Pushing pairs')",
+        "                     (or streamxm.client.Client: README, 'Push pairs and query')",
         "  watch it:          streamxm top --url http://127.0.0.1:8000",
     ]
     return "\n".join(lines)
