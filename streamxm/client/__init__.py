@@ -18,9 +18,11 @@ from streamxm.client.calls import (
     SimilarityResult,
 )
 from streamxm.client.errors import (
+    BadResponse,
     InvalidPair,
     InvalidRequest,
     NotFound,
+    ResponseTooLarge,
     ServerError,
     StreamxmError,
     Unauthorized,
@@ -28,6 +30,23 @@ from streamxm.client.errors import (
 )
 from streamxm.client.sync import Client
 
-__all__ = ["AsyncClient", "Client", "Hit", "InvalidPair", "InvalidRequest", "ModelInfo",
-           "NotFound", "Readiness", "Retries", "SearchResult", "ServerError",
-           "ServerLimits", "SimilarityResult", "StreamxmError", "Unauthorized", "Unavailable"]
+__all__ = [
+    "AsyncClient",
+    "BadResponse",
+    "Client",
+    "Hit",
+    "InvalidPair",
+    "InvalidRequest",
+    "ModelInfo",
+    "NotFound",
+    "Readiness",
+    "ResponseTooLarge",
+    "Retries",
+    "SearchResult",
+    "ServerError",
+    "ServerLimits",
+    "SimilarityResult",
+    "StreamxmError",
+    "Unauthorized",
+    "Unavailable",
+]

@@ -23,7 +23,8 @@ from streamxm.client.calls import (
     SimilarityResult,
     Sleep,
 )
-from streamxm.client.sync import build, headers
+from streamxm.client.errors import StreamxmError
+from streamxm.client.sync import build, headers, reader_for
 
 __all__ = ["AsyncClient"]
 
@@ -70,8 +71,17 @@ class AsyncClient:
             await anyio.sleep(step.seconds)
             return None
         try:
-            return await self.http.send(build(self.http, step))
-        except httpx.TransportError as exc:
+            response = await self.http.send(build(self.http, step), stream=True)
+            try:
+                reader = reader_for(step, response)
+                async for chunk in response.aiter_raw():
+                    reader.feed(chunk)
+                    if reader.done:
+                        break
+            finally:
+                await response.aclose()
+            return reader.answer()
+        except (httpx.TransportError, StreamxmError) as exc:
             return exc
 
     async def push(self, pairs: Iterable[PairLike], binary: bool = True) -> list[str]:

@@ -1,10 +1,16 @@
 """Every client call as a generator of steps, with no I/O of its own (sans-I/O).
 
-A call yields a :class:`Request` and receives the ``httpx.Response`` (or the
-``httpx.TransportError`` the send raised), or yields a :class:`Sleep` before a retry; its return
-value is the call's result. :class:`~streamxm.client.Client` and
-:class:`~streamxm.client.AsyncClient` only drive these generators, one with blocking sends and
-sleeps, the other awaiting them, so the two cannot drift apart.
+A call yields a :class:`Request` and receives the :class:`~streamxm.client.answers.Answer`
+(or the ``httpx.TransportError`` the send raised, or the error reading the reply), or yields a
+:class:`Sleep` before a retry; its return value is the call's result.
+:class:`~streamxm.client.Client` and :class:`~streamxm.client.AsyncClient` only drive these
+generators, one with blocking sends and sleeps, the other awaiting them, so the two cannot
+drift apart.
+
+What a reply may hold is capped per request (``Request.max_answer_bytes``, from ``k``, a
+block's cells or a batch's pairs) and read by the drivers through
+:class:`~streamxm.client.answers.BodyReader`; a body that is too large or not the answer's
+shape raises :class:`~streamxm.client.errors.BadResponse`.
 
 Retries (:func:`exchange`): an idempotent call (every read) is sent again after a 503 or a
 failed connection, ``Retries.attempts`` times in all, waiting ``backoff * 2**attempt`` seconds
@@ -25,7 +31,9 @@ import httpx
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from streamxm.client.answers import Answer, decoded
 from streamxm.client.errors import (
+    BadResponse,
     InvalidPair,
     InvalidRequest,
     NotFound,
@@ -54,10 +62,25 @@ T = TypeVar("T")
 PairLike = Pair | Sequence[Any] | Mapping[str, Any]
 
 
+#: The cap on a reply's decoded body when a call sets none (``/healthz``, ``/readyz``, an
+#: error's detail), and the room every capped answer has for its fixed fields.
+ANSWER_BYTES = 64 << 10
+#: Bytes a search hit may take in JSON: an id of 256 characters, each escaped as ``\\uXXXX``,
+#: and its score and keys.
+HIT_BYTES = 6 * 256 + 64
+#: Bytes a score may take in JSON (``-1.2345678901234567e-308,``).
+SCORE_BYTES = 32
+#: Bytes a stream entry id may take in JSON (two 20-digit integers, quotes, a comma).
+ENTRY_ID_BYTES = 48
+#: ``GET /v1/models``: one model's record is under 2 KB; this is room for thousands.
+MODELS_BYTES = 8 << 20
+
+
 @dataclass(frozen=True)
 class Request:
     """One HTTP request. ``idempotent``: sending it twice is harmless (every read);
-    ``answers``: statuses that are answers rather than errors (``/readyz``'s 503)."""
+    ``answers``: statuses that are answers rather than errors (``/readyz``'s 503);
+    ``max_answer_bytes``: the most the client reads of the reply's body, decoded."""
 
     method: str
     path: str
@@ -67,6 +90,11 @@ class Request:
     idempotent: bool = True
     answers: frozenset[int] = frozenset()
     attempts: int | None = None  # None: the client's Retries.attempts
+    max_answer_bytes: int = ANSWER_BYTES
+
+    @property
+    def what(self) -> str:
+        return f"{self.method} {self.path}"
 
 
 @dataclass(frozen=True)
@@ -75,7 +103,9 @@ class Sleep:
 
 
 Step = Request | Sleep
-Reply = httpx.Response | httpx.TransportError | None
+#: What a driver hands back: the answer read within its cap, the failed send, the reason the
+#: reply could not be read (too large, an unknown encoding), or nothing after a sleep.
+Reply = Answer | httpx.TransportError | StreamxmError | None
 Call = Generator[Step, Reply, T]
 
 
@@ -170,7 +200,7 @@ class Readiness:
     models: list[str]
 
 
-def _retry_after(reply: httpx.Response) -> float | None:
+def _retry_after(reply: Answer) -> float | None:
     try:
         return float(str(reply.headers.get("retry-after", "")))
     except ValueError:
@@ -185,7 +215,7 @@ def _message(detail: Any) -> str:
     return str(detail)
 
 
-def error_of(request: Request, reply: httpx.Response | httpx.TransportError) -> StreamxmError:
+def error_of(request: Request, reply: Answer | httpx.TransportError) -> StreamxmError:
     """The exception for a failed send or an error status."""
     if isinstance(reply, httpx.TransportError):
         # A connection that was never made carried nothing: a push may be sent again.
@@ -195,8 +225,8 @@ def error_of(request: Request, reply: httpx.Response | httpx.TransportError) -> 
     status = reply.status_code
     try:
         detail = reply.json().get("detail", reply.text)
-    except (ValueError, AttributeError):
-        detail = reply.text
+    except (ValueError, AttributeError, RecursionError):
+        detail = reply.text[:2000]
     message = f"{request.method} {request.path}: {status} {_message(detail)}"
     if status == 503:
         written = False if reply.headers.get(WRITTEN_HEADER) == "none" else None
@@ -213,21 +243,23 @@ def error_of(request: Request, reply: httpx.Response | httpx.TransportError) -> 
     return ServerError(message, status, detail)
 
 
-def exchange(request: Request, retries: Retries) -> Call[httpx.Response]:
+def exchange(request: Request, retries: Retries) -> Call[Answer]:
     """Send ``request`` until it is answered, or raise the typed error (module docstring)."""
     attempts = request.attempts or retries.attempts
     for attempt in range(attempts):
         reply = yield request
         assert reply is not None
-        if isinstance(reply, httpx.Response) and (reply.status_code < 400
-                                                  or reply.status_code in request.answers):
+        if isinstance(reply, StreamxmError):
+            raise reply
+        if isinstance(reply, Answer) and (reply.status_code < 400
+                                          or reply.status_code in request.answers):
             return reply
         error = error_of(request, reply)
         again = isinstance(error, Unavailable) and (request.idempotent or error.written is False)
         if not again or attempt == attempts - 1:
             raise error
         yield Sleep(retries.delay(attempt, _retry_after(reply)
-                                  if isinstance(reply, httpx.Response) else None))
+                                  if isinstance(reply, Answer) else None))
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -312,6 +344,35 @@ def _blocks(count: int, size: int) -> list[slice]:
     return [slice(at, min(at + size, count)) for at in range(0, count, size)]
 
 
+def _limits_of(body: Any) -> ServerLimits:
+    """``GET /v1/limits``'s body as limits: every known field of the right type and positive
+    (a server's other fields are ignored)."""
+    if not isinstance(body, dict):
+        raise TypeError(f"not an object: {type(body).__name__}")
+    out: dict[str, Any] = {}
+    for f in fields(ServerLimits):
+        if f.name not in body:
+            continue
+        value = body[f.name]
+        if f.name == "role":
+            if not isinstance(value, str):
+                raise TypeError(f"role: {value!r} is not a string")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TypeError(f"{f.name}: {value!r} is not a positive integer")
+        out[f.name] = value
+    return ServerLimits(**out)
+
+
+def _entry_ids(body: Any, count: int) -> list[str]:
+    """A push's entry ids, one string per pair pushed."""
+    ids = body["entry_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise TypeError("entry_ids: not a list of strings")
+    if len(ids) != count:
+        raise ValueError(f"{len(ids)} entry ids for a batch of {count} pairs")
+    return ids
+
+
 class Calls:
     """The calls of the HTTP API as generators (module docstring); the clients drive them.
 
@@ -327,34 +388,42 @@ class Calls:
 
     def _json(self, request: Request) -> Call[Any]:
         reply = yield from exchange(request, self.retries)
-        return reply.json()
+        with decoded(request.what, reply):
+            return reply.json()
 
     def limits_call(self) -> Call[ServerLimits]:
         """``GET /v1/limits``, read once (a server without it: its defaults)."""
         if self.server_limits is None:
+            request = Request("GET", "/v1/limits")
             try:
-                body = yield from self._json(Request("GET", "/v1/limits"))
-                known = {f.name for f in fields(ServerLimits)}
-                self.server_limits = ServerLimits(**{k: v for k, v in body.items()
-                                                     if k in known})
+                reply = yield from exchange(request, self.retries)
             except NotFound:
                 self.server_limits = ServerLimits()
+            else:
+                with decoded(request.what, reply):
+                    self.server_limits = _limits_of(reply.json())
         return self.server_limits
 
     def push_call(self, items: Iterable[PairLike], binary: bool) -> Call[list[str]]:
         pairs = as_pairs(items)
         limits = yield from self.limits_call()
         ids: list[str] = []
-        for start, request in push_batches(pairs, limits, binary):
+        batches = push_batches(pairs, limits, binary)
+        for n, (start, request) in enumerate(batches):
+            count = (batches[n + 1][0] if n + 1 < len(batches) else len(pairs)) - start
             try:
-                body = yield from self._json(request)
+                reply = yield from exchange(request, self.retries)
+                with decoded(request.what, reply):
+                    got = _entry_ids(reply.json(), count)
             except StreamxmError as exc:
                 if isinstance(exc, InvalidPair) and exc.index is not None:
                     exc.index += start  # the server counts within the batch
                     exc.path = ["pairs", exc.index, *exc.path[2:]]
                 exc.accepted = ids
+                if isinstance(exc, BadResponse) and exc.written:
+                    exc.unconfirmed = count
                 raise
-            ids.extend(body["entry_ids"])
+            ids.extend(got)
         return ids
 
     def search_call(self, vector: ArrayLike, modality: str, k: int, model: str | None,
@@ -365,10 +434,16 @@ class Calls:
         body: dict[str, Any] = {"modality": modality, "vector": _b64(rows[0]), "k": k}
         body.update({key: value for key, value in (("model", model), ("version", version),
                                                     ("target", target)) if value is not None})
-        out = yield from self._json(Request("POST", "/v1/search", json=body))
-        return SearchResult(out["model"], out["version"], out["members"], out["target"],
-                            float(out["version_lag_s"]), out["index_version"],
-                            [Hit(h["id"], float(h["score"])) for h in out["results"]])
+        request = Request("POST", "/v1/search", json=body,
+                          max_answer_bytes=ANSWER_BYTES + max(0, int(k)) * HIT_BYTES)
+        reply = yield from exchange(request, self.retries)
+        with decoded(request.what, reply):
+            out = reply.json()
+            hits = [Hit(str(h["id"]), float(h["score"])) for h in out["results"]]
+            if len(hits) > k:
+                raise ValueError(f"{len(hits)} hits for k={k}")
+            return SearchResult(out["model"], out["version"], out["members"], out["target"],
+                                float(out["version_lag_s"]), out["index_version"], hits)
 
     def similarity_call(self, images: ArrayLike, texts: ArrayLike, mode: str,
                         model: str | None, version: int | None, direction: str
@@ -391,19 +466,32 @@ class Calls:
             pin = version if first is None else first["version"]
             body.update({key: value for key, value in (("model", model), ("version", pin))
                          if value is not None})
-            out = yield from self._json(Request("POST", "/v1/similarity", json=body))
-            first = first or out
-            if out["members"] != first["members"]:
+            block = scores[(i, j) if mode == "matrix" else i]
+            request = Request("POST", "/v1/similarity", json=body,
+                              max_answer_bytes=ANSWER_BYTES + block.size * SCORE_BYTES)
+            reply = yield from exchange(request, self.retries)
+            with decoded(request.what, reply):
+                out = reply.json()
+                got = np.asarray(out["scores"], dtype=np.float64)
+                if got.shape != block.shape:
+                    raise ValueError(f"scores of shape {got.shape} for a block of {block.shape}")
+                first = first or out
+                members = out["members"]
+            if members != first["members"]:
                 raise Unavailable(f"the ensemble's members changed version between blocks "
-                                  f"({first['members']} -> {out['members']}); ask again")
-            scores[(i, j) if mode == "matrix" else i] = np.asarray(out["scores"])
+                                  f"({first['members']} -> {members}); ask again")
+            scores[(i, j) if mode == "matrix" else i] = got
         assert first is not None
-        return SimilarityResult(first["model"], first["version"], first["members"], scores)
+        with decoded("POST /v1/similarity", reply):
+            return SimilarityResult(first["model"], first["version"], first["members"], scores)
 
     def models_call(self) -> Call[list[ModelInfo]]:
-        out = yield from self._json(Request("GET", "/v1/models"))
+        request = Request("GET", "/v1/models", max_answer_bytes=MODELS_BYTES)
+        reply = yield from exchange(request, self.retries)
         known = {f.name for f in fields(ModelInfo)}
-        return [ModelInfo(**{k: v for k, v in m.items() if k in known}) for m in out["models"]]
+        with decoded(request.what, reply):
+            return [ModelInfo(**{k: v for k, v in m.items() if k in known})
+                    for m in reply.json()["models"]]
 
     def health_call(self) -> Call[bool]:
         """Liveness: answered at once, never retried; ``False`` when the API cannot be
@@ -412,15 +500,16 @@ class Calls:
             out = yield from self._json(Request("GET", "/healthz", attempts=1))
         except Unavailable:
             return False
-        return bool(out.get("status") == "ok")
+        return isinstance(out, dict) and out.get("status") == "ok"
 
     def ready_call(self) -> Call[Readiness]:
         """Readiness: ``/readyz``'s answer, 503 included; unreachable is not ready."""
+        request = Request("GET", "/readyz", answers=frozenset({503}), attempts=1)
         try:
-            out = yield from self._json(Request("GET", "/readyz", answers=frozenset({503}),
-                                                attempts=1))
+            reply = yield from exchange(request, self.retries)
         except Unavailable as exc:
             return Readiness(False, str(exc), [])
-        return Readiness(out["status"] in ("ready", "degraded"), str(out["status"]),
-                         list(out.get("models", [])))
-
+        with decoded(request.what, reply):
+            out = reply.json()
+            return Readiness(out["status"] in ("ready", "degraded"), str(out["status"]),
+                             [str(m) for m in out.get("models", [])])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["InvalidPair", "InvalidRequest", "NotFound", "ServerError", "StreamxmError",
-           "Unauthorized", "Unavailable"]
+__all__ = ["BadResponse", "InvalidPair", "InvalidRequest", "NotFound", "ResponseTooLarge",
+           "ServerError", "StreamxmError", "Unauthorized", "Unavailable"]
 
 
 class StreamxmError(Exception):
@@ -20,7 +20,12 @@ class StreamxmError(Exception):
         The server's ``detail``: a message, or the list of ``{loc, msg, type}`` of a 422.
     accepted
         For :meth:`~streamxm.client.Client.push`: the stream entry ids of the batches the
-        server had accepted before this one failed (push the rest again).
+        server had accepted before this one failed, in order (the pairs after them did not
+        land, unless ``unconfirmed`` says otherwise).
+    unconfirmed
+        For a push: how many pairs after ``accepted`` the server did take (it answered 2xx)
+        but whose entry ids the client could not read (:class:`BadResponse`); pushing them
+        again adds them twice.
     """
 
     def __init__(self, message: str, status: int | None = None, detail: Any = None) -> None:
@@ -28,6 +33,7 @@ class StreamxmError(Exception):
         self.status = status
         self.detail = message if detail is None else detail
         self.accepted: list[str] = []
+        self.unconfirmed = 0
 
 
 class InvalidRequest(StreamxmError):
@@ -75,3 +81,20 @@ class Unavailable(StreamxmError):
 
 class ServerError(StreamxmError):
     """Any other status: a bug in the server (its log has the traceback)."""
+
+
+class BadResponse(StreamxmError):
+    """An answer the client cannot read: not JSON, nested too deep, the wrong shape or types,
+    a push answered with a different number of entry ids than pairs, an encoding it did not
+    ask for. ``written``: ``True`` when the status was 2xx (a push's batch landed), else
+    ``None``."""
+
+    def __init__(self, message: str, status: int | None = None, detail: Any = None,
+                 written: bool | None = None) -> None:
+        super().__init__(message, status, detail)
+        self.written = written
+
+
+class ResponseTooLarge(BadResponse):
+    """An answer past the byte cap the request allows (after decompression): the client
+    stopped reading it."""

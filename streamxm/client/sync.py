@@ -9,6 +9,7 @@ from typing import Literal, TypeVar
 import httpx
 from numpy.typing import ArrayLike
 
+from streamxm.client.answers import ACCEPT_ENCODING, BodyReader
 from streamxm.client.calls import (
     Call,
     Calls,
@@ -23,6 +24,7 @@ from streamxm.client.calls import (
     SimilarityResult,
     Sleep,
 )
+from streamxm.client.errors import StreamxmError
 
 __all__ = ["Client"]
 
@@ -30,7 +32,14 @@ T = TypeVar("T")
 
 
 def headers(token: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}"} if token else {}
+    """The headers of every call: the token, and only the encodings the client inflates."""
+    auth = {"authorization": f"Bearer {token}"} if token else {}
+    return {"accept-encoding": ACCEPT_ENCODING, **auth}
+
+
+def reader_for(request: Request, response: httpx.Response) -> BodyReader:
+    return BodyReader(request.what, response.status_code, response.headers,
+                      request.max_answer_bytes)
 
 
 def build(http: httpx.Client | httpx.AsyncClient, request: Request) -> httpx.Request:
@@ -43,8 +52,10 @@ class Client:
     """The streamxm HTTP API from Python: push pairs, search, score, read the models' state.
 
     Vectors go in as numpy arrays (or anything ``np.asarray`` takes) and are sent as float32
-    bytes; scores come back as numpy arrays. Errors are the exceptions of
-    :mod:`streamxm.client.errors`, carrying the server's ``detail``. Reads are retried on a 503
+    bytes; scores come back as numpy arrays. Every failure is an exception of
+    :mod:`streamxm.client.errors` (a :class:`StreamxmError`), carrying the server's ``detail``
+    and, for a push, what landed. What the client reads of a reply is capped by what the
+    request can need (:mod:`streamxm.client.answers`). Reads are retried on a 503
     or a failed connection with exponential backoff; a push only when nothing of it can have
     reached the stream (:mod:`streamxm.client.calls`).
 
@@ -103,8 +114,17 @@ class Client:
             time.sleep(step.seconds)
             return None
         try:
-            return self.http.send(build(self.http, step))
-        except httpx.TransportError as exc:
+            response = self.http.send(build(self.http, step), stream=True)
+            try:
+                reader = reader_for(step, response)
+                for chunk in response.iter_raw():
+                    reader.feed(chunk)
+                    if reader.done:
+                        break
+            finally:
+                response.close()
+            return reader.answer()
+        except (httpx.TransportError, StreamxmError) as exc:
             return exc
 
     def push(self, pairs: Iterable[PairLike], binary: bool = True) -> list[str]:

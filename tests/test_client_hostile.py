@@ -1,0 +1,157 @@
+"""The client against a malicious server (a real HTTP server on loopback): what it reads and
+unpacks is capped by what the request can need, and every failure is a ``StreamxmError`` that
+says what of a push landed."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from streamxm.client import AsyncClient, BadResponse, Client, ResponseTooLarge, StreamxmError
+from streamxm.tools.hostile_server import (
+    Handler,
+    HostileServer,
+    chunked_flood,
+    deep_json,
+    gzip_bomb,
+    limits_json,
+    plain,
+)
+
+GIB = 1 << 30
+LIMITS = plain(200, limits_json())
+
+
+def _pairs(n: int) -> list[tuple[str, Any, Any, list[int]]]:
+    rng = np.random.default_rng(0)
+    return [(f"p{i}", rng.random(8), rng.random(4), [i % 2]) for i in range(n)]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[dict[str, Handler]], HostileServer]]:
+    servers: list[HostileServer] = []
+
+    def start(answers: dict[str, Handler]) -> HostileServer:
+        servers.append(HostileServer(answers).__enter__())
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.__exit__()
+
+
+def _peak_mib(call: Callable[[], object]) -> tuple[Exception | None, float]:
+    """What ``call`` raised and the most memory Python allocated meanwhile, in MiB."""
+    tracemalloc.start()
+    try:
+        call()
+        raised: Exception | None = None
+    except Exception as exc:  # the test inspects what was raised
+        raised = exc
+    peak = tracemalloc.get_traced_memory()[1] / (1 << 20)
+    tracemalloc.stop()
+    return raised, peak
+
+
+@pytest.mark.parametrize("answer", [chunked_flood(GIB), gzip_bomb(GIB)], ids=["chunked", "gzip"])
+def test_a_body_past_the_cap_is_refused_without_reading_it(
+    serve: Callable[[dict[str, Handler]], HostileServer], answer: Handler
+) -> None:
+    server = serve({"/v1/models": answer, "/v1/search": answer})
+    with Client(server.url, timeout=10) as client:
+        raised, peak = _peak_mib(client.models)
+        assert isinstance(raised, ResponseTooLarge), raised
+        assert peak < 48, f"{peak:.0f} MiB read for GET /v1/models"
+        # A search's cap follows from k: far below the models' cap.
+        raised, peak = _peak_mib(lambda: client.search(np.ones(8), k=5))
+        assert isinstance(raised, ResponseTooLarge) and "cap of" in str(raised)
+        assert peak < 8, f"{peak:.0f} MiB read for a k=5 search"
+
+
+def test_the_async_client_caps_the_same(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    server = serve({"/v1/models": gzip_bomb(GIB)})
+
+    async def ask() -> None:
+        async with AsyncClient(server.url, timeout=10) as client:
+            await client.models()
+
+    raised, peak = _peak_mib(lambda: anyio.run(ask))
+    assert isinstance(raised, ResponseTooLarge) and peak < 48
+
+
+def test_an_error_page_past_the_cap_keeps_its_status(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    server = serve({"/v1/models": chunked_flood(GIB, status=404)})
+    with Client(server.url, timeout=10) as client, pytest.raises(StreamxmError) as caught:
+        client.models()
+    assert caught.value.status == 404 and not isinstance(caught.value, BadResponse)
+
+
+def test_a_push_answered_with_a_page_says_its_batch_landed(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    server = serve(
+        {"/v1/limits": LIMITS, "/v1/pairs/frames": plain(202, b"<html>ok</html>", "text/html")}
+    )
+    with Client(server.url) as client, pytest.raises(BadResponse) as caught:
+        client.push(_pairs(5))
+    assert caught.value.status == 202 and caught.value.written is True
+    assert caught.value.accepted == [] and caught.value.unconfirmed == 5
+
+
+def test_a_push_answered_with_too_few_entry_ids_is_not_a_success(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    server = serve(
+        {
+            "/v1/limits": plain(200, limits_json(max_batch=5)),
+            "/v1/pairs/frames": plain(202, b'{"entry_ids": ["1-0"]}'),
+        }
+    )
+    with Client(server.url) as client, pytest.raises(BadResponse) as caught:
+        client.push(_pairs(5))
+    assert "1 entry ids for a batch of 5" in str(caught.value)
+    assert caught.value.unconfirmed == 5
+
+
+@pytest.mark.parametrize(
+    "body",
+    [deep_json(100_000), b'{"models": [{"name": 1}]}', b'{"models": 7}', b"\xff\xfe"],
+    ids=["deep", "fields", "type", "bytes"],
+)
+def test_answers_of_the_wrong_shape_are_bad_responses(
+    serve: Callable[[dict[str, Handler]], HostileServer], body: bytes
+) -> None:
+    server = serve({"/v1/models": plain(200, body)})
+    with Client(server.url) as client, pytest.raises(BadResponse):
+        client.models()
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [limits_json(max_batch="x"), limits_json(max_batch=0), limits_json(max_batch=True), b"[1, 2]"],
+)
+def test_limits_of_the_wrong_type_are_bad_responses(
+    serve: Callable[[dict[str, Handler]], HostileServer], limits: bytes
+) -> None:
+    server = serve({"/v1/limits": plain(200, limits)})
+    with Client(server.url) as client, pytest.raises(BadResponse) as caught:
+        client.push(_pairs(3))
+    assert caught.value.accepted == [] and caught.value.unconfirmed == 0
+    assert server.seen == ["/v1/limits"], "nothing was pushed"
+
+
+def test_an_encoding_the_client_did_not_ask_for_is_refused(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    server = serve({"/readyz": plain(200, b"xx", extra="content-encoding: br\r\n")})
+    with Client(server.url) as client, pytest.raises(BadResponse, match="content-encoding"):
+        client.ready()
