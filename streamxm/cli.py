@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -186,17 +185,16 @@ def _cmd_migrate_keys(args: argparse.Namespace) -> int:
 def _cmd_push(args: argparse.Namespace) -> int:
     from collections.abc import Callable, Sequence
 
-    from tqdm import tqdm
-
     from streamxm.config import get_settings
     from streamxm.stream.messages import Pair
     from streamxm.tools.datasets import iter_pairs, load_dataset
+    from streamxm.tools.push import PushStopped, push_pairs
 
     # Arguments first: a wrong path must not start the embedded Redis.
     ds = load_dataset(args.dataset)
     pairs = list(iter_pairs(ds, limit=args.limit, unlabelled=args.unlabelled,
                             prefix=args.id_prefix))
-    send: Callable[[Sequence[Pair]], object]
+    send: Callable[[Sequence[Pair]], list[str]]
     if args.url:
         from streamxm.client import Client
 
@@ -210,17 +208,12 @@ def _cmd_push(args: argparse.Namespace) -> int:
         settings = get_settings()
         send = StreamClient(connect(settings), settings.namespace, limits_from(settings),
                             replication=Replication.of(settings)).push_pairs
-    chunk = max(1, min(500, int(args.rate) if args.rate else 500))
-    start = time.monotonic()
-    with tqdm(total=len(pairs), unit="pair", desc="pushed") as bar:
-        for i in range(0, len(pairs), chunk):
-            part = pairs[i : i + chunk]
-            send(part)
-            bar.update(len(part))
-            if args.rate:
-                # Hold the average rate: sleep until this many pairs are due.
-                due = start + (i + len(part)) / args.rate
-                time.sleep(max(0.0, due - time.monotonic()))
+    try:
+        report = push_pairs(pairs, send, start=args.start, rate=args.rate)
+    except PushStopped as stopped:
+        print(f"streamxm push: error: {stopped}", file=sys.stderr)
+        return 3
+    print(report.summary())
     return 0
 
 
@@ -448,6 +441,8 @@ def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     push.add_argument("--limit", type=int, default=None, help="push only the first N pairs")
     push.add_argument("--unlabelled", action="store_true", help="withhold labels")
     push.add_argument("--id-prefix", default="train", help="pair ids are PREFIX-<row>")
+    push.add_argument("--start", type=int, default=0, help="skip the first N pairs: resume "
+                      "a push that stopped after N had landed (its error says N)")
     push.add_argument("--url", default=None, help="push through the HTTP API at this URL "
                       "(streamxm.client) instead of straight into Redis")
     push.add_argument("--token", default=None, help="with --url: the API's bearer token "
