@@ -272,6 +272,9 @@ class ModelInfo(BaseModel):
     version: int | None = Field(description="version the API serves")
     checkpoint_version: int | None = Field(description="newest version the worker wrote")
     pairs_seen: int
+    last_entry_id: str | None = Field(
+        default=None, description="newest stream entry the served `version` has learned: "
+        "every pair pushed up to it is in the model (`Client.wait_learned` polls for it)")
     mistakes: dict[str, int]
     triplets: dict[str, int]
     rolling_map: dict[str, float | None]

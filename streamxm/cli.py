@@ -212,7 +212,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
         report = push_pairs(pairs, send, start=args.start, rate=args.rate)
     except PushStopped as stopped:
         print(f"streamxm push: error: {stopped}", file=sys.stderr)
-        return 3
+        return 3 if stopped.transient else 2
     print(report.summary())
     return 0
 

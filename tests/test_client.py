@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -194,8 +196,20 @@ def test_the_readme_example_runs_as_written(settings: Settings, worker: None) ->
     with ApiServer(settings) as api:
         code = example.group(1).replace("http://127.0.0.1:8000", api.url)
         scope: dict[str, object] = {}
-        exec(compile(code, str(README), "exec"), scope)
-        assert len(scope["hits"].ids) == 5  # type: ignore[attr-defined]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, str(README), "exec"), scope)
+    hits = scope["hits"]
+    assert len(hits.ids) == 5  # type: ignore[attr-defined]
+    # The model it prints has learned every pair it pushed, and the search came from a version
+    # that had: the query's own class ranks first (pair ids i with i % 5 == 3).
+    lines = printed.getvalue().splitlines()
+    assert lines[0].startswith("cmos ") and lines[1].startswith("cmos 500 "), lines
+    assert all(int(i.split("-")[1]) % 5 == 3 for i in hits.ids), hits.ids  # type: ignore[attr-defined]
+    shown = re.search(r"It prints.*?\n```\n(.*?)```", text, re.S)
+    assert shown, "the README shows what the example prints"
+    assert [line.split()[0] for line in shown.group(1).splitlines()] == ["cmos", "cmos"]
+    assert shown.group(1).splitlines()[1].startswith("cmos 500 ")
 
 
 def test_streamxm_push_url_goes_through_the_api(r: redis.Redis, settings: Settings) -> None:

@@ -4,6 +4,7 @@ says what of a push landed."""
 
 from __future__ import annotations
 
+import json
 import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,7 +13,14 @@ import anyio
 import numpy as np
 import pytest
 
-from streamxm.client import AsyncClient, BadResponse, Client, ResponseTooLarge, StreamxmError
+from streamxm.client import (
+    AsyncClient,
+    BadResponse,
+    Client,
+    ResponseTooLarge,
+    StreamxmError,
+    Unavailable,
+)
 from streamxm.tools.hostile_server import (
     Handler,
     HostileServer,
@@ -155,3 +163,29 @@ def test_an_encoding_the_client_did_not_ask_for_is_refused(
     server = serve({"/readyz": plain(200, b"xx", extra="content-encoding: br\r\n")})
     with Client(server.url) as client, pytest.raises(BadResponse, match="content-encoding"):
         client.ready()
+
+
+def test_wait_learned_gives_up_when_the_served_version_stays_behind(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    model = {
+        "name": "cmos",
+        "loaded": True,
+        "version": 1,
+        "checkpoint_version": 1,
+        "pairs_seen": 1,
+        "last_entry_id": "17-0",
+        "mistakes": {},
+        "triplets": {},
+        "rolling_map": {},
+        "checkpoint_time": None,
+        "gallery_items": 1,
+    }
+    server = serve({"/v1/models": plain(200, json.dumps({"models": [model]}).encode())})
+    with Client(server.url) as client:
+        assert client.wait_learned("17-0", "cmos", timeout=1)[0].last_entry_id == "17-0"
+        assert client.wait_learned("16-99", timeout=1)[0].name == "cmos"
+        with pytest.raises(Unavailable, match="had learned entry 17-1"):
+            client.wait_learned("17-1", "cmos", timeout=0.3, interval=0.1)
+        with pytest.raises(Unavailable):  # a model the API does not list
+            client.wait_learned("1-0", "sam", timeout=0.2, interval=0.1)

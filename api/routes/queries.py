@@ -40,6 +40,7 @@ def models(server: Server) -> ModelsOut:
             name=name, loaded=served is not None,
             version=served.version if served else None,
             checkpoint_version=stats.version, pairs_seen=stats.pairs_processed,
+            last_entry_id=str(served.head.get("last_id", "")) or None if served else None,
             mistakes=stats.mistakes, triplets=stats.triplets, rolling_map=stats.rolling_map,
             checkpoint_time=stats.checkpoint_time,
             gallery_items=served.gallery_size if served else 0,

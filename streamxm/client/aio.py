@@ -103,6 +103,11 @@ class AsyncClient:
         return await self._run(self.calls.similarity_call(images, texts, mode, model, version,
                                                           direction))
 
+    async def wait_learned(self, entry_id: str, model: str | None = None,
+                           timeout: float = 60.0, interval: float = 0.2) -> list[ModelInfo]:
+        """As :meth:`Client.wait_learned`."""
+        return await self._run(self.calls.learned_call(entry_id, model, timeout, interval))
+
     async def models(self) -> list[ModelInfo]:
         return await self._run(self.calls.models_call())
 

@@ -191,6 +191,13 @@ class ModelInfo:
     checkpoint_time: float | None
     gallery_items: int
     champion_of: list[str] = field(default_factory=list)
+    last_entry_id: str | None = None  # newest stream entry the served version has learned
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``<ms>-<seq>``) as a key that sorts as Redis orders entries."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 @dataclass(frozen=True)
@@ -492,6 +499,25 @@ class Calls:
         with decoded(request.what, reply):
             return [ModelInfo(**{k: v for k, v in m.items() if k in known})
                     for m in reply.json()["models"]]
+
+    def learned_call(self, entry_id: str, model: str | None, timeout: float,
+                     interval: float) -> Call[list[ModelInfo]]:
+        """Poll ``/v1/models`` until the served version of ``model`` (None: of every model
+        the API lists, at least one) has learned the stream up to ``entry_id``."""
+        try:
+            wanted = entry_order(entry_id)
+        except ValueError:
+            raise InvalidRequest(f"entry_id: {entry_id!r} is not a stream entry id") from None
+        for _ in range(max(1, int(timeout / interval))):
+            infos = yield from self.models_call()
+            chosen = [m for m in infos if model is None or m.name == model]
+            if chosen and all(m.last_entry_id and entry_order(m.last_entry_id) >= wanted
+                              for m in chosen):
+                return infos
+            yield Sleep(interval)
+        where = {m.name: m.last_entry_id for m in infos}
+        raise Unavailable(f"after {timeout:g} s no served version of {model or 'every model'} "
+                          f"had learned entry {entry_id} (served up to: {where})")
 
     def health_call(self) -> Call[bool]:
         """Liveness: answered at once, never retried; ``False`` when the API cannot be

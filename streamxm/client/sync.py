@@ -164,6 +164,14 @@ class Client:
         """What one request may hold on this server (read once)."""
         return self._run(self.calls.limits_call())
 
+    def wait_learned(self, entry_id: str, model: str | None = None, timeout: float = 60.0,
+                     interval: float = 0.2) -> list[ModelInfo]:
+        """Wait until the version the API serves of ``model`` (None: of every model) has
+        learned the stream up to ``entry_id`` (e.g. the last id :meth:`push` returned), and
+        return the models' state; :class:`~streamxm.client.errors.Unavailable` after
+        ``timeout`` seconds."""
+        return self._run(self.calls.learned_call(entry_id, model, timeout, interval))
+
     def health(self) -> bool:
         """Whether the API process answers (no retries)."""
         return self._run(self.calls.health_call())

@@ -89,6 +89,7 @@ class ServedVersions:
         model = model_from_state(ckpt.arrays, ckpt.meta)  # flushed: queries only read it
         head = dict(self.store.head(name) or {})
         head["pairs_seen"] = int(ckpt.meta["pairs_seen"])
+        head["last_id"] = ckpt.last_id  # the head may already name a newer version
         started = time.perf_counter()
         earlier = self.served.get(name)
         if earlier is not None and self._embedded_behind(model, earlier):

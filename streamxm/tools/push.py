@@ -51,6 +51,8 @@ class PushStopped(Exception):
     def __init__(self, report: PushReport, cause: Exception) -> None:
         self.report = report
         self.cause = cause
+        # The service was unreachable (try again later), not the push refused.
+        self.transient = isinstance(cause, (Unavailable, RedisError))
         uncertain = (f"; the {report.uncertain} pairs after them got no answer and may have "
                      f"landed too (resuming pushes them again)" if report.uncertain else "")
         super().__init__(f"{cause}\n{report.summary()}{uncertain}.\n"
