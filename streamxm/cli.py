@@ -217,6 +217,14 @@ def _cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_bench(result: dict[str, Any], indent: int | None = None) -> None:
+    """Print a benchmark's result as JSON, with the ``machine`` it ran on
+    (:func:`streamxm.tools.machine.machine`): every ``streamxm bench`` prints its JSON here."""
+    from streamxm.tools.machine import with_machine
+
+    print(json.dumps(with_machine(result), indent=indent))
+
+
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from streamxm.tools.bench import quality
 
@@ -226,7 +234,7 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
                      order=args.order, label_noise=args.label_noise,
                      buffer_memory=args.buffer_memory, eval_every=args.eval_every)
     if args.json:
-        print(json.dumps(result))
+        _print_bench(result)
         return 0
     for name, run in (*result.get("members", {}).items(), (args.model, result)):
         print(f"{name} ({args.protocol}): image->text {run['map_i2t']:.4f}  "
@@ -242,7 +250,7 @@ def _cmd_bench_order(args: argparse.Namespace) -> int:
     result = stream_order(args.dataset, models, seeds=seeds, label_noise=args.label_noise,
                           progress=not args.json)
     if args.json:
-        print(json.dumps(result))
+        _print_bench(result)
         return 0
     print(f"seeds {','.join(map(str, seeds))}: means over seeds, image->text / text->image; "
           f"bars: class share >= {result['order_share']:.0%}, with "
@@ -280,7 +288,7 @@ def _cmd_bench_database(args: argparse.Namespace) -> int:
                             protocol=args.protocol, epochs=args.epochs,
                             params=_params(args.param) or None, progress=not args.json)
     if args.json:
-        print(json.dumps(result))
+        _print_bench(result)
     else:
         print(f"{args.model} ({len(seeds)} splits): " + "  ".join(
             f"{k[4:]} {v:.4f}+-{result['std'][k]:.4f}" for k, v in result["mean"].items()))
@@ -295,7 +303,7 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
                         params=_params(args.param) or None, seed=args.seed, order=args.order,
                         eval_every=args.eval_every)
     if args.json:
-        print(json.dumps(result))
+        _print_bench(result)
     else:
         line = f"{args.model}: {result['pairs_per_s']:.0f} pairs/s on one core"
         if "limit_pairs_per_s" in result:
@@ -323,7 +331,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
                if k not in ("command", "bench", "func", "verbose", "json")}
     module, function = _LOAD_BENCHES[args.bench]
     result = getattr(importlib.import_module(f"streamxm.tools.{module}"), function)(**options)
-    print(json.dumps(result, indent=None if args.json else 2))
+    _print_bench(result, indent=None if args.json else 2)
     return 0
 
 
@@ -345,7 +353,7 @@ def _cmd_bench_distributed(args: argparse.Namespace) -> int:
         txt_dim=args.txt_dim, pairs=args.pairs, threads_per_rank=args.threads_per_rank,
         read_batch=args.read_batch, eval_every=args.eval_every, dataset=args.dataset,
         params=_params(args.param) or None, seed=args.seed)
-    print(json.dumps(result, indent=None if args.json else 2))
+    _print_bench(result, indent=None if args.json else 2)
     return 0
 
 
