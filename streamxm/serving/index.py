@@ -310,15 +310,24 @@ def top_k_bounded(queries: NDArray[np.float32], blocks: Sequence[Block], k: int,
 
 def _top_k_float32(queries: NDArray[np.float32], part: NDArray[np.float32], k: int
                    ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
-    """Top ``k`` of one chunk (unordered), local rows, and the best score left out."""
+    """Top ``k`` of one chunk (unordered), local rows, and the best score left out. Rows that
+    tie at the cut are kept in row order (the first of them), as a search's answer lists ties
+    at every ``k``: ``argpartition`` alone keeps any of them."""
     scores = queries @ part.T
     if part.shape[0] <= k:
         rows = np.broadcast_to(np.arange(len(part)), scores.shape)
         return scores, rows, np.full(len(queries), -np.inf, dtype=np.float32)
     order = np.argpartition(-scores, k, axis=1)
     keep = order[:, :k]
+    kept = np.take_along_axis(scores, keep, axis=1)
     cut = np.take_along_axis(scores, order[:, k : k + 1], axis=1)[:, 0]
-    return np.take_along_axis(scores, keep, axis=1), keep, cut
+    lowest = kept.min(axis=1)
+    for i in np.flatnonzero(cut >= lowest):  # a tie across the cut: rare, one query at a time
+        above = np.flatnonzero(scores[i] > lowest[i])
+        level = np.flatnonzero(scores[i] == lowest[i])[: k - len(above)]
+        keep[i] = np.concatenate([above, level])
+        kept[i] = scores[i, keep[i]]
+    return kept, keep, cut
 
 
 def _padded_batch(m: int) -> int:
