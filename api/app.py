@@ -46,23 +46,51 @@ class _Limits:
             request_limits.reset(token)
 
 
-class _PlainPath:
-    """Refuses a path with an encoded slash or backslash (``%2F``, ``%5C``): the server decodes
-    them before routing, so ``/v1%2Fpairs`` would reach ``/v1/pairs`` past a proxy that guards
-    writes by the raw path's prefix."""
+class _PlainRequest:
+    """Refuses, before routing, what a proxy in front could read otherwise than the server does.
 
-    _ENCODED = (b"%2f", b"%5c")
+    A path not in plain form: any percent-encoding, a dot segment, ``//`` or a backslash. The
+    server decodes ``%76`` to ``v`` (and ``%2F`` to ``/``) before routing, so
+    ``/%76%31/pairs/frames`` would reach the write route past a proxy that guards ``/v1/pairs``
+    by the raw path's prefix; the others are what a proxy may normalise and the router does
+    not. No route of this API has a path parameter, so no legitimate path needs any of them.
+
+    A request framed by both ``Content-Length`` and ``Transfer-Encoding``: the server reads the
+    body as chunked, a proxy may read it by its length, and bytes the proxy forwarded as body
+    would be answered as a request it never saw. It gets a 400 with ``Connection: close``
+    (RFC 9112, section 6.3), before its body is read, so nothing after it on the connection is
+    answered.
+    """
+
+    _FRAMING = (b"content-length", b"transfer-encoding")
+    _NOT_PLAIN = ("the path must be plain: percent-encoding (an encoded slash %2F or any other), "
+                  "dot segments, '//' and backslashes are refused")
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = (scope.get("raw_path") or b"") if scope["type"] == "http" else b""
-        if b"%" in raw and any(code in raw.lower() for code in self._ENCODED):
-            await JSONResponse({"detail": "an encoded slash (%2F) or backslash (%5C) in the "
-                                "path is refused"}, status_code=400)(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            names = {name for name, _ in scope["headers"]}
+            if all(name in names for name in self._FRAMING):
+                # Checked first: a path refused alone keeps the connection, this must not.
+                await JSONResponse({"detail": "a request with both Content-Length and "
+                                    "Transfer-Encoding is refused"}, status_code=400,
+                                   headers={"Connection": "close"})(scope, receive, send)
+                return
+            if not _plain_path(scope.get("raw_path") or b""):
+                await JSONResponse({"detail": self._NOT_PLAIN}, status_code=400)(
+                    scope, receive, send)
+                return
         await self.app(scope, receive, send)
+
+
+def _plain_path(raw: bytes) -> bool:
+    """Whether a raw path (the query string is not part of it) routes as it reads."""
+    if b"%" in raw or b"\\" in raw or b"//" in raw:
+        return False
+    segments = raw.split(b"/")
+    return b"." not in segments and b".." not in segments
 
 
 class _Observe:
@@ -117,7 +145,7 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
                               "from the newest online model.")
     app.state.context = context
     app.add_middleware(_Limits, limits=RequestLimits.from_settings(settings))
-    app.add_middleware(_PlainPath)
+    app.add_middleware(_PlainRequest)
     include_routers(app, settings)
     app.add_middleware(_Observe, metrics=context.metrics)
     add_error_handlers(app)
