@@ -363,7 +363,8 @@ def _cmd_redis(args: argparse.Namespace) -> int:
 
     server = EmbeddedRedis(get_settings().data_dir / "redis")
     if args.action == "start":
-        print(server.start())
+        # On purpose: it keeps running when the workers and APIs that use it exit.
+        print(server.start(pin=True))
     elif args.action == "stop":
         # Say what happened: the embedded server outlives the workers and APIs that used it.
         if server.is_running():
@@ -373,7 +374,10 @@ def _cmd_redis(args: argparse.Namespace) -> int:
         else:
             print(f"the embedded Redis at {server.url} was not running")
     else:
-        print("running" if server.is_running() else "stopped", server.url)
+        users = server.live_users()
+        print("running" if server.is_running() else "stopped", server.url,
+              "(started with `streamxm redis start`)" if server.pinned.exists() else
+              f"(used by {len(users)} streamxm process(es))")
     return 0
 
 

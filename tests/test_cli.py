@@ -191,7 +191,7 @@ def test_redis_stop_and_status_say_what_they_did(tmp_path: Path) -> None:
 
     url = run("start")
     assert url.startswith("unix://")
-    assert run("status") == f"running {url}"
+    assert run("status") == f"running {url} (started with `streamxm redis start`)"
     assert run("stop").startswith(f"stopped the embedded Redis at {url}")
-    assert run("status") == f"stopped {url}"
+    assert run("status") == f"stopped {url} (used by 0 streamxm process(es))"
     assert run("stop") == f"the embedded Redis at {url} was not running"

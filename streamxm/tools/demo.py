@@ -37,7 +37,7 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
     url = settings.redis_url
     if url is None:
         embedded = EmbeddedRedis(settings.data_dir / "redis")
-        url = embedded.start()
+        url = embedded.start(join=True)
     r = connect(settings, url)
     _fresh_namespace(r, Keys(namespace))
     log_dir = settings.data_dir / "logs"
@@ -60,8 +60,8 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
             served = client.similarity(ds.img_test, ds.txt_test, mode="matrix", model=model)
             scores, version = served.scores, served.version
     finally:
-        if embedded is not None and embedded.started_here:
-            embedded.stop()
+        redis_note = ("Redis is the one STREAMXM_REDIS_URL names: it keeps running."
+                      if embedded is None else _sentence(embedded.leave()))
     rel = label_relevance(ds.y_test, ds.y_test)
     return {
         "model": model,
@@ -75,7 +75,7 @@ def run_demo(pairs: int | None = None, as_json: bool = False, port: int = 8765,
         "rolling_map": info.rolling_map,
         "learn_seconds": round(learn_seconds, 2),
         "logs": str(log_dir),
-        "redis_stopped": embedded is not None and embedded.started_here,
+        "redis": redis_note,
         "published": {k: {"map_i2t": v[0], "map_t2i": v[1], "source": v[2]}
                       for k, v in PUBLISHED_WIKI.items()},
     }
@@ -158,9 +158,7 @@ def render(result: dict[str, Any]) -> str:
                      f"   ({fig['source']})")
     lines += [
         "",
-        "The worker and the API have stopped" + (
-            ", and so has the embedded Redis the demo started." if result["redis_stopped"] else
-            "; Redis keeps running (it was running before the demo: `streamxm redis stop`)."),
+        "The worker and the API have stopped. " + result["redis"],
         "Next:",
         f"  logs of this run:  {result['logs']}/worker.log and api.log",
         "  run it yourself:   streamxm worker --model cmos &   then   streamxm api",
@@ -169,3 +167,7 @@ def render(result: dict[str, Any]) -> str:
         "  watch it:          streamxm top --url http://127.0.0.1:8000",
     ]
     return "\n".join(lines)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
