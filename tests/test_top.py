@@ -16,9 +16,10 @@ from tests.conftest import ApiServer, class_stream, free_port, wait_for
 def test_top_shows_each_models_health(r: redis.Redis, settings: Settings,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     stop = threading.Event()
-    worker = build_worker(settings, r, "cmos")
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=build_worker(settings, r, name).run, args=(stop,),
+                                daemon=True) for name in ("cmos", "pairwise")]
+    for thread in threads:
+        thread.start()
     try:
         with ApiServer(settings) as api:
             StreamClient(r, settings.namespace).push_pairs(class_stream(400, 6, 4, seed=2))
@@ -42,8 +43,21 @@ def test_top_shows_each_models_health(r: redis.Redis, settings: Settings,
 
             assert main(["top", "--once", "--url", api.url]) == 0
             assert "cmos" in capsys.readouterr().out
+
+            # An ensemble query labels the API's lag histogram with the ensemble's name: it
+            # is no learner, so it gets no row.
+            wait_for(lambda: "pairwise" in parse(httpx.get(api.url + "/metrics").text)[1],
+                     30, "the pairwise learner")
+            name = "ensemble:cmos+pairwise"
+            wait_for(lambda: httpx.post(api.url + "/v1/search", json={
+                "model": name, "modality": "image", "vector": [0.5] * 6, "k": 3,
+            }).status_code == 200, 30, "an ensemble answer")
+            text = httpx.get(api.url + "/metrics").text
+            assert 'model="ensemble"' in text  # the lag histogram's label for any ensemble
+            assert set(parse(text)[1]) == {"cmos", "pairwise"}
     finally:
         stop.set()
-        thread.join(timeout=30)
+        for thread in threads:
+            thread.join(timeout=30)
     assert main(["top", "--once", "--url", f"http://127.0.0.1:{free_port()}"]) == 2
     assert "cannot read" in capsys.readouterr().err

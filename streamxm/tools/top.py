@@ -28,6 +28,14 @@ class ModelHealth:
     dead_letters: float = 0.0
 
 
+#: The samples a learner's statistics give (an ensemble or a query metric makes no row).
+_LEARNER_SAMPLES = frozenset({
+    "streamxm_pairs_processed_total", "streamxm_stream_lag", "streamxm_mistakes_total",
+    "streamxm_triplets_total", "streamxm_rolling_map", "streamxm_checkpoint_age_seconds",
+    "streamxm_drift_detected_total", "streamxm_dead_letters_total",
+})
+
+
 def parse(metrics_text: str) -> tuple[float, dict[str, ModelHealth]]:
     """The ingested-pairs total and each model's health from Prometheus exposition text."""
     ingested = 0.0
@@ -38,8 +46,8 @@ def parse(metrics_text: str) -> tuple[float, dict[str, ModelHealth]]:
             if name == "streamxm_pairs_ingested_total":
                 ingested += value
                 continue
-            if "model" not in labels:
-                continue
+            if "model" not in labels or name not in _LEARNER_SAMPLES:
+                continue  # a row per learner: query metrics also name ensembles
             health = models.setdefault(labels["model"], ModelHealth(labels["model"]))
             direction = labels.get("direction", "")
             if name == "streamxm_pairs_processed_total":
