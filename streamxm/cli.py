@@ -601,6 +601,11 @@ def _bench_service_commands(
     ho.add_argument("--probes", type=int, default=200, help="/healthz probes at rest")
     ho.add_argument("--labels-mib", type=float, default=11.5, help="size of the labels bomb: "
                     "one frame whose labels field is this many MiB, to /v1/pairs/frames")
+    ho.add_argument("--part", choices=("all", "server", "client"), default="all",
+                    help="server: junk bodies to the API; client: the Python client against a "
+                    "malicious server (oversized, gzip-bombed and malformed answers)")
+    ho.add_argument("--client-gib", type=float, default=1.0,
+                    help="size of the client cases' oversized bodies, GiB")
     sc = bench_sub.add_parser("scan", help="the search candidate scan's backends side by side "
                               "(float32, bfloat16, int8, FAISS when installed), one thread")
     sc.add_argument("--rows", type=int, default=1_000_000)

@@ -189,3 +189,16 @@ def test_wait_learned_gives_up_when_the_served_version_stays_behind(
             client.wait_learned("17-1", "cmos", timeout=0.3, interval=0.1)
         with pytest.raises(Unavailable):  # a model the API does not list
             client.wait_learned("1-0", "sam", timeout=0.2, interval=0.1)
+
+
+@pytest.mark.slow
+def test_bench_hostile_client_part_reports_each_case() -> None:
+    from streamxm.tools.bench_hostile import hostile
+
+    result = hostile(part="client", client_gib=0.25)
+    cases = result["client"]["cases"]
+    assert result["client"]["not_streamxm_errors"] == []
+    assert cases["gzip_bomb"]["raised"] == cases["chunked_body"]["raised"] == "ResponseTooLarge"
+    assert cases["html_on_push"]["written"] is True and cases["deep_json"]["written"] is None
+    for case in cases.values():  # bodies of 256 MiB never reached the client's memory
+        assert case["client_rss_peak_mb"] - case["client_rss_before_mb"] < 64

@@ -52,8 +52,10 @@ class BodyReader:
     """Decodes a response's raw bytes as they arrive and refuses more than ``limit`` decoded
     bytes (more than ``limit`` raw bytes too, so an endless body of nothing is refused)."""
 
-    def __init__(self, what: str, status: int, headers: httpx.Headers, limit: int) -> None:
+    def __init__(self, what: str, status: int, headers: httpx.Headers, limit: int,
+                 writes: bool = False) -> None:
         self.what, self.status, self.headers, self.limit = what, status, headers, limit
+        self.writes = writes  # a push: a 2xx says its batch landed
         self.parts: list[bytes] = []
         self.size = 0
         self.raw = 0
@@ -112,7 +114,7 @@ class BodyReader:
         return Answer(self.status, self.headers, b"".join(self.parts), self.truncated)
 
     def _written(self) -> bool | None:
-        return True if 200 <= self.status < 300 else None
+        return True if self.writes and 200 <= self.status < 300 else None
 
     def _bad(self, why: str) -> BadResponse:
         return BadResponse(f"{self.what}: {self.status} with {why}", self.status,
@@ -120,14 +122,15 @@ class BodyReader:
 
 
 @contextmanager
-def decoded(what: str, answer: Answer) -> Iterator[None]:
+def decoded(what: str, answer: Answer, writes: bool = False) -> Iterator[None]:
     """Turns a body that is not the answer's shape (missing keys, wrong types, not JSON, too
-    deep) into :class:`BadResponse` naming the request."""
+    deep) into :class:`BadResponse` naming the request; ``writes``: the request was a push,
+    whose batch a 2xx says landed."""
     try:
         yield
     except (ValueError, RecursionError, KeyError, TypeError, AttributeError,
             IndexError) as exc:
-        written = True if 200 <= answer.status_code < 300 else None
+        written = True if writes and 200 <= answer.status_code < 300 else None
         raise BadResponse(f"{what}: {answer.status_code} with a body that is not its answer "
                           f"({type(exc).__name__}: {str(exc)[:200]})", answer.status_code,
                           written=written) from None

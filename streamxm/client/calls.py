@@ -420,7 +420,7 @@ class Calls:
             count = (batches[n + 1][0] if n + 1 < len(batches) else len(pairs)) - start
             try:
                 reply = yield from exchange(request, self.retries)
-                with decoded(request.what, reply):
+                with decoded(request.what, reply, writes=True):
                     got = _entry_ids(reply.json(), count)
             except StreamxmError as exc:
                 if isinstance(exc, InvalidPair) and exc.index is not None:

@@ -86,7 +86,7 @@ class ServerError(StreamxmError):
 class BadResponse(StreamxmError):
     """An answer the client cannot read: not JSON, nested too deep, the wrong shape or types,
     a push answered with a different number of entry ids than pairs, an encoding it did not
-    ask for. ``written``: ``True`` when the status was 2xx (a push's batch landed), else
+    ask for. ``written``: ``True`` when a push was answered 2xx (its batch landed), else
     ``None``."""
 
     def __init__(self, message: str, status: int | None = None, detail: Any = None,

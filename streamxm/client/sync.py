@@ -39,7 +39,7 @@ def headers(token: str | None) -> dict[str, str]:
 
 def reader_for(request: Request, response: httpx.Response) -> BodyReader:
     return BodyReader(request.what, response.status_code, response.headers,
-                      request.max_answer_bytes)
+                      request.max_answer_bytes, writes=not request.idempotent)
 
 
 def build(http: httpx.Client | httpx.AsyncClient, request: Request) -> httpx.Request:

@@ -20,6 +20,7 @@ from streamxm.stream.messages import (
     encode_pair,
     make_pair,
 )
+from streamxm.tools.bench_hostile_client import client_cases
 from streamxm.tools.datasets import synthetic_pairs
 from streamxm.tools.stack import NAMESPACE, percentile, rss_mb, stack
 from streamxm.tools.waiting import wait_for
@@ -83,13 +84,28 @@ def _under_junk(url: str, api_pid: int, path: str, body: bytes, content_type: st
 
 
 def hostile(sizes: str = "1,4,24,64", repeats: int = 3, probes: int = 200,
-            seed: int = 0, labels_mib: float = 11.5) -> dict[str, Any]:
+            seed: int = 0, labels_mib: float = 11.5, part: str = "all",
+            client_gib: float = 1.0) -> dict[str, Any]:
     """Junk bodies of each size (MiB) to ``POST /v1/similarity`` of a serving API, ``repeats``
     times each, while one thread probes ``/healthz``; beside the probe latency at rest in the
     same run. Then the labels bomb: one frame whose ``labels`` field is ``labels_mib`` MiB to
     ``POST /v1/pairs/frames`` (inside the default body limit). Reports the answer's status and
     size, the time to answer, the probe latency while junk is being processed, and the API's
-    resident memory (peak sampled every 10 ms)."""
+    resident memory (peak sampled every 10 ms).
+
+    ``part``: ``server`` (the above), ``client`` (the client against a malicious server,
+    :func:`~streamxm.tools.bench_hostile_client.client_cases`, bodies of ``client_gib`` GiB)
+    or ``all``."""
+    result: dict[str, Any] = {"benchmark": "hostile"}
+    if part in ("all", "client"):
+        result["client"] = client_cases(client_gib)
+    if part in ("all", "server"):
+        result.update(_server_side(sizes, repeats, probes, seed, labels_mib))
+    return result
+
+
+def _server_side(sizes: str, repeats: int, probes: int, seed: int, labels_mib: float
+                 ) -> dict[str, Any]:
     mibs = [float(x) for x in sizes.split(",") if x.strip()]
     data = synthetic_pairs(500, 64, 32, seed=seed)
     with stack(checkpoint_every_seconds=0.5) as st, httpx.Client(timeout=120) as http:
@@ -114,7 +130,7 @@ def hostile(sizes: str = "1,4,24,64", repeats: int = 3, probes: int = 200,
         labels = {"labels_mib": labels_mib, "body_bytes": len(bomb),
                   **_under_junk(url, api_pid, "/v1/pairs/frames", bomb, FRAMES_MEDIA_TYPE,
                                 repeats)}
-        return {"benchmark": "hostile", "max_body_bytes": st.settings.max_body_bytes,
+        return {"max_body_bytes": st.settings.max_body_bytes,
                 "healthz_rest_p50_ms": round(percentile(rest, 50), 2),
                 "healthz_rest_p99_ms": round(percentile(rest, 99), 2),
                 "api_rss_rest_mb": round(rss_rest, 1), "bodies": results,
