@@ -88,13 +88,14 @@ class GalleryFollower:
             chunk = self._segments.get(key)
             if chunk is None and key not in self.corrupt_segments:
                 rows = open_segment(self.store, ref)
-                if rows is None and self._superseded(manifest):
-                    # The indexer merged or retired it and deleted its blob after this manifest
-                    # was read: not corrupt. The next read opens the newer manifest.
+                if rows is None and not self._corrupt.record(ref, manifest.live_rows(ref)):
+                    # Not recorded: the manifest in Redis no longer lists it (checked with the
+                    # write, atomically), so the indexer merged or retired it and deleted its
+                    # blob after this manifest was read: not corrupt. The next read opens the
+                    # newer manifest.
                     return False
                 if rows is None:  # quarantined: the rest of the gallery is served
                     self.corrupt_segments.add(key)
-                    self._corrupt.record(ref, manifest.live_rows(ref))
                 else:
                     chunk = GalleryChunk.from_rows(rows)
             if chunk is not None:
@@ -126,11 +127,6 @@ class GalleryFollower:
         self._revision = manifest.revision
         self._publish()
         return True
-
-    def _superseded(self, manifest: Manifest) -> bool:
-        """Whether the manifest in Redis is no longer ``manifest``."""
-        revision = self.r.hget(self.keys.gallery, "revision")
-        return revision is not None and int(text(revision)) != manifest.revision
 
     def _carry(self, chunks: list[GalleryChunk]) -> None:
         """New chunks take the features that the published snapshot keeps for their rows,

@@ -126,6 +126,17 @@ def open_segment(store: CheckpointStore, ref: SegmentRef) -> GalleryRows | None:
     return chunk if len(chunk) == ref.rows else None
 
 
+#: HSETNX the record (KEYS[1]) only while the manifest (KEYS[2]) lists the segment (ARGV[1]:
+#: ``<seq>:<sha>``, listed as ``<seq>:<sha>:<rows>``): 1 recorded, 0 recorded before, -1 not listed.
+RECORD_IF_LISTED = """
+local listed = redis.call('HGET', KEYS[2], 'segments')
+if not listed or not string.find(',' .. listed .. ',', ',' .. ARGV[1] .. ':', 1, true) then
+  return -1
+end
+return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+
 class CorruptSegments:
     """The namespace's record of corrupt gallery segments (``sxm:{<ns>}:gallery:corrupt``):
     each one found, once, with the rows the gallery lost with it.
@@ -134,19 +145,42 @@ class CorruptSegments:
     without its rows; the indexer's next commit drops it from the manifest, so the rest of the
     gallery, the stream after it and retention keep moving. The record stays (the loss is
     permanent) until an operator clears the key after recovering the rows.
+
+    A segment missing because a newer manifest merged or retired it (and deleted it) is not
+    corrupt, so no record is written for a segment the current manifest does not list: the
+    indexer records inside its commit transaction, fenced by the gallery lease (:meth:`add`),
+    so a stale indexer whose successor merged the segment records nothing; a reader without
+    the lease records only while the manifest lists the segment, checked in the same script
+    (:meth:`record`).
     """
 
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
-        self.r, self.key = client, keys.gallery_corrupt
+        self.r, self.key, self.manifest_key = client, keys.gallery_corrupt, keys.gallery
+        self._record = client.register_script(RECORD_IF_LISTED)
 
     @staticmethod
     def field(ref: SegmentRef) -> str:
         return f"{ref.seq}:{ref.sha}"
 
-    def record(self, ref: SegmentRef, rows_lost: int) -> None:
-        if self.r.hsetnx(self.key, self.field(ref), rows_lost):
-            log.error("gallery segment %d (sha %s) is missing or corrupt: quarantined, its %d "
-                      "rows are lost to search", ref.seq, ref.sha[:16], rows_lost)
+    def record(self, ref: SegmentRef, rows_lost: int) -> bool:
+        """Record ``ref`` if the manifest still lists it (by a reader that does not hold the
+        gallery lease). Whether it is quarantined: False when a newer manifest left it out (a
+        missing segment is then merged away, not lost)."""
+        done = int(self._record(keys=[self.key, self.manifest_key],
+                                args=[self.field(ref), rows_lost]))
+        if done == 1:
+            self.report(ref, rows_lost)
+        return done >= 0
+
+    def add(self, pipe: redis.client.Pipeline, ref: SegmentRef, rows_lost: int) -> None:
+        """Record ``ref`` in the indexer's commit transaction: written only if its lease
+        still holds at ``EXEC`` (call :meth:`report` once the commit went through)."""
+        pipe.hsetnx(self.key, self.field(ref), rows_lost)
+
+    @staticmethod
+    def report(ref: SegmentRef, rows_lost: int) -> None:
+        log.error("gallery segment %d (sha %s) is missing or corrupt: quarantined, its %d "
+                  "rows are lost to search", ref.seq, ref.sha[:16], rows_lost)
 
     def read(self) -> dict[str, int]:
         """Every corrupt segment recorded (``<seq>:<sha>``) and the rows lost with it."""

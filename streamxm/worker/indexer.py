@@ -11,7 +11,9 @@ gallery passes ``max_items``. Entries that do not decode are skipped (the learne
 them). A segment found corrupt (by this indexer merging it, or by an API opening it) is
 quarantined: recorded with the rows lost (:class:`~streamxm.storage.segments.CorruptSegments`)
 and dropped from the manifest at the next commit, so one bad file costs its own rows and
-nothing else.
+nothing else. The indexer records one in its lease-fenced commit transaction, so an indexer
+that lost its lease while merging (its successor may have merged and deleted the segment
+meanwhile) records nothing.
 """
 
 from __future__ import annotations
@@ -163,13 +165,14 @@ class GalleryIndexer:
             return
         segments, skip, dropped = self._quarantined(old)
         seq, blob = old.next_seq, None
+        found: list[tuple[SegmentRef, int]] = []  # corrupt segments met merging, rows lost
         if self._buffer:
             ids, imgs, txts = zip(*self._buffer, strict=True)
             chunk = GalleryRows.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
             merged = merge_count([s.rows for s in segments], len(chunk), self.max_segment_rows)
             parts = []
             for i in range(len(segments) - merged, len(segments)):
-                part = self._segment(segments[i], skip if i == 0 else 0)
+                part = self._segment(segments[i], skip if i == 0 else 0, found)
                 if part is not None:
                     parts.append(part.sliced(slice(skip, None)) if i == 0 and skip else part)
                 if i == 0:
@@ -192,10 +195,14 @@ class GalleryIndexer:
         def move(pipe: redis.client.Pipeline) -> None:
             pipe.delete(self.keys.gallery)
             pipe.hset(self.keys.gallery, mapping=manifest.fields())  # type: ignore[arg-type]
+            for ref, rows_lost in found:  # fenced with the manifest: only while we lead
+                self.corrupt.add(pipe, ref, rows_lost)
 
         self.store.commit_blob(SEGMENTS, seq, blob, [(s.seq, s.sha) for s in segments],
                                [(s.seq, s.sha) for s in dropped], move,
                                (self.lease.key, self.consumer))
+        for ref, rows_lost in found:
+            CorruptSegments.report(ref, rows_lost)
         self.manifest, self._buffer = manifest, []
         log.debug("gallery %s: revision %d, %d rows in %d segments, at %s",
                   self.keys.namespace, manifest.revision, manifest.rows, len(segments),
@@ -214,10 +221,12 @@ class GalleryIndexer:
                 segments.append(ref)
         return segments, skip, dropped
 
-    def _segment(self, ref: SegmentRef, skip: int) -> GalleryRows | None:
-        """A segment's rows to merge; ``None`` (recorded, its rows past ``skip`` lost) when it
-        is corrupt."""
+    def _segment(self, ref: SegmentRef, skip: int,
+                 found: list[tuple[SegmentRef, int]]) -> GalleryRows | None:
+        """A segment's rows to merge; ``None`` when it is missing or corrupt, noted in
+        ``found`` with its rows past ``skip`` for the commit to record. Not recorded here: our
+        lease may have lapsed, and the segment be missing because our successor merged it."""
         chunk = open_segment(self.store, ref)
         if chunk is None:
-            self.corrupt.record(ref, ref.rows - skip)
+            found.append((ref, ref.rows - skip))
         return chunk
