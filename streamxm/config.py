@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     block_ms: int = Field(default=D.BLOCK_MS, ge=1)
     lease_ttl_ms: int = Field(default=D.LEASE_TTL_MS, ge=100)
     consumer: str | None = Field(default=None, description="consumer name; default host-pid")
+    progress_every_seconds: float = Field(
+        default=D.PROGRESS_EVERY_SECONDS, ge=0, description="while it leads, a worker logs one "
+        "INFO line this often: pairs learned in total and since the last line, pairs/s, the "
+        "newest checkpoint version, mistakes per direction since the last line, the rolling "
+        "mAP and the stream lag; one line per idle stretch, then silence. 0: no progress line")
     dist_host: str = Field(
         default="127.0.0.1", min_length=1, description="address a rank of a distributed "
         "learner binds its collective (gloo) sockets to and the other ranks reach it at; "

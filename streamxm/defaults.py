@@ -17,6 +17,9 @@ CHECKPOINT_KEEP = 3
 READ_BATCH = 256  # XREADGROUP COUNT
 BLOCK_MS = 200  # XREADGROUP BLOCK
 LEASE_TTL_MS = 10_000
+# While it leads, a worker logs one progress line this often (seconds), as queue workers do;
+# 0: never.
+PROGRESS_EVERY_SECONDS = 10.0
 
 # The gallery: its cap, the indexer's segments, the API's reads of the stream
 GALLERY_MAX = 100_000

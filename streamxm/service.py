@@ -74,6 +74,7 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
         read_batch=settings.read_batch, block_ms=settings.block_ms,
         lease_ttl_ms=settings.lease_ttl_ms, limits=limits_from(settings),
         retain_entries=settings.gallery_max if settings.stream_retention else None,
+        progress_every_seconds=settings.progress_every_seconds,
         **extra,
     )
 

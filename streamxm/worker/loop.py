@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 import redis
+from redis.exceptions import RedisClusterException
 
 from streamxm import defaults as D
 from streamxm.learning.learner import LearnFailed, StreamLearner
@@ -69,6 +70,7 @@ from streamxm.stream.redis_conn import (
 from streamxm.stream.retention import entry_id_key, trim_stream
 from streamxm.worker.entries import EntryDecoder
 from streamxm.worker.lease import Lease
+from streamxm.worker.progress import ProgressLine, unapplied_entries
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
 
@@ -155,6 +157,9 @@ class LearnerWorker:
         After each checkpoint, trim the stream to what anything still needs, keeping at least
         this many newest entries for the search gallery (:mod:`streamxm.stream.retention`);
         ``None`` never trims.
+    progress_every_seconds
+        While it leads, log a progress line this often (:mod:`streamxm.worker.progress`);
+        0 never does.
     """
 
     def __init__(
@@ -177,6 +182,7 @@ class LearnerWorker:
         limits: Limits = Limits(),
         max_learn_attempts: int = 3,
         retain_entries: int | None = None,
+        progress_every_seconds: float = D.PROGRESS_EVERY_SECONDS,
     ) -> None:
         split_name(model)  # an unknown name fails here, before anything is registered
         self.r = client
@@ -215,6 +221,7 @@ class LearnerWorker:
         # committed; bounded by the entries between two checkpoints.
         self._failures: dict[str, tuple[int, str]] = {}
         self.lease = Lease(self.r, self.keys.lease(self.model), self.consumer, lease_ttl_ms)
+        self.progress = ProgressLine(self.consumer, self.model, progress_every_seconds)
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -248,6 +255,7 @@ class LearnerWorker:
                         continue
                     was_recovering = self._recovering
                     read = self.step()
+                    self._report_progress()
                     backoff = 0.0
                 except UNAVAILABLE as exc:
                     self._drop_state()
@@ -327,6 +335,7 @@ class LearnerWorker:
         self._recovery_end = self._last_delivered()
         log.info("worker %s leads %s from version %d (entry %s), replaying to %s", self.consumer,
                  self.model, self.version, self.last_id, self._recovery_end)
+        self.progress.restart(self._progress_stats())
 
     def _claim_orphans(self) -> None:
         """Move every pending entry of other consumers to us: we hold the lease, so they are
@@ -589,6 +598,35 @@ class LearnerWorker:
             trim_stream(self.r, self.keys, self.retain_entries)
         except redis.RedisError as exc:  # the next checkpoint tries again
             log.warning("stream trim failed (will retry): %s", exc)
+
+    # -- progress line -----------------------------------------------------------------------
+    def _report_progress(self) -> None:
+        """The progress line, when its interval is up; otherwise only a clock read, so the
+        cost per read stays nil whatever the interval."""
+        if self.leader and self.progress.due():
+            stats = self._progress_stats()
+            self.progress.report(stats, lambda: self._stream_lag(stats))
+
+    def _progress_stats(self) -> WorkerStats:
+        """The counters a checkpoint would write now (dead letters not yet committed too)."""
+        return WorkerStats.of_learner(
+            self.learner, version=self.version, last_id=self.last_id,
+            dead_letters=self.dead_letters + len(self._pending.dead), consumer=self.consumer)
+
+    def _stream_lag(self, stats: WorkerStats) -> int | None:
+        """Entries not yet applied, in one round trip per progress line; ``None`` when it
+        cannot be read (a progress line never stops or slows the worker: a lost connection
+        is noticed by the next read, as without it)."""
+        try:
+            with self.r.pipeline(transaction=False) as pipe:
+                pipe.xinfo_groups(self.keys.pairs)
+                pipe.xlen(self.keys.pairs)
+                pipe.hget(self.keys.retention, "trimmed_total")
+                groups, length, trimmed = pipe.execute()
+        except (redis.RedisError, RedisClusterException) as exc:
+            log.debug("worker %s: no stream lag for the progress line (%s)", self.consumer, exc)
+            return None
+        return unapplied_entries(groups, self.group, int(length), int(trimmed or 0), stats)
 
     def _stats_fields(self) -> dict[str, str]:
         return WorkerStats.of_learner(
