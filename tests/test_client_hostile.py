@@ -4,6 +4,7 @@ says what of a push landed."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -17,7 +18,9 @@ from streamxm.client import (
     AsyncClient,
     BadResponse,
     Client,
+    InvalidRequest,
     ResponseTooLarge,
+    Retries,
     StreamxmError,
     Unavailable,
 )
@@ -202,3 +205,75 @@ def test_bench_hostile_client_part_reports_each_case() -> None:
     assert cases["html_on_push"]["written"] is True and cases["deep_json"]["written"] is None
     for case in cases.values():  # bodies of 256 MiB never reached the client's memory
         assert case["client_rss_peak_mb"] - case["client_rss_before_mb"] < 64
+
+
+def test_a_large_batch_reads_all_its_entry_ids(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    ids = [f"{1764150000000 + i}-0" for i in range(4000)]  # ~100 KB of JSON: past 64 KiB
+    server = serve(
+        {
+            "/v1/limits": plain(200, limits_json(max_batch=4000)),
+            "/v1/pairs/frames": plain(202, json.dumps({"entry_ids": ids}).encode()),
+        }
+    )
+    with Client(server.url) as client:
+        assert client.push(_pairs(4000)) == ids
+
+
+@pytest.mark.parametrize("tail", [b"x" * 200_000, b""], ids=["data-after-end", "cut-off"])
+def test_a_gzip_body_must_end_where_its_stream_ends(
+    serve: Callable[[dict[str, Handler]], HostileServer], tail: bytes
+) -> None:
+    packed = gzip.compress(b'{"status": "ok"}')
+    body = packed + tail if tail else packed[:-6]  # junk after the member, or no trailer
+    server = serve({"/readyz": plain(200, body, extra="content-encoding: gzip\r\n")})
+    with Client(server.url) as client, pytest.raises(BadResponse, match="compressed body"):
+        client.ready()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "kind"),
+    [
+        (400, b'{"detail": [{"loc": 5}]}', "InvalidRequest"),
+        (400, b'{"detail": [{"loc": ["body", "pairs", "x"]}]}', "InvalidRequest"),
+        (500, b'{"detail": [1]}', "ServerError"),
+        (503, b'{"detail": {"a": [1]}}', "Unavailable"),
+    ],
+)
+def test_error_details_of_any_shape_keep_the_statuss_class(
+    serve: Callable[[dict[str, Handler]], HostileServer], status: int, body: bytes, kind: str
+) -> None:
+    server = serve({"/v1/limits": LIMITS, "/v1/pairs/frames": plain(status, body)})
+    client = Client(server.url, retries=Retries(attempts=1))
+    with client, pytest.raises(StreamxmError) as caught:
+        client.push(_pairs(2))
+    assert type(caught.value).__name__ == kind and caught.value.status == status
+
+
+def test_push_resume_counts_a_batch_that_landed_without_readable_ids(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    from streamxm.client.calls import as_pairs
+    from streamxm.tools.push import PushStopped, push_pairs
+
+    server = serve(
+        {
+            "/v1/limits": plain(200, limits_json(max_batch=3)),
+            "/v1/pairs/frames": plain(202, b"<html>ok</html>", "text/html"),
+        }
+    )
+    with Client(server.url) as client, pytest.raises(PushStopped) as caught:
+        push_pairs(as_pairs(_pairs(10)), client.push, start=4)
+    report = caught.value.report
+    # The first batch of three (pairs 4-6) was answered 202: landed, ids unknown.
+    assert (report.landed, report.uncertain, report.last_entry_id) == (7, 0, None)
+    assert "--start 7" in str(caught.value) and not caught.value.transient
+
+
+def test_wait_learned_refuses_a_zero_interval(
+    serve: Callable[[dict[str, Handler]], HostileServer],
+) -> None:
+    server = serve({})
+    with Client(server.url) as client, pytest.raises(InvalidRequest, match="interval"):
+        client.wait_learned("1-0", interval=0)

@@ -22,7 +22,9 @@ again only when nothing of it can have reached the stream: the server answered 5
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
@@ -194,6 +196,10 @@ class ModelInfo:
     last_entry_id: str | None = None  # newest stream entry the served version has learned
 
 
+#: What :func:`decoded` names as the answer of a value read after its call returned.
+_NO_ANSWER = Answer(200, httpx.Headers(), b"")
+
+
 def entry_order(entry_id: str) -> tuple[int, int]:
     """A stream entry id (``<ms>-<seq>``) as a key that sorts as Redis orders entries."""
     ms, _, seq = entry_id.partition("-")
@@ -230,11 +236,13 @@ def error_of(request: Request, reply: Answer | httpx.TransportError) -> Streamxm
         return Unavailable(f"{request.method} {request.path}: no answer "
                            f"({type(reply).__name__}: {reply})", None, written=written)
     status = reply.status_code
+    # The status decides the class; the body only the message, whatever shape it has.
     try:
         detail = reply.json().get("detail", reply.text)
-    except (ValueError, AttributeError, RecursionError):
+        message = f"{request.method} {request.path}: {status} {_message(detail)}"
+    except (ValueError, AttributeError, TypeError, KeyError, IndexError, RecursionError):
         detail = reply.text[:2000]
-    message = f"{request.method} {request.path}: {status} {_message(detail)}"
+        message = f"{request.method} {request.path}: {status} {detail}"
     if status == 503:
         written = False if reply.headers.get(WRITTEN_HEADER) == "none" else None
         return Unavailable(message, status, detail, written=written)
@@ -242,10 +250,11 @@ def error_of(request: Request, reply: Answer | httpx.TransportError) -> Streamxm
     if status in kinds:
         return kinds[status](message, status, detail)
     if status in (400, 413, 415, 422):
-        loc = detail[0].get("loc", []) if isinstance(detail, list) and detail else []
-        if request.path.startswith("/v1/pairs") and len(loc) >= 3 and loc[1] == "pairs":
-            return InvalidPair(message, list(loc[1:]), str(detail[0].get("type", "")),
-                               int(loc[2]), status, detail)
+        with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError, IndexError):
+            loc = detail[0].get("loc", []) if isinstance(detail, list) and detail else []
+            if request.path.startswith("/v1/pairs") and len(loc) >= 3 and loc[1] == "pairs":
+                return InvalidPair(message, list(loc[1:]), str(detail[0].get("type", "")),
+                                   int(loc[2]), status, detail)
         return InvalidRequest(message, status, detail)
     return ServerError(message, status, detail)
 
@@ -332,7 +341,7 @@ def push_batches(pairs: Sequence[Pair], limits: ServerLimits, binary: bool
         batches.append((start, Request(
             "POST", "/v1/pairs/frames" if binary else "/v1/pairs", content=body,
             content_type=FRAMES_MEDIA_TYPE if binary else "application/json",
-            idempotent=False)))
+            idempotent=False, max_answer_bytes=ANSWER_BYTES + (stop - start) * ENTRY_ID_BYTES)))
 
     for i, (pair, part) in enumerate(zip(pairs, parts, strict=True)):
         n = pair.img.shape[0] + pair.txt.shape[0]
@@ -413,7 +422,11 @@ class Calls:
 
     def push_call(self, items: Iterable[PairLike], binary: bool) -> Call[list[str]]:
         pairs = as_pairs(items)
-        limits = yield from self.limits_call()
+        try:
+            limits = yield from self.limits_call()
+        except Unavailable as exc:
+            exc.written = False  # only the limits were asked for: nothing was pushed
+            raise
         ids: list[str] = []
         batches = push_batches(pairs, limits, binary)
         for n, (start, request) in enumerate(batches):
@@ -429,6 +442,8 @@ class Calls:
                 exc.accepted = ids
                 if isinstance(exc, BadResponse) and exc.written:
                     exc.unconfirmed = count
+                elif isinstance(exc, Unavailable) and exc.written is None:
+                    exc.in_doubt = count
                 raise
             ids.extend(got)
         return ids
@@ -467,10 +482,11 @@ class Calls:
         blocks = ([(i, j) for i in _blocks(len(imgs), size) for j in _blocks(len(txts), size)]
                   if mode == "matrix" else [(i, i) for i in _blocks(len(imgs), size)])
         first: dict[str, Any] | None = None
+        pinned: int | None = None
         for i, j in blocks:
             body: dict[str, Any] = {"images": [_b64(v) for v in imgs[i]], "mode": mode,
                                     "texts": [_b64(v) for v in txts[j]], "direction": direction}
-            pin = version if first is None else first["version"]
+            pin = version if first is None else pinned
             body.update({key: value for key, value in (("model", model), ("version", pin))
                          if value is not None})
             block = scores[(i, j) if mode == "matrix" else i]
@@ -483,7 +499,7 @@ class Calls:
                 if got.shape != block.shape:
                     raise ValueError(f"scores of shape {got.shape} for a block of {block.shape}")
                 first = first or out
-                members = out["members"]
+                members, pinned = out["members"], first["version"]
             if members != first["members"]:
                 raise Unavailable(f"the ensemble's members changed version between blocks "
                                   f"({first['members']} -> {members}); ask again")
@@ -508,12 +524,18 @@ class Calls:
             wanted = entry_order(entry_id)
         except ValueError:
             raise InvalidRequest(f"entry_id: {entry_id!r} is not a stream entry id") from None
-        for _ in range(max(1, int(timeout / interval))):
+        if not interval > 0:
+            raise InvalidRequest(f"interval: {interval} is not a positive number of seconds")
+        deadline = time.monotonic() + timeout  # the clock, not a count: polls take time too
+        while True:
             infos = yield from self.models_call()
             chosen = [m for m in infos if model is None or m.name == model]
-            if chosen and all(m.last_entry_id and entry_order(m.last_entry_id) >= wanted
-                              for m in chosen):
-                return infos
+            with decoded("GET /v1/models", _NO_ANSWER):
+                if chosen and all(m.last_entry_id and entry_order(str(m.last_entry_id))
+                                  >= wanted for m in chosen):
+                    return infos
+            if time.monotonic() + interval > deadline:
+                break
             yield Sleep(interval)
         where = {m.name: m.last_entry_id for m in infos}
         raise Unavailable(f"after {timeout:g} s no served version of {model or 'every model'} "

@@ -26,6 +26,10 @@ class StreamxmError(Exception):
         For a push: how many pairs after ``accepted`` the server did take (it answered 2xx)
         but whose entry ids the client could not read (:class:`BadResponse`); pushing them
         again adds them twice.
+    in_doubt
+        For a push: how many pairs after ``accepted`` may or may not have landed (their batch
+        got no answer: :class:`Unavailable` with ``written`` None); the pairs after those were
+        not sent.
     """
 
     def __init__(self, message: str, status: int | None = None, detail: Any = None) -> None:
@@ -34,6 +38,7 @@ class StreamxmError(Exception):
         self.detail = message if detail is None else detail
         self.accepted: list[str] = []
         self.unconfirmed = 0
+        self.in_doubt = 0
 
 
 class InvalidRequest(StreamxmError):

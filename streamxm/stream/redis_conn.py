@@ -194,15 +194,15 @@ class EmbeddedRedis:
         it is no longer pinned."""
         self.pinned.unlink(missing_ok=True)
         pid: int | None = None
-        if self._proc is not None:
+        if self._proc is not None and self._proc.poll() is None:
             pid = self._proc.pid
-        elif self.pidfile.exists():
+        elif self.pidfile.exists():  # another process's server, or ours stopped and replaced
             with contextlib.suppress(ValueError):
                 pid = int(self.pidfile.read_text().strip())
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        if self._proc is not None:
+        if self._proc is not None and pid == self._proc.pid:
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -213,7 +213,9 @@ class EmbeddedRedis:
             time.sleep(0.02)
 
 
-_joined: dict[Path, EmbeddedRedis] = {}
+#: The embedded servers this process has joined, by data directory, with the pid that joined
+#: (a forked child inherits the table but is not that user: it joins on its own).
+_joined: dict[Path, int] = {}
 
 
 def resolve_url(settings: Settings) -> str:
@@ -222,15 +224,17 @@ def resolve_url(settings: Settings) -> str:
     if settings.redis_url:
         return settings.redis_url
     server = EmbeddedRedis(settings.data_dir / "redis")
-    if server.data_dir in _joined:
+    if _joined.get(server.data_dir) == os.getpid():
         return server.start()
     url = server.start(join=True)
-    _joined[server.data_dir] = server
-    atexit.register(_leave, server)
+    _joined[server.data_dir] = os.getpid()
+    atexit.register(_leave, server, os.getpid())
     return url
 
 
-def _leave(server: EmbeddedRedis) -> None:
+def _leave(server: EmbeddedRedis, pid: int) -> None:
+    if pid != os.getpid():
+        return  # a forked child running its parent's exit hooks: the parent leaves
     with contextlib.suppress(Exception):  # at exit: say what could be done, never raise
         print(f"streamxm: {server.leave()}", file=sys.stderr)
 

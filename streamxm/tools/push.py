@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from tqdm import tqdm
 
-from streamxm.client.errors import BadResponse, StreamxmError, Unavailable
+from streamxm.client.errors import StreamxmError, Unavailable
+from streamxm.stream.messages import InvalidPair as PairRefused
 from streamxm.stream.messages import Pair
 
 __all__ = ["PushReport", "PushStopped", "push_pairs"]
@@ -52,7 +53,7 @@ class PushStopped(Exception):
         self.report = report
         self.cause = cause
         # The service was unreachable (try again later), not the push refused.
-        self.transient = isinstance(cause, (Unavailable, RedisError))
+        self.transient = isinstance(cause, (Unavailable, RedisError, RedisClusterException))
         uncertain = (f"; the {report.uncertain} pairs after them got no answer and may have "
                      f"landed too (resuming pushes them again)" if report.uncertain else "")
         super().__init__(f"{cause}\n{report.summary()}{uncertain}.\n"
@@ -61,14 +62,15 @@ class PushStopped(Exception):
 
 def _landed_in(error: Exception, sent: int) -> tuple[int, str | None, int]:
     """Of a failed send of ``sent`` pairs: how many landed for certain, the newest of their
-    entry ids, and how many more may have."""
+    entry ids (None: none in this send; "": unknown), and how many after them may also
+    have."""
     if isinstance(error, StreamxmError):
-        certain = len(error.accepted)
-        last = error.accepted[-1] if error.accepted else None
-        if isinstance(error, BadResponse) and error.written:
-            return certain, last, error.unconfirmed
-        unknown = isinstance(error, Unavailable) and error.written is not False
-        return certain, last, (sent - certain) if unknown else 0
+        certain = len(error.accepted) + error.unconfirmed  # a 2xx whose ids were unreadable
+        if error.unconfirmed:
+            return certain, "", error.in_doubt
+        return certain, error.accepted[-1] if error.accepted else None, error.in_doubt
+    if isinstance(error, PairRefused):
+        return 0, None, 0  # validated before anything was written
     # Straight into Redis: a pipeline that failed may have applied any prefix of itself.
     return 0, None, sent
 
@@ -87,10 +89,10 @@ def push_pairs(pairs: Sequence[Pair], send: Callable[[Sequence[Pair]], list[str]
             part = pairs[at : at + chunk]
             try:
                 ids = send(part)
-            except (StreamxmError, RedisError) as exc:
+            except (StreamxmError, RedisError, RedisClusterException, PairRefused) as exc:
                 certain, newest, uncertain = _landed_in(exc, len(part))
-                report = PushReport(start, at + certain, len(pairs), newest or last,
-                                    uncertain)
+                report = PushReport(start, at + certain, len(pairs),
+                                    last if newest is None else newest or None, uncertain)
                 raise PushStopped(report, exc) from exc
             at, last = at + len(part), ids[-1] if ids else last
             bar.update(len(part))
