@@ -17,6 +17,7 @@ demo: install
 	$(VENV)/bin/streamxm demo
 
 test: install
+	$(PY) -m ruff format --check streamxm api workers tests
 	$(PY) -m ruff check streamxm api workers tests
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports

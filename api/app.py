@@ -30,6 +30,7 @@ from streamxm.stream.redis_conn import UNAVAILABLE, Replication, connect, resolv
 
 log = logging.getLogger(__name__)
 
+
 class _Limits:
     """Makes this app's request bounds visible to the schema validators (a context variable:
     each app, and each request, sees its own)."""
@@ -63,8 +64,10 @@ class _PlainRequest:
     """
 
     _FRAMING = (b"content-length", b"transfer-encoding")
-    _NOT_PLAIN = ("the path must be plain: percent-encoding (an encoded slash %2F or any other), "
-                  "dot segments, '//' and backslashes are refused")
+    _NOT_PLAIN = (
+        "the path must be plain: percent-encoding (an encoded slash %2F or any other), "
+        "dot segments, '//' and backslashes are refused"
+    )
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -74,13 +77,19 @@ class _PlainRequest:
             names = {name for name, _ in scope["headers"]}
             if all(name in names for name in self._FRAMING):
                 # Checked first: a path refused alone keeps the connection, this must not.
-                await JSONResponse({"detail": "a request with both Content-Length and "
-                                    "Transfer-Encoding is refused"}, status_code=400,
-                                   headers={"Connection": "close"})(scope, receive, send)
+                await JSONResponse(
+                    {
+                        "detail": "a request with both Content-Length and "
+                        "Transfer-Encoding is refused"
+                    },
+                    status_code=400,
+                    headers={"Connection": "close"},
+                )(scope, receive, send)
                 return
             if not _plain_path(scope.get("raw_path") or b""):
                 await JSONResponse({"detail": self._NOT_PLAIN}, status_code=400)(
-                    scope, receive, send)
+                    scope, receive, send
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -120,8 +129,7 @@ class _Observe:
             # The route template, not the raw path: arbitrary paths must not grow the label set.
             route = getattr(scope.get("route"), "path", "unmatched")
             method = method_label(scope.get("method", ""))
-            self.metrics.request_seconds.labels(route, method).observe(
-                time.perf_counter() - start)
+            self.metrics.request_seconds.labels(route, method).observe(time.perf_counter() - start)
             self.metrics.requests.labels(route, method, str(status)).inc()
 
 
@@ -139,10 +147,15 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
         server.stop()
 
     # No trailing-slash redirects: they echo the request's Host header into Location.
-    app = FastAPI(title="streamxm", version="0.1.0", lifespan=lifespan,
-                  max_body_size=settings.max_body_bytes, redirect_slashes=False,
-                  description="Streaming cross-modal retrieval: similarity and top-k search "
-                              "from the newest online model.")
+    app = FastAPI(
+        title="streamxm",
+        version="0.1.0",
+        lifespan=lifespan,
+        max_body_size=settings.max_body_bytes,
+        redirect_slashes=False,
+        description="Streaming cross-modal retrieval: similarity and top-k search "
+        "from the newest online model.",
+    )
     app.state.context = context
     app.add_middleware(_Limits, limits=RequestLimits.from_settings(settings))
     app.add_middleware(_PlainRequest)
@@ -157,8 +170,7 @@ def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
     # Two connections: a request waiting on Redis gets a 503 within the short timeout, while the
     # background refresh may take longer over a large checkpoint or gallery read.
     url = resolve_url(settings)
-    r = client or connect(settings, url, retries=1,
-                          timeout=settings.redis_request_timeout_seconds)
+    r = client or connect(settings, url, retries=1, timeout=settings.redis_request_timeout_seconds)
     background = client or connect(settings, url, retries=2, timeout=30.0)
     keys = Keys(settings.namespace)
     try:
@@ -166,20 +178,34 @@ def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
     except UNAVAILABLE as exc:  # unreachable now: the API starts and answers 503 meanwhile
         log.warning("could not check the namespace's key names: %s", exc)
     limits = limits_from(settings)
-    server = ModelServer(background, open_store(settings, background), settings.namespace,
-                         gallery_max=settings.gallery_max, limits=limits,
-                         candidates=settings.search_candidates,
-                         champion=ChampionRule(min_pairs=settings.champion_min_pairs,
-                                               margin=settings.champion_margin,
-                                               confirmations=settings.champion_confirmations),
-                         request_client=r, wait_for_index=settings.wait_for_index)
+    server = ModelServer(
+        background,
+        open_store(settings, background),
+        settings.namespace,
+        gallery_max=settings.gallery_max,
+        limits=limits,
+        candidates=settings.search_candidates,
+        champion=ChampionRule(
+            min_pairs=settings.champion_min_pairs,
+            margin=settings.champion_margin,
+            confirmations=settings.champion_confirmations,
+        ),
+        request_client=r,
+        wait_for_index=settings.wait_for_index,
+    )
     metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
-    return ApiContext(settings=settings, r=r, keys=keys, limits=limits, server=server,
-                      metrics=metrics, producer=StreamClient(r, settings.namespace, limits,
-                                              replication=Replication.of(settings)),
-                      query_threads=anyio.CapacityLimiter(settings.query_threads),
-                      scrape_threads=anyio.CapacityLimiter(2),
-                      write_threads=anyio.CapacityLimiter(1))
+    return ApiContext(
+        settings=settings,
+        r=r,
+        keys=keys,
+        limits=limits,
+        server=server,
+        metrics=metrics,
+        producer=StreamClient(r, settings.namespace, limits, replication=Replication.of(settings)),
+        query_threads=anyio.CapacityLimiter(settings.query_threads),
+        scrape_threads=anyio.CapacityLimiter(2),
+        write_threads=anyio.CapacityLimiter(1),
+    )
 
 
 def serve_app() -> FastAPI:

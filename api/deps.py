@@ -88,8 +88,9 @@ async def require_token(context: Context, credentials: Credentials) -> None:
         return
     given = credentials.credentials if credentials else ""
     if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
-        raise HTTPException(401, detail="missing or invalid bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401, detail="missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
 
 
 def unprocessable(field: list[str | int], reason: str, message: str) -> HTTPException:
@@ -101,8 +102,9 @@ def matrix(rows: list[list[float]], field: str, dim: int | None) -> np.ndarray[A
     """Vectors of a request as a float32 matrix of the model's width, finite."""
     lengths = {len(row) for row in rows}
     if len(lengths) != 1 or (dim is not None and lengths != {dim}):
-        raise unprocessable([field], "dim_mismatch",
-                            f"every vector must have {dim or 'the same'} values")
+        raise unprocessable(
+            [field], "dim_mismatch", f"every vector must have {dim or 'the same'} values"
+        )
     with np.errstate(over="ignore"):  # overflow to Inf is refused just below
         arr = np.asarray(rows, dtype=np.float32)
     if not np.isfinite(arr).all():

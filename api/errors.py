@@ -29,19 +29,31 @@ def _echo(value: Any) -> Any:
         return f"<object with {len(value)} keys>"
     if isinstance(value, bytes):
         return f"<{len(value)} bytes>"
-    return value if isinstance(value, int | float | bool) or value is None else repr(value)[
-        :_MAX_ECHO]
+    return (
+        value if isinstance(value, int | float | bool) or value is None else repr(value)[:_MAX_ECHO]
+    )
 
 
 def bounded_errors(errors: list[Any]) -> list[dict[str, Any]]:
     """At most ten validation errors, each input cut short: a rejected body of any size gets a
     small answer (FastAPI's default lists every error with its whole input)."""
-    out = [{"loc": [x if isinstance(x, int) else str(x)[:_MAX_ECHO] for x in e.get("loc", ())],
-            "msg": str(e.get("msg", ""))[:300], "type": str(e.get("type", "")),
-            "input": _echo(e.get("input"))} for e in errors[:_MAX_ERRORS]]
+    out = [
+        {
+            "loc": [x if isinstance(x, int) else str(x)[:_MAX_ECHO] for x in e.get("loc", ())],
+            "msg": str(e.get("msg", ""))[:300],
+            "type": str(e.get("type", "")),
+            "input": _echo(e.get("input")),
+        }
+        for e in errors[:_MAX_ERRORS]
+    ]
     if len(errors) > _MAX_ERRORS:
-        out.append({"loc": ["body"], "msg": f"{len(errors) - _MAX_ERRORS} more errors not shown",
-                    "type": "too_many_errors"})
+        out.append(
+            {
+                "loc": ["body"],
+                "msg": f"{len(errors) - _MAX_ERRORS} more errors not shown",
+                "type": "too_many_errors",
+            }
+        )
     return out
 
 
@@ -70,10 +82,15 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(redis.RedisError)
     @app.exception_handler(RedisClusterException)
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": f"stream store unavailable: {type(exc).__name__}"},
-                            status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"detail": f"stream store unavailable: {type(exc).__name__}"},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(InvalidModelName)
     async def invalid_model(request: Request, exc: InvalidModelName) -> JSONResponse:
-        return JSONResponse({"detail": [{"loc": ["body", "model"], "msg": str(exc),
-                                         "type": "unknown_model"}]}, status_code=422)
+        return JSONResponse(
+            {"detail": [{"loc": ["body", "model"], "msg": str(exc), "type": "unknown_model"}]},
+            status_code=422,
+        )

@@ -49,14 +49,18 @@ class RequestLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RequestLimits:
-        return cls(max_dim=settings.max_dim, max_batch=settings.max_batch,
-                   max_values=settings.max_request_values, max_k=settings.max_k,
-                   max_labels=settings.max_labels)
+        return cls(
+            max_dim=settings.max_dim,
+            max_batch=settings.max_batch,
+            max_values=settings.max_request_values,
+            max_k=settings.max_k,
+            max_labels=settings.max_labels,
+        )
 
 
 #: The limits of the app serving the current request (set per request by the app).
-request_limits: ContextVar[RequestLimits] = ContextVar("request_limits",
-                                                       default=RequestLimits())
+request_limits: ContextVar[RequestLimits] = ContextVar("request_limits", default=RequestLimits())
+
 
 def _base64_values(text: str) -> int:
     """How many float32 values a padded base64 string of that length holds (4 n bytes take
@@ -76,14 +80,17 @@ def _vector_or_base64(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     try:
         raw = binascii.a2b_base64(value, strict_mode=True)  # C-level check, no regex
     except (binascii.Error, ValueError):
-        raise PydanticCustomError("base64", "not valid base64 (standard alphabet, padded)"
-                                  ) from None
+        raise PydanticCustomError(
+            "base64", "not valid base64 (standard alphabet, padded)"
+        ) from None
     if not raw:
         raise PydanticCustomError("too_short", "an empty vector")
     if len(raw) % 4:
         raise PydanticCustomError(
-            "base64_float32", "{n} bytes are not a whole number of float32 values (4 bytes "
-            "each, little-endian)", {"n": len(raw)})
+            "base64_float32",
+            "{n} bytes are not a whole number of float32 values (4 bytes each, little-endian)",
+            {"n": len(raw)},
+        )
     return np.frombuffer(raw, dtype="<f4")
 
 
@@ -93,13 +100,21 @@ Vector = Annotated[
     list[StrictFloat],
     Field(min_length=1, max_length=MAX_DIM_CEILING, fail_fast=True),
     WrapValidator(_vector_or_base64),
-    WithJsonSchema({"anyOf": [
-        {"type": "array", "items": {"type": "number"}, "minItems": 1},
-        {"type": "string", "contentEncoding": "base64",
-         "description": "little-endian float32 bytes, base64 (standard alphabet, padded)"}]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "array", "items": {"type": "number"}, "minItems": 1},
+                {
+                    "type": "string",
+                    "contentEncoding": "base64",
+                    "description": "little-endian float32 bytes, base64 (standard alphabet, "
+                    "padded)",
+                },
+            ]
+        }
+    ),
 ]
-Vectors = Annotated[list[Vector], Field(min_length=1, max_length=MAX_BATCH_CEILING,
-                                        fail_fast=True)]
+Vectors = Annotated[list[Vector], Field(min_length=1, max_length=MAX_BATCH_CEILING, fail_fast=True)]
 Label = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -119,14 +134,18 @@ def _check_values(vectors: list[Any]) -> None:
     limits = request_limits.get()
     total = 0
     for row in vectors:
-        size = (len(row) if isinstance(row, list)
-                else _base64_values(row) if isinstance(row, str) else 0)
+        size = (
+            len(row)
+            if isinstance(row, list)
+            else _base64_values(row)
+            if isinstance(row, str)
+            else 0
+        )
         if size > limits.max_dim:
             raise _too_large(f"a vector of {size} values exceeds the limit {limits.max_dim}")
         total += size
     if total > limits.max_values:
-        raise _too_large(f"{total} vector values exceed the limit {limits.max_values} per "
-                         "request")
+        raise _too_large(f"{total} vector values exceed the limit {limits.max_values} per request")
 
 
 def _check_k(k: int) -> int:
@@ -148,10 +167,12 @@ class PairIn(_Strict):
     id: str = Field(min_length=1, max_length=256, description="producer's pair id")
     img: Vector = Field(description="image feature vector")
     txt: Vector = Field(description="text feature vector")
-    labels: list[Label] | None = Field(default=None, max_length=MAX_LABELS_CEILING,
-                                       description="optional non-negative labels")
-    ts: StrictFloat | None = Field(default=None, allow_inf_nan=False,
-                                   description="event time, unix seconds")
+    labels: list[Label] | None = Field(
+        default=None, max_length=MAX_LABELS_CEILING, description="optional non-negative labels"
+    )
+    ts: StrictFloat | None = Field(
+        default=None, allow_inf_nan=False, description="event time, unix seconds"
+    )
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -171,8 +192,7 @@ class PairsIn(_Strict):
     def _bounded(cls, value: Any) -> Any:
         if isinstance(value, list):
             _check_batch(value, "pairs")
-            _check_values([p.get(k) for p in value if isinstance(p, dict)
-                           for k in ("img", "txt")])
+            _check_values([p.get(k) for p in value if isinstance(p, dict) for k in ("img", "txt")])
         return value
 
 
@@ -181,20 +201,35 @@ class PairsOut(BaseModel):
     entry_ids: list[str]
 
 
-PinnedVersion = Annotated[StrictInt | None, Field(
-    ge=1, description="a kept model version to answer with (default: the newest loaded); 404 "
-    "when the store no longer keeps it")]
+PinnedVersion = Annotated[
+    StrictInt | None,
+    Field(
+        ge=1,
+        description="a kept model version to answer with (default: the newest loaded); 404 "
+        "when the store no longer keeps it",
+    ),
+]
 
-ModelName = Annotated[str, Field(
-    min_length=1, max_length=256,
-    description="model name (default from settings): a learned model, `auto` (the champion of "
-    "the query's direction) or `ensemble:<a>+<b>...` (its members' per-query standardised "
-    "scores summed; `<a>*<weight>` weights a member)")]
+ModelName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=256,
+        description="model name (default from settings): a learned model, `auto` (the champion of "
+        "the query's direction) or `ensemble:<a>+<b>...` (its members' per-query standardised "
+        "scores summed; `<a>*<weight>` weights a member)",
+    ),
+]
 
 #: The members' versions that answered an ensemble query.
-MemberVersions = Annotated[dict[str, int] | None, Field(
-    default=None, description="ensembles: each member's version that scored (`version` is "
-    "null: an ensemble has none of its own)")]
+MemberVersions = Annotated[
+    dict[str, int] | None,
+    Field(
+        default=None,
+        description="ensembles: each member's version that scored (`version` is "
+        "null: an ensemble has none of its own)",
+    ),
+]
 
 
 class SimilarityIn(_Strict):
@@ -203,11 +238,14 @@ class SimilarityIn(_Strict):
     images: Vectors
     texts: Vectors
     mode: Literal["paired", "matrix"] = Field(
-        default="paired", description="paired: score (images[i], texts[i]); matrix: all pairs")
+        default="paired", description="paired: score (images[i], texts[i]); matrix: all pairs"
+    )
     direction: Literal["i2t", "t2i"] = Field(
-        default="i2t", description="which side is the query: picks the champion for "
+        default="i2t",
+        description="which side is the query: picks the champion for "
         "model=auto, and an ensemble standardises each member's scores per query (a single "
-        "model scores both directions the same)")
+        "model scores both directions the same)",
+    )
 
     @field_validator("images", "texts", mode="before")
     @classmethod
@@ -230,9 +268,11 @@ class SearchIn(_Strict):
     version: PinnedVersion = None
     modality: Literal["image", "text"] = Field(description="modality of the query vector")
     target: Literal["image", "text"] | None = Field(
-        default=None, description="modality of the results; default the other one. The same "
+        default=None,
+        description="modality of the results; default the other one. The same "
         "modality as the query needs a model with a shared space (sam, sdsrl, scsm, cca, "
-        "pairwise:marginal)")
+        "pairwise:marginal)",
+    )
     vector: Vector
     k: StrictInt = Field(default=10, ge=1, le=MAX_K_CEILING)
 
@@ -252,17 +292,20 @@ class Hit(BaseModel):
 
 class SearchOut(BaseModel):
     model: str
-    version: int | None = Field(description="model version that scored the results (null for "
-                                "an ensemble: see `members`)")
+    version: int | None = Field(
+        description="model version that scored the results (null for an ensemble: see `members`)"
+    )
     members: MemberVersions
     target: Literal["image", "text"]
     version_lag_s: float = Field(
-        description="seconds since a checkpoint newer than `version` was written (0: none is)")
+        description="seconds since a checkpoint newer than `version` was written (0: none is)"
+    )
     index_version: int | None = Field(
         description="version whose embeddings of the gallery proposed the candidates: "
         "`version` (the answer is its exact ranking), or an earlier one while a model that "
         "embeds raw vectors (sam, cmomks) embeds the gallery with `version` (its best "
-        "candidates re-ranked by `version`'s exact scores); null for an ensemble")
+        "candidates re-ranked by `version`'s exact scores); null for an ensemble"
+    )
     results: list[Hit]
 
 
@@ -273,19 +316,24 @@ class ModelInfo(BaseModel):
     checkpoint_version: int | None = Field(description="newest version the worker wrote")
     pairs_seen: int
     last_entry_id: str | None = Field(
-        default=None, description="newest stream entry the served `version` has learned: "
-        "every pair pushed up to it is in the model (`Client.wait_learned` polls for it)")
+        default=None,
+        description="newest stream entry the served `version` has learned: "
+        "every pair pushed up to it is in the model (`Client.wait_learned` polls for it)",
+    )
     mistakes: dict[str, int]
     triplets: dict[str, int]
     rolling_map: dict[str, float | None]
     checkpoint_time: float | None
     gallery_items: int
     index_version: int | None = Field(
-        default=None, description="version whose embeddings of the gallery propose this "
+        default=None,
+        description="version whose embeddings of the gallery propose this "
         "model's search candidates (`version` but while a model that embeds raw vectors "
-        "embeds the gallery again)")
+        "embeds the gallery again)",
+    )
     champion_of: list[str] = Field(
-        default_factory=list, description="directions in which this model answers model=auto")
+        default_factory=list, description="directions in which this model answers model=auto"
+    )
 
 
 class GalleryHealth(BaseModel):
@@ -293,23 +341,26 @@ class GalleryHealth(BaseModel):
     every other segment and the stream after them."""
 
     degraded: bool = False
-    corrupt_segments: list[int] = Field(default_factory=list, description="sequence numbers "
-                                        "of the segments found corrupt and quarantined")
+    corrupt_segments: list[int] = Field(
+        default_factory=list,
+        description="sequence numbers of the segments found corrupt and quarantined",
+    )
     rows_lost: int = Field(default=0, description="gallery rows those segments held")
 
     @classmethod
     def of(cls, corrupt: dict[str, int]) -> GalleryHealth:
         seqs = sorted(int(field.split(":", 1)[0]) for field in corrupt)
-        return cls(degraded=bool(corrupt), corrupt_segments=seqs,
-                   rows_lost=sum(corrupt.values()))
+        return cls(degraded=bool(corrupt), corrupt_segments=seqs, rows_lost=sum(corrupt.values()))
 
 
 class ModelsOut(BaseModel):
     models: list[ModelInfo]
     gallery: GalleryHealth = Field(default_factory=GalleryHealth)
     champions: dict[str, str | None] = Field(
-        default_factory=dict, description="direction -> the model answering model=auto (null "
-        "until a model has enough pairs behind its rolling mAP)")
+        default_factory=dict,
+        description="direction -> the model answering model=auto (null "
+        "until a model has enough pairs behind its rolling mAP)",
+    )
 
 
 class ErrorOut(BaseModel):
@@ -323,7 +374,8 @@ class LimitsOut(BaseModel):
     serves."""
 
     role: Literal["all", "ingest", "query"] = Field(
-        description="all: every route; ingest: writes only; query: reads only")
+        description="all: every route; ingest: writes only; query: reads only"
+    )
     max_batch: int = Field(description="pairs (or vectors) per request")
     max_request_values: int = Field(description="vector values per request, all vectors")
     max_body_bytes: int = Field(description="bytes of a request body")
@@ -350,7 +402,7 @@ _ERRORS = {
     415: "a body of another media type than the route takes",
     422: "the body, or the field `loc` names, breaks the route's contract (`type` says how)",
     503: "not ready (no checkpoint of the model loaded yet) or the stream store is unavailable; "
-         "retry after the Retry-After header",
+    "retry after the Retry-After header",
 }
 
 

@@ -66,8 +66,9 @@ def _model_name(name: str) -> str:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from streamxm.tools.demo import render, run_demo
 
-    result = run_demo(pairs=args.pairs, as_json=args.json, port=args.port, rate=args.rate,
-                      model=args.model)
+    result = run_demo(
+        pairs=args.pairs, as_json=args.json, port=args.port, rate=args.rate, model=args.model
+    )
     print(json.dumps(result) if args.json else render(result))
     return 0
 
@@ -79,8 +80,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     # torchrun (and similar launchers) say the rank and world size in the environment.
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
-    return run_worker(get_settings(), args.model, _params(args.param) or None, world=world,
-                      rank=rank)
+    return run_worker(
+        get_settings(), args.model, _params(args.param) or None, world=world, rank=rank
+    )
 
 
 def _cmd_indexer(args: argparse.Namespace) -> int:
@@ -98,22 +100,35 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
     settings = get_settings()  # invalid settings stop here, with the setting named
     # The app is named, not imported: the library never imports the api package.
-    uvicorn.run("api.app:serve_app", factory=True, host=args.host or settings.api_host,
-                port=args.port or settings.api_port, log_level="info",
-                **server_options(settings))
+    uvicorn.run(
+        "api.app:serve_app",
+        factory=True,
+        host=args.host or settings.api_host,
+        port=args.port or settings.api_port,
+        log_level="info",
+        **server_options(settings),
+    )
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from streamxm.tools.report import report
 
-    result = report(args.dataset, [m.strip() for m in args.models.split(",") if m.strip()],
-                    args.out, seed=args.seed, every=args.every,
-                    params=_params(args.param) or None, progress=True)
+    result = report(
+        args.dataset,
+        [m.strip() for m in args.models.split(",") if m.strip()],
+        args.out,
+        seed=args.seed,
+        every=args.every,
+        params=_params(args.param) or None,
+        progress=True,
+    )
     print(Path(args.out) / "summary.md")
     for run in result["runs"]:
-        print(f"{run['model']}: image->text {run['final']['i2t']:.4f}, "
-              f"text->image {run['final']['t2i']:.4f}")
+        print(
+            f"{run['model']}: image->text {run['final']['i2t']:.4f}, "
+            f"text->image {run['final']['t2i']:.4f}"
+        )
     return 0
 
 
@@ -152,15 +167,24 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     store = open_store(settings, client)
     if args.to is None:  # show what a rollback could go to, and what was done before
         head = store.head(args.model) or {}
-        print(json.dumps({"model": args.model, "version": head.get("version"),
-                          "kept": store.kept_versions(args.model),
-                          "unreadable": {str(v): why for v, why in
-                                         store.unreadable_versions(args.model).items()},
-                          "history": history(client, keys, args.model)}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "version": head.get("version"),
+                    "kept": store.kept_versions(args.model),
+                    "unreadable": {
+                        str(v): why for v, why in store.unreadable_versions(args.model).items()
+                    },
+                    "history": history(client, keys, args.model),
+                }
+            )
+        )
         return 0
     try:
-        done = rollback(client, store, keys, args.model, args.to,
-                        lease_ms=max(30_000, settings.lease_ttl_ms))
+        done = rollback(
+            client, store, keys, args.model, args.to, lease_ms=max(30_000, settings.lease_ttl_ms)
+        )
     except VersionNotKept as exc:
         print(f"streamxm rollback: {exc}", file=sys.stderr)
         return 2
@@ -177,8 +201,16 @@ def _cmd_migrate_keys(args: argparse.Namespace) -> int:
     settings = get_settings()
     keys = Keys(args.namespace or settings.namespace)
     renamed = migrate_keys(connect(settings), keys, dry_run=args.dry_run)
-    print(json.dumps({"namespace": keys.namespace, "dry_run": args.dry_run,
-                      "renamed": len(renamed), "keys": [new for _, new in renamed]}))
+    print(
+        json.dumps(
+            {
+                "namespace": keys.namespace,
+                "dry_run": args.dry_run,
+                "renamed": len(renamed),
+                "keys": [new for _, new in renamed],
+            }
+        )
+    )
     return 0
 
 
@@ -192,8 +224,9 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
     # Arguments first: a wrong path must not start the embedded Redis.
     ds = load_dataset(args.dataset)
-    pairs = list(iter_pairs(ds, limit=args.limit, unlabelled=args.unlabelled,
-                            prefix=args.id_prefix))
+    pairs = list(
+        iter_pairs(ds, limit=args.limit, unlabelled=args.unlabelled, prefix=args.id_prefix)
+    )
     send: Callable[[Sequence[Pair]], list[str]]
     if args.url:
         from streamxm.client import Client
@@ -206,8 +239,12 @@ def _cmd_push(args: argparse.Namespace) -> int:
         from streamxm.stream.redis_conn import Replication, connect
 
         settings = get_settings()
-        send = StreamClient(connect(settings), settings.namespace, limits_from(settings),
-                            replication=Replication.of(settings)).push_pairs
+        send = StreamClient(
+            connect(settings),
+            settings.namespace,
+            limits_from(settings),
+            replication=Replication.of(settings),
+        ).push_pairs
     try:
         report = push_pairs(pairs, send, start=args.start, rate=args.rate)
     except PushStopped as stopped:
@@ -228,17 +265,28 @@ def _print_bench(result: dict[str, Any], indent: int | None = None) -> None:
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from streamxm.tools.bench import quality
 
-    result = quality(args.dataset, args.model, protocol=args.protocol,
-                     unlabelled=args.unlabelled, seed=args.seed, epochs=args.epochs,
-                     params=_params(args.param) or None, progress=not args.json,
-                     order=args.order, label_noise=args.label_noise,
-                     buffer_memory=args.buffer_memory, eval_every=args.eval_every)
+    result = quality(
+        args.dataset,
+        args.model,
+        protocol=args.protocol,
+        unlabelled=args.unlabelled,
+        seed=args.seed,
+        epochs=args.epochs,
+        params=_params(args.param) or None,
+        progress=not args.json,
+        order=args.order,
+        label_noise=args.label_noise,
+        buffer_memory=args.buffer_memory,
+        eval_every=args.eval_every,
+    )
     if args.json:
         _print_bench(result)
         return 0
     for name, run in (*result.get("members", {}).items(), (args.model, result)):
-        print(f"{name} ({args.protocol}): image->text {run['map_i2t']:.4f}  "
-              f"text->image {run['map_t2i']:.4f}")
+        print(
+            f"{name} ({args.protocol}): image->text {run['map_i2t']:.4f}  "
+            f"text->image {run['map_t2i']:.4f}"
+        )
     return 0
 
 
@@ -247,26 +295,35 @@ def _cmd_bench_order(args: argparse.Namespace) -> int:
 
     models = args.model or list(MODEL_NAMES)
     seeds = [args.seed] if args.seed is not None else _seeds(args.seeds)
-    result = stream_order(args.dataset, models, seeds=seeds, label_noise=args.label_noise,
-                          progress=not args.json)
+    result = stream_order(
+        args.dataset, models, seeds=seeds, label_noise=args.label_noise, progress=not args.json
+    )
     if args.json:
         _print_bench(result)
         return 0
-    print(f"seeds {','.join(map(str, seeds))}: means over seeds, image->text / text->image; "
-          f"bars: class share >= {result['order_share']:.0%}, with "
-          f"{result['label_noise']:.0%} wrong labels >= {result['noise_share']:.0%} of file "
-          "order")
+    print(
+        f"seeds {','.join(map(str, seeds))}: means over seeds, image->text / text->image; "
+        f"bars: class share >= {result['order_share']:.0%}, with "
+        f"{result['label_noise']:.0%} wrong labels >= {result['noise_share']:.0%} of file "
+        "order"
+    )
     for row in result["models"]:
         f, c, cs, ns = row["file"], row["class"], row["class_share"], row["noisy_share"]
-        noisy = (f"noisy {row['noisy']['mean']['map_i2t']:.4f} / "
-                 f"{row['noisy']['mean']['map_t2i']:.4f} ({ns['map_i2t']:.1%} / "
-                 f"{ns['map_t2i']:.1%})" if ns else "noisy (reads no label)")
+        noisy = (
+            f"noisy {row['noisy']['mean']['map_i2t']:.4f} / "
+            f"{row['noisy']['mean']['map_t2i']:.4f} ({ns['map_i2t']:.1%} / "
+            f"{ns['map_t2i']:.1%})"
+            if ns
+            else "noisy (reads no label)"
+        )
         failed = [name for name, ok in row["checks"].items() if not ok]
-        print(f"{row['model']:<20} file {f['mean']['map_i2t']:.4f} / {f['mean']['map_t2i']:.4f}"
-              f" (sd {f['std']['map_i2t']:.4f} / {f['std']['map_t2i']:.4f})  class "
-              f"{c['mean']['map_i2t']:.4f} / {c['mean']['map_t2i']:.4f} ({cs['map_i2t']:.1%} / "
-              f"{cs['map_t2i']:.1%})  {noisy}  "
-              f"{'met' if not failed else 'missed: ' + ', '.join(failed)}")
+        print(
+            f"{row['model']:<20} file {f['mean']['map_i2t']:.4f} / {f['mean']['map_t2i']:.4f}"
+            f" (sd {f['std']['map_i2t']:.4f} / {f['std']['map_t2i']:.4f})  class "
+            f"{c['mean']['map_i2t']:.4f} / {c['mean']['map_t2i']:.4f} ({cs['map_i2t']:.1%} / "
+            f"{cs['map_t2i']:.1%})  {noisy}  "
+            f"{'met' if not failed else 'missed: ' + ', '.join(failed)}"
+        )
     return 0
 
 
@@ -284,42 +341,69 @@ def _cmd_bench_database(args: argparse.Namespace) -> int:
     from streamxm.tools.bench import database_split
 
     seeds = _seeds(args.seeds)
-    result = database_split(args.dataset, args.model, seeds, query_fraction=args.query_fraction,
-                            protocol=args.protocol, epochs=args.epochs,
-                            params=_params(args.param) or None, progress=not args.json)
+    result = database_split(
+        args.dataset,
+        args.model,
+        seeds,
+        query_fraction=args.query_fraction,
+        protocol=args.protocol,
+        epochs=args.epochs,
+        params=_params(args.param) or None,
+        progress=not args.json,
+    )
     if args.json:
         _print_bench(result)
     else:
-        print(f"{args.model} ({len(seeds)} splits): " + "  ".join(
-            f"{k[4:]} {v:.4f}+-{result['std'][k]:.4f}" for k, v in result["mean"].items()))
+        print(
+            f"{args.model} ({len(seeds)} splits): "
+            + "  ".join(
+                f"{k[4:]} {v:.4f}+-{result['std'][k]:.4f}" for k, v in result["mean"].items()
+            )
+        )
     return 0
 
 
 def _cmd_bench_throughput(args: argparse.Namespace) -> int:
     from streamxm.tools.throughput import throughput
 
-    result = throughput(args.model, img_dim=args.img_dim, txt_dim=args.txt_dim, pairs=args.pairs,
-                        baseline_pairs=args.baseline_pairs, repeats=args.repeats,
-                        params=_params(args.param) or None, seed=args.seed, order=args.order,
-                        eval_every=args.eval_every)
+    result = throughput(
+        args.model,
+        img_dim=args.img_dim,
+        txt_dim=args.txt_dim,
+        pairs=args.pairs,
+        baseline_pairs=args.baseline_pairs,
+        repeats=args.repeats,
+        params=_params(args.param) or None,
+        seed=args.seed,
+        order=args.order,
+        eval_every=args.eval_every,
+    )
     if args.json:
         _print_bench(result)
     else:
         line = f"{args.model}: {result['pairs_per_s']:.0f} pairs/s on one core"
         if "limit_pairs_per_s" in result:
-            line += (f", machine limit {result['limit_pairs_per_s']:.0f} "
-                     f"(ratio {result['ratio_to_limit']:.2f}), paper loop "
-                     f"{result['baseline_pairs_per_s']:.0f}")
+            line += (
+                f", machine limit {result['limit_pairs_per_s']:.0f} "
+                f"(ratio {result['ratio_to_limit']:.2f}), paper loop "
+                f"{result['baseline_pairs_per_s']:.0f}"
+            )
         if "slowdown" in result:
-            line += (f"; the same pairs in their own order {result['file_order_pairs_per_s']:.0f}"
-                     f" ({result['slowdown']:.2f}x the time per pair in {args.order} order)")
+            line += (
+                f"; the same pairs in their own order {result['file_order_pairs_per_s']:.0f}"
+                f" ({result['slowdown']:.2f}x the time per pair in {args.order} order)"
+            )
         if "evaluation_share" in result:
-            line += (f"; with the rolling evaluation every {result['evaluated_every']} pairs, "
-                     f"{result['evaluation_share']:.0%} of the time (learning alone "
-                     f"{result['learning_only_pairs_per_s']:.0f} pairs/s)")
+            line += (
+                f"; with the rolling evaluation every {result['evaluated_every']} pairs, "
+                f"{result['evaluation_share']:.0%} of the time (learning alone "
+                f"{result['learning_only_pairs_per_s']:.0f} pairs/s)"
+            )
         if "roofline_pairs_per_s" in result:
-            line += (f"; roofline {result['roofline_pairs_per_s']:.0f} pairs/s "
-                     f"({result['roofline_bound']}-bound, ratio {result['ratio_to_roofline']:.2f})")
+            line += (
+                f"; roofline {result['roofline_pairs_per_s']:.0f} pairs/s "
+                f"({result['roofline_bound']}-bound, ratio {result['ratio_to_roofline']:.2f})"
+            )
         print(line)
     return 0
 
@@ -327,8 +411,11 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 def _cmd_bench_load(args: argparse.Namespace) -> int:
     import importlib
 
-    options = {k: v for k, v in vars(args).items()
-               if k not in ("command", "bench", "func", "verbose", "json")}
+    options = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("command", "bench", "func", "verbose", "json")
+    }
     module, function = _LOAD_BENCHES[args.bench]
     result = getattr(importlib.import_module(f"streamxm.tools.{module}"), function)(**options)
     _print_bench(result, indent=None if args.json else 2)
@@ -336,23 +423,34 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
 
 
 #: Each service benchmark: its module in ``streamxm.tools`` and its function.
-_LOAD_BENCHES = {"ingest": ("bench_ingest", "ingest"),
-                 "end-to-end": ("bench_end_to_end", "end_to_end"),
-                 "query": ("bench_query", "query"),
-                 "ensemble-recall": ("bench_query", "ensemble_recall"),
-                 "soak": ("bench_soak", "soak"), "hostile": ("bench_hostile", "hostile"),
-                 "scan": ("scan", "scan"),
-                 "version-cost": ("bench_version_cost", "version_cost")}
+_LOAD_BENCHES = {
+    "ingest": ("bench_ingest", "ingest"),
+    "end-to-end": ("bench_end_to_end", "end_to_end"),
+    "query": ("bench_query", "query"),
+    "ensemble-recall": ("bench_query", "ensemble_recall"),
+    "soak": ("bench_soak", "soak"),
+    "hostile": ("bench_hostile", "hostile"),
+    "scan": ("scan", "scan"),
+    "version-cost": ("bench_version_cost", "version_cost"),
+}
 
 
 def _cmd_bench_distributed(args: argparse.Namespace) -> int:
     from streamxm.tools.bench_ranks import distributed
 
     result = distributed(
-        args.model, tuple(int(x) for x in args.ranks.split(",")), img_dim=args.img_dim,
-        txt_dim=args.txt_dim, pairs=args.pairs, threads_per_rank=args.threads_per_rank,
-        read_batch=args.read_batch, eval_every=args.eval_every, dataset=args.dataset,
-        params=_params(args.param) or None, seed=args.seed)
+        args.model,
+        tuple(int(x) for x in args.ranks.split(",")),
+        img_dim=args.img_dim,
+        txt_dim=args.txt_dim,
+        pairs=args.pairs,
+        threads_per_rank=args.threads_per_rank,
+        read_batch=args.read_batch,
+        eval_every=args.eval_every,
+        dataset=args.dataset,
+        params=_params(args.param) or None,
+        seed=args.seed,
+    )
     _print_bench(result, indent=None if args.json else 2)
     return 0
 
@@ -369,15 +467,20 @@ def _cmd_redis(args: argparse.Namespace) -> int:
         # Say what happened: the embedded server outlives the workers and APIs that used it.
         if server.is_running():
             server.stop()
-            print(f"stopped the embedded Redis at {server.url} (its data stays in "
-                  f"{server.data_dir})")
+            print(
+                f"stopped the embedded Redis at {server.url} (its data stays in {server.data_dir})"
+            )
         else:
             print(f"the embedded Redis at {server.url} was not running")
     else:
         users = server.live_users()
-        print("running" if server.is_running() else "stopped", server.url,
-              "(started with `streamxm redis start`)" if server.pinned.exists() else
-              f"(used by {len(users)} streamxm process(es))")
+        print(
+            "running" if server.is_running() else "stopped",
+            server.url,
+            "(started with `streamxm redis start`)"
+            if server.pinned.exists()
+            else f"(used by {len(users)} streamxm process(es))",
+        )
     return 0
 
 
@@ -392,19 +495,38 @@ def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.set_defaults(func=_cmd_demo)
 
     worker = sub.add_parser("worker", help="run a learner worker")
-    worker.add_argument("--model", required=True, type=_model_name,
-                        help="model name: " + ", ".join(MODEL_NAMES))
-    worker.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                        help="model parameter for a fresh model (JSON value)")
-    worker.add_argument("--world-size", type=int, default=None, metavar="N",
-                        help="ranks learning this model together (default: $WORLD_SIZE or 1)")
-    worker.add_argument("--rank", type=int, default=None, metavar="R",
-                        help="this process's rank, 0 to N-1; rank 0 reads, checkpoints and "
-                        "acknowledges (default: $RANK or 0)")
+    worker.add_argument(
+        "--model", required=True, type=_model_name, help="model name: " + ", ".join(MODEL_NAMES)
+    )
+    worker.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model parameter for a fresh model (JSON value)",
+    )
+    worker.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks learning this model together (default: $WORLD_SIZE or 1)",
+    )
+    worker.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this process's rank, 0 to N-1; rank 0 reads, checkpoints and "
+        "acknowledges (default: $RANK or 0)",
+    )
     worker.set_defaults(func=_cmd_worker)
 
-    indexer = sub.add_parser("indexer", help="keep the search gallery as segments API replicas "
-                             "open instead of replaying the stream (one active per namespace)")
+    indexer = sub.add_parser(
+        "indexer",
+        help="keep the search gallery as segments API replicas "
+        "open instead of replaying the stream (one active per namespace)",
+    )
     indexer.set_defaults(func=_cmd_indexer)
 
     api = sub.add_parser("api", help="run the HTTP API")
@@ -431,18 +553,30 @@ def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.set_defaults(func=_cmd_top)
 
-    rb = sub.add_parser("rollback", help="make a kept checkpoint version the served one and the "
-                        "one its learner continues from (the stream after it is replayed)")
-    rb.add_argument("--model", required=True, type=_model_name,
-                    help="model name: " + ", ".join(MODEL_NAMES))
-    rb.add_argument("--to", type=int, default=None, metavar="VERSION",
-                    help="kept version to go back to; without it, list the kept versions and "
-                    "the model's past rollbacks")
+    rb = sub.add_parser(
+        "rollback",
+        help="make a kept checkpoint version the served one and the "
+        "one its learner continues from (the stream after it is replayed)",
+    )
+    rb.add_argument(
+        "--model", required=True, type=_model_name, help="model name: " + ", ".join(MODEL_NAMES)
+    )
+    rb.add_argument(
+        "--to",
+        type=int,
+        default=None,
+        metavar="VERSION",
+        help="kept version to go back to; without it, list the kept versions and "
+        "the model's past rollbacks",
+    )
     rb.set_defaults(func=_cmd_rollback)
 
-    mk = sub.add_parser("migrate-keys", help="rename a namespace's keys from sxm:<ns>:... to "
-                        "the hash-tagged sxm:{<ns>}:... (once, on the single server, with the "
-                        "namespace's workers and APIs stopped)")
+    mk = sub.add_parser(
+        "migrate-keys",
+        help="rename a namespace's keys from sxm:<ns>:... to "
+        "the hash-tagged sxm:{<ns>}:... (once, on the single server, with the "
+        "namespace's workers and APIs stopped)",
+    )
     mk.add_argument("--namespace", default=None, help="default: STREAMXM_NAMESPACE")
     mk.add_argument("--dry-run", action="store_true", help="list what would be renamed")
     mk.set_defaults(func=_cmd_migrate_keys)
@@ -453,12 +587,24 @@ def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     push.add_argument("--limit", type=int, default=None, help="push only the first N pairs")
     push.add_argument("--unlabelled", action="store_true", help="withhold labels")
     push.add_argument("--id-prefix", default="train", help="pair ids are PREFIX-<row>")
-    push.add_argument("--start", type=int, default=0, help="skip the first N pairs: resume "
-                      "a push that stopped after N had landed (its error says N)")
-    push.add_argument("--url", default=None, help="push through the HTTP API at this URL "
-                      "(streamxm.client) instead of straight into Redis")
-    push.add_argument("--token", default=None, help="with --url: the API's bearer token "
-                      "(default: STREAMXM_API_TOKEN)")
+    push.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="skip the first N pairs: resume "
+        "a push that stopped after N had landed (its error says N)",
+    )
+    push.add_argument(
+        "--url",
+        default=None,
+        help="push through the HTTP API at this URL "
+        "(streamxm.client) instead of straight into Redis",
+    )
+    push.add_argument(
+        "--token",
+        default=None,
+        help="with --url: the API's bearer token (default: STREAMXM_API_TOKEN)",
+    )
     push.set_defaults(func=_cmd_push)
 
     rd = sub.add_parser("redis", help="the embedded Redis server")
@@ -467,49 +613,91 @@ def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _bench_learning_commands(
-        bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench_sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
     """Benchmarks of learning: quality, order, database, throughput."""
     q = bench_sub.add_parser("quality", help="test-split mAP on a benchmark file")
     q.add_argument("--dataset", required=True, help=DATASET_HELP)
-    q.add_argument("--model", required=True,
-                   help="a model, or ensemble:<a>+<b>... (each member trained and scored too)")
+    q.add_argument(
+        "--model",
+        required=True,
+        help="a model, or ensemble:<a>+<b>... (each member trained and scored too)",
+    )
     q.add_argument("--protocol", choices=["stream", "offline"], default="stream")
     q.add_argument("--unlabelled", action="store_true", help="withhold every training label")
-    q.add_argument("--order", choices=ORDERS, default="file",
-                   help="training pairs in file order, sorted by class (bursts of one topic), "
-                        "or shuffled (seeded)")
-    q.add_argument("--label-noise", type=_fraction, default=0.0, metavar="P",
-                   help="replace a fraction P of training labels by another class (seeded)")
-    q.add_argument("--buffer-memory", type=int, default=None, metavar="SLOTS",
-                   help="slots of a class-balanced memory of the whole history beside the 500 "
-                        "recent pairs, drawn from during bursts of few classes (default: the "
-                        "model's own: 500 for cmos, cmomks and pairwise, 1000 for "
-                        "pairwise:marginal, 0 for the others)")
+    q.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="file",
+        help="training pairs in file order, sorted by class (bursts of one topic), "
+        "or shuffled (seeded)",
+    )
+    q.add_argument(
+        "--label-noise",
+        type=_fraction,
+        default=0.0,
+        metavar="P",
+        help="replace a fraction P of training labels by another class (seeded)",
+    )
+    q.add_argument(
+        "--buffer-memory",
+        type=int,
+        default=None,
+        metavar="SLOTS",
+        help="slots of a class-balanced memory of the whole history beside the 500 "
+        "recent pairs, drawn from during bursts of few classes (default: the "
+        "model's own: 500 for cmos, cmomks and pairwise, 1000 for "
+        "pairwise:marginal, 0 for the others)",
+    )
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
-    q.add_argument("--eval-every", type=_eval_every, default=1, metavar="N|auto",
-                   help="the rolling evaluation's schedule while it learns (the service's "
-                   "default: auto): rolling_map and its standard error in the JSON")
+    q.add_argument(
+        "--eval-every",
+        type=_eval_every,
+        default=1,
+        metavar="N|auto",
+        help="the rolling evaluation's schedule while it learns (the service's "
+        "default: auto): rolling_map and its standard error in the JSON",
+    )
     q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd_bench_quality)
 
-    so = bench_sub.add_parser("order", help="each model in file order, one class at a time and "
-                              "with wrong labels, over seeds, against its own file-order figure")
+    so = bench_sub.add_parser(
+        "order",
+        help="each model in file order, one class at a time and "
+        "with wrong labels, over seeds, against its own file-order figure",
+    )
     so.add_argument("--dataset", required=True, help=DATASET_HELP)
-    so.add_argument("--model", action="append", default=[], metavar="MODEL", type=_model_name,
-                    help="a model to try (repeatable; default: every model)")
-    so.add_argument("--seeds", default="0", help="comma-separated seeds (e.g. 0,1,2,3,4): "
-                    "the figures are means and spreads over them")
+    so.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        type=_model_name,
+        help="a model to try (repeatable; default: every model)",
+    )
+    so.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated seeds (e.g. 0,1,2,3,4): the figures are means and spreads over them",
+    )
     so.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds N)")
-    so.add_argument("--label-noise", type=_fraction, default=0.2, metavar="P",
-                    help="fraction of training labels replaced by another class in the noisy run")
+    so.add_argument(
+        "--label-noise",
+        type=_fraction,
+        default=0.2,
+        metavar="P",
+        help="fraction of training labels replaced by another class in the noisy run",
+    )
     so.add_argument("--json", action="store_true")
     so.set_defaults(func=_cmd_bench_order)
 
     db = bench_sub.add_parser(
-        "database", help="mAP with train+test pooled, random query/database split, database "
-        "as training set and gallery (the SDSRL paper's protocol)")
+        "database",
+        help="mAP with train+test pooled, random query/database split, database "
+        "as training set and gallery (the SDSRL paper's protocol)",
+    )
     db.add_argument("--dataset", required=True)
     db.add_argument("--model", required=True)
     db.add_argument("--seeds", default="0,1,2,3,4", help="one random split per seed")
@@ -525,67 +713,113 @@ def _bench_learning_commands(
     t.add_argument("--img-dim", type=int, default=4096)
     t.add_argument("--txt-dim", type=int, default=1000)
     t.add_argument("--pairs", type=int, default=2000, help="timed pairs per repeat")
-    t.add_argument("--baseline-pairs", type=int, default=200,
-                   help="timed pairs of the literal paper loop (it is slow)")
+    t.add_argument(
+        "--baseline-pairs",
+        type=int,
+        default=200,
+        help="timed pairs of the literal paper loop (it is slow)",
+    )
     t.add_argument("--repeats", type=int, default=3, help="figures are medians over repeats")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--eval-every", type=_eval_every, default=None, metavar="N|auto",
-                   help="time it with the rolling evaluation scoring every N-th pair (auto: "
-                   "the service's default STREAMXM_EVAL_EVERY, sized from the model's cost), "
-                   "beside it off")
-    t.add_argument("--order", choices=["file", "class"], default="file",
-                   help="class: the pairs arrive one class at a time (a burst), timed beside "
-                   "the same pairs in their own order")
+    t.add_argument(
+        "--eval-every",
+        type=_eval_every,
+        default=None,
+        metavar="N|auto",
+        help="time it with the rolling evaluation scoring every N-th pair (auto: "
+        "the service's default STREAMXM_EVAL_EVERY, sized from the model's cost), "
+        "beside it off",
+    )
+    t.add_argument(
+        "--order",
+        choices=["file", "class"],
+        default="file",
+        help="class: the pairs arrive one class at a time (a burst), timed beside "
+        "the same pairs in their own order",
+    )
     t.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_throughput)
 
 
-def _bench_service_commands(
-        bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Benchmarks of the running service: ingest, end-to-end, query, soak, hostile, scan,
     ensemble-recall."""
-    ing = bench_sub.add_parser("ingest", help="pairs/s via the client and POST /v1/pairs beside "
-                               "redis-benchmark's XADD on the same server")
+    ing = bench_sub.add_parser(
+        "ingest",
+        help="pairs/s via the client and POST /v1/pairs beside "
+        "redis-benchmark's XADD on the same server",
+    )
     ing.add_argument("--img-dim", type=int, default=4096)
     ing.add_argument("--txt-dim", type=int, default=1000)
-    ing.add_argument("--pairs", type=int, default=6000, help="pairs per path and repeat "
-                     "(about 120 MB at 4096/1000: short runs were dominated by the machine's "
-                     "noise)")
+    ing.add_argument(
+        "--pairs",
+        type=int,
+        default=6000,
+        help="pairs per path and repeat "
+        "(about 120 MB at 4096/1000: short runs were dominated by the machine's "
+        "noise)",
+    )
     ing.add_argument("--http-batch", type=int, default=64, help="pairs per POST")
-    ing.add_argument("--http-clients", type=int, default=4,
-                     help="keep-alive connections posting at once (the HTTP counterpart of "
-                     "the client's pipeline)")
+    ing.add_argument(
+        "--http-clients",
+        type=int,
+        default=4,
+        help="keep-alive connections posting at once (the HTTP counterpart of "
+        "the client's pipeline)",
+    )
     ing.add_argument("--repeats", type=int, default=5)
-    ing.add_argument("--cluster", action="store_true",
-                     help="instead: a local Redis Cluster (3 masters, 3 replicas), the client "
-                     "pushing into one namespace on one master, then into three namespaces on "
-                     "three masters at once (a process each)")
-    e2e = bench_sub.add_parser("end-to-end", help="pairs/s one worker learns from the stream, "
-                               "beside the in-process learner; lag at a push rate")
+    ing.add_argument(
+        "--cluster",
+        action="store_true",
+        help="instead: a local Redis Cluster (3 masters, 3 replicas), the client "
+        "pushing into one namespace on one master, then into three namespaces on "
+        "three masters at once (a process each)",
+    )
+    e2e = bench_sub.add_parser(
+        "end-to-end",
+        help="pairs/s one worker learns from the stream, "
+        "beside the in-process learner; lag at a push rate",
+    )
     e2e.add_argument("--model", default="cmos")
     e2e.add_argument("--img-dim", type=int, default=4096)
     e2e.add_argument("--txt-dim", type=int, default=1000)
     e2e.add_argument("--backlog", type=int, default=4000)
-    e2e.add_argument("--rate", type=float, default=None,
-                     help="push rate for the lag phase (default half the learned rate)")
+    e2e.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="push rate for the lag phase (default half the learned rate)",
+    )
     e2e.add_argument("--seconds", type=float, default=60.0)
     e2e.add_argument("--eval-every", type=_eval_every, default="auto", metavar="N|auto")
-    qry = bench_sub.add_parser("query", help="/v1/search latency under concurrent clients while "
-                               "a worker learns and checkpoints swap in")
+    qry = bench_sub.add_parser(
+        "query",
+        help="/v1/search latency under concurrent clients while "
+        "a worker learns and checkpoints swap in",
+    )
     qry.add_argument("--gallery", type=int, default=100_000)
     qry.add_argument("--img-dim", type=int, default=512)
     qry.add_argument("--txt-dim", type=int, default=128)
     qry.add_argument("--clients", type=int, default=32)
     qry.add_argument("--seconds", type=float, default=30.0)
     qry.add_argument("--model", default="cmos")
-    qry.add_argument("--recall-sample", type=int, default=200,
-                     help="answers checked against the exact ranking of their version")
-    qry.add_argument("--candidates", type=int, default=100,
-                     help="STREAMXM_SEARCH_CANDIDATES of the API")
-    qry.add_argument("--no-wait-for-index", dest="wait_for_index", action="store_false",
-                     help="STREAMXM_WAIT_FOR_INDEX=false: sam and cmomks serve a version at "
-                     "once, candidates from the earlier version's index")
+    qry.add_argument(
+        "--recall-sample",
+        type=int,
+        default=200,
+        help="answers checked against the exact ranking of their version",
+    )
+    qry.add_argument(
+        "--candidates", type=int, default=100, help="STREAMXM_SEARCH_CANDIDATES of the API"
+    )
+    qry.add_argument(
+        "--no-wait-for-index",
+        dest="wait_for_index",
+        action="store_false",
+        help="STREAMXM_WAIT_FOR_INDEX=false: sam and cmomks serve a version at "
+        "once, candidates from the earlier version's index",
+    )
     sk = bench_sub.add_parser("soak", help="long push/learn/query run sampling resident memory")
     sk.add_argument("--minutes", type=float, default=20.0)
     sk.add_argument("--rate", type=float, default=100.0, help="pairs pushed per second")
@@ -593,29 +827,51 @@ def _bench_service_commands(
     sk.add_argument("--gallery-max", type=int, default=20_000)
     sk.add_argument("--sample-seconds", type=float, default=60.0)
     sk.add_argument("--warmup-minutes", type=float, default=5.0)
-    ho = bench_sub.add_parser("hostile", help="junk bodies of growing size and a labels bomb: "
-                              "answer size, API memory and /healthz latency meanwhile, beside "
-                              "it at rest")
+    ho = bench_sub.add_parser(
+        "hostile",
+        help="junk bodies of growing size and a labels bomb: "
+        "answer size, API memory and /healthz latency meanwhile, beside "
+        "it at rest",
+    )
     ho.add_argument("--sizes", default="1,4,24,64", help="body sizes, MiB, comma-separated")
     ho.add_argument("--repeats", type=int, default=3)
     ho.add_argument("--probes", type=int, default=200, help="/healthz probes at rest")
-    ho.add_argument("--labels-mib", type=float, default=11.5, help="size of the labels bomb: "
-                    "one frame whose labels field is this many MiB, to /v1/pairs/frames")
-    ho.add_argument("--part", choices=("all", "server", "client"), default="all",
-                    help="server: junk bodies to the API; client: the Python client against a "
-                    "malicious server (oversized, gzip-bombed and malformed answers)")
-    ho.add_argument("--client-gib", type=float, default=1.0,
-                    help="size of the client cases' oversized bodies, GiB")
-    sc = bench_sub.add_parser("scan", help="the search candidate scan's backends side by side "
-                              "(float32, bfloat16, int8, FAISS when installed), one thread")
+    ho.add_argument(
+        "--labels-mib",
+        type=float,
+        default=11.5,
+        help="size of the labels bomb: "
+        "one frame whose labels field is this many MiB, to /v1/pairs/frames",
+    )
+    ho.add_argument(
+        "--part",
+        choices=("all", "server", "client"),
+        default="all",
+        help="server: junk bodies to the API; client: the Python client against a "
+        "malicious server (oversized, gzip-bombed and malformed answers)",
+    )
+    ho.add_argument(
+        "--client-gib",
+        type=float,
+        default=1.0,
+        help="size of the client cases' oversized bodies, GiB",
+    )
+    sc = bench_sub.add_parser(
+        "scan",
+        help="the search candidate scan's backends side by side "
+        "(float32, bfloat16, int8, FAISS when installed), one thread",
+    )
     sc.add_argument("--rows", type=int, default=1_000_000)
     sc.add_argument("--dims", default="128,512", help="two dimensions, comma-separated")
     sc.add_argument("--queries", type=int, default=32)
     sc.add_argument("--candidates", type=int, default=100)
     sc.add_argument("--repeats", type=int, default=3)
-    er = bench_sub.add_parser("ensemble-recall", help="recall@k of an ensemble's search (each "
-                              "member's candidates, fused exactly) against its exact fused "
-                              "ranking of the whole gallery")
+    er = bench_sub.add_parser(
+        "ensemble-recall",
+        help="recall@k of an ensemble's search (each "
+        "member's candidates, fused exactly) against its exact fused "
+        "ranking of the whole gallery",
+    )
     er.add_argument("--model", default="ensemble:cmos+sdsrl")
     er.add_argument("--gallery", type=int, default=20_000)
     er.add_argument("--img-dim", type=int, default=128)
@@ -623,17 +879,21 @@ def _bench_service_commands(
     er.add_argument("--queries", type=int, default=100)
     er.add_argument("--k", type=int, default=10)
     er.add_argument("--candidates", type=int, default=100, help="candidates per member")
-    vc = bench_sub.add_parser("version-cost", help="what a new model version costs a search "
-                              "server: seconds to embed the whole gallery, memory of its kept "
-                              "features and embeddings, per model")
+    vc = bench_sub.add_parser(
+        "version-cost",
+        help="what a new model version costs a search "
+        "server: seconds to embed the whole gallery, memory of its kept "
+        "features and embeddings, per model",
+    )
     vc.add_argument("--gallery", type=int, default=100_000)
     vc.add_argument("--img-dim", type=int, default=512)
     vc.add_argument("--txt-dim", type=int, default=128)
     vc.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated")
     vc.add_argument("--pairs", type=int, default=1500, help="pairs each model learns first")
     vc.add_argument("--versions", type=int, default=3, help="builds timed per model")
-    vc.add_argument("--pairs-between", type=int, default=20,
-                    help="pairs learned before each later version")
+    vc.add_argument(
+        "--pairs-between", type=int, default=20, help="pairs learned before each later version"
+    )
     for p in (ing, e2e, qry, sk, ho, sc, er, vc):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
@@ -641,23 +901,35 @@ def _bench_service_commands(
 
 
 def _bench_distributed_command(
-        bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench_sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
     """``bench distributed``: one model learned by several ranks."""
-    di = bench_sub.add_parser("distributed", help="pairs/s of one model learned by 1, 2, ... "
-                              "ranks (streamxm worker --world-size N) from the same backlog, "
-                              "with the time per round in the collective; test mAP with "
-                              "--dataset")
+    di = bench_sub.add_parser(
+        "distributed",
+        help="pairs/s of one model learned by 1, 2, ... "
+        "ranks (streamxm worker --world-size N) from the same backlog, "
+        "with the time per round in the collective; test mAP with "
+        "--dataset",
+    )
     di.add_argument("--model", default="cmos")
     di.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
     di.add_argument("--img-dim", type=int, default=4096)
     di.add_argument("--txt-dim", type=int, default=1000)
-    di.add_argument("--pairs", type=int, default=12288,
-                    help="synthetic pairs, or the first N training pairs of --dataset (0: all)")
+    di.add_argument(
+        "--pairs",
+        type=int,
+        default=12288,
+        help="synthetic pairs, or the first N training pairs of --dataset (0: all)",
+    )
     di.add_argument("--threads-per-rank", type=int, default=1)
     di.add_argument("--read-batch", type=int, default=256, help="pairs per rank per round")
     di.add_argument("--eval-every", type=_eval_every, default="auto", metavar="N|auto")
-    di.add_argument("--dataset", default=None, help="benchmark .npz (or 'wiki'): its training "
-                    "split in file order instead of synthetic pairs, and test mAP per run")
+    di.add_argument(
+        "--dataset",
+        default=None,
+        help="benchmark .npz (or 'wiki'): its training "
+        "split in file order instead of synthetic pairs, and test mAP per run",
+    )
     di.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     di.add_argument("--seed", type=int, default=0)
     di.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
@@ -680,9 +952,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from pydantic import ValidationError
     from redis.exceptions import RedisClusterException, RedisError
@@ -702,16 +976,21 @@ def main(argv: list[str] | None = None) -> int:
             name = "STREAMXM_" + "_".join(str(x) for x in error["loc"]).upper()
             print(f"streamxm {args.command}: error: {name}: {error['msg']}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, InvalidPair, ValueError, TimeoutError, LegacyKeys,
-            MigrationConflict) as exc:
+    except (
+        FileNotFoundError,
+        InvalidPair,
+        ValueError,
+        TimeoutError,
+        LegacyKeys,
+        MigrationConflict,
+    ) as exc:
         print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except StreamxmError as exc:  # the HTTP client's: the server's answer, or none
         print(f"streamxm {args.command}: error: {exc}", file=sys.stderr)
         return 3 if isinstance(exc, Unavailable) else 2
     except (RedisError, RedisClusterException) as exc:  # NotReplicated, a lost connection
-        print(f"streamxm {args.command}: Redis error: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        print(f"streamxm {args.command}: Redis error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         return 130

@@ -31,8 +31,13 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = None,
-               world: int = 1, rank: int = 0) -> int:
+def run_worker(
+    settings: Settings,
+    model: str,
+    params: dict[str, Any] | None = None,
+    world: int = 1,
+    rank: int = 0,
+) -> int:
     """Learn ``model`` from the namespace's stream until a signal; returns the exit code.
     With ``world > 1`` this process is rank ``rank`` of a distributed learner."""
     if not 0 <= rank < max(world, 1):
@@ -45,8 +50,15 @@ def run_worker(settings: Settings, model: str, params: dict[str, Any] | None = N
     if rank > 0:
         from streamxm.worker.ranks import RankFollower  # torch: the ``sam`` extra
 
-        RankFollower(client, model, rank, world, namespace=settings.namespace,
-                     timeout_s=settings.dist_timeout_s, host=settings.dist_host).run(stop)
+        RankFollower(
+            client,
+            model,
+            rank,
+            world,
+            namespace=settings.namespace,
+            timeout_s=settings.dist_timeout_s,
+            host=settings.dist_host,
+        ).run(stop)
         return 0
     build_worker(settings, client, model, params=params, world=world).run(stop)
     return 0

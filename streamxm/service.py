@@ -23,19 +23,28 @@ __all__ = ["build_indexer", "build_worker", "limits_from", "open_namespace", "op
 
 
 def limits_from(settings: Settings) -> Limits:
-    return Limits(max_dim=settings.max_dim, max_labels=settings.max_labels,
-                  max_label_value=settings.max_label_value,
-                  max_id_length=settings.max_id_length)
+    return Limits(
+        max_dim=settings.max_dim,
+        max_labels=settings.max_labels,
+        max_label_value=settings.max_label_value,
+        max_id_length=settings.max_id_length,
+    )
 
 
 def open_store(settings: Settings, client: redis.Redis) -> CheckpointStore:
     keys = Keys(settings.namespace)
     replication = Replication.of(settings)
     if settings.checkpoint_store == "dir":
-        return DirectoryCheckpointStore(client, keys, settings.checkpoint_dir,
-                                        keep=settings.checkpoint_keep, replication=replication)
-    return RedisCheckpointStore(client, keys, keep=settings.checkpoint_keep,
-                                replication=replication)
+        return DirectoryCheckpointStore(
+            client,
+            keys,
+            settings.checkpoint_dir,
+            keep=settings.checkpoint_keep,
+            replication=replication,
+        )
+    return RedisCheckpointStore(
+        client, keys, keep=settings.checkpoint_keep, replication=replication
+    )
 
 
 def open_namespace(settings: Settings, client: redis.Redis) -> Keys:
@@ -46,15 +55,22 @@ def open_namespace(settings: Settings, client: redis.Redis) -> Keys:
     return keys
 
 
-def build_worker(settings: Settings, client: redis.Redis, model: str,
-                 params: dict[str, Any] | None = None,
-                 learner_options: dict[str, Any] | None = None,
-                 world: int = 1) -> LearnerWorker:
+def build_worker(
+    settings: Settings,
+    client: redis.Redis,
+    model: str,
+    params: dict[str, Any] | None = None,
+    learner_options: dict[str, Any] | None = None,
+    world: int = 1,
+) -> LearnerWorker:
     """A model's learner; with ``world > 1``, rank 0 of a distributed learner
     (:mod:`streamxm.worker.ranks`; the other ranks are :class:`RankFollower`)."""
-    learner_options = {"buffer_capacity": settings.buffer_capacity,
-                       "buffer_memory": settings.buffer_memory,
-                       "eval_every": settings.eval_every, **(learner_options or {})}
+    learner_options = {
+        "buffer_capacity": settings.buffer_capacity,
+        "buffer_memory": settings.buffer_memory,
+        "eval_every": settings.eval_every,
+        **(learner_options or {}),
+    }
     kind: type[LearnerWorker] = LearnerWorker
     extra: dict[str, Any] = {}
     if world > 1:
@@ -62,17 +78,24 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
         from streamxm.worker.ranks import RankZeroWorker
 
         kind = RankZeroWorker
-        extra = {"world": world, "host": settings.dist_host,
-                 "timeout_s": settings.dist_timeout_s}
+        extra = {"world": world, "host": settings.dist_host, "timeout_s": settings.dist_timeout_s}
     return kind(
-        client, open_store(settings, client), model, namespace=settings.namespace,
-        consumer=settings.consumer, params=params, learner_options=learner_options,
-        seed=settings.seed, checkpoint_every_pairs=settings.checkpoint_every_pairs,
+        client,
+        open_store(settings, client),
+        model,
+        namespace=settings.namespace,
+        consumer=settings.consumer,
+        params=params,
+        learner_options=learner_options,
+        seed=settings.seed,
+        checkpoint_every_pairs=settings.checkpoint_every_pairs,
         checkpoint_every_seconds=settings.checkpoint_every_seconds,
         checkpoint_max_share=settings.checkpoint_max_share,
         checkpoint_in_background=settings.checkpoint_in_background,
-        read_batch=settings.read_batch, block_ms=settings.block_ms,
-        lease_ttl_ms=settings.lease_ttl_ms, limits=limits_from(settings),
+        read_batch=settings.read_batch,
+        block_ms=settings.block_ms,
+        lease_ttl_ms=settings.lease_ttl_ms,
+        limits=limits_from(settings),
         retain_entries=settings.gallery_max if settings.stream_retention else None,
         progress_every_seconds=settings.progress_every_seconds,
         **extra,
@@ -80,7 +103,13 @@ def build_worker(settings: Settings, client: redis.Redis, model: str,
 
 
 def build_indexer(settings: Settings, client: redis.Redis) -> GalleryIndexer:
-    return GalleryIndexer(client, open_store(settings, client), settings.namespace,
-                          consumer=settings.consumer, max_items=settings.gallery_max,
-                          block_ms=settings.block_ms, lease_ttl_ms=settings.lease_ttl_ms,
-                          limits=limits_from(settings))
+    return GalleryIndexer(
+        client,
+        open_store(settings, client),
+        settings.namespace,
+        consumer=settings.consumer,
+        max_items=settings.gallery_max,
+        block_ms=settings.block_ms,
+        lease_ttl_ms=settings.lease_ttl_ms,
+        limits=limits_from(settings),
+    )

@@ -26,8 +26,13 @@ __all__ = ["THREAD_VARIABLES", "apply_threads", "thread_report"]
 log = logging.getLogger(__name__)
 
 #: Environment variables the numeric libraries read when they load (and pass to children).
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
 
 
 def apply_threads(threads: int) -> None:

@@ -82,9 +82,16 @@ def namespace() -> str:
 
 @pytest.fixture
 def settings(redis_url: str, namespace: str, tmp_path: Path) -> Settings:
-    return Settings(redis_url=redis_url, namespace=namespace, data_dir=tmp_path / "data",
-                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every_seconds=0.2,
-                    block_ms=50, lease_ttl_ms=1000, _env_file=None)  # type: ignore[call-arg]
+    return Settings(
+        redis_url=redis_url,
+        namespace=namespace,
+        data_dir=tmp_path / "data",
+        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every_seconds=0.2,
+        block_ms=50,
+        lease_ttl_ms=1000,
+        _env_file=None,
+    )  # type: ignore[call-arg]
 
 
 @pytest.fixture
@@ -94,8 +101,12 @@ def r(settings: Settings) -> redis.Redis:
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
-    env.update(STREAMXM_REDIS_URL=str(settings.redis_url), STREAMXM_NAMESPACE=settings.namespace,
-               STREAMXM_BLOCK_MS="50", STREAMXM_LEASE_TTL_MS="1000")
+    env.update(
+        STREAMXM_REDIS_URL=str(settings.redis_url),
+        STREAMXM_NAMESPACE=settings.namespace,
+        STREAMXM_BLOCK_MS="50",
+        STREAMXM_LEASE_TTL_MS="1000",
+    )
     env.update(extra)
     return env
 
@@ -113,8 +124,13 @@ class ApiServer:
 
         self.port = free_port()
         self.app = create_app(settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                **server_options(settings))
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            **server_options(settings),
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -139,8 +155,7 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v
-                                           for k, v in labels.items()):
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return None
 
@@ -152,8 +167,14 @@ def class_stream(n: int, img_dim: int, txt_dim: int, seed: int, n_classes: int =
     pairs = []
     for i in range(n):
         c = int(rng.integers(n_classes))
-        pairs.append(make_pair(str(i), centers_v[c] + rng.random(img_dim),
-                               centers_t[c] + rng.random(txt_dim), labels=[c]))
+        pairs.append(
+            make_pair(
+                str(i),
+                centers_v[c] + rng.random(img_dim),
+                centers_t[c] + rng.random(txt_dim),
+                labels=[c],
+            )
+        )
     return pairs
 
 
@@ -191,8 +212,9 @@ def processed(r: redis.Redis, keys: Keys) -> int:
     return int(stats(r, keys).get("pairs_processed", 0))
 
 
-def two_versions(name: str, pairs: list[Pair], params: dict[str, object], first: int,
-                 then: int) -> tuple[CrossModalModel, CrossModalModel]:
+def two_versions(
+    name: str, pairs: list[Pair], params: dict[str, object], first: int, then: int
+) -> tuple[CrossModalModel, CrossModalModel]:
     """Two checkpointed versions of one learner, as a server loads them: after ``pairs[:first]``
     and after ``then`` more."""
     learner = StreamLearner(name, len(pairs[0].img), len(pairs[0].txt), params, seed=0)

@@ -51,13 +51,13 @@ def _timed_get(url: str) -> float:
 
 
 def _post_raw(url: str, body: bytes) -> httpx.Response:
-    return httpx.post(url, content=body, headers={"Content-Type": "application/json"},
-                      timeout=120)
+    return httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=120)
 
 
 @pytest.mark.parametrize("mib", [1, 4])
 def test_a_body_of_junk_gets_a_small_answer_while_health_stays_fast(
-        api: ApiServer, mib: int) -> None:
+    api: ApiServer, mib: int
+) -> None:
     """The reported attack: one vector of n strings. FastAPI's default answer listed n errors,
     each with its input (39 MB for 1 MiB); now it is refused on its size or its first bad
     element, in a body of at most 64 KB."""
@@ -91,14 +91,19 @@ def test_every_list_and_string_is_bounded_and_errors_are_few(api: ApiServer) -> 
         # A vector longer than the deployment's max_dim, refused by its length.
         ("/v1/search", {"modality": "image", "vector": [0.5] * 70_000}, ["body", "vector"]),
         # More values than max_request_values in all, though each vector is legal.
-        ("/v1/similarity", {"images": [[0.5] * 60_000] * 20, "texts": [[1.0]]},
-         ["body", "images"]),
+        ("/v1/similarity", {"images": [[0.5] * 60_000] * 20, "texts": [[1.0]]}, ["body", "images"]),
         ("/v1/similarity", {"images": [[0.5]] * 5000, "texts": [[1.0]]}, ["body", "images"]),
-        ("/v1/pairs", {"pairs": [{"id": "x", "img": [0.5], "txt": [0.5]}] * 5000},
-         ["body", "pairs"]),
+        (
+            "/v1/pairs",
+            {"pairs": [{"id": "x", "img": [0.5], "txt": [0.5]}] * 5000},
+            ["body", "pairs"],
+        ),
         ("/v1/search", {"modality": "image", "vector": [0.5], "k": 10**9}, ["body", "k"]),
-        ("/v1/search", {"model": "m" * 10_000, "modality": "image", "vector": [0.5]},
-         ["body", "model"]),
+        (
+            "/v1/search",
+            {"model": "m" * 10_000, "modality": "image", "vector": [0.5]},
+            ["body", "model"],
+        ),
     ]
     for path, payload, loc in cases:
         answer = httpx.post(url + path, json=payload, timeout=60)
@@ -117,20 +122,26 @@ def test_every_list_and_string_is_bounded_and_errors_are_few(api: ApiServer) -> 
     assert _post_raw(url + "/v1/similarity", huge).status_code == 413
 
 
-@pytest.mark.parametrize("payload,loc", [
-    ({"modality": "image", "vector": ["1.5", 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]},
-     ["body", "vector", 0]),
-    ({"modality": "image", "vector": [True, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]},
-     ["body", "vector", 0]),
-    ({"modality": "image", "vector": [0.5] * 8, "k": "3"}, ["body", "k"]),
-])
+@pytest.mark.parametrize(
+    "payload,loc",
+    [
+        (
+            {"modality": "image", "vector": ["1.5", 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]},
+            ["body", "vector", 0],
+        ),
+        (
+            {"modality": "image", "vector": [True, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]},
+            ["body", "vector", 0],
+        ),
+        ({"modality": "image", "vector": [0.5] * 8, "k": "3"}, ["body", "k"]),
+    ],
+)
 def test_types_are_strict(api: ApiServer, payload: dict[str, object], loc: list[object]) -> None:
     answer = httpx.post(f"{api.url}/v1/search", json=payload)
     assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == loc
 
 
-def test_strict_labels_at_the_http_door(api: ApiServer, r: redis.Redis,
-                                        settings: Settings) -> None:
+def test_strict_labels_at_the_http_door(api: ApiServer, r: redis.Redis, settings: Settings) -> None:
     before = r.xlen(Keys(settings.namespace).pairs)
     for labels in (["3"], [True], [1.5]):
         pair = {"id": "z", "img": [0.5] * 8, "txt": [0.5] * 4, "labels": labels}
@@ -150,14 +161,19 @@ def test_invented_http_methods_share_one_metric_label(api: ApiServer) -> None:
             assert http.request(method, "/healthz").status_code == 405
         text = http.get("/metrics").text
     assert len(text) < size_before + 8 * KB
-    methods = {s.labels["method"] for f in text_string_to_metric_families(text)
-               if f.name == "streamxm_requests" for s in f.samples}
+    methods = {
+        s.labels["method"]
+        for f in text_string_to_metric_families(text)
+        if f.name == "streamxm_requests"
+        for s in f.samples
+    }
     assert methods <= {"GET", "POST", "other"} and "other" in methods
 
 
 def test_a_trailing_slash_is_not_redirected_to_the_clients_host(api: ApiServer) -> None:
-    answer = httpx.get(f"{api.url}/healthz/", headers={"Host": "evil.example"},
-                       follow_redirects=False)
+    answer = httpx.get(
+        f"{api.url}/healthz/", headers={"Host": "evil.example"}, follow_redirects=False
+    )
     assert answer.status_code == 404
     assert "evil.example" not in answer.headers.get("location", "")
     assert "evil.example" not in answer.text
@@ -188,8 +204,10 @@ def test_slow_clients_are_disconnected(r: redis.Redis, settings: Settings) -> No
         headers = _connect(api.url)
         headers.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never finished
         body = _connect(api.url)
-        body.sendall(b"POST /v1/pairs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: 1000\r\n\r\n{\"pairs\": [")  # 989 bytes missing
+        body.sendall(
+            b"POST /v1/pairs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b'\r\nContent-Length: 1000\r\n\r\n{"pairs": ['
+        )  # 989 bytes missing
         idle_after_answer = _connect(api.url)
         idle_after_answer.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b"200 OK" in idle_after_answer.recv(4096)
@@ -208,15 +226,24 @@ def test_slow_clients_are_disconnected(r: redis.Redis, settings: Settings) -> No
         polite.close()
 
 
-def test_lag_counts_entries_of_every_producer(r: redis.Redis, settings: Settings,
-                                               api: ApiServer) -> None:
+def test_lag_counts_entries_of_every_producer(
+    r: redis.Redis, settings: Settings, api: ApiServer
+) -> None:
     """Entries written by another producer (here: raw XADD, as a non-Python client would) are
     lag too; the project's own ingest counter does not see them."""
     keys = Keys(settings.namespace)
     rng = np.random.default_rng(2)
     for i in range(25):
-        r.xadd(keys.pairs, encode_pair(make_pair(f"other-{i}", rng.random(8),  # type: ignore[arg-type]
-                                                 rng.random(4))))
+        r.xadd(
+            keys.pairs,
+            encode_pair(
+                make_pair(
+                    f"other-{i}",
+                    rng.random(8),  # type: ignore[arg-type]
+                    rng.random(4),
+                )
+            ),
+        )
 
     def lag() -> float | None:
         return metric(httpx.get(f"{api.url}/metrics").text, "streamxm_stream_lag", model="cmos")
@@ -227,27 +254,39 @@ def test_lag_counts_entries_of_every_producer(r: redis.Redis, settings: Settings
 
 
 def _families(text: str) -> dict[str, float]:
-    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 @pytest.mark.slow
-def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path,
-                                                        namespace: str) -> None:
+def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path, namespace: str) -> None:
     """Redis frozen (SIGSTOP) for 8 s while 48 clients call routes that need it: the probes and
     search (which need only memory) answer at once, a scrape within a second with the last
     known values and redis_up 0, and the Redis-bound routes fail fast with a 503."""
     server = EmbeddedRedis(tmp_path / "redis")
     url = server.start()
-    settings = Settings(redis_url=url, namespace=namespace, data_dir=tmp_path / "data",
-                        checkpoint_every_seconds=0.2, block_ms=50, lease_ttl_ms=1000,
-                        _env_file=None)  # type: ignore[call-arg]
+    settings = Settings(
+        redis_url=url,
+        namespace=namespace,
+        data_dir=tmp_path / "data",
+        checkpoint_every_seconds=0.2,
+        block_ms=50,
+        lease_ttl_ms=1000,
+        _env_file=None,
+    )  # type: ignore[call-arg]
     r = connect(settings)
     pairs = class_stream(200, 8, 4, seed=3)
     _serving(r, settings)
     pid = int((server.data_dir / "redis.pid").read_text())
-    timings: dict[str, list[float]] = {"/healthz": [], "/readyz": [], "/v1/search": [],
-                                       "/metrics": []}
+    timings: dict[str, list[float]] = {
+        "/healthz": [],
+        "/readyz": [],
+        "/v1/search": [],
+        "/metrics": [],
+    }
     statuses: list[int] = []
     stalled = threading.Event()
     try:
@@ -274,8 +313,9 @@ def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path,
                 while time.monotonic() < deadline:
                     for path in timings:
                         start = time.perf_counter()
-                        answer = (http.post(path, json=search) if path == "/v1/search"
-                                  else http.get(path))
+                        answer = (
+                            http.post(path, json=search) if path == "/v1/search" else http.get(path)
+                        )
                         timings[path].append(time.perf_counter() - start)
                         assert answer.status_code == 200, (path, answer.text[:200])
                         if path == "/metrics":
@@ -288,8 +328,13 @@ def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path,
             assert during["streamxm_redis_up{}"] == 0.0
             processed = 'streamxm_pairs_processed_total{"model": "cmos"}'
             assert during[processed] == before[processed] == 200.0  # the last known values
-            wait_for(lambda: _families(httpx.get(f"{api.url}/metrics").text)[
-                "streamxm_redis_up{}"] == 1.0, 10, "redis_up to recover")
+            wait_for(
+                lambda: (
+                    _families(httpx.get(f"{api.url}/metrics").text)["streamxm_redis_up{}"] == 1.0
+                ),
+                10,
+                "redis_up to recover",
+            )
     finally:
         os.kill(pid, signal.SIGCONT)
         server.stop()
@@ -300,7 +345,8 @@ def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path,
 
 
 def test_an_internal_error_is_a_500_with_its_traceback_logged(
-        api: ApiServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    api: ApiServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No blanket ValueError -> 400: a bug inside a route must not pass for the client's fault."""
     from streamxm.serving.server import ModelServer
 
@@ -314,11 +360,17 @@ def test_an_internal_error_is_a_500_with_its_traceback_logged(
     server_log.addHandler(handler)
     monkeypatch.setattr(ModelServer, "search_async", broken)
     try:
-        answer = httpx.post(f"{api.url}/v1/search",
-                            json={"modality": "image", "vector": [0.5] * 8, "k": 3})
+        answer = httpx.post(
+            f"{api.url}/v1/search", json={"modality": "image", "vector": [0.5] * 8, "k": 3}
+        )
         # uvicorn logs the exception once the 500 is on its way, so the record may come later.
-        wait_for(lambda: any(r.exc_info and "a bug, not a bad request" in str(r.exc_info[1])
-                             for r in records), 10, "the traceback in the server log")
+        wait_for(
+            lambda: any(
+                r.exc_info and "a bug, not a bad request" in str(r.exc_info[1]) for r in records
+            ),
+            10,
+            "the traceback in the server log",
+        )
     finally:
         server_log.removeHandler(handler)
     assert answer.status_code == 500
@@ -335,7 +387,8 @@ def _labels_bomb(n_labels: int = 6_000_000) -> dict[bytes, bytes]:
 
 
 def test_a_labels_bomb_is_refused_on_its_length_before_parsing(
-        api: ApiServer, r: redis.Redis, settings: Settings) -> None:
+    api: ApiServer, r: redis.Redis, settings: Settings
+) -> None:
     """A 12 MB ``labels`` field: the decoder refuses it on its byte length (too_large) with
     less than a megabyte allocated, where it used to split it into 6 million ints; over HTTP
     the frame is answered 422 naming the field, and a stream entry holding it is
@@ -354,20 +407,26 @@ def test_a_labels_bomb_is_refused_on_its_length_before_parsing(
         tracemalloc.stop()
     assert refused.value.reason == "too_large" and refused.value.field == "labels"
     assert peak < 1 << 20, peak
-    answer = httpx.post(f"{api.url}/v1/pairs/frames", content=encode_frame(fields), timeout=60,
-                        headers={"Content-Type": FRAMES_MEDIA_TYPE})
+    answer = httpx.post(
+        f"{api.url}/v1/pairs/frames",
+        content=encode_frame(fields),
+        timeout=60,
+        headers={"Content-Type": FRAMES_MEDIA_TYPE},
+    )
     assert answer.status_code == 422, answer.text
     assert "labels" in answer.text and "too_large" in answer.text
     # The JSON door: the list is refused on its length before any label is validated.
-    body = ('{"pairs": [{"id": "bomb", "img": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], '
-            '"txt": [0.5, 0.5, 0.5, 0.5], "labels": [' + ",".join(["1"] * 5_000_000) + ']}]}')
+    body = (
+        '{"pairs": [{"id": "bomb", "img": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], '
+        '"txt": [0.5, 0.5, 0.5, 0.5], "labels": [' + ",".join(["1"] * 5_000_000) + "]}]}"
+    )
     answer = _post_raw(f"{api.url}/v1/pairs", body.encode())
     assert answer.status_code == 422 and "5000000 labels exceed the limit 64" in answer.text
     assert len(answer.content) < 4096
     keys = Keys(settings.namespace)
     r.xadd(keys.pairs, fields)  # type: ignore[arg-type]  # a producer that skips the API
     build_worker(settings, r, "cmos").run(until_idle=True)
-    (_, letter), = r.xrange(keys.dead)
+    ((_, letter),) = r.xrange(keys.dead)
     assert letter[b"reason"] == b"too_large", letter
 
 
@@ -379,25 +438,34 @@ def test_a_misspelt_query_field_is_refused_naming_it(api: ApiServer) -> None:
     assert answer.status_code == 422, answer.text
     (error,) = answer.json()["detail"]
     assert error["loc"] == ["body", "verison"] and error["type"] == "extra_forbidden"
-    answer = httpx.post(f"{api.url}/v1/similarity", timeout=30, json={
-        "images": [[0.5] * 8], "texts": [[0.5] * 4], "mod": "matrix"})
+    answer = httpx.post(
+        f"{api.url}/v1/similarity",
+        timeout=30,
+        json={"images": [[0.5] * 8], "texts": [[0.5] * 4], "mod": "matrix"},
+    )
     assert answer.status_code == 422 and "mod" in answer.text
-    answer = httpx.post(f"{api.url}/v1/pairs", timeout=30, json={"pairs": [
-        {"id": "p", "img": [0.5] * 8, "txt": [0.5] * 4, "label": [1]}]})
+    answer = httpx.post(
+        f"{api.url}/v1/pairs",
+        timeout=30,
+        json={"pairs": [{"id": "p", "img": [0.5] * 8, "txt": [0.5] * 4, "label": [1]}]},
+    )
     assert answer.status_code == 422 and "label" in answer.text
 
 
-@pytest.mark.parametrize("path", ["/v1%2Fpairs%2Fframes", "/v1%2fpairs", "/v1%5Csearch",
-                                  "/v1/pairs%2F"])
+@pytest.mark.parametrize(
+    "path", ["/v1%2Fpairs%2Fframes", "/v1%2fpairs", "/v1%5Csearch", "/v1/pairs%2F"]
+)
 def test_an_encoded_slash_in_the_path_is_refused(api: ApiServer, path: str) -> None:
     """The server decodes ``%2F`` before routing, so a proxy guarding ``/v1/pairs`` by its raw
     prefix could be bypassed: such paths are refused with 400, whatever they decode to."""
     host, port = api.url.removeprefix("http://").split(":")
     body = b'{"pairs": []}'
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
-                     f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                     + body)
+        conn.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
         reply = b""
         while chunk := conn.recv(65536):
             reply += chunk
@@ -408,7 +476,8 @@ def test_an_encoded_slash_in_the_path_is_refused(api: ApiServer, path: str) -> N
 
 @pytest.mark.parametrize("pair_id", ["nul\x00id", "line\r\nFORGED", "\x1b[31mred", "tab\tid"])
 def test_an_id_with_a_control_character_is_refused_at_every_door(
-        api: ApiServer, r: redis.Redis, settings: Settings, pair_id: str) -> None:
+    api: ApiServer, r: redis.Redis, settings: Settings, pair_id: str
+) -> None:
     """The id contract: printable characters only. JSON and frames answer 422 ``bad_id``; a
     stream entry written past the API is dead-lettered ``bad_id`` by the worker. Glob
     characters are ordinary characters and go through."""
@@ -419,14 +488,19 @@ def test_an_id_with_a_control_character_is_refused_at_every_door(
     assert answer.status_code == 422 and "bad_id" in answer.text, answer.text
     fields = encode_pair(make_pair("placeholder", [0.5] * 8, [0.5] * 4))
     fields[b"id"] = pair_id.encode()
-    answer = httpx.post(f"{api.url}/v1/pairs/frames", content=encode_frame(fields),
-                        headers={"Content-Type": FRAMES_MEDIA_TYPE}, timeout=30)
+    answer = httpx.post(
+        f"{api.url}/v1/pairs/frames",
+        content=encode_frame(fields),
+        headers={"Content-Type": FRAMES_MEDIA_TYPE},
+        timeout=30,
+    )
     assert answer.status_code == 422 and "bad_id" in answer.text, answer.text
     keys = Keys(settings.namespace)
     r.xadd(keys.pairs, fields)  # type: ignore[arg-type]
-    glob = httpx.post(f"{api.url}/v1/pairs", timeout=30, json={"pairs": [
-        {**pair, "id": "photos/*?[ab]-{1}"}]})
+    glob = httpx.post(
+        f"{api.url}/v1/pairs", timeout=30, json={"pairs": [{**pair, "id": "photos/*?[ab]-{1}"}]}
+    )
     assert glob.status_code == 202, glob.text
     build_worker(settings, r, "cmos").run(until_idle=True)
-    (_, letter), = r.xrange(keys.dead)
+    ((_, letter),) = r.xrange(keys.dead)
     assert letter[b"reason"] == b"bad_id", letter

@@ -19,13 +19,27 @@ from streamxm import cli
 from streamxm.tools.machine import ENV_VARS, FLAGS, cpuinfo, machine, with_machine
 from tests.conftest import PY
 
-KEYS = {"cpu", "logical_cpus", "usable_cpus", "affinity", "flags", "blas", "env", "torch",
-        "torch_cpu_capability", "scan_backend", "python", "numpy", "platform"}
+KEYS = {
+    "cpu",
+    "logical_cpus",
+    "usable_cpus",
+    "affinity",
+    "flags",
+    "blas",
+    "env",
+    "torch",
+    "torch_cpu_capability",
+    "scan_backend",
+    "python",
+    "numpy",
+    "platform",
+}
 CPUINFO = Path("/proc/cpuinfo")
 
 
 def _bench_parsers() -> dict[str, argparse.ArgumentParser]:
     """``streamxm bench``'s subcommands, as the console script parses them."""
+
     def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
         actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         return dict(actions[0].choices)
@@ -78,16 +92,21 @@ def test_flags_and_model_name_agree_with_proc_cpuinfo() -> None:
     for name in FLAGS:
         assert found["flags"][name] == (name in flags), name
     assert found["flags"]["amx"] == bool(flags & {"amx_tile", "amx_bf16", "amx_int8"})
-    names = [line.split(":", 1)[1].strip() for line in CPUINFO.read_text().splitlines()
-             if line.startswith("model name")]
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in CPUINFO.read_text().splitlines()
+        if line.startswith("model name")
+    ]
     assert found["cpu"] == (names[0] if names else found["cpu"])
 
 
 def test_cpuinfo_without_the_file_says_it_does_not_know(tmp_path: Path) -> None:
     assert cpuinfo(tmp_path / "absent") == (None, None)
     sample = tmp_path / "cpuinfo"
-    sample.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 amx_int8\n\n"
-                      "processor\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 amx_int8\n")
+    sample.write_text(
+        "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 amx_int8\n\n"
+        "processor\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 amx_int8\n"
+    )
     assert cpuinfo(sample) == ("Some CPU", {"fpu", "avx2", "amx_int8"})
 
 
@@ -99,8 +118,9 @@ def test_with_machine_adds_it_and_keeps_the_result() -> None:
 
 
 def _run(*argv: str) -> dict[str, Any]:
-    out = subprocess.run([*PY, "bench", *argv, "--json"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [*PY, "bench", *argv, "--json"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout[-2000:]  # one line of JSON
@@ -109,8 +129,19 @@ def _run(*argv: str) -> dict[str, Any]:
 
 
 def test_bench_scan_json_carries_the_machine() -> None:
-    result = _run("scan", "--rows", "2000", "--dims", "16,32", "--queries", "4",
-                  "--candidates", "10", "--repeats", "1")
+    result = _run(
+        "scan",
+        "--rows",
+        "2000",
+        "--dims",
+        "16,32",
+        "--queries",
+        "4",
+        "--candidates",
+        "10",
+        "--repeats",
+        "1",
+    )
     assert result["benchmark"] == "scan" and set(result["machine"]) == KEYS
     found = result["machine"]
     # The backend it names is one the scan timed (int8 and bfloat16 only with PyTorch).
@@ -119,8 +150,21 @@ def test_bench_scan_json_carries_the_machine() -> None:
 
 
 def test_bench_throughput_json_carries_the_machine() -> None:
-    result = _run("throughput", "--model", "cmos", "--img-dim", "16", "--txt-dim", "8",
-                  "--pairs", "50", "--baseline-pairs", "10", "--repeats", "1")
+    result = _run(
+        "throughput",
+        "--model",
+        "cmos",
+        "--img-dim",
+        "16",
+        "--txt-dim",
+        "8",
+        "--pairs",
+        "50",
+        "--baseline-pairs",
+        "10",
+        "--repeats",
+        "1",
+    )
     assert result["pairs_per_s"] > 0 and set(result["machine"]) == KEYS
     assert result["machine"]["cpu"] == machine()["cpu"]
 
@@ -129,8 +173,11 @@ def test_bench_throughput_json_carries_the_machine() -> None:
 _DIRECT: dict[str, tuple[str, str, list[str]]] = {
     "quality": ("streamxm.tools.bench", "quality", ["--dataset", "wiki", "--model", "cmos"]),
     "order": ("streamxm.tools.bench", "stream_order", ["--dataset", "wiki"]),
-    "database": ("streamxm.tools.bench", "database_split",
-                 ["--dataset", "wiki", "--model", "sdsrl"]),
+    "database": (
+        "streamxm.tools.bench",
+        "database_split",
+        ["--dataset", "wiki", "--model", "sdsrl"],
+    ),
     "throughput": ("streamxm.tools.throughput", "throughput", []),
     "distributed": ("streamxm.tools.bench_ranks", "distributed", []),
 }
@@ -138,7 +185,8 @@ _DIRECT: dict[str, tuple[str, str, list[str]]] = {
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_every_bench_prints_its_json_with_the_machine(
-        name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Each subcommand run as the console script runs it, its benchmark replaced by one that
     returns at once: the line printed is the benchmark's result plus ``machine``."""
     if name in cli._LOAD_BENCHES:
@@ -169,11 +217,15 @@ def test_every_bench_command_prints_through_the_shared_helper() -> None:
     functions = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
     for name, handler in handlers.items():
         assert handler is not None and handler.__name__.startswith("_cmd_bench_"), name
-        calls = [node for node in ast.walk(functions[handler.__name__])
-                 if isinstance(node, ast.Call)]
+        calls = [
+            node for node in ast.walk(functions[handler.__name__]) if isinstance(node, ast.Call)
+        ]
         called = {ast.unparse(node.func) for node in calls}
         assert "json.dumps" not in called, f"{handler.__name__} prints JSON itself"
         assert "_print_bench" in called, f"{handler.__name__} does not use _print_bench"
-    helper = {ast.unparse(node.func) for node in ast.walk(functions["_print_bench"])
-              if isinstance(node, ast.Call)}
+    helper = {
+        ast.unparse(node.func)
+        for node in ast.walk(functions["_print_bench"])
+        if isinstance(node, ast.Call)
+    }
     assert "with_machine" in helper

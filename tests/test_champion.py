@@ -48,8 +48,9 @@ def test_evidence_threshold_fallback_and_a_departed_champion() -> None:
     rule.update({"a": _both(0.9, 150), "b": _both(0.1, 250)})
     assert rule.answer("t2i") == "b"
     # Per direction: a leads image->text only.
-    rule.update({"a": {"i2t": Evidence(0.5, 300), "t2i": Evidence(0.05, 300)},
-                 "b": _both(0.1, 350)})
+    rule.update(
+        {"a": {"i2t": Evidence(0.5, 300), "t2i": Evidence(0.05, 300)}, "b": _both(0.1, 350)}
+    )
     assert rule.champions == {"i2t": "a", "t2i": "b"}
     # a's learner is gone: b takes image->text at once.
     rule.update({"b": _both(0.1, 400)})
@@ -63,7 +64,8 @@ def test_evidence_threshold_fallback_and_a_departed_champion() -> None:
 
 @pytest.mark.slow
 def test_auto_switches_once_to_the_model_whose_rolling_map_leads(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     """cmos learns the stream first and is champion; sdsrl then learns it with a rolling mAP
     ~0.05 higher in both directions (measured in-process on this stream) and takes over."""
     pairs = class_stream(1500, 8, 4, seed=3)
@@ -73,6 +75,7 @@ def test_auto_switches_once_to_the_model_whose_rolling_map_leads(
     second = None
     try:
         with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+
             def champions() -> dict[str, str | None]:
                 return dict(http.get("/v1/models").json()["champions"])
 

@@ -25,9 +25,14 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_demo_json_runs_the_whole_spine_on_the_embedded_redis(tmp_path: Path) -> None:
-    out = subprocess.run([*PY, "demo", "--pairs", "300", "--json", "--port", str(free_port())],
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=240,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [*PY, "demo", "--pairs", "300", "--json", "--port", str(free_port())],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["pairs"] == 300 and result["served_version"] >= 1
@@ -35,16 +40,31 @@ def test_demo_json_runs_the_whole_spine_on_the_embedded_redis(tmp_path: Path) ->
     assert result["published"]["CCA"]["map_i2t"] == 0.2757
     # The demo stopped the embedded server it started.
     assert not (tmp_path / "d" / "redis" / "redis.sock").exists() or subprocess.run(
-        [*PY, "redis", "status"], env=_env(tmp_path), capture_output=True, text=True,
-        cwd=tmp_path).stdout.startswith("stopped")
+        [*PY, "redis", "status"], env=_env(tmp_path), capture_output=True, text=True, cwd=tmp_path
+    ).stdout.startswith("stopped")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_WIKI.exists(), reason="../shared/datasets not present")
 def test_bench_quality_prints_json(tmp_path: Path) -> None:
-    out = subprocess.run([*PY, "bench", "quality", "--dataset", str(SHARED_WIKI), "--model",
-                          "cmos", "--protocol", "stream", "--json"],
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            *PY,
+            "bench",
+            "quality",
+            "--dataset",
+            str(SHARED_WIKI),
+            "--model",
+            "cmos",
+            "--protocol",
+            "stream",
+            "--json",
+        ],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["train_pairs"] == 2173 and result["passes"] == 1
@@ -53,10 +73,30 @@ def test_bench_quality_prints_json(tmp_path: Path) -> None:
 
 
 def test_bench_throughput_reports_learner_limit_and_baseline(tmp_path: Path) -> None:
-    out = subprocess.run([*PY, "bench", "throughput", "--model", "cmos", "--img-dim", "64",
-                          "--txt-dim", "32", "--pairs", "200", "--baseline-pairs", "40",
-                          "--repeats", "1", "--json"],
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            *PY,
+            "bench",
+            "throughput",
+            "--model",
+            "cmos",
+            "--img-dim",
+            "64",
+            "--txt-dim",
+            "32",
+            "--pairs",
+            "200",
+            "--baseline-pairs",
+            "40",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["img_dim"] == 64 and result["threads"] == 1
@@ -66,7 +106,8 @@ def test_bench_throughput_reports_learner_limit_and_baseline(tmp_path: Path) -> 
     for key in ("pairs_per_s", "limit_pairs_per_s", "baseline_pairs_per_s"):
         assert result[key] > 0
     assert result["ratio_to_limit"] == pytest.approx(
-        result["pairs_per_s"] / result["limit_pairs_per_s"], rel=0.01, abs=1e-3)
+        result["pairs_per_s"] / result["limit_pairs_per_s"], rel=0.01, abs=1e-3
+    )
     assert result["order"] == "file" and result["timed_pairs_in_burst"] == 0
     assert "slowdown" not in result
 
@@ -75,49 +116,64 @@ def test_bench_throughput_times_a_burst_beside_the_same_pairs_mixed() -> None:
     """``--order class``: the pairs arrive one class at a time after a warm-up that fills the
     ring, so the timed pairs arrive in a burst and CMOS replays its default two remembered
     queries per pair; the same pairs in their own order are timed in the same run."""
-    result = throughput("cmos", img_dim=64, txt_dim=32, pairs=300, baseline_pairs=20,
-                        repeats=1, order="class")
+    result = throughput(
+        "cmos", img_dim=64, txt_dim=32, pairs=300, baseline_pairs=20, repeats=1, order="class"
+    )
     assert result["warmup_pairs"] == 500 and result["params"]["replay"] == 2
     assert result["timed_pairs_in_burst"] >= 0.9 * 300
     assert result["triplets_per_pair"] > 2.5  # two per pair plus the replays of the burst
     assert result["file_order_pairs_per_s"] > 0
     assert result["slowdown"] == pytest.approx(
-        result["file_order_pairs_per_s"] / result["pairs_per_s"], rel=0.05)
+        result["file_order_pairs_per_s"] / result["pairs_per_s"], rel=0.05
+    )
 
 
 def test_bench_throughput_times_the_rolling_evaluation_beside_learning_alone() -> None:
     """``--eval-every``: the learner timed with the worker's rolling evaluation, and the same
     stream without it in the same repeat; the share is the time spent scoring, timed inside
     the run by the learner (which spends none when it scores nothing)."""
-    result = throughput("pairwise", img_dim=64, txt_dim=32, pairs=150, repeats=1,
-                        eval_every=1)
+    result = throughput("pairwise", img_dim=64, txt_dim=32, pairs=150, repeats=1, eval_every=1)
     assert result["eval_every"] == 1 and result["learning_only_pairs_per_s"] > 0
     assert result["evaluated_every"] == 1.0
     assert 0.0 < result["evaluation_share"] < 1.0
     pairs = class_stream(60, 64, 32, seed=0)
-    never, always = (StreamLearner("pairwise", 64, 32, eval_every=every)
-                     for every in (10**9, 1))
+    never, always = (StreamLearner("pairwise", 64, 32, eval_every=every) for every in (10**9, 1))
     never.learn(pairs)
     always.learn(pairs)
     assert never.evaluation_seconds == 0.0 < always.evaluation_seconds
     assert throughput("cmos", img_dim=8, txt_dim=4, pairs=20, repeats=1)["eval_every"] is None
-    bad = subprocess.run([*PY, "bench", "throughput", "--eval-every", "0"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*PY, "bench", "throughput", "--eval-every", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "positive integer" in bad.stderr
 
 
 def test_push_rejects_a_missing_dataset(tmp_path: Path) -> None:
-    out = subprocess.run([*PY, "push", "--dataset", str(tmp_path / "nope.npz")],
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*PY, "push", "--dataset", str(tmp_path / "nope.npz")],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "nope.npz" in out.stderr
     # Arguments are checked before anything starts: no embedded Redis was launched.
     assert not (tmp_path / "d" / "redis").exists()
 
 
 def test_worker_rejects_an_unknown_model_before_registering_it(
-        tmp_path: Path, r: redis.Redis, settings: Settings) -> None:
-    out = subprocess.run([*PY, "worker", "--model", "bogus"], env=_env(tmp_path),
-                         capture_output=True, text=True, timeout=60)
+    tmp_path: Path, r: redis.Redis, settings: Settings
+) -> None:
+    out = subprocess.run(
+        [*PY, "worker", "--model", "bogus"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "unknown model 'bogus'" in out.stderr
     assert not (tmp_path / "d" / "redis").exists()
     # Against a running Redis, the library refuses it before anything is written there either.
@@ -127,20 +183,31 @@ def test_worker_rejects_an_unknown_model_before_registering_it(
     assert r.smembers(keys.models) == set() and not r.exists(keys.pairs)
 
 
-@pytest.mark.parametrize(("param", "message"), [
-    ("C=-1", "C must be > 0, got -1"),
-    ("Cx=1", "unexpected keyword argument 'Cx'; its parameters: C, center"),
-])
+@pytest.mark.parametrize(
+    ("param", "message"),
+    [
+        ("C=-1", "C must be > 0, got -1"),
+        ("Cx=1", "unexpected keyword argument 'Cx'; its parameters: C, center"),
+    ],
+)
 def test_worker_rejects_a_bad_param_before_anything_starts(
-        tmp_path: Path, settings: Settings, r: redis.Redis, param: str, message: str) -> None:
+    tmp_path: Path, settings: Settings, r: redis.Redis, param: str, message: str
+) -> None:
     """Against a running Redis: exit 2 naming the parameter, with no lease taken and nothing
     registered (it used to take the lease and fail at the first pair, or wait as a standby)."""
-    env = {**_env(tmp_path), "STREAMXM_REDIS_URL": str(settings.redis_url),
-           "STREAMXM_NAMESPACE": settings.namespace}
+    env = {
+        **_env(tmp_path),
+        "STREAMXM_REDIS_URL": str(settings.redis_url),
+        "STREAMXM_NAMESPACE": settings.namespace,
+    }
     for world in ("1", "2"):
-        out = subprocess.run([*PY, "worker", "--model", "cmos", "--param", param,
-                              "--world-size", world], env=env, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [*PY, "worker", "--model", "cmos", "--param", param, "--world-size", world],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and message in out.stderr, out.stderr
     keys = Keys(settings.namespace)
     assert not r.exists(keys.lease("cmos")) and r.smembers(keys.models) == set()
@@ -149,8 +216,13 @@ def test_worker_rejects_a_bad_param_before_anything_starts(
 @pytest.mark.parametrize("token", ["", "   "])
 def test_api_refuses_to_start_with_an_empty_token(tmp_path: Path, token: str) -> None:
     env = {**_env(tmp_path), "STREAMXM_API_TOKEN": token}
-    out = subprocess.run([*PY, "api", "--port", str(free_port())], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*PY, "api", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "STREAMXM_API_TOKEN" in out.stderr and "empty" in out.stderr
     assert "Uvicorn running" not in out.stderr
@@ -162,15 +234,42 @@ def test_bench_database_pools_splits_and_scores_against_the_database(tmp_path: P
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(3, 8))
     y = rng.integers(3, size=120)
-    arrays = {"img": centres[y] + 0.5 * rng.normal(size=(120, 8)),
-              "txt": centres[y, :5] + 0.5 * rng.normal(size=(120, 5))}
+    arrays = {
+        "img": centres[y] + 0.5 * rng.normal(size=(120, 8)),
+        "txt": centres[y, :5] + 0.5 * rng.normal(size=(120, 5)),
+    }
     path = tmp_path / "tiny.npz"
-    np.savez(path, img_train=arrays["img"][:90], txt_train=arrays["txt"][:90], y_train=y[:90],
-             img_test=arrays["img"][90:], txt_test=arrays["txt"][90:], y_test=y[90:])
-    out = subprocess.run([*PY, "bench", "database", "--dataset", str(path), "--model", "sdsrl",
-                          "--seeds", "0,1,2", "--param", "m_img=40", "--param", "q=3",
-                          "--json"], env=_env(tmp_path), capture_output=True, text=True,
-                         timeout=240)
+    np.savez(
+        path,
+        img_train=arrays["img"][:90],
+        txt_train=arrays["txt"][:90],
+        y_train=y[:90],
+        img_test=arrays["img"][90:],
+        txt_test=arrays["txt"][90:],
+        y_test=y[90:],
+    )
+    out = subprocess.run(
+        [
+            *PY,
+            "bench",
+            "database",
+            "--dataset",
+            str(path),
+            "--model",
+            "sdsrl",
+            "--seeds",
+            "0,1,2",
+            "--param",
+            "m_img=40",
+            "--param",
+            "q=3",
+            "--json",
+        ],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["queries"] == 30 and result["database"] == 90
@@ -184,8 +283,14 @@ def test_bench_database_pools_splits_and_scores_against_the_database(tmp_path: P
 
 def test_redis_stop_and_status_say_what_they_did(tmp_path: Path) -> None:
     def run(*args: str) -> str:
-        out = subprocess.run([*PY, "redis", *args], env=_env(tmp_path), capture_output=True,
-                             text=True, timeout=60, cwd=tmp_path)
+        out = subprocess.run(
+            [*PY, "redis", *args],
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.strip()
 

@@ -38,16 +38,16 @@ FAST = Retries(attempts=3, backoff=0.01, max_backoff=0.05)
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _pairs(n: int, start: int = 0, img: int = 128, txt: int = 10, seed: int = 0
-           ) -> list[tuple[str, np.ndarray, np.ndarray, list[int]]]:
+def _pairs(
+    n: int, start: int = 0, img: int = 128, txt: int = 10, seed: int = 0
+) -> list[tuple[str, np.ndarray, np.ndarray, list[int]]]:
     rng = np.random.default_rng(seed)
     return [(f"p{start + i}", rng.random(img), rng.random(txt), [i % 3]) for i in range(n)]
 
 
 def _requests(api: ApiServer, route: str, status: str, method: str = "POST") -> float:
     text = httpx.get(f"{api.url}/metrics").text
-    return metric(text, "streamxm_requests_total", route=route, method=method,
-                  status=status) or 0.0
+    return metric(text, "streamxm_requests_total", route=route, method=method, status=status) or 0.0
 
 
 @pytest.fixture
@@ -61,8 +61,9 @@ def worker(r: redis.Redis, settings: Settings) -> Iterator[None]:
     thread.join(timeout=30)
 
 
-def test_push_binary_and_json_in_batches_that_fit_the_server(r: redis.Redis,
-                                                             settings: Settings) -> None:
+def test_push_binary_and_json_in_batches_that_fit_the_server(
+    r: redis.Redis, settings: Settings
+) -> None:
     settings = settings.model_copy(update={"max_batch": 16})
     with ApiServer(settings) as api, Client(api.url) as client:
         assert client.limits().max_batch == 16
@@ -77,8 +78,9 @@ def test_push_binary_and_json_in_batches_that_fit_the_server(r: redis.Redis,
 
 
 @pytest.mark.parametrize("binary", [True, False])
-def test_a_pair_the_server_refuses_is_named_by_its_position(settings: Settings,
-                                                            binary: bool) -> None:
+def test_a_pair_the_server_refuses_is_named_by_its_position(
+    settings: Settings, binary: bool
+) -> None:
     settings = settings.model_copy(update={"max_batch": 16})
     pairs = _pairs(30)
     pairs[20] = ("p20", np.ones(64), np.ones(10), [1])  # the namespace's images are 128-d
@@ -94,8 +96,9 @@ def test_a_pair_the_server_refuses_is_named_by_its_position(settings: Settings,
         assert local.value.status is None and local.value.reason == "non_finite"
 
 
-def test_search_similarity_and_models_from_the_served_model(settings: Settings,
-                                                            worker: None) -> None:
+def test_search_similarity_and_models_from_the_served_model(
+    settings: Settings, worker: None
+) -> None:
     settings = settings.model_copy(update={"max_batch": 16})
     with ApiServer(settings) as api, Client(api.url) as client:
         assert client.health() and not client.ready().ready
@@ -109,9 +112,10 @@ def test_search_similarity_and_models_from_the_served_model(settings: Settings,
         wait_for(settled, 30, "the API to serve every pair")
         query = np.random.default_rng(1).random(128).astype(np.float32)
         hits = client.search(query, modality="image", k=5)
-        raw = httpx.post(f"{api.url}/v1/search", json={
-            "modality": "image", "vector": query.tolist(), "k": 5,
-            "version": hits.version}).json()
+        raw = httpx.post(
+            f"{api.url}/v1/search",
+            json={"modality": "image", "vector": query.tolist(), "k": 5, "version": hits.version},
+        ).json()
         assert hits.model == "cmos" and hits.version is not None and hits.target == "text"
         assert hits.ids == [h["id"] for h in raw["results"]] and len(hits.ids) == 5
         np.testing.assert_allclose(hits.scores, [h["score"] for h in raw["results"]], rtol=1e-6)
@@ -120,9 +124,15 @@ def test_search_similarity_and_models_from_the_served_model(settings: Settings,
         images, texts = rng.random((40, 128)), rng.random((30, 10))
         whole = client.similarity(images, texts, mode="matrix")
         assert whole.scores.shape == (40, 30) and whole.version is not None
-        block = httpx.post(f"{api.url}/v1/similarity", json={
-            "images": images[16:24].tolist(), "texts": texts[8:16].tolist(), "mode": "matrix",
-            "version": whole.version}).json()
+        block = httpx.post(
+            f"{api.url}/v1/similarity",
+            json={
+                "images": images[16:24].tolist(),
+                "texts": texts[8:16].tolist(),
+                "mode": "matrix",
+                "version": whole.version,
+            },
+        ).json()
         np.testing.assert_allclose(whole.scores[16:24, 8:16], block["scores"], rtol=1e-6)
         paired = client.similarity(images[:30], texts, version=whole.version)
         np.testing.assert_allclose(paired.scores, np.diag(whole.scores[:30]), rtol=1e-6)
@@ -145,7 +155,8 @@ def test_async_client_pushes_and_searches(settings: Settings, worker: None) -> N
 
 
 def test_503s_are_retried_then_raised_and_a_push_only_when_nothing_was_written(
-        tmp_path: Path, settings: Settings) -> None:
+    tmp_path: Path, settings: Settings
+) -> None:
     server = EmbeddedRedis(tmp_path / "own-redis")
     url = server.start()
     own = settings.model_copy(update={"redis_url": url, "redis_request_timeout_seconds": 1.0})
@@ -164,8 +175,7 @@ def test_503s_are_retried_then_raised_and_a_push_only_when_nothing_was_written(
     finally:
         server.stop()
     # Written to the master, not acknowledged by the replica asked for: not retried.
-    waiting = settings.model_copy(update={"redis_wait_replicas": 1,
-                                          "redis_wait_timeout_ms": 50})
+    waiting = settings.model_copy(update={"redis_wait_replicas": 1, "redis_wait_timeout_ms": 50})
     with ApiServer(waiting) as api, Client(api.url, retries=FAST) as client:
         with pytest.raises(Unavailable) as caught:
             client.push(_pairs(2))
@@ -174,7 +184,8 @@ def test_503s_are_retried_then_raised_and_a_push_only_when_nothing_was_written(
 
 
 def test_a_role_404_and_a_missing_token_are_raised_with_the_servers_message(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     ingest = settings.model_copy(update={"api_role": "ingest"})
     with ApiServer(ingest) as api, Client(api.url, retries=FAST) as client:
         assert client.ready().ready and client.limits().role == "ingest"
@@ -216,12 +227,32 @@ def test_streamxm_push_url_goes_through_the_api(r: redis.Redis, settings: Settin
     guarded = settings.model_copy(update={"api_token": SecretStr("s3cret")})
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
     with ApiServer(guarded) as api:
-        refused = subprocess.run([*PY, "push", "--dataset", "wiki", "--limit", "50", "--url",
-                                  api.url], env=env, capture_output=True, text=True, timeout=120)
+        refused = subprocess.run(
+            [*PY, "push", "--dataset", "wiki", "--limit", "50", "--url", api.url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert refused.returncode == 2 and "401" in refused.stderr
-        done = subprocess.run([*PY, "push", "--dataset", "wiki", "--limit", "50", "--url",
-                               api.url, "--token", "s3cret"], env=env, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [
+                *PY,
+                "push",
+                "--dataset",
+                "wiki",
+                "--limit",
+                "50",
+                "--url",
+                api.url,
+                "--token",
+                "s3cret",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         assert _requests(api, "/v1/pairs/frames", "202") == 1
     assert r.xlen(Keys(settings.namespace).pairs) == 50

@@ -52,9 +52,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def _settings(cluster: LocalCluster, namespace: str, root: Path, **extra: object) -> Settings:
-    return Settings(_env_file=None, redis_url=cluster.url,  # type: ignore[call-arg]
-                    namespace=namespace, data_dir=root / namespace,
-                    checkpoint_dir=root / namespace / "checkpoints", **extra)
+    return Settings(
+        _env_file=None,
+        redis_url=cluster.url,  # type: ignore[call-arg]
+        namespace=namespace,
+        data_dir=root / namespace,
+        checkpoint_dir=root / namespace / "checkpoints",
+        **extra,
+    )
 
 
 def _learned_from_stream(r: redis.Redis, keys: Keys) -> StreamLearner:
@@ -67,7 +72,8 @@ def _learned_from_stream(r: redis.Redis, keys: Keys) -> StreamLearner:
 
 
 def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
-        cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
     """Push (client; the CLI for one namespace) -> learn -> checkpoint -> gallery segments ->
     search -> metrics, in three namespaces whose slots are on three different masters."""
     names = namespace_on_each_master(cluster, 3, prefix="e2e")
@@ -80,8 +86,13 @@ def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
         keys = Keys(ns)
         if i == 0:  # the CLI, in its own process, on the cluster URL
             pairs = wiki
-            subprocess.run([*PY, "push", "--dataset", "wiki", "--limit", "200"],
-                           env=worker_env(settings), check=True, capture_output=True, timeout=120)
+            subprocess.run(
+                [*PY, "push", "--dataset", "wiki", "--limit", "200"],
+                env=worker_env(settings),
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
         else:
             pairs = class_stream(200, 8, 4, seed=i)
             StreamClient(r, ns).push_pairs(pairs)
@@ -97,14 +108,28 @@ def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
         with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
             wait_for(lambda: http.get("/readyz").status_code == 200, 30, "ready")
             dim_img, dim_txt = len(pairs[0].img), len(pairs[0].txt)
-            accepted = http.post("/v1/pairs", json={"pairs": [{
-                "id": "http-1", "img": [0.5] * dim_img, "txt": [0.5] * dim_txt,
-                "labels": [1]}]})
+            accepted = http.post(
+                "/v1/pairs",
+                json={
+                    "pairs": [
+                        {
+                            "id": "http-1",
+                            "img": [0.5] * dim_img,
+                            "txt": [0.5] * dim_txt,
+                            "labels": [1],
+                        }
+                    ]
+                },
+            )
             assert accepted.status_code == 202, accepted.text
-            wait_for(lambda: http.get("/v1/models").json()["models"][0]["gallery_items"] == 201,
-                     30, "the gallery to hold every pair")
-            found = http.post("/v1/search", json={"modality": "image", "k": 5,
-                                                  "vector": pairs[3].img.tolist()}).json()
+            wait_for(
+                lambda: http.get("/v1/models").json()["models"][0]["gallery_items"] == 201,
+                30,
+                "the gallery to hold every pair",
+            )
+            found = http.post(
+                "/v1/search", json={"modality": "image", "k": 5, "vector": pairs[3].img.tolist()}
+            ).json()
             assert len(found["results"]) == 5 and found["model"] == "cmos"
             text_ = http.get("/metrics").text
             assert metric(text_, "streamxm_pairs_processed_total", model="cmos") == 200
@@ -112,8 +137,7 @@ def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
             assert metric(text_, "streamxm_stream_length") == 201
 
 
-def test_cluster_sigkilled_workers_end_bit_identical(cluster: LocalCluster,
-                                                     tmp_path: Path) -> None:
+def test_cluster_sigkilled_workers_end_bit_identical(cluster: LocalCluster, tmp_path: Path) -> None:
     ns = namespace_on_each_master(cluster, 1, prefix="kill")[0]
     settings = _settings(cluster, ns, tmp_path)
     r = connect(settings)
@@ -123,8 +147,7 @@ def test_cluster_sigkilled_workers_end_bit_identical(cluster: LocalCluster,
     StreamClient(r, ns).push_pairs(pairs)
     env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40")
     rng = np.random.default_rng(7)
-    for threshold in sorted(int(t) for t in rng.choice(np.arange(100, n - 200), 3,
-                                                       replace=False)):
+    for threshold in sorted(int(t) for t in rng.choice(np.arange(100, n - 200), 3, replace=False)):
         worker = WorkerProcess(env)
         wait_for(lambda t=threshold: processed(r, keys) >= t, 60, f"{threshold} pairs")
         time.sleep(float(rng.uniform(0, 0.2)))
@@ -142,14 +165,14 @@ def test_cluster_sigkilled_workers_end_bit_identical(cluster: LocalCluster,
 
 
 def test_cluster_master_killed_under_push_and_learn_loses_no_acknowledged_pair(
-        cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
     """WAIT 1 after every push and every commit (``STREAMXM_REDIS_WAIT_REPLICAS=1``) and AOF
     on every node: the namespace's master is SIGKILLed while a producer pushes and a worker
     learns; its replica takes over. Every pair whose push returned is in the stream, and the
     final model is one pass over the stream exactly (nothing applied twice)."""
     ns = namespace_on_each_master(cluster, 1, prefix="failover")[0]
-    settings = _settings(cluster, ns, tmp_path, redis_wait_replicas=1,
-                         redis_wait_timeout_ms=2000)
+    settings = _settings(cluster, ns, tmp_path, redis_wait_replicas=1, redis_wait_timeout_ms=2000)
     r = connect(settings)
     keys = Keys(ns)
     pairs = class_stream(3000, IMG, TXT, seed=9)
@@ -173,13 +196,20 @@ def test_cluster_master_killed_under_push_and_learn_loses_no_acknowledged_pair(
 
     producer = threading.Thread(target=produce, daemon=True)
     producer.start()
-    env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97",
-                     STREAMXM_READ_BATCH="40", STREAMXM_REDIS_WAIT_REPLICAS="1",
-                     STREAMXM_REDIS_WAIT_TIMEOUT_MS="2000")
+    env = worker_env(
+        settings,
+        STREAMXM_CHECKPOINT_EVERY_PAIRS="97",
+        STREAMXM_READ_BATCH="40",
+        STREAMXM_REDIS_WAIT_REPLICAS="1",
+        STREAMXM_REDIS_WAIT_TIMEOUT_MS="2000",
+    )
     worker = WorkerProcess(env)
     try:
-        wait_for(lambda: processed(r, keys) >= 200 and len(acknowledged) >= 1200, 90,
-                 "learning under way")
+        wait_for(
+            lambda: processed(r, keys) >= 200 and len(acknowledged) >= 1200,
+            90,
+            "learning under way",
+        )
         master = cluster.master_for_key(keys.pairs)
         pushed_before_kill = len(acknowledged)
         cluster.kill(master)
@@ -199,8 +229,10 @@ def test_cluster_master_killed_under_push_and_learn_loses_no_acknowledged_pair(
     assert code == 0, worker.tail()
     # The kill landed mid-stream: pairs were still being pushed (and learned) after it.
     assert pushed_before_kill < len(pairs)
-    print(f"failover: {pushed_before_kill} pairs acknowledged before the kill, "
-          f"{len(refused)} refused and pushed again")
+    print(
+        f"failover: {pushed_before_kill} pairs acknowledged before the kill, "
+        f"{len(refused)} refused and pushed again"
+    )
     in_stream = [text(f[b"id"]) for _, f in r.xrange(keys.pairs)]
     assert set(acknowledged) <= set(in_stream)  # no acknowledged pair lost
     assert len(set(acknowledged)) == len(pairs)
@@ -211,8 +243,10 @@ def test_cluster_master_killed_under_push_and_learn_loses_no_acknowledged_pair(
 
 def _settled(r: redis.Redis, keys: Keys) -> bool:
     try:
-        return (processed(r, keys) == r.xlen(keys.pairs)
-                and r.xpending(keys.pairs, "cmos")["pending"] == 0)
+        return (
+            processed(r, keys) == r.xlen(keys.pairs)
+            and r.xpending(keys.pairs, "cmos")["pending"] == 0
+        )
     except UNAVAILABLE:
         return False
 

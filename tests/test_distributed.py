@@ -27,20 +27,38 @@ pytestmark = pytest.mark.slow
 
 def _ranks(settings: Settings, model: str, world: int, *params: str, **env: str) -> list[Child]:
     """``world`` ranks of ``model`` as ``streamxm worker --world-size --rank`` processes."""
-    environment = worker_env(settings, **{
-        "STREAMXM_DIST_HOST": "127.0.0.1", "STREAMXM_DIST_TIMEOUT_S": "20",
-        "STREAMXM_CHECKPOINT_EVERY_SECONDS": "0.2", "OMP_NUM_THREADS": "1", **env})
+    environment = worker_env(
+        settings,
+        **{
+            "STREAMXM_DIST_HOST": "127.0.0.1",
+            "STREAMXM_DIST_TIMEOUT_S": "20",
+            "STREAMXM_CHECKPOINT_EVERY_SECONDS": "0.2",
+            "OMP_NUM_THREADS": "1",
+            **env,
+        },
+    )
     extra = [arg for p in params for arg in ("--param", p)]
     return [_rank(environment, model, world, rank, extra) for rank in range(world)]
 
 
 def _rank(env: dict[str, str], model: str, world: int, rank: int, extra: list[str]) -> Child:
-    return Child("worker", "--model", model, "--world-size", str(world), "--rank", str(rank),
-                 *extra, env=env, watch=True)
+    return Child(
+        "worker",
+        "--model",
+        model,
+        "--world-size",
+        str(world),
+        "--rank",
+        str(rank),
+        *extra,
+        env=env,
+        watch=True,
+    )
 
 
-def _learned(r: redis.Redis, keys: Keys, model: str, n: int, children: list[Child],
-             timeout: float = 180) -> None:
+def _learned(
+    r: redis.Redis, keys: Keys, model: str, n: int, children: list[Child], timeout: float = 180
+) -> None:
     def done() -> bool:
         for child in children:
             assert child.alive(), child.tail()
@@ -63,13 +81,17 @@ def _one_learner(model: str, pairs: list[Pair], params: dict[str, object]) -> St
     return learner
 
 
-@pytest.mark.parametrize(("model", "params"), [
-    ("cca", {}),
-    # Landmarks freeze after 300 pairs (rank 0 alone until then), so most rounds are split.
-    ("sdsrl", {"landmark_pool": 300}),
-])
-def test_sum_models_two_ranks_equal_one_learner(settings: Settings, r: redis.Redis, model: str,
-                                                params: dict[str, int]) -> None:
+@pytest.mark.parametrize(
+    ("model", "params"),
+    [
+        ("cca", {}),
+        # Landmarks freeze after 300 pairs (rank 0 alone until then), so most rounds are split.
+        ("sdsrl", {"landmark_pool": 300}),
+    ],
+)
+def test_sum_models_two_ranks_equal_one_learner(
+    settings: Settings, r: redis.Redis, model: str, params: dict[str, int]
+) -> None:
     ds = load_dataset("wiki")
     pairs = list(iter_pairs(ds))
     StreamClient(r, settings.namespace).push_pairs(pairs)
@@ -89,33 +111,43 @@ def test_sum_models_two_ranks_equal_one_learner(settings: Settings, r: redis.Red
     g, w = got.model, want.model
     if model == "cca":
         for key, value in w.moments.sums("").items():  # type: ignore[attr-defined]
-            np.testing.assert_allclose(g.moments.sums("")[key], value,  # type: ignore[attr-defined]
-                                       rtol=1e-10, atol=1e-10, err_msg=key)
+            np.testing.assert_allclose(
+                g.moments.sums("")[key],
+                value,  # type: ignore[attr-defined]
+                rtol=1e-10,
+                atol=1e-10,
+                err_msg=key,
+            )
         g.solve()  # type: ignore[attr-defined]
         w.solve()  # type: ignore[attr-defined]
     else:
         assert g.frozen and w.frozen  # type: ignore[attr-defined]
         w._fold()  # type: ignore[attr-defined]  # the ranks fold every pair at each merge
         for side in ("img", "txt"):
-            np.testing.assert_array_equal(getattr(g, f"map_{side}").landmarks,
-                                          getattr(w, f"map_{side}").landmarks)
+            np.testing.assert_array_equal(
+                getattr(g, f"map_{side}").landmarks, getattr(w, f"map_{side}").landmarks
+            )
         assert g.class_index.classes == w.class_index.classes  # type: ignore[attr-defined]
         assert g.weight == pytest.approx(w.weight, rel=1e-12)  # type: ignore[attr-defined]
         for key in ("gram_img", "gram_txt", "lab_img", "lab_txt"):
-            np.testing.assert_allclose(getattr(g, key), getattr(w, key), rtol=1e-9, atol=1e-9,
-                                       err_msg=key)
+            np.testing.assert_allclose(
+                getattr(g, key), getattr(w, key), rtol=1e-9, atol=1e-9, err_msg=key
+            )
         for m in (g, w):  # the same solve from the same start on each: the same projections
             m.a = np.zeros((0, m.q))  # type: ignore[attr-defined]
             m.solve(np.random.default_rng(0))  # type: ignore[attr-defined]
-    np.testing.assert_allclose(g.embed_images(ds.img_test), w.embed_images(ds.img_test),
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(g.embed_texts(ds.txt_test), w.embed_texts(ds.txt_test),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        g.embed_images(ds.img_test), w.embed_images(ds.img_test), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        g.embed_texts(ds.txt_test), w.embed_texts(ds.txt_test), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("model", ["cmomks", "scsm"])
 def test_unsplit_models_learn_on_rank_zero_exactly_as_one_learner(
-        settings: Settings, r: redis.Redis, model: str) -> None:
+    settings: Settings, r: redis.Redis, model: str
+) -> None:
     """CMOMKS and SCSM cannot be split: rank 0 learns every round alone, and the result is one
     learner's on the same stream, bit for bit (apart from timing)."""
     pairs = synthetic_pairs(700, 24, 12, seed=7)
@@ -123,8 +155,9 @@ def test_unsplit_models_learn_on_rank_zero_exactly_as_one_learner(
     # A small CMOMKS (the default support is most of the test's time); its pool still fills
     # and its budget still projects.
     params = {"budget": 60, "landmarks": 40, "triplets_per_pair": 2} if model == "cmomks" else {}
-    children = _ranks(settings, model, 2, *(f"{k}={v}" for k, v in params.items()),
-                      STREAMXM_READ_BATCH="100")
+    children = _ranks(
+        settings, model, 2, *(f"{k}={v}" for k, v in params.items()), STREAMXM_READ_BATCH="100"
+    )
     try:
         _learned(r, Keys(settings.namespace), model, len(pairs), children)
     finally:
@@ -139,16 +172,21 @@ def test_unsplit_models_learn_on_rank_zero_exactly_as_one_learner(
     assert_same_learner(_latest(settings, r, model), want)
 
 
-def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
-                                                       r: redis.Redis) -> None:
+def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings, r: redis.Redis) -> None:
     """SIGKILL rank 1 while the ranks learn, bring it back; then rank 0 likewise. The final
     checkpoint counts every pair of the stream once, and nothing is left pending."""
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(4000, 64, 32, seed=3)
     StreamClient(r, settings.namespace).push_pairs(pairs)
-    env = worker_env(settings, STREAMXM_DIST_HOST="127.0.0.1", STREAMXM_DIST_TIMEOUT_S="20",
-                     STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2", STREAMXM_READ_BATCH="32",
-                     STREAMXM_EVAL_EVERY="1", OMP_NUM_THREADS="1")
+    env = worker_env(
+        settings,
+        STREAMXM_DIST_HOST="127.0.0.1",
+        STREAMXM_DIST_TIMEOUT_S="20",
+        STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2",
+        STREAMXM_READ_BATCH="32",
+        STREAMXM_EVAL_EVERY="1",
+        OMP_NUM_THREADS="1",
+    )
     children = [_rank(env, "cmos", 2, rank, []) for rank in range(2)]
     try:
         _learned(r, keys, "cmos", 600, children)
@@ -158,8 +196,7 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
         children[0].kill()
         children[0] = _rank(env, "cmos", 2, 0, [])
         _learned(r, keys, "cmos", len(pairs), children)
-        wait_for(lambda: children[1].saw("joined generation 3"), 30,
-                 "rank 1 to rejoin twice")
+        wait_for(lambda: children[1].saw("joined generation 3"), 30, "rank 1 to rejoin twice")
     finally:
         for child in children:
             child.stop()
@@ -195,7 +232,8 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings,
 
 @pytest.mark.long
 def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
-        settings: Settings, r: redis.Redis) -> None:
+    settings: Settings, r: redis.Redis
+) -> None:
     """SAM merges every 64 pairs a rank, so one read is several rounds; a checkpoint falling
     due between them must not hold pairs its position does not cover. Every checkpoint seen
     counts exactly the entries up to its position; rank 0 SIGKILLed and restarted, the final
@@ -207,8 +245,14 @@ def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
     # Reads of 1,280 pairs (ten rounds), a checkpoint due every 0.5 s: most fall due mid-read.
     # Rolling evaluation every tenth pair: SAM's towers scoring every pair would be most of the
     # time, and the checkpoints and rounds under test do not depend on it.
-    children = _ranks(settings, "sam", 2, STREAMXM_READ_BATCH="640",
-                      STREAMXM_CHECKPOINT_EVERY_SECONDS="0.5", STREAMXM_EVAL_EVERY="10")
+    children = _ranks(
+        settings,
+        "sam",
+        2,
+        STREAMXM_READ_BATCH="640",
+        STREAMXM_CHECKPOINT_EVERY_SECONDS="0.5",
+        STREAMXM_EVAL_EVERY="10",
+    )
     seen: set[tuple[str, int]] = set()
 
     def learned(n: int) -> bool:  # every checkpoint on the way, as it is written
@@ -220,9 +264,15 @@ def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
     try:
         wait_for(lambda: learned(1000), 120, "1000 pairs learned", interval=0.01)
         children[0].kill()
-        env = worker_env(settings, STREAMXM_DIST_HOST="127.0.0.1", STREAMXM_DIST_TIMEOUT_S="20",
-                         STREAMXM_CHECKPOINT_EVERY_SECONDS="0.5", STREAMXM_READ_BATCH="640",
-                         STREAMXM_EVAL_EVERY="10", OMP_NUM_THREADS="1")
+        env = worker_env(
+            settings,
+            STREAMXM_DIST_HOST="127.0.0.1",
+            STREAMXM_DIST_TIMEOUT_S="20",
+            STREAMXM_CHECKPOINT_EVERY_SECONDS="0.5",
+            STREAMXM_READ_BATCH="640",
+            STREAMXM_EVAL_EVERY="10",
+            OMP_NUM_THREADS="1",
+        )
         children[0] = _rank(env, "sam", 2, 0, [])
         wait_for(lambda: learned(len(pairs)), 120, "every pair learned", interval=0.01)
     finally:
@@ -237,23 +287,23 @@ def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
     assert r.xpending(keys.pairs, keys.group("sam"))["pending"] == 0
 
 
-def test_poison_pair_on_any_rank_is_dead_lettered_once(settings: Settings,
-                                                      r: redis.Redis) -> None:
+def test_poison_pair_on_any_rank_is_dead_lettered_once(settings: Settings, r: redis.Redis) -> None:
     """A pair whose learning always raises, on whichever rank its share lands: every rank
     drops its state and replays, and after three attempts it is dead-lettered as
     ``learn_error``; every other pair is learned once."""
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(1500, 32, 16, seed=5)
     StreamClient(r, settings.namespace).push_pairs(pairs)
-    children = _ranks(settings, "cmos", 2, STREAMXM_READ_BATCH="64",
-                      STREAMXM_FAULT_RAISE="learn:s900")
+    children = _ranks(
+        settings, "cmos", 2, STREAMXM_READ_BATCH="64", STREAMXM_FAULT_RAISE="learn:s900"
+    )
     try:
         _learned(r, keys, "cmos", len(pairs) - 1, children)
         wait_for(lambda: r.xlen(keys.dead) == 1, 30, "the poison pair's dead letter")
     finally:
         for child in children:
             child.stop()
-    (_, letter), = r.xrange(keys.dead)
+    ((_, letter),) = r.xrange(keys.dead)
     assert text(letter[b"reason"]) == "learn_error"
     assert "s900" in text(letter[b"detail"]) or "rank" in text(letter[b"detail"])
     learner = _latest(settings, r, "cmos")
@@ -277,8 +327,9 @@ def test_two_ranks_map_close_to_one(model: str) -> None:
     the benchmark command's own runs (real worker processes)."""
     # SAM defers nothing, so scoring every pair before learning it changes none of its steps
     # (one rank: 0.2851 / 0.2340 either way), and through its towers it is most of the time.
-    result = distributed(model, (1, 2), dataset="wiki", pairs=0,
-                         eval_every=10 if model == "sam" else 1)
+    result = distributed(
+        model, (1, 2), dataset="wiki", pairs=0, eval_every=10 if model == "sam" else 1
+    )
     one, two = result["runs"]
     assert two["split_rounds"] >= 3
     mean = lambda run: (run["map_i2t"] + run["map_t2i"]) / 2  # noqa: E731
@@ -320,8 +371,9 @@ print(f"ports probed: {sorted(tried)}", flush=True)
 """
 
 
-def test_process_without_redis_credentials_cannot_join_the_ranks(settings: Settings,
-                                                                 r: redis.Redis) -> None:
+def test_process_without_redis_credentials_cannot_join_the_ranks(
+    settings: Settings, r: redis.Redis
+) -> None:
     """An intruder with no Redis access probes every port rank 0 listens on while it forms its
     group (store claims for rank 1 and junk bytes). It claims nothing, the real rank 1 joins
     and the ranks learn the whole stream together; every rank socket listens on loopback only
@@ -334,24 +386,35 @@ def test_process_without_redis_credentials_cannot_join_the_ranks(settings: Setti
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(1500, 32, 16, seed=11)
     StreamClient(r, settings.namespace).push_pairs(pairs)
-    env = worker_env(settings, STREAMXM_DIST_HOST="127.0.0.1", STREAMXM_DIST_TIMEOUT_S="20",
-                     STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2", STREAMXM_READ_BATCH="32",
-                     OMP_NUM_THREADS="1")
+    env = worker_env(
+        settings,
+        STREAMXM_DIST_HOST="127.0.0.1",
+        STREAMXM_DIST_TIMEOUT_S="20",
+        STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2",
+        STREAMXM_READ_BATCH="32",
+        OMP_NUM_THREADS="1",
+    )
     children = [_rank(env, "cmos", 2, 0, [])]
     listening: set[str] = set()
     try:
         # Rank 0 alone: it reads, publishes a generation and waits for rank 1.
         wait_for(lambda: r.hget(keys.dist("cmos"), "gen") is not None, 60, "a generation")
-        intruder = subprocess.run([sys.executable, "-c", _INTRUDER, str(children[0].pid), "8"],
-                                  capture_output=True, text=True, timeout=120,
-                                  env={k: v for k, v in env.items()
-                                       if not k.startswith("STREAMXM_")})
+        intruder = subprocess.run(
+            [sys.executable, "-c", _INTRUDER, str(children[0].pid), "8"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in env.items() if not k.startswith("STREAMXM_")},
+        )
         assert "claimed" not in intruder.stdout, intruder.stdout
         children.append(_rank(env, "cmos", 2, 1, []))
         _learned(r, keys, "cmos", 300, children)
         for child in children:
-            listening |= {c.laddr.ip for c in psutil.Process(child.pid).net_connections("tcp")
-                          if c.status == psutil.CONN_LISTEN}
+            listening |= {
+                c.laddr.ip
+                for c in psutil.Process(child.pid).net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN
+            }
         _learned(r, keys, "cmos", len(pairs), children)
     finally:
         for child in children:

@@ -59,7 +59,8 @@ _MARKER = re.compile(r"^\s*<!--\s*runs(?:\s*:\s*(?P<kind>[\w-]+))?\s*-->\s*$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 _PROGRAM_HINT = re.compile(
     r"(?:^|&&|\|\||;|\|)\s*(?:[A-Za-z_]\w*=\S*\s+)*(?:(?:time|nohup|exec|env)\s+)?"
-    r"(?:\./)?(?:\.venv/bin/)?(?:streamxm|python3?|make)(?:\s|$)")
+    r"(?:\./)?(?:\.venv/bin/)?(?:streamxm|python3?|make)(?:\s|$)"
+)
 _REDIRECT = re.compile(r"^\d*(?:>>?|<<?-?|&>)(?:&\d+)?$")
 _REDIRECT_ATTACHED = re.compile(r"^\d*(?:>>?|&>|<<-?)\S+$")
 _UPPER_PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9]+)?$")
@@ -137,8 +138,12 @@ def blocks(path: Path) -> Iterator[Block]:
         i += 1
         while i < len(lines):
             closing = _FENCE.match(lines[i])
-            if (closing is not None and closing["fence"][0] == fence[0]
-                    and len(closing["fence"]) >= len(fence) and not closing["info"]):
+            if (
+                closing is not None
+                and closing["fence"][0] == fence[0]
+                and len(closing["fence"]) >= len(fence)
+                and not closing["info"]
+            ):
                 break
             text = lines[i]
             body.append(text[indent:] if not text[:indent].strip() else text.lstrip())
@@ -146,8 +151,13 @@ def blocks(path: Path) -> Iterator[Block]:
         i += 1  # past the closing fence
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         marked = _MARKER.match(before)
-        yield Block(_relative(path), start + 1, opening["info"].lower(), "\n".join(body),
-                    None if marked is None else (marked["kind"] or ""))
+        yield Block(
+            _relative(path),
+            start + 1,
+            opening["info"].lower(),
+            "\n".join(body),
+            None if marked is None else (marked["kind"] or ""),
+        )
 
 
 def _logical_lines(block: Block) -> Iterator[tuple[int, str, str | None]]:
@@ -183,7 +193,7 @@ def _logical_lines(block: Block) -> Iterator[tuple[int, str, str | None]]:
         here = None
         heredoc = next((k for k, t in enumerate(tokens) if t.startswith("<<")), None)
         if heredoc is not None:  # python - <<'PY' ... PY: the body is the command's stdin
-            word = tokens[heredoc][2:].lstrip("-") or "".join(tokens[heredoc + 1:heredoc + 2])
+            word = tokens[heredoc][2:].lstrip("-") or "".join(tokens[heredoc + 1 : heredoc + 2])
             body = []
             while i < len(lines) and lines[i].strip() != word:
                 body.append(lines[i])
@@ -217,8 +227,9 @@ def _split_chain(tokens: list[str]) -> list[list[str]]:
     return [s for s in segments if s]
 
 
-def _command(path: str, line: int, text: str, words: list[str], index: int,
-             stdin: str | None) -> Command | None:
+def _command(
+    path: str, line: int, text: str, words: list[str], index: int, stdin: str | None
+) -> Command | None:
     env: list[tuple[str, str]] = []
     while words and _ASSIGNMENT.match(words[0]):
         key, _, value = words.pop(0).partition("=")
@@ -340,8 +351,10 @@ def check_dataset(value: str) -> None:
         return
     path = (ROOT / value).resolve()
     if not path.is_relative_to(ROOT):
-        raise ValueError(f"--dataset {value}: outside the repository, not in a fresh clone "
-                         f"(--dataset {', '.join(BUNDLED)} is bundled)")
+        raise ValueError(
+            f"--dataset {value}: outside the repository, not in a fresh clone "
+            f"(--dataset {', '.join(BUNDLED)} is bundled)"
+        )
     if not path.is_file():
         raise ValueError(f"--dataset {value}: no such file in the repository")
 
@@ -406,8 +419,11 @@ def is_quick(argv: tuple[str, ...]) -> bool:
 
 
 STREAMXM_COMMANDS = [c for c in COMMANDS if c.program == "streamxm"]
-QUICK_COMMANDS = [c for c in STREAMXM_COMMANDS
-                  if c.error is None and not placeholders(c.argv) and is_quick(c.argv)]
+QUICK_COMMANDS = [
+    c
+    for c in STREAMXM_COMMANDS
+    if c.error is None and not placeholders(c.argv) and is_quick(c.argv)
+]
 MAKE_COMMANDS = [c for c in COMMANDS if c.program == "make"]
 PYTHON_COMMANDS = [c for c in COMMANDS if c.program == "python"]
 
@@ -427,8 +443,9 @@ def test_streamxm_command_parses(command: Command) -> None:
     problems = placeholders(command.argv)
     if not problems:
         ns, said = parse(command.argv)
-        problems = [f"streamxm {' '.join(command.argv)}: {said}"] if ns is None else (
-            check_values(ns))
+        problems = (
+            [f"streamxm {' '.join(command.argv)}: {said}"] if ns is None else (check_values(ns))
+        )
     assert not problems, _say(command, problems)
 
 
@@ -448,11 +465,18 @@ def _clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 @pytest.mark.parametrize("command", _params_of(QUICK_COMMANDS))
 def test_quick_streamxm_command_runs(command: Command, tmp_path: Path) -> None:
     """Run for real (in a temporary directory, a temporary STREAMXM_DATA_DIR)."""
-    done = subprocess.run([*_streamxm_executable(), *command.argv], cwd=tmp_path,
-                          env=_clean_env(tmp_path, **dict(command.env)), capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert done.returncode == 0, _say(command, [f"exit {done.returncode}",
-                                                *done.stderr.strip().splitlines()[-5:]])
+    done = subprocess.run(
+        [*_streamxm_executable(), *command.argv],
+        cwd=tmp_path,
+        env=_clean_env(tmp_path, **dict(command.env)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, _say(
+        command, [f"exit {done.returncode}", *done.stderr.strip().splitlines()[-5:]]
+    )
 
 
 def make_targets() -> set[str]:
@@ -470,8 +494,10 @@ def test_make_command_names_a_target(command: Command) -> None:
     problems = placeholders(command.argv)
     missing = sorted(set(wanted) - make_targets())
     if missing:
-        problems.append(f"no Makefile target {', '.join(missing)} "
-                        f"(targets: {', '.join(sorted(make_targets()))})")
+        problems.append(
+            f"no Makefile target {', '.join(missing)} "
+            f"(targets: {', '.join(sorted(make_targets()))})"
+        )
     assert not problems, _say(command, problems)
 
 
@@ -544,11 +570,31 @@ def test_python_block_compiles(block: Block) -> None:
 def test_python_block_defines_what_it_uses(block: Block) -> None:
     """Pasted as written, the block names nothing undefined (ruff's F821)."""
     done = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache", "--select", "F821",
-         "--output-format", "concise", "--stdin-filename", "block.py", "-"],
-        input=as_script(block), capture_output=True, text=True, timeout=60, check=False)
-    found = [f"{block.path}:{block.line + int(m[1])}: {m[2]}"
-             for m in re.finditer(r"^block\.py:(\d+):\d+: (.*)$", done.stdout, re.M)]
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--isolated",
+            "--no-cache",
+            "--select",
+            "F821",
+            "--output-format",
+            "concise",
+            "--stdin-filename",
+            "block.py",
+            "-",
+        ],
+        input=as_script(block),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    found = [
+        f"{block.path}:{block.line + int(m[1])}: {m[2]}"
+        for m in re.finditer(r"^block\.py:(\d+):\d+: (.*)$", done.stdout, re.M)
+    ]
     assert done.returncode in (0, 1), done.stderr
     assert not found, f"{block.where}:\n  " + "\n  ".join(found)
 
@@ -564,18 +610,24 @@ sys.exit(1 if runner.failures else 0)
 
 
 def run_block(block: Block, code: str, cwd: Path, env: dict[str, str]) -> None:
-    argv = [sys.executable, "-c", _DOCTEST_DRIVER, block.where] if is_doctest(block) else [
-        sys.executable, "-"]
-    done = subprocess.run(argv, input=code, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert done.returncode == 0, (f"{block.where}: exit {done.returncode}\n"
-                                  f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    argv = (
+        [sys.executable, "-c", _DOCTEST_DRIVER, block.where]
+        if is_doctest(block)
+        else [sys.executable, "-"]
+    )
+    done = subprocess.run(
+        argv, input=code, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, (
+        f"{block.where}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", _params_of(RUNNABLE_BLOCKS))
-def test_runnable_python_block(block: Block, tmp_path: Path,
-                               request: pytest.FixtureRequest) -> None:
+def test_runnable_python_block(
+    block: Block, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """``<!-- runs -->``: as written; ``<!-- runs: api -->``: against Redis, a worker, the API
     (the block's STREAMXM_REDIS_URL and STREAMXM_NAMESPACE are theirs, for ``get_settings()``)."""
     if block.marker == "":
@@ -589,9 +641,17 @@ def test_runnable_python_block(block: Block, tmp_path: Path,
         code = block.code
         for address in ("http://127.0.0.1:8000", "http://localhost:8000"):
             code = code.replace(address, api.url)
-        run_block(block, code, tmp_path, _clean_env(
-            tmp_path, STREAMXM_API_URL=api.url, STREAMXM_REDIS_URL=str(settings.redis_url),
-            STREAMXM_NAMESPACE=settings.namespace))
+        run_block(
+            block,
+            code,
+            tmp_path,
+            _clean_env(
+                tmp_path,
+                STREAMXM_API_URL=api.url,
+                STREAMXM_REDIS_URL=str(settings.redis_url),
+                STREAMXM_NAMESPACE=settings.namespace,
+            ),
+        )
 
 
 # --- inline synopses -------------------------------------------------------------------------
@@ -611,16 +671,19 @@ def synopsis_problems(words: tuple[str, ...]) -> list[str]:
         word = raw.strip("[]()").rstrip(",")
         if word.startswith("-"):
             option = word.split("=")[0]
-            if (re.fullmatch(r"--?[A-Za-z][\w-]*", option)
-                    and option not in parser._option_string_actions):
+            if (
+                re.fullmatch(r"--?[A-Za-z][\w-]*", option)
+                and option not in parser._option_string_actions
+            ):
                 problems.append(f"{' '.join(path)} has no option {option}")
             continue
         choices = _subparsers(parser)
         if not choices or not re.fullmatch(r"[a-z][a-z-]*", word):
             continue  # a value, a positional, a placeholder: a synopsis may name those
         if word not in choices:
-            problems.append(f"{' '.join(path)} has no subcommand {word!r} "
-                            f"(it has: {', '.join(choices)})")
+            problems.append(
+                f"{' '.join(path)} has no subcommand {word!r} (it has: {', '.join(choices)})"
+            )
             break
         parser = choices[word]
         path.append(word)

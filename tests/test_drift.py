@@ -13,14 +13,19 @@ from tests.conftest import class_stream
 
 # Small models where the defaults would dwarf a 16-d toy stream; the behaviour under test is the
 # detector's, fed by each model's own mistakes.
-FAST = {"cmomks": {"budget": 200, "landmarks": 100}, "sam": {"hidden": 64, "dim": 16},
-        "sdsrl": {"m_img": 100, "m_txt": 50}}
+FAST = {
+    "cmomks": {"budget": 200, "landmarks": 100},
+    "sam": {"hidden": 64, "dim": 16},
+    "sdsrl": {"m_img": 100, "m_txt": 50},
+}
 
 
 # CMOMKS's kernels take seconds over 2,400 pairs: part of the slow set.
 #: cmomks and sam learn these streams slowest: they run with the long tests (`make test-long`).
-MODELS = [pytest.param(m, marks=[pytest.mark.slow, pytest.mark.long]) if m in ("cmomks", "sam")
-          else m for m in MODEL_NAMES]
+MODELS = [
+    pytest.param(m, marks=[pytest.mark.slow, pytest.mark.long]) if m in ("cmomks", "sam") else m
+    for m in MODEL_NAMES
+]
 
 
 def relation_switch_stream(seed: int, n: int, switch: int) -> list[Pair]:
@@ -34,8 +39,11 @@ def relation_switch_stream(seed: int, n: int, switch: int) -> list[Pair]:
     for i in range(n):
         c = int(rng.integers(4))
         t = (c + 1) % 4 if i >= switch else c
-        pairs.append(make_pair(str(i), centres_img[c] + rng.random(16),
-                               centres_txt[t] + rng.random(8), labels=[c]))
+        pairs.append(
+            make_pair(
+                str(i), centres_img[c] + rng.random(16), centres_txt[t] + rng.random(8), labels=[c]
+            )
+        )
     return pairs
 
 
@@ -65,8 +73,9 @@ def switching_stream(seed: int, n: int = 3000) -> list[Pair]:
     """Halfway, the features of class c start arriving labelled c + 1."""
     pairs = class_stream(n, 16, 8, seed=seed)
     half = n // 2
-    return pairs[:half] + [make_pair(p.id, p.img, p.txt, labels=[(p.labels[0] + 1) % 4])
-                           for p in pairs[half:]]
+    return pairs[:half] + [
+        make_pair(p.id, p.img, p.txt, labels=[(p.labels[0] + 1) % 4]) for p in pairs[half:]
+    ]
 
 
 def test_a_label_switch_is_detected_soon_after_it_happens() -> None:

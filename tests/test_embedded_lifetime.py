@@ -38,8 +38,12 @@ def test_the_last_process_to_exit_stops_the_embedded_redis(tmp_path: Path) -> No
     worker = Child("worker", "--model", "cmos", env=_env(data), watch=True)
     api = Child("api", "--port", str(port), env=_env(data), watch=True)
     try:
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200, 60,
-                 "the API", tolerate=(httpx.HTTPError,))
+        wait_for(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200,
+            60,
+            "the API",
+            tolerate=(httpx.HTTPError,),
+        )
         wait_for(lambda: len(server.live_users()) == 2, 30, "both to use the embedded Redis")
         said = _interrupt(worker)
         assert "keeps running for 1 other streamxm process" in said, said[-2000:]
@@ -57,21 +61,33 @@ def test_the_last_process_to_exit_stops_the_embedded_redis(tmp_path: Path) -> No
 def test_a_redis_started_on_purpose_keeps_running(tmp_path: Path) -> None:
     data = tmp_path / "d"
     server = EmbeddedRedis(data / "redis")
-    started = subprocess.run([*PY, "redis", "start"], env=_env(data), capture_output=True,
-                             text=True, timeout=60)
+    started = subprocess.run(
+        [*PY, "redis", "start"], env=_env(data), capture_output=True, text=True, timeout=60
+    )
     assert started.returncode == 0, started.stderr
     try:
-        pushed = subprocess.run([*PY, "push", "--dataset", "wiki", "--limit", "20"],
-                                env=_env(data), capture_output=True, text=True, timeout=120)
+        pushed = subprocess.run(
+            [*PY, "push", "--dataset", "wiki", "--limit", "20"],
+            env=_env(data),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert pushed.returncode == 0, pushed.stderr
         assert "`streamxm redis start` started it" in pushed.stderr
         assert server.is_running()
-        stopped = subprocess.run([*PY, "redis", "stop"], env=_env(data), capture_output=True,
-                                 text=True, timeout=60)
+        stopped = subprocess.run(
+            [*PY, "redis", "stop"], env=_env(data), capture_output=True, text=True, timeout=60
+        )
         assert "stopped the embedded Redis" in stopped.stdout and not server.is_running()
         # Without the pin, a push that started it stops it when done.
-        pushed = subprocess.run([*PY, "push", "--dataset", "wiki", "--limit", "20"],
-                                env=_env(data), capture_output=True, text=True, timeout=120)
+        pushed = subprocess.run(
+            [*PY, "push", "--dataset", "wiki", "--limit", "20"],
+            env=_env(data),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert pushed.returncode == 0 and "stopped the embedded Redis" in pushed.stderr
         assert not server.is_running()
     finally:

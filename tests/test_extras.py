@@ -7,7 +7,8 @@ import pytest
 
 
 def test_a_model_whose_extra_is_missing_says_which_extra_to_install(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import sys
 
     from streamxm.models import create_model

@@ -44,8 +44,10 @@ from tests.conftest import (
 
 pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
 
-def push_slowly(client: StreamClient, pairs: list[Pair], chunk: int = 100,
-                pause: float = 0.02) -> threading.Thread:
+
+def push_slowly(
+    client: StreamClient, pairs: list[Pair], chunk: int = 100, pause: float = 0.02
+) -> threading.Thread:
     def run() -> None:
         for start in range(0, len(pairs), chunk):
             client.push_pairs(pairs[start : start + chunk])
@@ -59,27 +61,40 @@ def push_slowly(client: StreamClient, pairs: list[Pair], chunk: int = 100,
 # (kind, fail points to kill at): the directory store has two windows inside a checkpoint
 # write (half a file on disk; file and head on disk, acknowledgements not yet committed), the
 # Redis store one (transaction built, not sent).
-@pytest.mark.parametrize("kind,fail_points", [
-    ("dir", ["checkpoint.partial_write", "checkpoint.before_commit"]),
-    ("redis", ["checkpoint.before_exec", "checkpoint.before_exec"]),
-])
+@pytest.mark.parametrize(
+    "kind,fail_points",
+    [
+        ("dir", ["checkpoint.partial_write", "checkpoint.before_commit"]),
+        ("redis", ["checkpoint.before_exec", "checkpoint.before_exec"]),
+    ],
+)
 def test_sigkill_at_random_points_applies_every_pair_exactly_once(
-        kind: str, fail_points: list[str], r: redis.Redis, settings: Settings,
-        tmp_path: Path) -> None:
+    kind: str, fail_points: list[str], r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
     n = 4000
     keys = Keys(settings.namespace)
     pairs = class_stream(n, IMG, TXT, seed=3)
     ckpt_dir = tmp_path / "ckpt"
-    env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40",
-                     STREAMXM_CHECKPOINT_STORE=kind, STREAMXM_CHECKPOINT_DIR=str(ckpt_dir))
+    env = worker_env(
+        settings,
+        STREAMXM_CHECKPOINT_EVERY_PAIRS="97",
+        STREAMXM_READ_BATCH="40",
+        STREAMXM_CHECKPOINT_STORE=kind,
+        STREAMXM_CHECKPOINT_DIR=str(ckpt_dir),
+    )
     producer = push_slowly(StreamClient(r, settings.namespace), pairs)
     rng = np.random.default_rng(11)
     thresholds = sorted(int(t) for t in rng.choice(np.arange(200, n - 400), 4, replace=False))
     # Kills at random stream positions (plus a random delay, so mid-batch) with the two
     # fail-point kills between them.
-    plan: list[tuple[str, Any]] = [("pairs", thresholds[0]), ("fail", fail_points[0]),
-                                   ("pairs", thresholds[1]), ("pairs", thresholds[2]),
-                                   ("fail", fail_points[1]), ("pairs", thresholds[3])]
+    plan: list[tuple[str, Any]] = [
+        ("pairs", thresholds[0]),
+        ("fail", fail_points[0]),
+        ("pairs", thresholds[1]),
+        ("pairs", thresholds[2]),
+        ("fail", fail_points[1]),
+        ("pairs", thresholds[3]),
+    ]
     kills = 0
     for what, arg in plan:
         if what == "fail":
@@ -101,20 +116,26 @@ def test_sigkill_at_random_points_applies_every_pair_exactly_once(
     finally:
         assert final.stop() == 0, final.tail()
     assert kills >= 6
-    settings_kind = settings.model_copy(update={"checkpoint_store": kind,
-                                                "checkpoint_dir": ckpt_dir})
+    settings_kind = settings.model_copy(
+        update={"checkpoint_store": kind, "checkpoint_dir": ckpt_dir}
+    )
     restored = latest(settings_kind, r)
     assert restored.pairs_seen == n
     assert_same_learner(restored, reference(pairs))
 
 
 def test_survivor_reclaims_the_pending_entries_of_a_killed_worker(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     n = 2500
     keys = Keys(settings.namespace)
     pairs = class_stream(n, IMG, TXT, seed=4)
-    env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="500",
-                     STREAMXM_CHECKPOINT_EVERY_SECONDS="2", STREAMXM_READ_BATCH="40")
+    env = worker_env(
+        settings,
+        STREAMXM_CHECKPOINT_EVERY_PAIRS="500",
+        STREAMXM_CHECKPOINT_EVERY_SECONDS="2",
+        STREAMXM_READ_BATCH="40",
+    )
     producer = push_slowly(StreamClient(r, settings.namespace), pairs)
     workers = {name: WorkerProcess({**env, "STREAMXM_CONSUMER": name}) for name in ("a", "b")}
     try:
@@ -123,11 +144,18 @@ def test_survivor_reclaims_the_pending_entries_of_a_killed_worker(
 
         def leader_pending() -> int:
             summary = r.xpending(keys.pairs, "cmos")
-            return int(dict((c["name"].decode(), c["pending"])  # type: ignore[misc]
-                            for c in summary["consumers"]).get(leader, 0))
+            return int(
+                dict(
+                    (c["name"].decode(), c["pending"])  # type: ignore[misc]
+                    for c in summary["consumers"]
+                ).get(leader, 0)
+            )
 
-        wait_for(lambda: processed(r, keys) > 0 and leader_pending() >= 100, 60,
-                 "the leader to hold unacknowledged entries")
+        wait_for(
+            lambda: processed(r, keys) > 0 and leader_pending() >= 100,
+            60,
+            "the leader to hold unacknowledged entries",
+        )
         workers[leader].kill()
         orphaned = leader_pending()
         assert orphaned > 0
@@ -149,12 +177,19 @@ def _stream_pairs(r: redis.Redis, keys: Keys) -> list[Pair]:
 
 
 def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
-        tmp_path: Path, namespace: str) -> None:
+    tmp_path: Path, namespace: str
+) -> None:
     server = EmbeddedRedis(tmp_path / "redis")  # AOF on: appendonly yes, everysec
     url = server.start()
-    settings = Settings(redis_url=url, namespace=namespace, data_dir=tmp_path / "data",
-                        checkpoint_every_seconds=0.2, block_ms=50, lease_ttl_ms=3000,
-                        _env_file=None)  # type: ignore[call-arg]
+    settings = Settings(
+        redis_url=url,
+        namespace=namespace,
+        data_dir=tmp_path / "data",
+        checkpoint_every_seconds=0.2,
+        block_ms=50,
+        lease_ttl_ms=3000,
+        _env_file=None,
+    )  # type: ignore[call-arg]
     keys = Keys(namespace)
     r = connect(settings)
     n = 3000
@@ -195,10 +230,15 @@ def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
             assert worker.alive(), "the worker died"
             # The API reconnected too: it serves the newest version.
             version = int(stats(r, keys)["version"])
-            wait_for(lambda: httpx.get(f"{api.url}/v1/models").json()["models"][0]["version"]
-                     == version, 30, "the API to serve the newest checkpoint")
-            search = httpx.post(f"{api.url}/v1/search", json={
-                "modality": "image", "vector": pairs[0].img.tolist(), "k": 3})
+            wait_for(
+                lambda: httpx.get(f"{api.url}/v1/models").json()["models"][0]["version"] == version,
+                30,
+                "the API to serve the newest checkpoint",
+            )
+            search = httpx.post(
+                f"{api.url}/v1/search",
+                json={"modality": "image", "vector": pairs[0].img.tolist(), "k": 3},
+            )
             assert search.status_code == 200, search.text
         stream = _stream_pairs(r, keys)
         # Every acknowledged pair is in the stream (a retried push may add one twice).
@@ -214,7 +254,8 @@ def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
 
 
 def test_api_restarted_under_query_load_is_ready_only_with_a_model(
-        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(600, IMG, TXT, seed=6)
     StreamClient(r, settings.namespace).push_pairs(pairs)
@@ -230,13 +271,18 @@ def test_api_restarted_under_query_load_is_ready_only_with_a_model(
     def load() -> None:
         with httpx.Client(timeout=5) as client:
             while not stop.is_set():
-                for path, body in (("/readyz", None), ("/v1/search", {
-                        "modality": "text", "vector": pairs[1].txt.tolist(), "k": 5})):
+                for path, body in (
+                    ("/readyz", None),
+                    ("/v1/search", {"modality": "text", "vector": pairs[1].txt.tolist(), "k": 5}),
+                ):
                     sent = time.monotonic()
                     status: int | str
                     try:
-                        resp = (client.get(base + path) if body is None
-                                else client.post(base + path, json=body))
+                        resp = (
+                            client.get(base + path)
+                            if body is None
+                            else client.post(base + path, json=body)
+                        )
                         status = resp.status_code
                         if status not in (200, 503):
                             bodies.append(resp.text)
@@ -247,8 +293,9 @@ def test_api_restarted_under_query_load_is_ready_only_with_a_model(
                 time.sleep(0.005)
 
     def start_api() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([*PY, "api"], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [*PY, "api"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
 
     loaders = [threading.Thread(target=load) for _ in range(4)]
     for t in loaders:
@@ -278,22 +325,31 @@ def test_api_restarted_under_query_load_is_ready_only_with_a_model(
     assert statuses <= {200, 503, "down"}, bodies[:3]
     # Once ready, every query is served: a search sent after the restarted API's first 200 was
     # answered is answered 200. (Sending times, not list order: threads record out of order.)
-    searches = [(sent, answered, status) for sent, answered, path, status in timed
-                if path == "/v1/search" and sent > restarted]
+    searches = [
+        (sent, answered, status)
+        for sent, answered, path, status in timed
+        if path == "/v1/search" and sent > restarted
+    ]
     first_ok = min(answered for _, answered, status in searches if status == 200)
     late = [status for sent, _, status in searches if sent > first_ok and status != 200]
     assert not late, late[:5]
 
 
 def test_corrupt_checkpoint_falls_back_replays_and_counts(
-        r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(900, IMG, TXT, seed=7)
     client = StreamClient(r, settings.namespace)
     client.push_pairs(pairs[:600])
-    every = settings.model_copy(update={"checkpoint_every_pairs": 150, "read_batch": 50,
-                                        "checkpoint_every_seconds": 60.0,
-                                        "checkpoint_max_share": 1.0})  # every 150, no hold-back
+    every = settings.model_copy(
+        update={
+            "checkpoint_every_pairs": 150,
+            "read_batch": 50,
+            "checkpoint_every_seconds": 60.0,
+            "checkpoint_max_share": 1.0,
+        }
+    )  # every 150, no hold-back
     build_worker(every, r, "cmos").run(until_idle=True)
     store = RedisCheckpointStore(r, keys)
     head = store.head("cmos")

@@ -39,8 +39,9 @@ def api(r: redis.Redis, settings: Settings) -> Iterator[ApiServer]:
     """An API serving a CMOS model over a 300-pair gallery; writes need the token."""
     StreamClient(r, settings.namespace).push_pairs(class_stream(300, 8, 4, seed=1))
     build_worker(settings, r, "cmos").run(until_idle=True)
-    secured = settings.model_copy(update={"api_token": SecretStr(TOKEN), "max_k": 50,
-                                          "max_batch": 64})
+    secured = settings.model_copy(
+        update={"api_token": SecretStr(TOKEN), "max_k": 50, "max_batch": 64}
+    )
     with ApiServer(secured) as server:
         wait_for(lambda: httpx.get(f"{server.url}/readyz").status_code == 200, 30, "ready")
         yield server
@@ -53,8 +54,13 @@ def fuzz(operation: Any, mode: GenerationMode, base_url: str, problems: list[str
     schemathesis's own CLI against a dev server (README)."""
     calls = 0
 
-    @examples(max_examples=60, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @examples(
+        max_examples=60,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
         nonlocal calls
@@ -63,14 +69,17 @@ def fuzz(operation: Any, mode: GenerationMode, base_url: str, problems: list[str
         # refused (422) because dimensions are fixed per namespace at run time, which no
         # static schema can say.
         try:
-            response = case.call_and_validate(base_url=base_url, headers=AUTH,
-                                              excluded_checks=[positive_data_acceptance])
+            response = case.call_and_validate(
+                base_url=base_url, headers=AUTH, excluded_checks=[positive_data_acceptance]
+            )
         except Exception as exc:  # every failure is collected, not just the first
             problems.append(f"{operation.label} {mode.value}: {exc}"[:2000])
             return
         if 400 <= response.status_code < 500 and not response.json().get("detail"):
-            problems.append(f"{operation.label}: {response.status_code} without a message: "
-                            f"{response.text[:200]}")
+            problems.append(
+                f"{operation.label}: {response.status_code} without a message: "
+                f"{response.text[:200]}"
+            )
 
     with contextlib.suppress(Unsatisfiable):  # nothing to break (GET /healthz, negative)
         run()
@@ -78,8 +87,7 @@ def fuzz(operation: Any, mode: GenerationMode, base_url: str, problems: list[str
 
 
 @pytest.mark.slow
-def test_no_request_from_the_schema_gets_a_500_and_every_rejection_says_why(
-        api: ApiServer) -> None:
+def test_no_request_from_the_schema_gets_a_500_and_every_rejection_says_why(api: ApiServer) -> None:
     schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json")
     problems: list[str] = []
     calls = 0
@@ -90,9 +98,15 @@ def test_no_request_from_the_schema_gets_a_500_and_every_rejection_says_why(
     assert not problems, "\n\n".join(problems[:5])
 
 
-junk = st.one_of(st.text(max_size=20), st.booleans(), st.none(), st.just([1.0]),
-                 st.just({"a": 1}), st.floats(allow_nan=False, allow_infinity=False),
-                 st.integers(-(2**70), 2**70))
+junk = st.one_of(
+    st.text(max_size=20),
+    st.booleans(),
+    st.none(),
+    st.just([1.0]),
+    st.just({"a": 1}),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.integers(-(2**70), 2**70),
+)
 
 
 @st.composite
@@ -112,8 +126,17 @@ def hostile_body(draw: st.DrawFn) -> tuple[str, bytes]:
     elif path == "/v1/search":
         body = {"modality": "image", "vector": vector, "k": draw(st.integers(-5, 10**6))}
     else:
-        body = {"pairs": [{"id": draw(st.text(max_size=400)), "img": vector,
-                           "txt": [0.5] * 4, "labels": draw(st.lists(junk, max_size=3))}] * rows}
+        body = {
+            "pairs": [
+                {
+                    "id": draw(st.text(max_size=400)),
+                    "img": vector,
+                    "txt": [0.5] * 4,
+                    "labels": draw(st.lists(junk, max_size=3)),
+                }
+            ]
+            * rows
+        }
     return path, json.dumps(body).encode()
 
 
@@ -121,13 +144,22 @@ def test_hostile_bodies_get_small_answers_and_never_a_500(api: ApiServer) -> Non
     """Issue 17: whatever a client sends, the answer is a 4xx of at most 64 KB."""
     seen: set[int] = set()
 
-    @examples(max_examples=40, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @examples(
+        max_examples=40,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=hostile_body())
     def run(case: tuple[str, bytes]) -> None:
         path, body = case
-        answer = httpx.post(api.url + path, content=body, headers={
-            **AUTH, "Content-Type": "application/json"}, timeout=60)
+        answer = httpx.post(
+            api.url + path,
+            content=body,
+            headers={**AUTH, "Content-Type": "application/json"},
+            timeout=60,
+        )
         seen.add(answer.status_code)
         assert 400 <= answer.status_code < 500 or answer.status_code in (200, 202), answer.text
         assert len(answer.content) <= 64 * 1024, (path, len(answer.content))
@@ -142,36 +174,44 @@ def test_bounds_on_k_batch_and_body(api: ApiServer) -> None:
     query = {"modality": "image", "vector": [0.1] * 8}
     too_many = httpx.post(f"{api.url}/v1/search", json={**query, "k": 51})
     assert too_many.status_code == 422 and "k must be <= 50" in too_many.text
-    batch = httpx.post(f"{api.url}/v1/similarity",
-                       json={"images": [[0.1] * 8] * 65, "texts": [[0.1] * 4] * 65})
+    batch = httpx.post(
+        f"{api.url}/v1/similarity", json={"images": [[0.1] * 8] * 65, "texts": [[0.1] * 4] * 65}
+    )
     assert batch.status_code == 422 and "exceed the limit 64" in batch.text
 
 
 def test_bodies_over_the_limit_are_refused_before_they_are_read(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     small = settings.model_copy(update={"max_body_bytes": 4096})
     with ApiServer(small) as server:
         body = b'{"modality": "image", "vector": [' + b"0.1," * 5000 + b"0.1]}"
-        declared = httpx.post(f"{server.url}/v1/search", content=body,
-                              headers={"content-type": "application/json"})
+        declared = httpx.post(
+            f"{server.url}/v1/search", content=body, headers={"content-type": "application/json"}
+        )
         assert declared.status_code == 413
 
         def chunks() -> Iterator[bytes]:  # no content-length: counted as it streams in
             for i in range(0, len(body), 1000):
                 yield body[i : i + 1000]
 
-        streamed = httpx.post(f"{server.url}/v1/search", content=chunks(),
-                              headers={"content-type": "application/json"})
+        streamed = httpx.post(
+            f"{server.url}/v1/search",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+        )
         assert streamed.status_code == 413
 
 
 def test_tokens_guard_writes_and_optionally_reads_and_are_never_logged(
-        r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     pair = {"id": "x", "img": [0.1] * 8, "txt": [0.2] * 4}
     caplog.set_level(logging.DEBUG)
     for reads_too in (False, True):
-        secured = settings.model_copy(update={"api_token": SecretStr(TOKEN),
-                                              "api_token_for_reads": reads_too})
+        secured = settings.model_copy(
+            update={"api_token": SecretStr(TOKEN), "api_token_for_reads": reads_too}
+        )
         with ApiServer(secured) as server:
             url = server.url
             assert httpx.post(f"{url}/v1/pairs", json={"pairs": [pair]}).status_code == 401
@@ -186,8 +226,12 @@ def test_tokens_guard_writes_and_optionally_reads_and_are_never_logged(
             assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
             assert httpx.get(f"{url}/healthz").status_code == 200  # probes stay open
             schema = httpx.get(f"{url}/openapi.json").json()
-            secured_ops = {path for path, ops in schema["paths"].items()
-                           for op in ops.values() if op.get("security")}
+            secured_ops = {
+                path
+                for path, ops in schema["paths"].items()
+                for op in ops.values()
+                if op.get("security")
+            }
             assert "/v1/pairs" in secured_ops
             assert ("/v1/models" in secured_ops) == reads_too
     assert TOKEN not in caplog.text and TOKEN[:-1] not in caplog.text

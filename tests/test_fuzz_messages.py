@@ -38,8 +38,14 @@ def _f32(values: list[float]) -> bytes:
 
 
 def valid(i: int = 0) -> Fields:
-    return {b"v": b"1", b"id": f"p-{i}".encode(), b"img": _f32([0.5] * IMG),
-            b"txt": _f32([0.25] * TXT), b"labels": b"1,2", b"ts": b"1700000000.5"}
+    return {
+        b"v": b"1",
+        b"id": f"p-{i}".encode(),
+        b"img": _f32([0.5] * IMG),
+        b"txt": _f32([0.25] * TXT),
+        b"labels": b"1,2",
+        b"ts": b"1700000000.5",
+    }
 
 
 finite = st.floats(-1e6, 1e6, allow_nan=False, width=32)
@@ -58,8 +64,9 @@ def bad_vector(draw: st.DrawFn, name: str, dim: int) -> Case:
         kind = "dim_mismatch"
     else:
         values = draw(st.lists(finite, min_size=dim, max_size=dim))
-        values[draw(st.integers(0, dim - 1))] = draw(st.sampled_from(
-            [float("nan"), float("inf"), -float("inf")]))
+        values[draw(st.integers(0, dim - 1))] = draw(
+            st.sampled_from([float("nan"), float("inf"), -float("inf")])
+        )
         raw = _f32(values)
     return {name.encode(): raw}, kind, name
 
@@ -81,13 +88,16 @@ def mutation(draw: st.DrawFn) -> Case:
         fields[name] = draw(st.binary(max_size=16))
         return fields, "unknown_field", ""
     if which == "id":
-        fields[b"id"] = draw(st.one_of(
-            st.just(b""),
-            st.binary(min_size=1, max_size=8).map(lambda b: b"\xff" + b),  # not UTF-8
-            st.text(min_size=1, max_size=20).map(lambda t: (t + "\x00").encode()),
-            st.sampled_from([b"a\r\nb", b"\x1b[31mred", b"tab\tid", b"\x7f"]),
-            # Too long: by characters, or past the most bytes 256 characters take (too_large).
-            st.text(min_size=257, max_size=300).map(str.encode)))
+        fields[b"id"] = draw(
+            st.one_of(
+                st.just(b""),
+                st.binary(min_size=1, max_size=8).map(lambda b: b"\xff" + b),  # not UTF-8
+                st.text(min_size=1, max_size=20).map(lambda t: (t + "\x00").encode()),
+                st.sampled_from([b"a\r\nb", b"\x1b[31mred", b"tab\tid", b"\x7f"]),
+                # Too long: by characters, or past the most bytes 256 characters take (too_large).
+                st.text(min_size=257, max_size=300).map(str.encode),
+            )
+        )
         if len(fields[b"id"]) > 4 * 256:
             return fields, "too_large", "id"
         return fields, "bad_id", "id"
@@ -96,21 +106,28 @@ def mutation(draw: st.DrawFn) -> Case:
         fields.update(update)
         return fields, reason, name
     if which == "labels":
-        fields[b"labels"] = draw(st.one_of(
-            st.sampled_from([b"a", b"1.5", b"1;2", b"-1", b"1,,2", b" ", b"0x10", b"\xc3\xa9"]),
-            st.integers(1_000_001, 10**12).map(lambda n: str(n).encode()),
-            st.just(",".join(map(str, range(65))).encode()),
-            non_canonical(st.integers(0, 1000).map(str))))
+        fields[b"labels"] = draw(
+            st.one_of(
+                st.sampled_from([b"a", b"1.5", b"1;2", b"-1", b"1,,2", b" ", b"0x10", b"\xc3\xa9"]),
+                st.integers(1_000_001, 10**12).map(lambda n: str(n).encode()),
+                st.just(",".join(map(str, range(65))).encode()),
+                non_canonical(st.integers(0, 1000).map(str)),
+            )
+        )
         return fields, "bad_labels", "labels"
-    fields[b"ts"] = draw(st.one_of(
-        st.sampled_from([b"abc", b"nan", b"inf", b"-inf", b"1e999", b"1,5"]),
-        non_canonical(st.floats(0, 2e9, allow_nan=False).map(repr))))
+    fields[b"ts"] = draw(
+        st.one_of(
+            st.sampled_from([b"abc", b"nan", b"inf", b"-inf", b"1e999", b"1,5"]),
+            non_canonical(st.floats(0, 2e9, allow_nan=False).map(repr)),
+        )
+    )
     return fields, "bad_ts", "ts"
 
 
 def non_canonical(numbers: st.SearchStrategy[str]) -> st.SearchStrategy[bytes]:
     """A number spelt in a way Python's int()/float() accept but message v1 does not: padded
     with whitespace, with an underscore, a plus sign or non-ASCII digits."""
+
     def spoil(text: str, how: str) -> bytes:
         if how == "space":
             return f" {text} ".encode()
@@ -122,8 +139,9 @@ def non_canonical(numbers: st.SearchStrategy[str]) -> st.SearchStrategy[bytes]:
             return (text[0] + "_" + text[1:] if len(text) > 1 else f"{text}_0").encode()
         return text.translate({ord(str(d)): chr(0x0660 + d) for d in range(10)}).encode()
 
-    return st.builds(spoil, numbers,
-                     st.sampled_from(["space", "newline", "plus", "underscore", "arabic"]))
+    return st.builds(
+        spoil, numbers, st.sampled_from(["space", "newline", "plus", "underscore", "arabic"])
+    )
 
 
 @examples(max_examples=400, deadline=None)
@@ -157,8 +175,13 @@ def test_a_huge_first_vector_is_too_large_without_a_schema() -> None:
 
 
 @examples(max_examples=300, deadline=None)
-@given(st.dictionaries(st.one_of(st.sampled_from(list(KNOWN_FIELDS)), st.binary(max_size=6)),
-                       st.binary(max_size=40), max_size=8))
+@given(
+    st.dictionaries(
+        st.one_of(st.sampled_from(list(KNOWN_FIELDS)), st.binary(max_size=6)),
+        st.binary(max_size=40),
+        max_size=8,
+    )
+)
 def test_arbitrary_bytes_are_a_pair_or_an_invalid_pair(fields: Fields) -> None:
     try:
         assert isinstance(decode_pair(fields), Pair)
@@ -178,7 +201,8 @@ def test_field_names_reach_logs_and_labels_as_one_printable_line(raw: bytes) -> 
 
 
 def test_a_forged_log_line_in_a_field_name_stays_on_its_line(
-        r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = Keys(settings.namespace)
     StreamClient(r, settings.namespace).push_pairs([_good(0)])
     r.xadd(keys.pairs, {**valid(1), b"x\nCRITICAL forged line": b"1"})  # type: ignore[arg-type]
@@ -194,12 +218,16 @@ def _good(i: int) -> Pair:
     return make_pair(f"good-{i}", rng.random(IMG), rng.random(TXT), labels=[i % 3])
 
 
-@examples(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@examples(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(cases=st.lists(mutation(), min_size=1, max_size=6))
 @pytest.mark.slow
 def test_worker_dead_letters_each_bad_entry_and_learns_the_good_ones(
-        cases: list[Case], r: redis.Redis, settings: Settings) -> None:
+    cases: list[Case], r: redis.Redis, settings: Settings
+) -> None:
     ns = "f" + uuid.uuid4().hex[:10]
     keys = Keys(ns)
     client = StreamClient(r, ns)

@@ -42,9 +42,11 @@ def _push(settings: Settings, r: redis.Redis, pairs: list[Pair]) -> None:
 
 @pytest.mark.parametrize("kind", ["redis", "dir"])
 def test_every_entry_lands_once_and_the_cap_retires_the_oldest(
-        kind: str, r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
-    cfg = settings.model_copy(update={"checkpoint_store": kind, "gallery_max": 700,
-                                      "checkpoint_dir": tmp_path / "ckpt"})
+    kind: str, r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
+    cfg = settings.model_copy(
+        update={"checkpoint_store": kind, "gallery_max": 700, "checkpoint_dir": tmp_path / "ckpt"}
+    )
     pairs = fx.class_stream(1000, fx.IMG, fx.TXT, seed=1)
     indexer = build_indexer(cfg, r)
     indexer.segment_rows = 64  # many small commits: the tier merge has work to do
@@ -62,7 +64,8 @@ def test_every_entry_lands_once_and_the_cap_retires_the_oldest(
 
 
 def test_a_replica_opens_the_segments_without_the_stream(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     cfg = settings.model_copy(update={"checkpoint_every_pairs": 100, "checkpoint_keep": 1})
     pairs = fx.class_stream(900, fx.IMG, fx.TXT, seed=2)
@@ -75,36 +78,42 @@ def test_a_replica_opens_the_segments_without_the_stream(
     _push(cfg, r, pairs[600:])  # not indexed yet: the API reads them from the stream
     build_worker(cfg, r, "cmos").run(until_idle=True)
     with fx.ApiServer(cfg) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+
         def gallery_items() -> int:
             models = http.get("/v1/models").json()["models"]
             return int(models[0]["gallery_items"]) if models else 0
 
         fx.wait_for(lambda: gallery_items() == 900, 30, "segments plus the stream's tail")
         probe = pairs[10]
-        hits = http.post("/v1/search", json={"modality": "image", "vector": probe.img.tolist(),
-                                             "k": 900}).json()["results"]
+        hits = http.post(
+            "/v1/search", json={"modality": "image", "vector": probe.img.tolist(), "k": 900}
+        ).json()["results"]
         assert sorted(h["id"] for h in hits) == sorted(p.id for p in pairs)  # each once
         build_indexer(cfg, r).run(until_idle=True)  # the tail becomes a segment
-        fx.wait_for(lambda: read_manifest(r, keys) is not None
-                    and read_manifest(r, keys).rows == 900, 10, "the new segment")
+        fx.wait_for(
+            lambda: read_manifest(r, keys) is not None and read_manifest(r, keys).rows == 900,
+            10,
+            "the new segment",
+        )
         time.sleep(1.0)  # a few refreshes of the API
         assert gallery_items() == 900
-        hits = http.post("/v1/search", json={"modality": "image", "vector": probe.img.tolist(),
-                                             "k": 900}).json()["results"]
+        hits = http.post(
+            "/v1/search", json={"modality": "image", "vector": probe.img.tolist(), "k": 900}
+        ).json()["results"]
         assert sorted(h["id"] for h in hits) == sorted(p.id for p in pairs)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,fail_point", [("redis", "checkpoint.before_exec"),
-                                             ("dir", "checkpoint.before_commit")])
+@pytest.mark.parametrize(
+    "kind,fail_point", [("redis", "checkpoint.before_exec"), ("dir", "checkpoint.before_commit")]
+)
 def test_sigkill_mid_commit_leaves_every_entry_in_exactly_one_segment(
-        kind: str, fail_point: str, r: redis.Redis, settings: Settings,
-        tmp_path: Path) -> None:
+    kind: str, fail_point: str, r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
     n = 3000
     ckpt = tmp_path / "ckpt"
     pairs = fx.class_stream(n, fx.IMG, fx.TXT, seed=3)
-    env = fx.worker_env(settings, STREAMXM_CHECKPOINT_STORE=kind,
-                        STREAMXM_CHECKPOINT_DIR=str(ckpt))
+    env = fx.worker_env(settings, STREAMXM_CHECKPOINT_STORE=kind, STREAMXM_CHECKPOINT_DIR=str(ckpt))
     client = StreamClient(r, settings.namespace)
     keys = Keys(settings.namespace)
     rng = np.random.default_rng(4)
@@ -116,8 +125,9 @@ def test_sigkill_mid_commit_leaves_every_entry_in_exactly_one_segment(
     for step in range(4):
         client.push_pairs(pairs[step * 600 : (step + 1) * 600])
         if step % 2:
-            proc = fx.Child("indexer", env={**env, "STREAMXM_FAULT_PAUSE": f"{fail_point}:30"},
-                            watch=True)
+            proc = fx.Child(
+                "indexer", env={**env, "STREAMXM_FAULT_PAUSE": f"{fail_point}:30"}, watch=True
+            )
             fx.wait_for(lambda p=proc: p.saw("fail point"), 60, "the commit fail point")
         else:
             proc = fx.Child("indexer", env=env, watch=True)
@@ -136,14 +146,17 @@ def test_sigkill_mid_commit_leaves_every_entry_in_exactly_one_segment(
 
 
 def test_an_api_started_before_the_indexer_moves_to_segments_without_loss(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     pairs = fx.class_stream(700, fx.IMG, fx.TXT, seed=5)
     _push(settings, r, pairs)
     build_worker(settings, r, "cmos").run(until_idle=True)
     with fx.ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+
         def ids_found() -> list[str]:
-            hits = http.post("/v1/search", json={"modality": "text", "k": 1000,
-                                                 "vector": pairs[0].txt.tolist()})
+            hits = http.post(
+                "/v1/search", json={"modality": "text", "k": 1000, "vector": pairs[0].txt.tolist()}
+            )
             return sorted(h["id"] for h in hits.json()["results"]) if hits.is_success else []
 
         want = sorted(p.id for p in pairs)
@@ -161,7 +174,8 @@ def test_an_api_started_before_the_indexer_moves_to_segments_without_loss(
 
 
 def test_a_corrupt_segment_is_quarantined_and_the_rest_of_the_gallery_served(
-        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
     """Two segment files replaced by garbage: the indexer (a real process) finds the one it
     merges, the API the one it opens; both are recorded with their rows and dropped from the
     manifest, the indexer keeps indexing, the API stays ready (``degraded``, naming them) and
@@ -183,30 +197,53 @@ def test_a_corrupt_segment_is_quarantined_and_the_rest_of_the_gallery_served(
     _push(cfg, r, pairs[700:750])  # the indexer merges the 100-row segment with these
     indexer = fx.Child("indexer", env=env, watch=True)
     try:
-        fx.wait_for(lambda: read_manifest(r, keys).last_id  # type: ignore[union-attr]
-                    != manifest.last_id, 30, "the indexer's first commit")
+        fx.wait_for(
+            lambda: (
+                read_manifest(r, keys).last_id  # type: ignore[union-attr]
+                != manifest.last_id
+            ),
+            30,
+            "the indexer's first commit",
+        )
         with fx.ApiServer(cfg) as api, httpx.Client(base_url=api.url, timeout=30) as http:
-            fx.wait_for(lambda: http.get("/readyz").json()["status"] == "degraded", 30,
-                        "the API to open the segments")
+            fx.wait_for(
+                lambda: http.get("/readyz").json()["status"] == "degraded",
+                30,
+                "the API to open the segments",
+            )
             ready = http.get("/readyz")
             assert ready.status_code == 200
-            assert ready.json()["gallery"] == {"degraded": True, "corrupt_segments": [1, 2],
-                                               "rows_lost": 700}
+            assert ready.json()["gallery"] == {
+                "degraded": True,
+                "corrupt_segments": [1, 2],
+                "rows_lost": 700,
+            }
             _push(cfg, r, pairs[750:])  # the next commit drops segment 1 from the manifest
-            fx.wait_for(lambda: read_manifest(r, keys).rows == 100,  # type: ignore[union-attr]
-                        30, "the corrupt segments out of the manifest")
+            fx.wait_for(
+                lambda: read_manifest(r, keys).rows == 100,  # type: ignore[union-attr]
+                30,
+                "the corrupt segments out of the manifest",
+            )
             build_worker(cfg, r, "cmos").run(until_idle=True)
             models = http.get("/v1/models").json()
             assert models["gallery"]["degraded"] and models["gallery"]["rows_lost"] == 700
-            fx.wait_for(lambda: http.get("/v1/models").json()["models"][0]["gallery_items"]
-                        == 100, 30, "the rest of the gallery served")
-            hits = http.post("/v1/search", json={"modality": "image", "k": 1000,
-                                                 "vector": pairs[0].img.tolist()}).json()
+            fx.wait_for(
+                lambda: http.get("/v1/models").json()["models"][0]["gallery_items"] == 100,
+                30,
+                "the rest of the gallery served",
+            )
+            hits = http.post(
+                "/v1/search", json={"modality": "image", "k": 1000, "vector": pairs[0].img.tolist()}
+            ).json()
             assert sorted(h["id"] for h in hits["results"]) == sorted(p.id for p in pairs[700:])
             # A model with no learner is unknown (404), not "not ready".
-            assert http.post("/v1/search", json={"modality": "image", "model": "cca",
-                                                 "vector": pairs[0].img.tolist()}
-                             ).status_code == 404
+            assert (
+                http.post(
+                    "/v1/search",
+                    json={"modality": "image", "model": "cca", "vector": pairs[0].img.tolist()},
+                ).status_code
+                == 404
+            )
             scrape = http.get("/metrics").text
         assert fx.metric(scrape, "streamxm_gallery_segments_corrupt_total") == 2
         assert fx.metric(scrape, "streamxm_gallery_rows_lost_total") == 700

@@ -34,12 +34,15 @@ pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
 
 
 def _dead_letters(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
-    return [{k.decode(): v.decode(errors="replace") for k, v in fields.items()}
-            for _, fields in r.xrange(keys.dead)]  # type: ignore[union-attr]
+    return [
+        {k.decode(): v.decode(errors="replace") for k, v in fields.items()}
+        for _, fields in r.xrange(keys.dead)
+    ]  # type: ignore[union-attr]
 
 
 def test_a_transient_learning_failure_mid_batch_loses_nothing(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     """One exception at the 101st of 300 pairs read in one batch: before the fix the worker
     committed the whole batch with a third of it learned; now it reloads, replays and ends
     bit-identical to an uninterrupted run."""
@@ -49,8 +52,11 @@ def test_a_transient_learning_failure_mid_batch_loses_nothing(
     env = worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100*1")
     worker = WorkerProcess(env)
     try:
-        wait_for(lambda: processed(r, keys) == 300 and worker.alive(), 60,
-                 "every pair learned by a living worker")
+        wait_for(
+            lambda: processed(r, keys) == 300 and worker.alive(),
+            60,
+            "every pair learned by a living worker",
+        )
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
     finally:
         code = worker.stop() if worker.alive() else worker.proc.returncode
@@ -61,7 +67,8 @@ def test_a_transient_learning_failure_mid_batch_loses_nothing(
 
 
 def test_an_entry_that_always_fails_is_dead_lettered_after_three_attempts(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(300, IMG, TXT, seed=22)
     ids = StreamClient(r, settings.namespace).push_pairs(pairs)
@@ -85,7 +92,8 @@ def test_an_entry_that_always_fails_is_dead_lettered_after_three_attempts(
 
 
 def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
-        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
     """Worker a freezes half-way through writing version 1 (a GC or VM pause) for longer than
     its lease; b takes over and commits its own version 1 and more. When a resumes, its bytes
     must not land in b's files, it must not make its version current, and it must live on."""
@@ -96,11 +104,16 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
     client.push_pairs(pairs[:500])
     # The whole process freezes: with its checkpoint written on the learning path, the pause
     # in the write stops the loop that refreshes the lease too.
-    env = worker_env(settings, STREAMXM_CHECKPOINT_STORE="dir",
-                     STREAMXM_CHECKPOINT_DIR=str(ckpt_dir), STREAMXM_READ_BATCH="50",
-                     STREAMXM_CHECKPOINT_IN_BACKGROUND="false")
-    stale = WorkerProcess({**env, "STREAMXM_CONSUMER": "a",
-                           "STREAMXM_FAULT_PAUSE": "checkpoint.partial_write:8"})
+    env = worker_env(
+        settings,
+        STREAMXM_CHECKPOINT_STORE="dir",
+        STREAMXM_CHECKPOINT_DIR=str(ckpt_dir),
+        STREAMXM_READ_BATCH="50",
+        STREAMXM_CHECKPOINT_IN_BACKGROUND="false",
+    )
+    stale = WorkerProcess(
+        {**env, "STREAMXM_CONSUMER": "a", "STREAMXM_FAULT_PAUSE": "checkpoint.partial_write:8"}
+    )
     successor = None
     try:
         wait_for(lambda: stale.saw("fail point"), 60, "worker a to freeze mid-write")
@@ -109,8 +122,7 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
         client.push_pairs(pairs[500:])
         wait_for(lambda: processed(r, keys) == 1500, 60, "b to learn every pair")
         # a wakes up (8 s after freezing), finds the lease gone and stands by.
-        wait_for(lambda: stale.saw("lost the lease"), 30,
-                 "a to notice it lost the lease")
+        wait_for(lambda: stale.saw("lost the lease"), 30, "a to notice it lost the lease")
         time.sleep(0.5)
         assert stale.alive(), stale.tail()
         assert r.get(keys.lease("cmos")) == b"b"
@@ -119,8 +131,9 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
         for w in (stale, successor):
             if w is not None:
                 w.stop()
-    dir_settings = settings.model_copy(update={"checkpoint_store": "dir",
-                                               "checkpoint_dir": ckpt_dir})
+    dir_settings = settings.model_copy(
+        update={"checkpoint_store": "dir", "checkpoint_dir": ckpt_dir}
+    )
     store = open_store(dir_settings, r)
     head = store.head("cmos")
     assert head is not None

@@ -25,10 +25,15 @@ def test_a_linear_head_embeds_the_gallery_as_the_model_does(name: str) -> None:
     learner.flush()
     model = learner.model
     gallery = pairs[150:]
-    chunk = GalleryChunk.of(np.array([p.id for p in gallery]),
-                            np.stack([p.img for p in gallery]), np.stack([p.txt for p in gallery]))
-    for modality, embed, other in (("image", model.embed_images, model.embed_texts),
-                                   ("text", model.embed_texts, model.embed_images)):
+    chunk = GalleryChunk.of(
+        np.array([p.id for p in gallery]),
+        np.stack([p.img for p in gallery]),
+        np.stack([p.txt for p in gallery]),
+    )
+    for modality, embed, other in (
+        ("image", model.embed_images, model.embed_texts),
+        ("text", model.embed_texts, model.embed_images),
+    ):
         head = model.linear_head(modality)
         assert head is not None
         want = embed(chunk.raw(modality)).astype(np.float64)
@@ -43,8 +48,9 @@ def test_a_linear_head_embeds_the_gallery_as_the_model_does(name: str) -> None:
         assert (error > 0) == (name == "sdsrl") == (kept.dtype == np.float16), name
         # Scores by the kept features stay within the search's rounding margin of the model's,
         # plus the bound of the kept features' rounding where there is one.
-        queries = other(np.stack([p.txt if modality == "image" else p.img
-                                  for p in pairs[:20]])).astype(np.float64)
+        queries = other(
+            np.stack([p.txt if modality == "image" else p.img for p in pairs[:20]])
+        ).astype(np.float64)
         exact, scanned = queries @ want.T, queries @ got.T
         reach = np.linalg.norm(queries, axis=1)[:, None] * np.linalg.norm(got, axis=1).max()
         margin = np.vectorize(scan_margin)(scanned, reach) / 10  # a tenth of it, at most
@@ -75,8 +81,9 @@ def test_kernel_rows_are_kept_in_half_the_bytes_within_their_bound() -> None:
 def test_kernel_rows_to_grown_landmarks_reuse_the_kept_columns() -> None:
     rng = np.random.default_rng(0)
     rows = rng.random((300, IMG), dtype=np.float32)
-    chunk = GalleryChunk.of(np.array([str(i) for i in range(300)]), rows,
-                            rng.random((300, TXT), dtype=np.float32))
+    chunk = GalleryChunk.of(
+        np.array([str(i) for i in range(300)]), rows, rng.random((300, TXT), dtype=np.float32)
+    )
     landmarks = rng.random((40, IMG))
     landmarks /= np.linalg.norm(landmarks, axis=1, keepdims=True)
     first = RbfFeatures(power_features(0.5), landmarks[:25], 1.0)
@@ -105,8 +112,9 @@ def test_kept_features_of_runs_of_slots_are_read_in_place() -> None:
         runs = kept.runs(fmap, "image", buffer, rows)
         assert len(runs) == 1 + int(not np.array_equal(rows, np.sort(rows)))
         assert all(np.shares_memory(run, kept._kept["image"][1]) for run in runs)
-        np.testing.assert_array_equal(np.concatenate(runs),
-                                      kept.features(fmap, "image", buffer, rows))
+        np.testing.assert_array_equal(
+            np.concatenate(runs), kept.features(fmap, "image", buffer, rows)
+        )
     scattered = np.array([0, 5, 9], dtype=np.intp)
     (gathered,) = kept.runs(fmap, "image", buffer, scattered)
     assert not np.shares_memory(gathered, kept._kept["image"][1])

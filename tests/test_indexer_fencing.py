@@ -29,8 +29,9 @@ from tests import conftest as fx
 
 
 def _config(settings: Settings, kind: str, tmp_path: Path) -> Settings:
-    return settings.model_copy(update={"checkpoint_store": kind, "lease_ttl_ms": 200,
-                                       "checkpoint_dir": tmp_path / "ckpt"})
+    return settings.model_copy(
+        update={"checkpoint_store": kind, "lease_ttl_ms": 200, "checkpoint_dir": tmp_path / "ckpt"}
+    )
 
 
 def _indexer(cfg: Settings, r: redis.Redis, consumer: str) -> GalleryIndexer:
@@ -74,7 +75,8 @@ def _health(cfg: Settings, r: redis.Redis) -> tuple[GalleryHealth, int]:
 
 @pytest.mark.parametrize("kind", ["redis", "dir"])
 def test_a_stale_indexer_cannot_record_a_segment_its_successor_merged(
-        kind: str, r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    kind: str, r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
     cfg = _config(settings, kind, tmp_path)
     keys = Keys(cfg.namespace)
     client = StreamClient(r, cfg.namespace)
@@ -122,7 +124,8 @@ def test_a_stale_indexer_cannot_record_a_segment_its_successor_merged(
 
 
 def test_a_reader_without_the_lease_records_only_a_listed_segment(
-        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    r: redis.Redis, settings: Settings, tmp_path: Path
+) -> None:
     """An API records a segment only while the manifest lists it: one the indexer merged away
     (and deleted) after the API read the manifest is not corrupt; a listed one that is gone
     is."""

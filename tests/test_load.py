@@ -42,8 +42,7 @@ def test_rss_of_this_process() -> None:
 
 def test_ensemble_recall_is_exact_when_the_candidates_cover_the_gallery() -> None:
     # Each member proposing the whole gallery: the fused search must be the exact ranking.
-    result = ensemble_recall(gallery=400, img_dim=8, txt_dim=4, queries=10,
-                                  candidates=400)
+    result = ensemble_recall(gallery=400, img_dim=8, txt_dim=4, queries=10, candidates=400)
     assert result["recall_at_k"] == 1.0 and result["candidates_per_member"] == 400
 
 
@@ -58,10 +57,28 @@ def test_a_terminated_bench_leaves_no_process_behind() -> None:
 
     from tests.conftest import wait_for
 
-    proc = subprocess.Popen([sys.executable, "-m", "streamxm", "bench", "query", "--gallery",
-                             "3000", "--img-dim", "16", "--txt-dim", "8", "--clients", "2",
-                             "--seconds", "300", "--json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamxm",
+            "bench",
+            "query",
+            "--gallery",
+            "3000",
+            "--img-dim",
+            "16",
+            "--txt-dim",
+            "8",
+            "--clients",
+            "2",
+            "--seconds",
+            "300",
+            "--json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     bench = psutil.Process(proc.pid)
 
     def serving() -> list[psutil.Process]:
@@ -70,8 +87,9 @@ def test_a_terminated_bench_leaves_no_process_behind() -> None:
         return children if any(c.endswith("streamxm api") for c in commands) else []
 
     try:
-        children = wait_for(serving, 120, "the bench's API to start",
-                            tolerate=(psutil.NoSuchProcess,))
+        children = wait_for(
+            serving, 120, "the bench's API to start", tolerate=(psutil.NoSuchProcess,)
+        )
         assert len(children) >= 4  # redis, worker, indexer, api
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) != 0

@@ -31,20 +31,38 @@ def test_message_round_trip() -> None:
     ("fields", "reason", "field"),
     [
         ({b"v": b"1", b"id": b"x", b"img": b"\x00" * 7, b"txt": b"\x00" * 4}, "bad_length", "img"),
-        ({b"v": b"1", b"id": b"x", b"img": np.array([np.nan, 1], "<f4").tobytes(),
-          b"txt": b"\x00" * 4}, "non_finite", "img"),
+        (
+            {
+                b"v": b"1",
+                b"id": b"x",
+                b"img": np.array([np.nan, 1], "<f4").tobytes(),
+                b"txt": b"\x00" * 4,
+            },
+            "non_finite",
+            "img",
+        ),
         ({b"v": b"1", b"id": b"x", b"img": b"\x00" * 8}, "missing_field", "txt"),
         ({b"v": b"2", b"id": b"x", b"img": b"\x00" * 8, b"txt": b"\x00" * 4}, "bad_version", "v"),
-        ({b"v": b"1", b"id": b"\xff\xfe", b"img": b"\x00" * 8, b"txt": b"\x00" * 4}, "bad_id",
-         "id"),
-        ({b"v": b"1", b"id": b"x", b"img": b"\x00" * 8, b"txt": b"\x00" * 4, b"labels": b"a,1"},
-         "bad_labels", "labels"),
-        ({b"v": b"1", b"id": b"x", b"img": b"\x00" * 12, b"txt": b"\x00" * 4}, "dim_mismatch",
-         "img"),
+        (
+            {b"v": b"1", b"id": b"\xff\xfe", b"img": b"\x00" * 8, b"txt": b"\x00" * 4},
+            "bad_id",
+            "id",
+        ),
+        (
+            {b"v": b"1", b"id": b"x", b"img": b"\x00" * 8, b"txt": b"\x00" * 4, b"labels": b"a,1"},
+            "bad_labels",
+            "labels",
+        ),
+        (
+            {b"v": b"1", b"id": b"x", b"img": b"\x00" * 12, b"txt": b"\x00" * 4},
+            "dim_mismatch",
+            "img",
+        ),
     ],
 )
-def test_malformed_messages_name_field_and_reason(fields: dict[bytes, bytes], reason: str,
-                                                  field: str) -> None:
+def test_malformed_messages_name_field_and_reason(
+    fields: dict[bytes, bytes], reason: str, field: str
+) -> None:
     with pytest.raises(InvalidPair) as info:
         decode_pair(fields, 2, 1)
     assert (info.value.reason, info.value.field) == (reason, field)
@@ -58,8 +76,9 @@ def test_negative_and_non_integer_labels_are_rejected() -> None:
 
 
 def _ckpt(version: int, value: float) -> Checkpoint:
-    return Checkpoint(version, {"w": np.full((3, 2), value)}, {"note": "x", "n": version},
-                      last_id=f"{version}-0")
+    return Checkpoint(
+        version, {"w": np.full((3, 2), value)}, {"note": "x", "n": version}, last_id=f"{version}-0"
+    )
 
 
 def test_blob_round_trip_and_no_object_arrays() -> None:
@@ -71,11 +90,15 @@ def test_blob_round_trip_and_no_object_arrays() -> None:
 
 
 @pytest.mark.parametrize("kind", ["redis", "dir"])
-def test_store_keeps_versions_and_falls_back_on_corruption(kind: str, r: redis.Redis,
-                                                          namespace: str, tmp_path: Path) -> None:
+def test_store_keeps_versions_and_falls_back_on_corruption(
+    kind: str, r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
     keys = Keys(namespace)
-    store = (RedisCheckpointStore(r, keys, keep=2) if kind == "redis"
-             else DirectoryCheckpointStore(r, keys, tmp_path, keep=2))
+    store = (
+        RedisCheckpointStore(r, keys, keep=2)
+        if kind == "redis"
+        else DirectoryCheckpointStore(r, keys, tmp_path, keep=2)
+    )
     for v in (1, 2, 3):
         store.commit("cmos", _ckpt(v, float(v)), {"pairs_seen": v})
     head = store.head("cmos")
@@ -100,15 +123,23 @@ def test_store_keeps_versions_and_falls_back_on_corruption(kind: str, r: redis.R
 
 
 def test_directory_store_reads_the_layout_before_the_head_moved_to_redis(
-        r: redis.Redis, namespace: str, tmp_path: Path) -> None:
+    r: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
     keys = Keys(namespace)
     blob = encode_blob(_ckpt(4, 4.0))
     legacy = tmp_path / namespace / "cmos"
     legacy.mkdir(parents=True)
     (legacy / f"v{4:012d}.npz").write_bytes(blob)
-    (legacy / "HEAD.json").write_text(json.dumps({
-        "version": "4", "created": "1.0", "last_id": "5-0",
-        "history": f"4:{hashlib.sha256(blob).hexdigest()}"}))
+    (legacy / "HEAD.json").write_text(
+        json.dumps(
+            {
+                "version": "4",
+                "created": "1.0",
+                "last_id": "5-0",
+                "history": f"4:{hashlib.sha256(blob).hexdigest()}",
+            }
+        )
+    )
     store = DirectoryCheckpointStore(r, keys, tmp_path)
     loaded = store.load_latest("cmos")
     assert loaded is not None and loaded.version == 4

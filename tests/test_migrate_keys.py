@@ -22,12 +22,13 @@ def _to_legacy(r: redis.Redis, keys: Keys) -> list[str]:
     """Rename the namespace's keys to the untagged names data had before hash tags."""
     names = sorted(text(k) for k in r.scan_iter(match=f"{keys.prefix}:*"))
     for name in names:
-        r.rename(name, keys.legacy_prefix + name[len(keys.prefix):])
+        r.rename(name, keys.legacy_prefix + name[len(keys.prefix) :])
     return names
 
 
 def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(300, 12, 6, seed=8)
     StreamClient(r, settings.namespace).push_pairs(pairs[:150])
@@ -44,15 +45,23 @@ def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
         StreamClient(r, settings.namespace).push_pairs(pairs[150:])
     assert not r.exists(keys.models) and not r.exists(keys.schema)  # nothing written
     env = worker_env(settings)
-    refused = subprocess.run([*PY, "worker", "--model", "cmos"], env=env, capture_output=True,
-                             text=True, timeout=60)
+    refused = subprocess.run(
+        [*PY, "worker", "--model", "cmos"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert refused.returncode == 2 and "migrate-keys" in refused.stderr
 
-    dry = subprocess.run([*PY, "migrate-keys", "--dry-run"], env=env, capture_output=True,
-                         text=True, timeout=60, check=True)
+    dry = subprocess.run(
+        [*PY, "migrate-keys", "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert json.loads(dry.stdout)["keys"] == tagged and not r.exists(keys.pairs)
-    done = subprocess.run([*PY, "migrate-keys"], env=env, capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run(
+        [*PY, "migrate-keys"], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
     assert json.loads(done.stdout)["renamed"] == len(tagged)
     assert sorted(text(k) for k in r.scan_iter(match=f"{keys.prefix}:*")) == tagged
     assert not list(r.scan_iter(match=f"{keys.legacy_prefix}:*"))
@@ -63,8 +72,9 @@ def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
     assert_same_learner(latest(settings, r), reference(pairs))
 
 
-def test_a_migration_never_overwrites_a_key_under_the_new_name(r: redis.Redis,
-                                                               settings: Settings) -> None:
+def test_a_migration_never_overwrites_a_key_under_the_new_name(
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     StreamClient(r, settings.namespace).push_pairs(class_stream(5, 4, 2, seed=1))
     _to_legacy(r, keys)

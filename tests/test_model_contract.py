@@ -30,15 +30,26 @@ SMALL: dict[str, dict[str, Any]] = {
     "cca": {"solve_every": 50},
 }
 # One parameter per model set out of range: the error must name it.
-BAD = {"cmos": ("C", -1.0), "cmomks": ("beta", 1.5), "pairwise": ("lr", 0.0),
-       "pairwise:bipartite": ("negatives", 0), "pairwise:marginal": ("max_classes", 0),
-       "cca": ("k", 0), "sdsrl": ("forget", 2.0), "scsm": ("groups", 1), "sam": ("dropout", 1.0)}
+BAD = {
+    "cmos": ("C", -1.0),
+    "cmomks": ("beta", 1.5),
+    "pairwise": ("lr", 0.0),
+    "pairwise:bipartite": ("negatives", 0),
+    "pairwise:marginal": ("max_classes", 0),
+    "cca": ("k", 0),
+    "sdsrl": ("forget", 2.0),
+    "scsm": ("groups", 1),
+    "sam": ("dropout", 1.0),
+}
 
 
 def _stream(n: int = 240, seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
     pairs = class_stream(n, IMG, TXT, seed=seed)
-    return (np.stack([p.img for p in pairs]), np.stack([p.txt for p in pairs]),
-            [list(p.labels) for p in pairs])
+    return (
+        np.stack([p.img for p in pairs]),
+        np.stack([p.txt for p in pairs]),
+        [list(p.labels) for p in pairs],
+    )
 
 
 def _learner(model: str) -> Learner:
@@ -91,15 +102,17 @@ def test_results_do_not_depend_on_where_the_stream_is_cut(model: str) -> None:
 def test_get_params_matches_the_constructor(model: str) -> None:
     learner = _learner(model)
     params = learner.get_params()
-    signature = [p for p in inspect.signature(model_class(model).__init__).parameters
-                 if p not in ("self", "img_dim", "txt_dim")]
+    signature = [
+        p
+        for p in inspect.signature(model_class(model).__init__).parameters
+        if p not in ("self", "img_dim", "txt_dim")
+    ]
     assert sorted(params) == sorted(signature)
     for name, value in SMALL.get(model, {}).items():
         assert params[name] == value
     json.dumps(params)  # checkpoints carry them as JSON
     # The same parameters build the same model.
-    again = Learner(model, IMG, TXT, seed=0, **{k: v for k, v in params.items()
-                                                  if k != "variant"})
+    again = Learner(model, IMG, TXT, seed=0, **{k: v for k, v in params.items() if k != "variant"})
     assert again.get_params() == params
 
 
@@ -109,8 +122,10 @@ def test_embeddings_inner_products_are_the_similarity(model: str) -> None:
     learner = _learner(model)
     learner.learn_many(imgs, txts, labels)
     probe_i, probe_t = imgs[:7] + 0.01, txts[:9] + 0.01
-    inner = learner.embed_images(probe_i).astype(np.float64) @ learner.embed_texts(
-        probe_t).astype(np.float64).T
+    inner = (
+        learner.embed_images(probe_i).astype(np.float64)
+        @ learner.embed_texts(probe_t).astype(np.float64).T
+    )
     assert np.allclose(inner, learner.similarity(probe_i, probe_t), rtol=1e-4, atol=1e-5)
     hits = learner.search(probe_i[0], probe_t, k=4)
     assert [h.index for h in hits] == list(np.argsort(-inner[0], kind="stable")[:4])
@@ -128,10 +143,14 @@ def test_index_rows_against_index_queries_are_the_similarity(model: str) -> None
     probe_i = np.stack([p.img for p in pairs[:7]]) + 0.01
     probe_t = np.stack([p.txt for p in pairs[:9]]) + 0.01
     want = m.similarity(probe_i, probe_t)
-    i2t = m.index_query("image", probe_i).astype(np.float64) @ m.index_rows(
-        "text", probe_t).astype(np.float64).T
-    t2i = m.index_rows("image", probe_i).astype(np.float64) @ m.index_query(
-        "text", probe_t).astype(np.float64).T
+    i2t = (
+        m.index_query("image", probe_i).astype(np.float64)
+        @ m.index_rows("text", probe_t).astype(np.float64).T
+    )
+    t2i = (
+        m.index_rows("image", probe_i).astype(np.float64)
+        @ m.index_query("text", probe_t).astype(np.float64).T
+    )
     np.testing.assert_allclose(i2t, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(t2i, want, rtol=1e-4, atol=1e-5)
 
@@ -143,8 +162,7 @@ def test_the_rolling_evaluation_scores_as_the_similarity_does(model: str) -> Non
     the stream goes on and the kept features age (slots written again, heads re-solved)."""
     pairs = class_stream(400, IMG, TXT, seed=0)
     # A ring of 150 slots: the stream writes every slot again twice over.
-    inner = StreamLearner(model, IMG, TXT, SMALL.get(model), buffer_capacity=150,
-                          eval_every=10**9)
+    inner = StreamLearner(model, IMG, TXT, SMALL.get(model), buffer_capacity=150, eval_every=10**9)
     kept = SlotFeatures()
     for start in range(0, 400, 40):
         inner.learn(pairs[start : start + 40])
@@ -155,10 +173,12 @@ def test_the_rolling_evaluation_scores_as_the_similarity_does(model: str) -> Non
         i2t, t2i = model_.evaluation_scores(pair, buffer, rows, kept)
         stacked_i = np.vstack([pair.img[None, :], buffer.img[rows]])
         stacked_t = np.vstack([pair.txt[None, :], buffer.txt[rows]])
-        assert np.allclose(i2t, model_.similarity(pair.img[None, :], stacked_t)[0],
-                           rtol=1e-4, atol=1e-5)
-        assert np.allclose(t2i, model_.similarity(stacked_i, pair.txt[None, :])[:, 0],
-                           rtol=1e-4, atol=1e-5)
+        assert np.allclose(
+            i2t, model_.similarity(pair.img[None, :], stacked_t)[0], rtol=1e-4, atol=1e-5
+        )
+        assert np.allclose(
+            t2i, model_.similarity(stacked_i, pair.txt[None, :])[:, 0], rtol=1e-4, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("model", MODEL_NAMES)
@@ -188,5 +208,6 @@ def test_a_served_model_from_a_checkpoint_scores_as_the_learner_does(model: str)
     restored = StreamLearner.from_state(arrays, meta)
     restored.flush()
     served = model_from_state(arrays, meta)
-    np.testing.assert_array_equal(served.similarity(imgs[:20], txts),
-                                  restored.model.similarity(imgs[:20], txts))
+    np.testing.assert_array_equal(
+        served.similarity(imgs[:20], txts), restored.model.similarity(imgs[:20], txts)
+    )

@@ -69,11 +69,20 @@ def test_loss_is_the_papers_and_the_gradient_is_its_derivative(variant: str) -> 
         pos = s(fx[0], fy[0])
         if variant == "logistic":
             terms = [2.0 * np.log1p(np.exp(-pos))]
-            terms += [np.log1p(np.exp(-(1 if ag else -1) * s(a, b)))
-                      for (a, b), ag in zip(formed, agree, strict=True)]
+            terms += [
+                np.log1p(np.exp(-(1 if ag else -1) * s(a, b)))
+                for (a, b), ag in zip(formed, agree, strict=True)
+            ]
             return float(sum(terms) / 6.0)
-        return float(np.mean([np.log1p(np.exp(-(pos - s(a, b))))
-                              for (a, b), ag in zip(formed, agree, strict=True) if not ag]))
+        return float(
+            np.mean(
+                [
+                    np.log1p(np.exp(-(pos - s(a, b))))
+                    for (a, b), ag in zip(formed, agree, strict=True)
+                    if not ag
+                ]
+            )
+        )
 
     w0 = model.W.astype(np.float64)
     loss, left, right, _ = model.loss_and_factors(fx, fy, agree)
@@ -93,22 +102,25 @@ def test_labels_decide_the_formed_pairs_when_present() -> None:
     the same label pushes every formed pair up, where unlabelled it pushes them down."""
     pairs = class_stream(60, 5, 3, seed=2, n_classes=1)
     stripped = [make_pair(p.id, p.img, p.txt) for p in pairs]
-    probe_i, probe_t = np.random.default_rng(0).random((8, 5)), np.random.default_rng(1).random(
-        (8, 3))
+    probe_i, probe_t = (
+        np.random.default_rng(0).random((8, 5)),
+        np.random.default_rng(1).random((8, 3)),
+    )
     means = []
     for stream in (pairs, stripped):
-        learner = StreamLearner("pairwise", 5, 3, {"whiten": False, "pos_weight": 1.0},
-                                eval_every=10**9)
+        learner = StreamLearner(
+            "pairwise", 5, 3, {"whiten": False, "pos_weight": 1.0}, eval_every=10**9
+        )
         learner.learn(stream)
         means.append(learner.model.similarity(probe_i, probe_t).mean())
     assert means[0] > 0 > means[1]
 
 
 @pytest.mark.parametrize("name", ["pairwise", "pairwise:bipartite", "cca"])
-def test_unlabelled_streams_never_read_a_label(
-        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unlabelled_streams_never_read_a_label(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The no-label variants learn from an unlabelled stream without touching a label: every way
     of reading labels from the buffer raises, and the model still learns to find partners."""
+
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a label was read")
 
@@ -118,8 +130,9 @@ def test_unlabelled_streams_never_read_a_label(
     stripped = [make_pair(p.id, p.img, p.txt) for p in pairs]
     learner = StreamLearner(name, 8, 4, eval_every=10**9)
     learner.learn(stripped)
-    s = learner.model.similarity(np.stack([p.img for p in pairs[:100]]),
-                                 np.stack([p.txt for p in pairs[:100]]))
+    s = learner.model.similarity(
+        np.stack([p.img for p in pairs[:100]]), np.stack([p.txt for p in pairs[:100]])
+    )
     same = np.array([[a.labels == b.labels for b in pairs[:100]] for a in pairs[:100]])
     # The class structure was learned without labels: same-class texts score higher.
     assert s[same].mean() > s[~same].mean()
@@ -148,12 +161,14 @@ def test_marginal_score_is_the_inner_product_of_independent_posteriors() -> None
     np.testing.assert_allclose(eta_a.sum(axis=1), 1.0)
     np.testing.assert_allclose(model.similarity(imgs, txts), eta_a @ eta_b.T, rtol=1e-6)
     cosine = (eta_a / np.linalg.norm(eta_a, axis=1, keepdims=True)) @ (
-        eta_b / np.linalg.norm(eta_b, axis=1, keepdims=True)).T
+        eta_b / np.linalg.norm(eta_b, axis=1, keepdims=True)
+    ).T
     assert not np.allclose(model.similarity(imgs, txts), cosine)  # not the cosine
     # The posteriors classify the training images far above chance.
     labels = np.array([p.labels[0] for p in pairs])
-    predicted = np.array(model.classes)[np.argmax(
-        model.posteriors_images(np.stack([p.img for p in pairs])), axis=1)]
+    predicted = np.array(model.classes)[
+        np.argmax(model.posteriors_images(np.stack([p.img for p in pairs])), axis=1)
+    ]
     assert (predicted == labels).mean() > 0.6  # chance: 1/3
 
 
@@ -176,11 +191,13 @@ def test_streamed_cca_equals_the_batch_fit_and_its_directions_are_canonical() ->
     batch = CCA(6, 5, **params)  # type: ignore[arg-type]
     batch.fit_arrays(imgs, txts)
     probe_i, probe_t = rng.random((5, 6)), rng.random((4, 5))
-    np.testing.assert_allclose(streamed.model.similarity(probe_i, probe_t),
-                               batch.similarity(probe_i, probe_t), atol=1e-6)
+    np.testing.assert_allclose(
+        streamed.model.similarity(probe_i, probe_t), batch.similarity(probe_i, probe_t), atol=1e-6
+    )
     # Canonical: projected training data correlate by the reported correlations, are
     # uncorrelated across components, and come in decreasing order.
     from streamxm.models.moments import power_normalize
+
     u = (power_normalize(imgs) - batch.mean_x) @ batch.proj_x
     v = (power_normalize(txts) - batch.mean_y) @ batch.proj_y
     corr = np.corrcoef(u.T, v.T)
@@ -210,17 +227,23 @@ def test_steps_before_the_first_whitener_do_not_survive_it_with_restart(restart:
 @pytest.mark.parametrize("name", VARIANTS)
 def test_state_round_trip_continues_identically(name: str) -> None:
     pairs = class_stream(300, 6, 4, seed=8)
-    params = {"solve_first": 16} if name == "cca" else (
-        {} if name == "pairwise:marginal" else {"whiten_first": 16, "whiten_every": 50})
+    params = (
+        {"solve_first": 16}
+        if name == "cca"
+        else ({} if name == "pairwise:marginal" else {"whiten_first": 16, "whiten_every": 50})
+    )
     a = StreamLearner(name, 6, 4, params, seed=1, eval_every=7)
     a.learn(pairs[:130])
     b = StreamLearner.from_state(*a.state())
     a.learn(pairs[130:])
     b.learn(pairs[130:])
-    probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(
-        (7, 4))
-    assert np.array_equal(a.model.similarity(probe_i, probe_t),
-                          b.model.similarity(probe_i, probe_t))
+    probe_i, probe_t = (
+        np.random.default_rng(0).random((5, 6)),
+        np.random.default_rng(1).random((7, 4)),
+    )
+    assert np.array_equal(
+        a.model.similarity(probe_i, probe_t), b.model.similarity(probe_i, probe_t)
+    )
     assert a.stats.as_dict() == b.stats.as_dict() and a.rolling_map() == b.rolling_map()
     emb = a.model.embed_images(probe_i).astype(np.float64) @ a.model.embed_texts(probe_t).T
     np.testing.assert_allclose(emb, a.model.similarity(probe_i, probe_t), rtol=1e-5, atol=1e-6)
@@ -228,7 +251,8 @@ def test_state_round_trip_continues_identically(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["pairwise:bipartite", "pairwise:marginal"])
 def test_the_worker_learns_a_variant_and_resumes_from_its_checkpoint(
-        name: str, r: redis.Redis, settings: Settings) -> None:
+    name: str, r: redis.Redis, settings: Settings
+) -> None:
     pairs = class_stream(240, 6, 4, seed=9)
     client = StreamClient(r, settings.namespace)
     client.push_pairs(pairs[:100])
@@ -241,15 +265,21 @@ def test_the_worker_learns_a_variant_and_resumes_from_its_checkpoint(
     reference = StreamLearner(name, 6, 4, seed=settings.seed)
     reference.learn(pairs)
     assert restored.pairs_seen == 240 and restored.stats.as_dict() == reference.stats.as_dict()
-    probe_i, probe_t = np.random.default_rng(0).random((5, 6)), np.random.default_rng(1).random(
-        (7, 4))
-    assert np.array_equal(restored.model.similarity(probe_i, probe_t),
-                          reference.model.similarity(probe_i, probe_t))
+    probe_i, probe_t = (
+        np.random.default_rng(0).random((5, 6)),
+        np.random.default_rng(1).random((7, 4)),
+    )
+    assert np.array_equal(
+        restored.model.similarity(probe_i, probe_t), reference.model.similarity(probe_i, probe_t)
+    )
 
 
-PAPER = {"cca": "CCA", "pairwise": "logistic, cross-product, no labels",
-         "pairwise:bipartite": "bipartite, cross-product, no labels",
-         "pairwise:marginal": "marginal SM"}
+PAPER = {
+    "cca": "CCA",
+    "pairwise": "logistic, cross-product, no labels",
+    "pairwise:bipartite": "bipartite, cross-product, no labels",
+    "pairwise:marginal": "marginal SM",
+}
 
 
 @pytest.mark.skipif(not SHARED_WIKI.exists(), reason="needs ../shared/datasets")
@@ -270,13 +300,15 @@ def test_one_streaming_pass_reaches_95_percent_of_the_paper(name: str) -> None:
 
 
 def test_marginal_counts_labels_beyond_max_classes_once_per_arriving_pair() -> None:
-    learner = StreamLearner("pairwise:marginal", 6, 4, {"max_classes": 2, "replay": 8},
-                      eval_every=10**9)
+    learner = StreamLearner(
+        "pairwise:marginal", 6, 4, {"max_classes": 2, "replay": 8}, eval_every=10**9
+    )
     learner.learn(class_stream(40, 6, 4, seed=10, n_classes=3))
     model = learner.model
     assert isinstance(model, MarginalMatching) and len(model.classes) == 2
-    third = 40 - sum(1 for p in class_stream(40, 6, 4, seed=10, n_classes=3)
-                     if p.labels[0] in model.classes)
+    third = 40 - sum(
+        1 for p in class_stream(40, 6, 4, seed=10, n_classes=3) if p.labels[0] in model.classes
+    )
     assert model.ignored_labels == third > 0
 
 
@@ -320,8 +352,16 @@ def test_cached_features_are_those_of_the_pairs_stored_now() -> None:
     the memory, the whitener refreshed and the buffer restored, every cached row is still the
     features of the pair its slot holds."""
     pairs = sorted(class_stream(400, 6, 4, seed=3), key=lambda p: p.labels[0])  # bursts
-    learner = StreamLearner("pairwise", 6, 4, {"whiten_first": 16, "whiten_every": 50},
-                            seed=0, buffer_capacity=40, buffer_memory=40, eval_every=10**9)
+    learner = StreamLearner(
+        "pairwise",
+        6,
+        4,
+        {"whiten_first": 16, "whiten_every": 50},
+        seed=0,
+        buffer_capacity=40,
+        buffer_memory=40,
+        eval_every=10**9,
+    )
 
     def check(learner: StreamLearner) -> None:
         model, buffer = learner.model, learner.buffer
@@ -340,8 +380,7 @@ def test_cached_features_are_those_of_the_pairs_stored_now() -> None:
 
 
 @pytest.mark.parametrize("name", ["pairwise", "pairwise:bipartite"])
-def test_rolling_evaluation_scores_from_the_cached_features_as_the_model_scores(
-        name: str) -> None:
+def test_rolling_evaluation_scores_from_the_cached_features_as_the_model_scores(name: str) -> None:
     """The evaluation scores the arriving pair against the stored pairs from the features the
     steps cached, with ``W`` on the query's side: the scores ``similarity`` gives, to float32
     rounding, so the rolling mAP keeps its meaning."""
@@ -354,8 +393,10 @@ def test_rolling_evaluation_scores_from_the_cached_features_as_the_model_scores(
         i2t, t2i = model.evaluation_scores(pair, buffer, rows, SlotFeatures())
         imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
         txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
-        np.testing.assert_allclose(i2t, model.similarity(pair.img[None, :], txts)[0],
-                                   rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(t2i, model.similarity(imgs, pair.txt[None, :])[:, 0],
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            i2t, model.similarity(pair.img[None, :], txts)[0], rtol=1e-4, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            t2i, model.similarity(imgs, pair.txt[None, :])[:, 0], rtol=1e-4, atol=1e-5
+        )
         learner.learn([pair])

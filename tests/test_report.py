@@ -16,13 +16,23 @@ def write_dataset(path: Path, seed: int = 0) -> Path:
 
     def split(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         y = rng.integers(3, size=n)
-        return (centres_i[y] + 0.8 * rng.normal(size=(n, 12)),
-                centres_t[y] + 0.8 * rng.normal(size=(n, 6)), y)
+        return (
+            centres_i[y] + 0.8 * rng.normal(size=(n, 12)),
+            centres_t[y] + 0.8 * rng.normal(size=(n, 6)),
+            y,
+        )
 
     img_train, txt_train, y_train = split(300)
     img_test, txt_test, y_test = split(90)
-    np.savez(path, img_train=img_train, txt_train=txt_train, y_train=y_train,
-             img_test=img_test, txt_test=txt_test, y_test=y_test)
+    np.savez(
+        path,
+        img_train=img_train,
+        txt_train=txt_train,
+        y_train=y_train,
+        img_test=img_test,
+        txt_test=txt_test,
+        y_test=y_test,
+    )
     return path
 
 
@@ -37,8 +47,7 @@ def test_report_writes_plots_summary_and_curves(tmp_path: Path) -> None:
     assert "| cmos |" in summary and "no comparable published figure" in summary
     for run in result["runs"]:
         assert [p["pairs"] for p in run["points"]] == [100, 200, 300]
-        assert all(0 < p["i2t"] <= 1 and 0 <= p["mistake_ratio_t2i"] <= 1
-                   for p in run["points"])
+        assert all(0 < p["i2t"] <= 1 and 0 <= p["mistake_ratio_t2i"] <= 1 for p in run["points"])
         assert len(run["pr"]["i2t"]) == 11
     # Well separated classes: the learned models beat chance (1/3) by far.
     assert all(run["final"]["i2t"] > 0.6 for run in result["runs"])
@@ -56,12 +65,17 @@ def test_interpolated_precision_matches_a_direct_computation() -> None:
         rel = relevant[q][order]
         prec = [rel[: k + 1].mean() for k in range(40)]
         rec = [rel[: k + 1].sum() / rel.sum() for k in range(40)]
-        expected.append([max(p for p, r in zip(prec, rec, strict=True) if r >= level - 1e-12)
-                         for level in np.linspace(0, 1, 11)])
+        expected.append(
+            [
+                max(p for p, r in zip(prec, rec, strict=True) if r >= level - 1e-12)
+                for level in np.linspace(0, 1, 11)
+            ]
+        )
     assert got == pytest.approx(np.mean(expected, axis=0))
 
 
 def test_report_cli_rejects_an_empty_model_list(tmp_path: Path) -> None:
     data = write_dataset(tmp_path / "toy.npz")
-    assert main(["report", "--dataset", str(data), "--models", ",",
-                 "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(["report", "--dataset", str(data), "--models", ",", "--out", str(tmp_path / "o")]) == 2
+    )

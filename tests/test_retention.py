@@ -26,11 +26,18 @@ def _learn_all(settings: Settings, r: redis.Redis, model: str = "cmos") -> None:
 
 
 def test_the_stream_is_trimmed_to_what_learners_and_gallery_need(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     # A checkpoint every 97 pairs: no hold-back after a slow write (share 1).
-    cfg = settings.model_copy(update={"gallery_max": 300, "checkpoint_every_pairs": 97,
-                                      "checkpoint_keep": 3, "checkpoint_max_share": 1.0})
+    cfg = settings.model_copy(
+        update={
+            "gallery_max": 300,
+            "checkpoint_every_pairs": 97,
+            "checkpoint_keep": 3,
+            "checkpoint_max_share": 1.0,
+        }
+    )
     pairs = fx.class_stream(2000, fx.IMG, fx.TXT, seed=5)
     StreamClient(r, settings.namespace).push_pairs(pairs)
     _learn_all(cfg, r)
@@ -55,7 +62,8 @@ def test_the_stream_is_trimmed_to_what_learners_and_gallery_need(
 
 
 def test_nothing_is_trimmed_while_a_registered_learner_has_no_checkpoint(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     cfg = settings.model_copy(update={"gallery_max": 100, "checkpoint_every_pairs": 50})
     StreamClient(r, settings.namespace).push_pairs(fx.class_stream(600, fx.IMG, fx.TXT, seed=6))
@@ -85,15 +93,21 @@ def test_a_pending_entry_bounds_the_trim(r: redis.Redis, settings: Settings) -> 
 
 @pytest.mark.slow
 def test_sigkill_while_learning_and_while_trimming_loses_nothing(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     n = 3000
     keys = Keys(settings.namespace)
     pairs = fx.class_stream(n, fx.IMG, fx.TXT, seed=9)
     # A checkpoint every 89 pairs, with no hold-back after a slow write (share 1): the bound on
     # the trimmed stream below counts on it.
-    env = fx.worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="89",
-                        STREAMXM_READ_BATCH="40", STREAMXM_GALLERY_MAX="150",
-                        STREAMXM_CHECKPOINT_KEEP="2", STREAMXM_CHECKPOINT_MAX_SHARE="1")
+    env = fx.worker_env(
+        settings,
+        STREAMXM_CHECKPOINT_EVERY_PAIRS="89",
+        STREAMXM_READ_BATCH="40",
+        STREAMXM_GALLERY_MAX="150",
+        STREAMXM_CHECKPOINT_KEEP="2",
+        STREAMXM_CHECKPOINT_MAX_SHARE="1",
+    )
     client = StreamClient(r, settings.namespace)
 
     def produce() -> None:

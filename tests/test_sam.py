@@ -34,22 +34,25 @@ from streamxm.tools.bench import quality
 from streamxm.tools.datasets import synthetic_pairs
 from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
 
-SMALL = {"dim": 8, "hidden": 32, "batch_size": 16, "replay": 64, "step_every": 3,
-         "epoch_pairs": 50}
+SMALL = {"dim": 8, "hidden": 32, "batch_size": 16, "replay": 64, "step_every": 3, "epoch_pairs": 50}
 
 
 def test_alpha_follows_the_sigmoid_schedule() -> None:
     # Paper defaults k = 0.1, f_a = 0.4, n_e = 100: the midpoint is epoch 40.
     assert schedule_alpha(40, 0.1, 0.4, 100) == pytest.approx(0.5)
-    assert schedule_alpha(0, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e ** 4))
-    assert schedule_alpha(100, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e ** -6))
+    assert schedule_alpha(0, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e**4))
+    assert schedule_alpha(100, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e**-6))
     assert schedule_alpha(50, 1.0, 0.5, 100) == pytest.approx(0.5)
 
 
 def test_semantic_and_centroid_margins_by_hand() -> None:
     # f_ms: each modality's distance over its largest distance, clipped, averaged.
-    got = semantic_margin(torch.tensor([[0.0, 3.0], [3.0, 0.0]]),
-                          torch.tensor([[0.0, 1.0], [1.0, 0.0]]), scale_img=6.0, scale_txt=0.5)
+    got = semantic_margin(
+        torch.tensor([[0.0, 3.0], [3.0, 0.0]]),
+        torch.tensor([[0.0, 1.0], [1.0, 0.0]]),
+        scale_img=6.0,
+        scale_txt=0.5,
+    )
     assert got.tolist() == [[0.0, 0.75], [0.75, 0.0]]  # (3/6 + min(1/0.5, 1)) / 2
     # f_mc: cosines 1, 0, -1 map to distances 0, 1/2, 1 in each modality; then halved sum.
     ci = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 0.0]])
@@ -91,8 +94,9 @@ def mixed_batch(seed: int, b: int = 9) -> tuple[np.ndarray, np.ndarray, list[tup
     return rng.normal(size=(b, 6)), rng.normal(size=(b, 4)), labels
 
 
-def direct_loss(zi: np.ndarray, zt: np.ndarray, f: np.ndarray,
-                labels: list[tuple[int, ...]]) -> float:
+def direct_loss(
+    zi: np.ndarray, zt: np.ndarray, f: np.ndarray, labels: list[tuple[int, ...]]
+) -> float:
     """Eq. 5 by loops: every anchor, both directions, every valid negative."""
     b = len(zi)
     total = 0.0
@@ -114,8 +118,7 @@ def test_step_loss_equals_a_direct_loop_over_triplets(seed: int) -> None:
     m = SAM(6, 4, dim=5, hidden=16, dropout=0.0, lam=0.25)
     rng = np.random.default_rng(seed)
     m._start(rng)
-    m._arrive([make_pair(str(i), img[i], txt[i], labels=list(labels[i]))
-               for i in range(len(img))])
+    m._arrive([make_pair(str(i), img[i], txt[i], labels=list(labels[i])) for i in range(len(img))])
     m._observe_scale(*m._distances(img, txt))
     m.clock = 35.0
     zi, zt = m.embed_images(img).astype(np.float64), m.embed_texts(txt).astype(np.float64)
@@ -211,8 +214,12 @@ def test_a_quiet_loss_leaves_no_subnormal_state_and_the_thread_ieee() -> None:
     learner.learn(synthetic_pairs(1200, 7, 5, n_classes=3, spread=0.05, seed=3))
     assert isinstance(learner.model, SAM)
     tiny = np.finfo(np.float32).tiny
-    buf = np.concatenate([learner.model.optimizer.state[p]["momentum_buffer"].numpy().ravel()
-                          for p in learner.model._parameters()])
+    buf = np.concatenate(
+        [
+            learner.model.optimizer.state[p]["momentum_buffer"].numpy().ravel()
+            for p in learner.model._parameters()
+        ]
+    )
     assert np.any(buf == 0)  # decayed below the smallest normal number, and flushed
     assert not np.any((buf != 0) & (np.abs(buf) < tiny))
     halves = torch.tensor([tiny], dtype=torch.float32) / 4  # a subnormal result survives
@@ -235,8 +242,9 @@ def test_dropout_drops_its_rate_independently_per_unit() -> None:
 def test_pairwise_distances_match_cdist() -> None:
     x = torch.randn(40, 9, generator=torch.Generator().manual_seed(0)) * 3.0
     d = pairwise_distances(x)
-    assert torch.allclose(d, torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist"),
-                          atol=1e-4)
+    assert torch.allclose(
+        d, torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist"), atol=1e-4
+    )
     assert torch.all(d.diagonal() == 0)
 
 
@@ -279,7 +287,8 @@ def test_stream_clock_steps_and_reservoir() -> None:
 
 @pytest.mark.parametrize("scale_pairs", [50, None])
 def test_standardisation_learns_from_the_first_scale_pairs_then_stays(
-        scale_pairs: int | None) -> None:
+    scale_pairs: int | None,
+) -> None:
     """On a stream the scaler's statistics stop after ``scale_pairs`` pairs (exactly those
     pairs' rows); offline they are the whole training set's."""
     pairs = class_stream(200, 6, 5, seed=3)
@@ -343,8 +352,11 @@ def test_checkpoints_hold_plain_arrays_and_torch_load_is_safe() -> None:
     arrays, _ = learner.state()
     assert all(not np.asarray(v).dtype.hasobject for v in arrays.values())
     root = Path(__file__).resolve().parents[1]
-    for path in [*root.glob("streamxm/**/*.py"), *root.glob("api/*.py"),
-                 *root.glob("workers/*.py")]:
+    for path in [
+        *root.glob("streamxm/**/*.py"),
+        *root.glob("api/*.py"),
+        *root.glob("workers/*.py"),
+    ]:
         for call in re.findall(r"torch\.load\(([^)]*)\)", path.read_text()):
             assert "weights_only=True" in call, path
 
@@ -358,7 +370,6 @@ def test_fixed_alpha_and_parameters_validate() -> None:
         SAM(4, 3, batch_size=300, replay=100)
 
 
-
 # -- the device ---------------------------------------------------------------------------------
 CUDA = torch.cuda.is_available()
 
@@ -366,8 +377,13 @@ CUDA = torch.cuda.is_available()
 def _model_tensors(m: SAM) -> dict[str, torch.Tensor]:
     """Every tensor a step touches that the model keeps between steps."""
     tensors = {f"w.{n}": p for n, p in m._named_parameters()}
-    tensors.update({f"momentum.{n}": m.optimizer.state[p]["momentum_buffer"]
-                    for n, p in m._named_parameters() if p in m.optimizer.state})
+    tensors.update(
+        {
+            f"momentum.{n}": m.optimizer.state[p]["momentum_buffer"]
+            for n, p in m._named_parameters()
+            if p in m.optimizer.state
+        }
+    )
     tensors.update(cent_img=m.cent_img, cent_txt=m.cent_txt, cent_seen=m.cent_seen)
     return tensors
 
@@ -490,8 +506,10 @@ def test_a_cuda_checkpoint_has_the_cpu_format_and_continues_on_the_cpu() -> None
     _assert_same_checkpoint_format(a, learner_state(on_a_cpu))
     assert on_a_cpu.model.steps == on_cuda.model.steps
 
-def test_api_serves_sam_and_reembeds_its_gallery_on_swap(r: redis.Redis,
-                                                         settings: Settings) -> None:
+
+def test_api_serves_sam_and_reembeds_its_gallery_on_swap(
+    r: redis.Redis, settings: Settings
+) -> None:
     pairs: list[Pair] = class_stream(240, 12, 6, seed=8)
     settings = settings.model_copy(update={"checkpoint_every_pairs": 60})
     stop = threading.Event()
@@ -506,27 +524,46 @@ def test_api_serves_sam_and_reembeds_its_gallery_on_swap(r: redis.Redis,
             def serving(n: int) -> dict | None:  # type: ignore[type-arg]
                 models = http.get("/v1/models").json()["models"]
                 info = models[0] if models else None
-                ok = info and info["pairs_seen"] == n and info["gallery_items"] == len(
-                    pairs[:n]) and info["version"] == info["checkpoint_version"]
+                ok = (
+                    info
+                    and info["pairs_seen"] == n
+                    and info["gallery_items"] == len(pairs[:n])
+                    and info["version"] == info["checkpoint_version"]
+                )
                 return info if ok else None
 
             first = wait_for(lambda: serving(120), 60, "SAM after 120 pairs")
             query = pairs[7]
 
             def check_search() -> None:
-                reply = http.post("/v1/search", json={
-                    "model": "sam", "modality": "image", "vector": query.img.tolist(), "k": 5})
+                reply = http.post(
+                    "/v1/search",
+                    json={
+                        "model": "sam",
+                        "modality": "image",
+                        "vector": query.img.tolist(),
+                        "k": 5,
+                    },
+                )
                 assert reply.status_code == 200, reply.text
                 best = reply.json()["results"][0]
                 text = next(p for p in pairs if p.id == best["id"]).txt
-                sim = http.post("/v1/similarity", json={
-                    "model": "sam", "images": [query.img.tolist()],
-                    "texts": [text.tolist()]}).json()["scores"][0]
+                sim = http.post(
+                    "/v1/similarity",
+                    json={"model": "sam", "images": [query.img.tolist()], "texts": [text.tolist()]},
+                ).json()["scores"][0]
                 assert sim == pytest.approx(best["score"], abs=1e-5)
                 # A shared space: image -> image search finds the query itself first.
-                reply = http.post("/v1/search", json={
-                    "model": "sam", "modality": "image", "vector": query.img.tolist(), "k": 5,
-                    "target": "image"})
+                reply = http.post(
+                    "/v1/search",
+                    json={
+                        "model": "sam",
+                        "modality": "image",
+                        "vector": query.img.tolist(),
+                        "k": 5,
+                        "target": "image",
+                    },
+                )
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["results"][0]["id"] == query.id
                 assert reply.json()["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
@@ -548,4 +585,3 @@ def test_offline_quality_on_wikipedia() -> None:
     # docs/benchmarks.md: mean of 3 seeds 0.285 / 0.231; one seed may sit a little lower.
     assert result["map_i2t"] > 0.275 and result["map_t2i"] > 0.222
     assert result["map_i2t"] + result["map_t2i"] > 0.5
-

@@ -20,8 +20,12 @@ def clustered_stream(n: int, seed: int, classes: int = 4) -> list[Pair]:
     rng = np.random.default_rng(seed)
     centres = rng.random((classes, 8)) * 4
     cls = rng.integers(classes, size=n)
-    return [make_pair(str(i), centres[c] + rng.random(8), centres[c, :5] + rng.random(5),
-                      labels=[int(c)]) for i, c in enumerate(cls)]
+    return [
+        make_pair(
+            str(i), centres[c] + rng.random(8), centres[c, :5] + rng.random(5), labels=[int(c)]
+        )
+        for i, c in enumerate(cls)
+    ]
 
 
 def random_problem(seed: int, n: int = 60, groups: int = 4) -> Problem:
@@ -43,10 +47,15 @@ def dense_objective(p: Problem) -> float:
     w[n:, :n] = y @ y.T
     lap = np.diag(w.sum(axis=1)) - w
     z = np.vstack([za, zb])
-    fit = sum(p.v[i] * (np.sum((za[i] - y[i]) ** 2) + np.sum((zb[i] - y[i]) ** 2))
-              for i in range(n))
-    return float(fit + p.alpha * np.trace(z.T @ lap @ z)
-                 + p.beta * (np.sum(p.ua ** 2) + np.sum(p.ub ** 2)) - p.lam * p.v.sum())
+    fit = sum(
+        p.v[i] * (np.sum((za[i] - y[i]) ** 2) + np.sum((zb[i] - y[i]) ** 2)) for i in range(n)
+    )
+    return float(
+        fit
+        + p.alpha * np.trace(z.T @ lap @ z)
+        + p.beta * (np.sum(p.ua**2) + np.sum(p.ub**2))
+        - p.lam * p.v.sum()
+    )
 
 
 def test_objective_matches_the_dense_transcription() -> None:
@@ -61,8 +70,12 @@ def test_objective_matches_the_dense_transcription() -> None:
 def test_every_step_lowers_the_objective(seed: int) -> None:
     p = random_problem(seed)
     p.start(np.random.default_rng(seed))
-    steps = [("v", p.update_v), ("u_a", lambda: p.update_u("image")),
-             ("u_b", lambda: p.update_u("text")), ("y", p.update_y)]
+    steps = [
+        ("v", p.update_v),
+        ("u_a", lambda: p.update_u("image")),
+        ("u_b", lambda: p.update_u("text")),
+        ("y", p.update_y),
+    ]
     before = p.objective()
     for _ in range(4):
         for name, step in steps:
@@ -92,14 +105,17 @@ def test_u_step_is_the_minimiser() -> None:
 
 def reference_u(p: Problem, modality: str) -> np.ndarray:
     """Eq. 16 transcribed in feature space: each term of the normal equations, one LU solve."""
-    x, lap, other = ((p.xa, p.la, p.xb @ p.ub) if modality == "image"
-                     else (p.xb, p.lb, p.xa @ p.ua))
+    x, lap, other = (p.xa, p.la, p.xb @ p.ub) if modality == "image" else (p.xb, p.lb, p.xa @ p.ua)
     n_group = np.bincount(p.y, minlength=p.groups).astype(np.float64)
     s_other = np.zeros((p.groups, other.shape[1]))
     np.add.at(s_other, p.y, other)
     vx = x * p.v[:, None]
-    lhs = (vx.T @ x + p.alpha * p.gamma * (x.T @ (lap @ x))
-           + p.alpha * (x * n_group[p.y][:, None]).T @ x + p.beta * np.eye(x.shape[1]))
+    lhs = (
+        vx.T @ x
+        + p.alpha * p.gamma * (x.T @ (lap @ x))
+        + p.alpha * (x * n_group[p.y][:, None]).T @ x
+        + p.beta * np.eye(x.shape[1])
+    )
     e = np.eye(p.groups)[p.y]
     return np.asarray(np.linalg.solve(lhs, vx.T @ e + p.alpha * x.T @ s_other[p.y]))
 
@@ -114,8 +130,23 @@ def test_sample_space_and_feature_space_solves_agree(n: int) -> None:
     xb = np.hstack([rng.random((n, 12)), np.ones((n, 1))])
     y, v = rng.integers(4, size=n), rng.random(n) < 0.6
     ua, ub = rng.normal(size=(61, 4)), rng.normal(size=(13, 4))
-    problems = [Problem(xa, xb, 4, alpha=0.5 / n, gamma=2.0 * n, beta=1e-2 * n, r=4,
-                        y=y.copy(), ua=ua, ub=ub, v=v, space=space) for space in ("n", "d")]
+    problems = [
+        Problem(
+            xa,
+            xb,
+            4,
+            alpha=0.5 / n,
+            gamma=2.0 * n,
+            beta=1e-2 * n,
+            r=4,
+            y=y.copy(),
+            ua=ua,
+            ub=ub,
+            v=v,
+            space=space,
+        )
+        for space in ("n", "d")
+    ]
     assert problems[0].normal["image"].gram is not None
     assert problems[1].normal["image"].gram is None
     for p in problems:
@@ -124,10 +155,12 @@ def test_sample_space_and_feature_space_solves_agree(n: int) -> None:
             p.update_u(modality)
             got = p.ua if modality == "image" else p.ub
             np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-8 * np.abs(want).max())
-    np.testing.assert_allclose(problems[0].ua, problems[1].ua, rtol=1e-8,
-                               atol=1e-8 * np.abs(problems[1].ua).max())
-    np.testing.assert_allclose(problems[0].ub, problems[1].ub, rtol=1e-8,
-                               atol=1e-8 * np.abs(problems[1].ub).max())
+    np.testing.assert_allclose(
+        problems[0].ua, problems[1].ua, rtol=1e-8, atol=1e-8 * np.abs(problems[1].ua).max()
+    )
+    np.testing.assert_allclose(
+        problems[0].ub, problems[1].ub, rtol=1e-8, atol=1e-8 * np.abs(problems[1].ub).max()
+    )
 
 
 def test_feature_space_falls_back_to_lu_when_cholesky_fails() -> None:
@@ -165,8 +198,9 @@ def test_a_solve_with_the_last_weights_reuses_their_factorisation(space: str) ->
     w, r1, r2 = rng.random(30), rng.random((30, 3)), rng.random((30, 3))
     eq.solve(w, 0.1, r1)
     kept = eq._factor["factor"]
-    np.testing.assert_array_equal(eq.solve(w, 0.1, r2),
-                                  NormalEquations.of(x, lap, 0.0, gram_x).solve(w, 0.1, r2))
+    np.testing.assert_array_equal(
+        eq.solve(w, 0.1, r2), NormalEquations.of(x, lap, 0.0, gram_x).solve(w, 0.1, r2)
+    )
     assert eq._factor["factor"] is kept
     eq.solve(w + 1.0, 0.1, r2)
     assert eq._factor["factor"] is not kept
@@ -240,8 +274,9 @@ def test_y_column_update_is_the_brute_force_argmin() -> None:
         p.y[i] = keep
         assert int(np.argmin(costs)) == int(np.argmin(brute))
         # The costs equal J up to one constant.
-        np.testing.assert_allclose(costs - costs[0], np.array(brute) - brute[0], rtol=1e-7,
-                                   atol=1e-9 * abs(brute[0]))
+        np.testing.assert_allclose(
+            costs - costs[0], np.array(brute) - brute[0], rtol=1e-7, atol=1e-9 * abs(brute[0])
+        )
 
 
 def test_no_label_is_read() -> None:
@@ -264,9 +299,14 @@ def test_no_label_is_read() -> None:
 
 def test_memory_is_bounded_and_groups_keep_their_identity() -> None:
     pairs = clustered_stream(900, seed=3)
-    learner = StreamLearner("scsm", 8, 5, {"groups": 4, "window": 150, "solve_first": 50,
-                                     "solve_every": 50, "power_img": 1.0}, seed=0,
-                      eval_every=10**9)
+    learner = StreamLearner(
+        "scsm",
+        8,
+        5,
+        {"groups": 4, "window": 150, "solve_first": 50, "solve_every": 50, "power_img": 1.0},
+        seed=0,
+        eval_every=10**9,
+    )
     model = learner.model
     assert isinstance(model, SCSM)
 
@@ -299,8 +339,7 @@ def test_checkpoint_round_trip_continues_identically() -> None:
     resumed = StreamLearner.from_state(*first.state())
     resumed.learn(pairs[170:])
     probe = np.random.default_rng(8).random((9, 8)), np.random.default_rng(9).random((9, 5))
-    np.testing.assert_array_equal(resumed.model.similarity(*probe),
-                                  whole.model.similarity(*probe))
+    np.testing.assert_array_equal(resumed.model.similarity(*probe), whole.model.similarity(*probe))
 
 
 def test_groups_find_the_classes_of_a_clustered_stream() -> None:
@@ -312,8 +351,10 @@ def test_groups_find_the_classes_of_a_clustered_stream() -> None:
     truth = np.array([p.labels[0] for p in pairs])
     placed = model.y[:400] >= 0  # pairs since the last solve (at 256) have no group yet
     assert placed.sum() == 256
-    purity = sum(np.bincount(truth[model.y[:400] == g]).max() for g in range(4)
-                 if np.any(model.y == g)) / placed.sum()
+    purity = (
+        sum(np.bincount(truth[model.y[:400] == g]).max() for g in range(4) if np.any(model.y == g))
+        / placed.sum()
+    )
     assert purity > 0.95
 
 

@@ -28,8 +28,13 @@ def mixed_stream(n: int, seed: int) -> list[Pair]:
     pairs = []
     for i in range(n):
         kind = i % 4
-        labels = [] if kind == 3 else [int(rng.integers(5))] if kind < 2 else sorted(
-            {int(x) for x in rng.integers(5, size=2)})
+        labels = (
+            []
+            if kind == 3
+            else [int(rng.integers(5))]
+            if kind < 2
+            else sorted({int(x) for x in rng.integers(5, size=2)})
+        )
         pairs.append(make_pair(str(i), rng.random(6), rng.random(4), labels=labels))
     return pairs
 
@@ -45,8 +50,19 @@ def paper_similarity(la: np.ndarray, lb: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("forget", [1.0, 0.97])
 def test_streamed_statistics_equal_the_batch_matrices(forget: float) -> None:
     pairs = mixed_stream(150, seed=0)
-    model = SDSRL(6, 4, q=3, m_img=12, m_txt=5, landmark_pool=40, batch=7, forget=forget,
-                  power_img=1.0, solve_first=10**6, solve_every=10**6)
+    model = SDSRL(
+        6,
+        4,
+        q=3,
+        m_img=12,
+        m_txt=5,
+        landmark_pool=40,
+        batch=7,
+        forget=forget,
+        power_img=1.0,
+        solve_first=10**6,
+        solve_every=10**6,
+    )
     learner = StreamLearner("sdsrl", 6, 4)
     learner.model = model
     learner.learn(pairs)
@@ -94,8 +110,16 @@ def test_nystroem_features_reproduce_the_kernel_on_landmarks() -> None:
 def test_coordinate_descent_lowers_the_loss_monotonically() -> None:
     rng = np.random.default_rng(0)
     g, h = rng.normal(size=(40, 6)), rng.normal(size=(15, 6))
-    res = mpl_cd(g, h, 0.01 * rng.normal(size=(40, 3)), 0.01 * rng.normal(size=(15, 3)), rng,
-                 outer=30, inner=1, tol=0.0)
+    res = mpl_cd(
+        g,
+        h,
+        0.01 * rng.normal(size=(40, 3)),
+        0.01 * rng.normal(size=(15, 3)),
+        rng,
+        outer=30,
+        inner=1,
+        tol=0.0,
+    )
     losses = np.array(res.losses)
     assert np.all(np.diff(losses) <= 1e-9 * losses[0]), losses
     assert losses[-1] < 0.5 * losses[0]
@@ -118,11 +142,29 @@ def test_coordinate_descent_matches_a_dense_solver() -> None:
         gb = 4 * rt @ b + 2 * rc.T @ a
         return float(loss), np.concatenate([ga.ravel(), gb.ravel()])
 
-    best = min((minimize(dense, rng.normal(size=19 * q), jac=True, method="L-BFGS-B",
-                         options={"maxiter": 5000, "gtol": 1e-10})
-                for _ in range(5)), key=lambda r: r.fun)
-    res = mpl_cd(g, h, 0.1 * rng.normal(size=(12, q)), 0.1 * rng.normal(size=(7, q)), rng,
-                 outer=300, inner=2, tol=1e-12)
+    best = min(
+        (
+            minimize(
+                dense,
+                rng.normal(size=19 * q),
+                jac=True,
+                method="L-BFGS-B",
+                options={"maxiter": 5000, "gtol": 1e-10},
+            )
+            for _ in range(5)
+        ),
+        key=lambda r: r.fun,
+    )
+    res = mpl_cd(
+        g,
+        h,
+        0.1 * rng.normal(size=(12, q)),
+        0.1 * rng.normal(size=(7, q)),
+        rng,
+        outer=300,
+        inner=2,
+        tol=1e-12,
+    )
     assert res.losses[-1] == pytest.approx(best.fun, rel=1e-5)
     a, b = best.x[: 12 * q].reshape(12, q), best.x[12 * q :].reshape(7, q)
     # Products are what the model uses (A, B are defined up to a rotation).
@@ -132,8 +174,9 @@ def test_coordinate_descent_matches_a_dense_solver() -> None:
 def test_single_label_solution_is_the_closed_form_oracle() -> None:
     """With single labels S = YY', so A A' = G G' exactly when q >= classes (PAPER-NOTES)."""
     pairs = class_stream(200, 6, 4, seed=2, n_classes=4)
-    model = SDSRL(6, 4, q=4, m_img=30, m_txt=8, landmark_pool=100, outer=200, tol=1e-12,
-                  power_img=1.0)
+    model = SDSRL(
+        6, 4, q=4, m_img=30, m_txt=8, landmark_pool=100, outer=200, tol=1e-12, power_img=1.0
+    )
     model.fit(pairs, np.random.default_rng(0), LearnStats())
     g, h = model.targets()
     np.testing.assert_allclose(model.a @ model.a.T, g @ g.T, atol=1e-4 * np.abs(g @ g.T).max())
@@ -161,8 +204,13 @@ def test_unlabelled_pairs_feed_only_the_grams_and_are_counted() -> None:
 
 def test_serves_before_landmarks_freeze_and_learns_classes() -> None:
     pairs = class_stream(400, 8, 5, seed=5)
-    learner = StreamLearner("sdsrl", 8, 5, {"q": 4, "m_img": 100, "landmark_pool": 200,
-                                      "solve_first": 16, "solve_every": 64}, seed=0)
+    learner = StreamLearner(
+        "sdsrl",
+        8,
+        5,
+        {"q": 4, "m_img": 100, "landmark_pool": 200, "solve_first": 16, "solve_every": 64},
+        seed=0,
+    )
     learner.learn(pairs[:50])
     model = learner.model
     assert isinstance(model, SDSRL) and not model.frozen and model.solves >= 2
@@ -180,8 +228,15 @@ def test_serves_before_landmarks_freeze_and_learns_classes() -> None:
 def test_checkpoint_round_trip_continues_identically(cut: int) -> None:
     """Cut before the landmarks freeze, right after, and mid-batch."""
     pairs = mixed_stream(400, seed=7)
-    params = {"q": 3, "m_img": 50, "m_txt": 6, "landmark_pool": 120, "batch": 16,
-              "solve_first": 8, "solve_every": 50}
+    params = {
+        "q": 3,
+        "m_img": 50,
+        "m_txt": 6,
+        "landmark_pool": 120,
+        "batch": 16,
+        "solve_first": 8,
+        "solve_every": 50,
+    }
     whole = StreamLearner("sdsrl", 6, 4, params, seed=3)
     whole.learn(pairs)
     first = StreamLearner("sdsrl", 6, 4, params, seed=3)
@@ -189,8 +244,7 @@ def test_checkpoint_round_trip_continues_identically(cut: int) -> None:
     resumed = StreamLearner.from_state(*first.state())
     resumed.learn(pairs[cut:])
     probe = np.random.default_rng(8).random((9, 6)), np.random.default_rng(9).random((9, 4))
-    np.testing.assert_array_equal(resumed.model.similarity(*probe),
-                                  whole.model.similarity(*probe))
+    np.testing.assert_array_equal(resumed.model.similarity(*probe), whole.model.similarity(*probe))
     assert resumed.stats.as_dict() == whole.stats.as_dict()
 
 
@@ -213,11 +267,21 @@ def test_same_modality_search_needs_a_shared_space(r: redis.Redis, settings: Set
         worker = build_worker(settings, r, name, params=params)
         worker.run(threading.Event(), until_idle=True)  # commits a checkpoint when it stops
     with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
-        wait_for(lambda: len(http.get("/v1/models").json()["models"]) == 2
-                 and all(m["gallery_items"] == 300 for m in http.get("/v1/models").json()
-                         ["models"]), 30, "both models and the gallery")
-        query = {"model": "sdsrl", "modality": "image", "target": "image",
-                 "vector": pairs[0].img.tolist(), "k": 20}
+        wait_for(
+            lambda: (
+                len(http.get("/v1/models").json()["models"]) == 2
+                and all(m["gallery_items"] == 300 for m in http.get("/v1/models").json()["models"])
+            ),
+            30,
+            "both models and the gallery",
+        )
+        query = {
+            "model": "sdsrl",
+            "modality": "image",
+            "target": "image",
+            "vector": pairs[0].img.tolist(),
+            "k": 20,
+        }
         reply = http.post("/v1/search", json=query)
         assert reply.status_code == 200, reply.text
         body = reply.json()
@@ -227,8 +291,12 @@ def test_same_modality_search_needs_a_shared_space(r: redis.Redis, settings: Set
         scores = [h["score"] for h in body["results"]]
         assert scores == sorted(scores, reverse=True)
         assert sum(h.labels == pairs[0].labels for h in hits) >= 15
-        text_query = {**query, "modality": "text", "target": "text",
-                      "vector": pairs[0].txt.tolist()}
+        text_query = {
+            **query,
+            "modality": "text",
+            "target": "text",
+            "vector": pairs[0].txt.tolist(),
+        }
         assert http.post("/v1/search", json=text_query).json()["target"] == "text"
         model = create_model("sdsrl", 8, 5, {"m_img": 100, "landmark_pool": 100, "q": 4})
         assert model.shared_space

@@ -40,7 +40,8 @@ def test_float32_top_k_is_exact_with_ties_in_row_order() -> None:
 
 @pytest.mark.parametrize("precision", APPROXIMATE)
 def test_reduced_precision_candidates_hold_the_exact_top_k_when_scores_spread(
-        precision: str) -> None:
+    precision: str,
+) -> None:
     rng = np.random.default_rng(1)
     rows = _unit(rng.random((5000, 64)) + 2 * (rng.random((5000, 1)) > 0.9))
     q = rng.normal(size=64).astype(np.float32)
@@ -53,8 +54,10 @@ def test_bfloat16_blocks_come_in_few_shapes_and_never_return_their_padding() -> 
     # PyTorch keeps memory per bfloat16 product shape: blocks of every row count must map to a
     # handful of padded shapes (the API grew 20 MB a minute before), and the zero rows of the
     # padding (score 0, above every negative score here) must never come back as results.
-    shapes = {index_block(np.ones((n, 4), np.float32), "bfloat16").tensor.shape[0]
-              for n in range(1, 70_000, 37)}
+    shapes = {
+        index_block(np.ones((n, 4), np.float32), "bfloat16").tensor.shape[0]
+        for n in range(1, 70_000, 37)
+    }
     assert len(shapes) <= 40
     rng = np.random.default_rng(4)
     rows = -_unit(rng.random((1500, 8)))
@@ -68,8 +71,7 @@ def test_bfloat16_blocks_come_in_few_shapes_and_never_return_their_padding() -> 
 
 
 @pytest.mark.parametrize("precision", APPROXIMATE)
-def test_the_completeness_proof_fails_when_scores_are_flatter_than_the_scan(
-        precision: str) -> None:
+def test_the_completeness_proof_fails_when_scores_are_flatter_than_the_scan(precision: str) -> None:
     rng = np.random.default_rng(2)
     # Rows equal to 3 decimals: neither bfloat16 nor int8 can order them, the proof must say so.
     base = rng.random(32)
@@ -124,7 +126,8 @@ def test_the_bfloat16_error_bound_holds_for_rows_that_round_the_same_way() -> No
             scan = float((torch.from_numpy(query).to(torch.bfloat16) @ block.tensor[0]).float())
             exact = row.astype(np.float64) @ query.astype(np.float64)
             norms = np.linalg.norm(row.astype(np.float64)) * np.linalg.norm(
-                query.astype(np.float64))
+                query.astype(np.float64)
+            )
             error = abs(scan - exact)
             assert error <= bf16_score_error(norms, scan)  # |x| ~ 1: scaled by it
             worst = max(worst, error / norms)
@@ -151,9 +154,17 @@ def test_the_int8_scan_bounds_every_exact_product_from_above() -> None:
     rows[17] = 0
     rows = rows.astype(np.float32)
     residual = rows - np.rint(rows / (rows.max(axis=1, keepdims=True) / 127 + 1e-30)) * (
-        rows.max(axis=1, keepdims=True) / 127)
-    queries = np.vstack([residual[:4] * 1e3, rng.normal(size=(3, d)), np.zeros((1, d)),
-                         rng.normal(size=(2, d)) * 1e-4, rng.normal(size=(2, d)) * 1e4])
+        rows.max(axis=1, keepdims=True) / 127
+    )
+    queries = np.vstack(
+        [
+            residual[:4] * 1e3,
+            rng.normal(size=(3, d)),
+            np.zeros((1, d)),
+            rng.normal(size=(2, d)) * 1e-4,
+            rng.normal(size=(2, d)) * 1e4,
+        ]
+    )
     queries = queries.astype(np.float32)
     block = index_block(rows, "int8")
     scores, found = top_k(queries, [block], len(rows))
@@ -168,8 +179,10 @@ def test_the_int8_scan_bounds_every_exact_product_from_above() -> None:
 
 @pytest.mark.skipif(not int8_available(), reason="no exact int8 product on this CPU")
 def test_int8_blocks_come_in_few_shapes_and_never_return_their_padding() -> None:
-    shapes = {index_block(np.ones((n, 4), np.float32), "int8").parts[0].scales.shape[0]
-              for n in range(1, 65_536, 37)}
+    shapes = {
+        index_block(np.ones((n, 4), np.float32), "int8").parts[0].scales.shape[0]
+        for n in range(1, 65_536, 37)
+    }
     assert len(shapes) <= 40
     rng = np.random.default_rng(4)
     rows = -_unit(rng.random((70_000, 8)))
@@ -202,9 +215,12 @@ def test_gallery_chunks_merge_tier_by_tier_and_the_cap_holds() -> None:
     gallery = Gallery()
     for i in range(200):
         ids = np.array([f"{i}-{j}" for j in range(100)])
-        gallery = gallery.appended(GalleryChunk.of(ids, rng.random((100, 8), dtype=np.float32),
-                                                   rng.random((100, 4), dtype=np.float32)),
-                                   15_000)
+        gallery = gallery.appended(
+            GalleryChunk.of(
+                ids, rng.random((100, 8), dtype=np.float32), rng.random((100, 4), dtype=np.float32)
+            ),
+            15_000,
+        )
     assert len(gallery) == 15_000
     assert len(gallery.chunks) <= 12
     assert gallery.ids_at(np.array([0, 14_999])) == ["50-0", "199-99"]

@@ -20,7 +20,8 @@ from tests.conftest import IMG, TXT, ApiServer, class_stream, wait_for
 
 @pytest.mark.parametrize("name", ["cmos", "sdsrl"])
 def test_tied_scores_are_listed_in_gallery_order_at_every_k(
-        r: redis.Redis, settings: Settings, name: str) -> None:
+    r: redis.Redis, settings: Settings, name: str
+) -> None:
     pairs = class_stream(300, IMG, TXT, seed=4)
     StreamClient(r, settings.namespace).push_pairs(pairs)
     learner = StreamLearner(name, IMG, TXT, {}, seed=0)  # nothing learned: every score ties
@@ -30,14 +31,21 @@ def test_tied_scores_are_listed_in_gallery_order_at_every_k(
     r.sadd(Keys(settings.namespace).models, name)
     ids = [p.id for p in pairs]
     with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=60) as http:
-        wait_for(lambda: any(m["loaded"] and m["gallery_items"] == len(pairs)
-                             for m in http.get("/v1/models").json()["models"]), 60, "the model")
+        wait_for(
+            lambda: any(
+                m["loaded"] and m["gallery_items"] == len(pairs)
+                for m in http.get("/v1/models").json()["models"]
+            ),
+            60,
+            "the model",
+        )
         for modality, vector in (("image", pairs[7].img), ("text", pairs[7].txt)):
             answers = {}
             for k in (1, 5, 17, 100, 300):
-                found = http.post("/v1/search", json={
-                    "model": name, "modality": modality, "k": k,
-                    "vector": vector.tolist()}).json()
+                found = http.post(
+                    "/v1/search",
+                    json={"model": name, "modality": modality, "k": k, "vector": vector.tolist()},
+                ).json()
                 answers[k] = [hit["id"] for hit in found["results"]]
                 scores = {hit["score"] for hit in found["results"]}
                 if len(scores) == 1:  # all tied: the first k of the gallery

@@ -36,8 +36,9 @@ def _learned(settings: Settings, r: redis.Redis, pairs: int, keep: int = 10) -> 
     return cfg
 
 
-def test_served_versions_swap_to_the_newest_and_report_lag(settings: Settings,
-                                                           r: redis.Redis) -> None:
+def test_served_versions_swap_to_the_newest_and_report_lag(
+    settings: Settings, r: redis.Redis
+) -> None:
     cfg = _learned(settings, r, 200)
     store = open_store(cfg, r)
     versions = ServedVersions(store)
@@ -50,15 +51,17 @@ def test_served_versions_swap_to_the_newest_and_report_lag(settings: Settings,
     assert served.version == store.head("cmos")["version"]  # type: ignore[index]
     probe = np.random.default_rng(0).random((3, 8), dtype=np.float32)
     texts = np.random.default_rng(1).random((5, 4), dtype=np.float32)
-    np.testing.assert_array_equal(served.model.similarity(probe, texts),
-                                  newest.model.similarity(probe, texts))
+    np.testing.assert_array_equal(
+        served.model.similarity(probe, texts), newest.model.similarity(probe, texts)
+    )
     assert versions.lag(served) == 0.0
     versions.newest["cmos"] = (served.version + 1, 0.0)  # a newer checkpoint, long ago
     assert versions.lag(served) > 0
 
 
-def test_the_gallery_follower_reads_the_stream_then_the_segments(settings: Settings,
-                                                                  r: redis.Redis) -> None:
+def test_the_gallery_follower_reads_the_stream_then_the_segments(
+    settings: Settings, r: redis.Redis
+) -> None:
     pairs = class_stream(300, 8, 4, seed=4)
     StreamClient(r, settings.namespace).push_pairs(pairs[:200])
     store = open_store(settings, r)
@@ -87,8 +90,7 @@ def _features(gallery: Gallery, fmap: PowerFeatures) -> np.ndarray:
     return np.vstack([c.features("image", fmap) for c in gallery.chunks])
 
 
-def test_rows_moving_into_segments_keep_their_features(settings: Settings,
-                                                        r: redis.Redis) -> None:
+def test_rows_moving_into_segments_keep_their_features(settings: Settings, r: redis.Redis) -> None:
     """A model's kept features (sdsrl's kernel rows) follow the rows from the stream tail into
     the indexer's segments and through merges; only rows the snapshot did not hold, or held
     with other vectors under the same id, are computed."""
@@ -119,8 +121,9 @@ def test_rows_moving_into_segments_keep_their_features(settings: Settings,
     np.testing.assert_array_equal(got, fmap(units))
 
 
-def test_a_segment_merged_away_meanwhile_is_not_taken_for_corrupt(settings: Settings,
-                                                                    r: redis.Redis) -> None:
+def test_a_segment_merged_away_meanwhile_is_not_taken_for_corrupt(
+    settings: Settings, r: redis.Redis
+) -> None:
     """An API that read the manifest just before the indexer merged a segment into a larger one
     (and deleted it) finds the segment gone: it opens the newer manifest instead of recording
     the segment corrupt and dropping its rows."""
@@ -153,8 +156,11 @@ def test_a_raw_vector_index_carries_the_embeddings_of_rows_it_holds() -> None:
     assert model.linear_head("image") is None  # embeds raw vectors
 
     def chunk(rows: list[Pair]) -> GalleryChunk:
-        return GalleryChunk.of(np.array([p.id for p in rows]), np.vstack([p.img for p in rows]),
-                               np.vstack([p.txt for p in rows]))
+        return GalleryChunk.of(
+            np.array([p.id for p in rows]),
+            np.vstack([p.img for p in rows]),
+            np.vstack([p.txt for p in rows]),
+        )
 
     old = [chunk(pairs[:100]), chunk(pairs[100:150])]
     index = EmbeddedGallery.build(1, model, Gallery(tuple(old)))
@@ -171,10 +177,12 @@ def test_a_raw_vector_index_carries_the_embeddings_of_rows_it_holds() -> None:
     assert sum(embedded) == 10
     fresh = EmbeddedGallery.build(1, learner.model, Gallery((merged,)))
     for modality in ("image", "text"):
-        np.testing.assert_allclose(covered.blocks(modality)[0], fresh.blocks(modality)[0],
-                                   rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(covered.blocks(modality)[0][:150],
-                                      np.vstack(index.blocks(modality)))
+        np.testing.assert_allclose(
+            covered.blocks(modality)[0], fresh.blocks(modality)[0], rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_array_equal(
+            covered.blocks(modality)[0][:150], np.vstack(index.blocks(modality))
+        )
 
 
 def test_cmomks_builds_a_new_version_index_from_the_earlier_versions_rows() -> None:
@@ -186,8 +194,11 @@ def test_cmomks_builds_a_new_version_index_from_the_earlier_versions_rows() -> N
     earlier, later = two_versions("cmomks", pairs, params, 150, 10)
 
     def chunk(rows: list[Pair]) -> GalleryChunk:
-        return GalleryChunk.of(np.array([p.id for p in rows]), np.vstack([p.img for p in rows]),
-                               np.vstack([p.txt for p in rows]))
+        return GalleryChunk.of(
+            np.array([p.id for p in rows]),
+            np.vstack([p.img for p in rows]),
+            np.vstack([p.txt for p in rows]),
+        )
 
     held = chunk(pairs[200:300])
     index = EmbeddedGallery.build(1, earlier, Gallery((held,)))
@@ -208,14 +219,17 @@ def test_cmomks_builds_a_new_version_index_from_the_earlier_versions_rows() -> N
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert not np.array_equal(since.blocks(modality)[0], index.blocks(modality)[0])
     query = later.index_query("image", pairs[5].img[None, :])[0]
-    np.testing.assert_allclose(since.blocks("text")[0] @ query,
-                               later.similarity(pairs[5].img[None, :],
-                                                np.vstack([p.txt for p in pairs[200:300]]))[0],
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        since.blocks("text")[0] @ query,
+        later.similarity(pairs[5].img[None, :], np.vstack([p.txt for p in pairs[200:300]]))[0],
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_pinned_versions_keep_the_most_recent_few_and_refuse_a_corrupt_one(
-        settings: Settings, r: redis.Redis) -> None:
+    settings: Settings, r: redis.Redis
+) -> None:
     cfg = _learned(settings, r, 400)
     store = open_store(cfg, r)
     kept = sorted(store.kept_versions("cmos"))
@@ -227,9 +241,10 @@ def test_pinned_versions_keep_the_most_recent_few_and_refuse_a_corrupt_one(
         restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
         restored.flush()
         probe = np.ones((1, 8), dtype=np.float32)
-        np.testing.assert_array_equal(pinned.model.similarity(probe, np.eye(4, dtype=np.float32)),
-                                      restored.model.similarity(probe,
-                                                                np.eye(4, dtype=np.float32)))
+        np.testing.assert_array_equal(
+            pinned.model.similarity(probe, np.eye(4, dtype=np.float32)),
+            restored.model.similarity(probe, np.eye(4, dtype=np.float32)),
+        )
     assert ("cmos", kept[0]) not in pins and ("cmos", kept[2]) in pins  # oldest evicted
     assert pins.cached("cmos", kept[1]) is not None
     r.set(Keys(cfg.namespace).checkpoint_blob("cmos", kept[3]), b"garbage")
@@ -251,7 +266,8 @@ def _exact_top(model: object, query: np.ndarray, items: np.ndarray, k: int) -> l
 
 @pytest.mark.parametrize("wait", [False, True])
 def test_a_raw_vector_model_embeds_a_new_version_on_the_index_thread(
-        settings: Settings, r: redis.Redis, wait: bool) -> None:
+    settings: Settings, r: redis.Redis, wait: bool
+) -> None:
     """sam's new version is embedded by the index thread, not the version thread. Waiting for
     its index (the default), the earlier version answers until then; not waiting, the new
     version answers at once from the earlier version's index (the answer names it), scored by
@@ -276,9 +292,12 @@ def test_a_raw_vector_model_embeds_a_new_version_on_the_index_thread(
     assert (answer.served.version, answer.index_version) == (served.version, 1)
     hits = dict(answer.hits)
     held = np.isin(ids, list(hits))
-    np.testing.assert_allclose([hits[i] for i in ids[held]],
-                               served.model.similarity(query[None, :], texts)[0][held],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        [hits[i] for i in ids[held]],
+        served.model.similarity(query[None, :], texts)[0][held],
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert server.searcher.earlier_index_scans == (0 if wait else 1)
     server.refresh_index()
     served = server.served["sam"]
@@ -297,14 +316,19 @@ def test_float16_kernel_rows_are_joined_and_carried_only_beside_their_kind() -> 
     fmap = RbfFeatures(None, landmarks / np.linalg.norm(landmarks, axis=1, keepdims=True), 0.5)
 
     def chunk(at: int) -> GalleryChunk:
-        return GalleryChunk.of(np.array([f"p{i}" for i in range(at, at + 50)]),
-                               rng.random((50, 8), dtype=np.float32),
-                               rng.random((50, 4), dtype=np.float32))
+        return GalleryChunk.of(
+            np.array([f"p{i}" for i in range(at, at + 50)]),
+            rng.random((50, 8), dtype=np.float32),
+            rng.random((50, 4), dtype=np.float32),
+        )
 
     a, b, c = chunk(0), chunk(50), chunk(100)
     assert a.kept_error("image", fmap) == 0.0  # float32, as a small gallery keeps them
-    kinds = [a.features("image", fmap, compact=True), b.features("image", fmap, compact=True),
-             c.features("image", fmap)]
+    kinds = [
+        a.features("image", fmap, compact=True),
+        b.features("image", fmap, compact=True),
+        c.features("image", fmap),
+    ]
     assert [k.dtype for k in kinds] == [np.float16, np.float16, np.float32]
     assert a.kept_error("image", fmap) > 0.0  # the bound of the rows it keeps now
     same = GalleryChunk.joined([a, b])

@@ -66,9 +66,13 @@ def test_a_learner_with_memory_continues_exactly_after_a_checkpoint() -> None:
     # Pairwise: the checkpoint falls between whitener refreshes with 60 moment rows pending
     # (700 = 10 x 64 + 60) and a cache of whitened rows that the restored learner rebuilds.
     whitening = {"whiten_first": 16, "whiten_every": 100}
-    for model, params in (("cmos", {"replay": 2}), ("pairwise:marginal", None),
-                          ("pairwise", whitening), ("pairwise:bipartite", whitening),
-                          ("cca", {"solve_every": 100})):
+    for model, params in (
+        ("cmos", {"replay": 2}),
+        ("pairwise:marginal", None),
+        ("pairwise", whitening),
+        ("pairwise:bipartite", whitening),
+        ("cca", {"solve_every": 100}),
+    ):
         whole = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
         whole.learn(pairs)
         first = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
@@ -86,22 +90,62 @@ def test_bench_quality_streams_in_the_asked_order_with_noise(tmp_path: Path) -> 
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(3, 8))
     y = rng.integers(3, size=150)
-    img, txt = centres[y] + 0.5 * rng.normal(size=(150, 8)), centres[y, :5] + 0.5 * rng.normal(
-        size=(150, 5))
+    img, txt = (
+        centres[y] + 0.5 * rng.normal(size=(150, 8)),
+        centres[y, :5] + 0.5 * rng.normal(size=(150, 5)),
+    )
     path = tmp_path / "tiny.npz"
-    np.savez(path, img_train=img[:120], txt_train=txt[:120], y_train=y[:120],
-             img_test=img[120:], txt_test=txt[120:], y_test=y[120:])
+    np.savez(
+        path,
+        img_train=img[:120],
+        txt_train=txt[:120],
+        y_train=y[:120],
+        img_test=img[120:],
+        txt_test=txt[120:],
+        y_test=y[120:],
+    )
     assert len(load_dataset(path).y_train) == 120
-    out = subprocess.run([*PY, "bench", "quality", "--dataset", str(path), "--model", "cmos",
-                          "--order", "class", "--label-noise", "0.2", "--buffer-memory", "100",
-                          "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            *PY,
+            "bench",
+            "quality",
+            "--dataset",
+            str(path),
+            "--model",
+            "cmos",
+            "--order",
+            "class",
+            "--label-noise",
+            "0.2",
+            "--buffer-memory",
+            "100",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
-    assert (result["order"], result["label_noise"], result["buffer_memory"]) == ("class", 0.2,
-                                                                                 100)
+    assert (result["order"], result["label_noise"], result["buffer_memory"]) == ("class", 0.2, 100)
     assert isinstance(result["drift_detections"], int) and result["map_i2t"] > 0
-    bad = subprocess.run([*PY, "bench", "quality", "--dataset", str(path), "--model", "cmos",
-                          "--label-noise", "1.5"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            *PY,
+            "bench",
+            "quality",
+            "--dataset",
+            str(path),
+            "--model",
+            "cmos",
+            "--label-noise",
+            "1.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "fraction" in bad.stderr
 
 
@@ -118,11 +162,25 @@ def burst_pairs(pairs: list[Pair], ring: int, memory: int) -> int:
 
 def test_cmos_replays_remembered_queries_during_a_burst_only() -> None:
     pairs = sorted(class_stream(600, 8, 4, seed=6), key=lambda p: p.labels[0])
-    plain = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 0}, seed=0,
-                          buffer_capacity=120, buffer_memory=80)
+    plain = StreamLearner(
+        "cmos",
+        8,
+        4,
+        {"triplets_per_pair": 2, "replay": 0},
+        seed=0,
+        buffer_capacity=120,
+        buffer_memory=80,
+    )
     plain.learn(pairs)
-    rehearsed = StreamLearner("cmos", 8, 4, {"triplets_per_pair": 2, "replay": 2}, seed=0,
-                              buffer_capacity=120, buffer_memory=80)
+    rehearsed = StreamLearner(
+        "cmos",
+        8,
+        4,
+        {"triplets_per_pair": 2, "replay": 2},
+        seed=0,
+        buffer_capacity=120,
+        buffer_memory=80,
+    )
     rehearsed.learn(pairs)
     # Up to two more triplets per pair that arrives in a burst (fewer where a remembered query
     # finds no negative), none otherwise.
@@ -137,8 +195,10 @@ def test_cmos_replays_remembered_queries_during_a_burst_only() -> None:
         StreamLearner("cmos", 8, 4, {"replay": -1})
 
 
-@pytest.mark.parametrize("model", ["cmos", pytest.param("cmomks", marks=pytest.mark.long),
-                                   "pairwise", "pairwise:marginal"])
+@pytest.mark.parametrize(
+    "model",
+    ["cmos", pytest.param("cmomks", marks=pytest.mark.long), "pairwise", "pairwise:marginal"],
+)
 def test_a_well_mixed_stream_is_learned_exactly_as_without_memory(model: str) -> None:
     """The memory is drawn from during a burst only: on a stream whose classes are mixed
     (never a burst) a learner with a memory learns bit for bit as one with the ring alone,
@@ -146,10 +206,12 @@ def test_a_well_mixed_stream_is_learned_exactly_as_without_memory(model: str) ->
     params = {"budget": 40, "landmarks": 20} if model == "cmomks" else None
     mixed = class_stream(500, 8, 4, seed=3)
     # No rolling evaluation: it learns nothing, and for CMOMKS it is most of the time.
-    ring_only = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=0,
-                              eval_every=10**9)
-    remembering = StreamLearner(model, 8, 4, params, seed=0, buffer_capacity=120,
-                                buffer_memory=120, eval_every=10**9)
+    ring_only = StreamLearner(
+        model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=0, eval_every=10**9
+    )
+    remembering = StreamLearner(
+        model, 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=120, eval_every=10**9
+    )
     for learner in (ring_only, remembering):
         learner.learn(mixed)
     assert burst_pairs(mixed, 120, 120) == 0 == remembering.pairs_in_burst
@@ -183,7 +245,10 @@ def test_the_burst_signal_tells_a_topic_burst_from_a_mixed_stream() -> None:
     restored = ReplayBuffer.from_state(arrays, json.loads(json.dumps(meta)))
     assert restored.burst() == buf.burst() and restored.bursty()
     assert (restored.window, restored.window_sq, restored.arrived_sq) == (
-        buf.window, buf.window_sq, buf.arrived_sq)
+        buf.window,
+        buf.window_sq,
+        buf.arrived_sq,
+    )
     rng = np.random.default_rng(0)
     for classes in (10, 1000):
         mixed = ReplayBuffer(300, 1, 1, memory=100)
@@ -260,10 +325,13 @@ def test_each_model_gets_its_own_memory_unless_told(model: str) -> None:
     assert learner.buffer.memory == expected and learner.buffer.recent == 200
     if model == "cmos":
         assert learner.model.params()["replay"] == 2
-    assert StreamLearner(model, 8, 4, seed=0, buffer_capacity=200,
-                         buffer_memory=0).buffer.memory == 0
-    assert StreamLearner(model, 8, 4, seed=0, buffer_capacity=200,
-                         buffer_memory=50).buffer.memory == 50
+    assert (
+        StreamLearner(model, 8, 4, seed=0, buffer_capacity=200, buffer_memory=0).buffer.memory == 0
+    )
+    assert (
+        StreamLearner(model, 8, 4, seed=0, buffer_capacity=200, buffer_memory=50).buffer.memory
+        == 50
+    )
     learner.learn(sorted(class_stream(400, 8, 4, seed=2), key=lambda p: p.labels[0]))
     if expected:  # the classes that stopped arriving are still remembered, beside the last ones
         remembered = set(learner.buffer.labels[learner.buffer.recent :, 0].tolist())
@@ -273,7 +341,8 @@ def test_each_model_gets_its_own_memory_unless_told(model: str) -> None:
 
 @pytest.mark.long
 def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """``streamxm bench order --seeds`` runs each model in file order, class order and with
     wrong labels (only where the model reads labels) per seed, and derives every mean, share and
     check from the per-seed figures it prints."""
@@ -283,15 +352,43 @@ def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
     img = centres[y] + 0.5 * rng.normal(size=(150, 8))
     txt = centres[y, :5] + 0.5 * rng.normal(size=(150, 5))
     path = tmp_path / "tiny.npz"
-    np.savez(path, img_train=img[:120], txt_train=txt[:120], y_train=y[:120],
-             img_test=img[120:], txt_test=txt[120:], y_test=y[120:])
-    out = subprocess.run([*PY, "bench", "order", "--dataset", str(path), "--model", "cmos",
-                          "--model", "scsm", "--label-noise", "0.3", "--seeds", "0,1",
-                          "--json"], capture_output=True, text=True, timeout=300)
+    np.savez(
+        path,
+        img_train=img[:120],
+        txt_train=txt[:120],
+        y_train=y[:120],
+        img_test=img[120:],
+        txt_test=txt[120:],
+        y_test=y[120:],
+    )
+    out = subprocess.run(
+        [
+            *PY,
+            "bench",
+            "order",
+            "--dataset",
+            str(path),
+            "--model",
+            "cmos",
+            "--model",
+            "scsm",
+            "--label-noise",
+            "0.3",
+            "--seeds",
+            "0,1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert (result["benchmark"], result["label_noise"], result["seeds"]) == (
-        "stream-order", 0.3, [0, 1])
+        "stream-order",
+        0.3,
+        [0, 1],
+    )
     rows = {row["model"]: row for row in result["models"]}
     assert list(rows) == ["cmos", "scsm"]
     assert rows["scsm"]["noisy"] is None and rows["scsm"]["noisy_share"] is None
@@ -307,25 +404,39 @@ def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
                 assert run["std"][d] == pytest.approx(np.std(values))
         for d in ("map_i2t", "map_t2i"):
             assert row["class_share"][d] == pytest.approx(
-                row["class"]["mean"][d] / row["file"]["mean"][d])
+                row["class"]["mean"][d] / row["file"]["mean"][d]
+            )
         checks = row["checks"]
         assert checks["class_keeps_share"] == (min(row["class_share"].values()) >= 0.97)
         assert row["met"] == all(checks.values())
     cmos = rows["cmos"]
     for d in ("map_i2t", "map_t2i"):
         assert cmos["noisy_share"][d] == pytest.approx(
-            cmos["noisy"]["mean"][d] / cmos["file"]["mean"][d])
+            cmos["noisy"]["mean"][d] / cmos["file"]["mean"][d]
+        )
     assert cmos["checks"]["noisy_keeps_share"] == (min(cmos["noisy_share"].values()) >= 0.93)
     assert rows["scsm"]["checks"]["noisy_keeps_share"]  # reads no label: nothing to keep
     # Seeds differ: at least one condition's figures move with the seed.
-    assert any(row[n]["std"][d] > 0 for row in rows.values() for n in ("file", "class")
-               for d in ("map_i2t", "map_t2i"))
+    assert any(
+        row[n]["std"][d] > 0
+        for row in rows.values()
+        for n in ("file", "class")
+        for d in ("map_i2t", "map_t2i")
+    )
     assert result["all_met"] == all(row["met"] for row in rows.values())
-    bad = subprocess.run([*PY, "bench", "order", "--dataset", str(path), "--model", "nope"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*PY, "bench", "order", "--dataset", str(path), "--model", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "unknown model" in bad.stderr
-    twice = subprocess.run([*PY, "bench", "order", "--dataset", str(path), "--seeds", "1,1"],
-                           capture_output=True, text=True, timeout=60)
+    twice = subprocess.run(
+        [*PY, "bench", "order", "--dataset", str(path), "--seeds", "1,1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert twice.returncode == 2 and "repeats a seed" in twice.stderr
 
 
@@ -333,8 +444,7 @@ def test_a_cmos_checkpoint_from_before_replay_continues_as_it_learned() -> None:
     """A checkpoint written before ``replay`` existed (a memory, no ``replay`` key) is restored
     with replay off, as it learned, not with today's default of one replayed query per pair."""
     pairs = sorted(class_stream(500, 8, 4, seed=4), key=lambda p: p.labels[0])
-    then = StreamLearner("cmos", 8, 4, {"replay": 0}, seed=0, buffer_capacity=120,
-                         buffer_memory=80)
+    then = StreamLearner("cmos", 8, 4, {"replay": 0}, seed=0, buffer_capacity=120, buffer_memory=80)
     then.learn(pairs[:250])
     arrays, meta = then.state()
     del meta["params"]["replay"]  # as such a checkpoint has it
@@ -378,8 +488,10 @@ def test_sam_fills_its_batches_class_balanced_during_a_burst_only() -> None:
     class, just begun, is a small share of the reservoir); on a mixed stream SAM learns bit for
     bit as with ``balance=False``."""
     mixed = class_stream(400, 8, 4, seed=2)
-    learners = [StreamLearner("sam", 8, 4, {**_SMALL_SAM, "balance": b}, seed=0,
-                              eval_every=10**9) for b in (True, False)]
+    learners = [
+        StreamLearner("sam", 8, 4, {**_SMALL_SAM, "balance": b}, seed=0, eval_every=10**9)
+        for b in (True, False)
+    ]
     for learner in learners:
         learner.learn(mixed)
     assert learners[0].pairs_in_burst == 0
@@ -390,8 +502,9 @@ def test_sam_fills_its_batches_class_balanced_during_a_burst_only() -> None:
     shares = {}
     for balance in (True, False):
         model = _RecordingSAM(8, 4, **_SMALL_SAM, balance=balance)
-        learner = StreamLearner("sam", 8, 4, {**_SMALL_SAM, "balance": balance}, seed=0,
-                                eval_every=10**9)
+        learner = StreamLearner(
+            "sam", 8, 4, {**_SMALL_SAM, "balance": balance}, seed=0, eval_every=10**9
+        )
         learner.model = model
         learner.learn(bursty)
         last = bursty[-1].labels[0]

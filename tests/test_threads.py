@@ -27,9 +27,14 @@ print(json.dumps(thread_report()))
 
 
 def _pools(threads: int, torch_loaded: str) -> dict[str, int]:
-    out = subprocess.run([sys.executable, "-c", _PROBE, str(threads), torch_loaded],
-                         capture_output=True, text=True, timeout=120, check=True,
-                         env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(threads), torch_loaded],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     pools: dict[str, int] = json.loads(out.stdout)
     return pools
 
@@ -42,8 +47,9 @@ def test_every_pool_takes_the_setting_whether_loaded_before_or_after() -> None:
     assert set(_pools(2, "after").values()) == {2}  # the setting, not a fixed 1
 
 
-def test_a_worker_computes_with_the_threads_its_setting_says(settings: Settings,
-                                                             r: redis.Redis) -> None:
+def test_a_worker_computes_with_the_threads_its_setting_says(
+    settings: Settings, r: redis.Redis
+) -> None:
     """The suite's own environment says one thread (OMP_NUM_THREADS=1, inherited); a worker
     started with STREAMXM_THREADS=2 sizes its pools from the setting, not from that."""
     env = worker_env(settings, STREAMXM_THREADS="2")

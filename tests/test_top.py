@@ -13,11 +13,14 @@ from streamxm.tools.top import parse, render
 from tests.conftest import ApiServer, class_stream, free_port, wait_for
 
 
-def test_top_shows_each_models_health(r: redis.Redis, settings: Settings,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_top_shows_each_models_health(
+    r: redis.Redis, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
     stop = threading.Event()
-    threads = [threading.Thread(target=build_worker(settings, r, name).run, args=(stop,),
-                                daemon=True) for name in ("cmos", "pairwise")]
+    threads = [
+        threading.Thread(target=build_worker(settings, r, name).run, args=(stop,), daemon=True)
+        for name in ("cmos", "pairwise")
+    ]
     for thread in threads:
         thread.start()
     try:
@@ -46,12 +49,28 @@ def test_top_shows_each_models_health(r: redis.Redis, settings: Settings,
 
             # An ensemble query labels the API's lag histogram with the ensemble's name: it
             # is no learner, so it gets no row.
-            wait_for(lambda: "pairwise" in parse(httpx.get(api.url + "/metrics").text)[1],
-                     30, "the pairwise learner")
+            wait_for(
+                lambda: "pairwise" in parse(httpx.get(api.url + "/metrics").text)[1],
+                30,
+                "the pairwise learner",
+            )
             name = "ensemble:cmos+pairwise"
-            wait_for(lambda: httpx.post(api.url + "/v1/search", json={
-                "model": name, "modality": "image", "vector": [0.5] * 6, "k": 3,
-            }).status_code == 200, 30, "an ensemble answer")
+            wait_for(
+                lambda: (
+                    httpx.post(
+                        api.url + "/v1/search",
+                        json={
+                            "model": name,
+                            "modality": "image",
+                            "vector": [0.5] * 6,
+                            "k": 3,
+                        },
+                    ).status_code
+                    == 200
+                ),
+                30,
+                "an ensemble answer",
+            )
             text = httpx.get(api.url + "/metrics").text
             assert 'model="ensemble"' in text  # the lag histogram's label for any ensemble
             assert set(parse(text)[1]) == {"cmos", "pairwise"}

@@ -28,8 +28,9 @@ def test_work_adds_scales_and_takes_the_slower_of_arithmetic_and_traffic() -> No
 
 @pytest.mark.parametrize("model", MODEL_NAMES)
 @pytest.mark.parametrize("dims", [(4096, 1000), (512, 512)])
-def test_every_model_counts_its_learning_and_evaluation_work(model: str,
-                                                             dims: tuple[int, int]) -> None:
+def test_every_model_counts_its_learning_and_evaluation_work(
+    model: str, dims: tuple[int, int]
+) -> None:
     m = create_model(model, *dims)
     learning, evaluation = m.learning_work(), m.evaluation_work(200)
     assert learning is not None and evaluation is not None
@@ -44,8 +45,9 @@ def test_every_model_counts_its_learning_and_evaluation_work(model: str,
 
 def test_cmos_counts_a_flush_per_flush_every_triplets() -> None:
     m = CMOS(300, 200, triplets_per_pair=4, flush_every=64)
-    flush = (gemm(64, 200, 300, 4) + gemm(64, 64, 300) + gemm(64, 64, 200)
-             + rank_update(300, 200, 64, 4))
+    flush = (
+        gemm(64, 200, 300, 4) + gemm(64, 64, 300) + gemm(64, 64, 200) + rank_update(300, 200, 64, 4)
+    )
     assert m.learning_work() == flush * (4 / 64)
 
 
@@ -74,7 +76,8 @@ def test_auto_evaluates_a_subsample_sized_from_the_counted_work() -> None:
     model = create_model("cmos", 64, 32)
     interval = evaluation_interval(model, 200)
     ratio = model.evaluation_work(200).seconds(REFERENCE_RATES) / (  # type: ignore[union-attr]
-        0.05 * model.learning_work().seconds(REFERENCE_RATES))  # type: ignore[union-attr]
+        0.05 * model.learning_work().seconds(REFERENCE_RATES)
+    )  # type: ignore[union-attr]
     assert interval == int(np.ceil(ratio)) and interval > 1
     assert evaluation_interval(model, 200, share=1.0) < interval
     pairs = class_stream(5 * interval + 2, 64, 32, seed=0)
@@ -157,8 +160,7 @@ def test_the_outer_adagrad_step_is_the_dense_step_on_left_t_right() -> None:
 def test_timing_whole_periods_from_the_start_times_each_periodic_solve_once() -> None:
     """``periodic_work``: from ``start`` on, every ``period`` pairs hold exactly one re-solve
     (cca), so a benchmark timing whole periods times what ``learning_work`` spreads."""
-    learner = StreamLearner("cca", 12, 6, {"solve_first": 8, "solve_every": 20},
-                            eval_every=10**9)
+    learner = StreamLearner("cca", 12, 6, {"solve_first": 8, "solve_every": 20}, eval_every=10**9)
     start, period = learner.model.periodic_work()
     assert (start, period) == (32, 20)
     pairs = class_stream(start + 3 * period, 12, 6, seed=0)

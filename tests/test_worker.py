@@ -34,7 +34,8 @@ def _stats(r: redis.Redis, keys: Keys) -> dict[str, str]:
 
 
 def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_going(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     client = StreamClient(r, settings.namespace)
     rng = np.random.default_rng(0)
@@ -42,8 +43,12 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_going(
     good = np.ones(4, "<f4").tobytes()
     bad = [
         {"v": "1", "id": "short", "img": good[:-4], "txt": np.ones(3, "<f4").tobytes()},
-        {"v": "1", "id": "nan", "img": np.array([1, np.nan, 0, 0], "<f4").tobytes(),
-         "txt": np.ones(3, "<f4").tobytes()},
+        {
+            "v": "1",
+            "id": "nan",
+            "img": np.array([1, np.nan, 0, 0], "<f4").tobytes(),
+            "txt": np.ones(3, "<f4").tobytes(),
+        },
         {"v": "1", "id": "no-txt", "img": good},
         {"garbage": b"\x00\xff\x13binary"},
     ]
@@ -69,7 +74,8 @@ def _reference(pairs: list, seed: int = 0) -> StreamLearner:  # type: ignore[typ
 
 
 def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     ds = load_dataset(bundled_wiki_path())
     pairs = list(iter_pairs(ds, limit=1500))
@@ -77,22 +83,36 @@ def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
     env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40")
     kills = 0
     for threshold in (200, 600, 1000):
-        proc = subprocess.Popen([*PY, "worker", "--model", "cmos"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda t=threshold: int(_stats(r, keys).get("pairs_processed", 0)) >= t, 60,
-                 f"{threshold} pairs")
+        proc = subprocess.Popen(
+            [*PY, "worker", "--model", "cmos"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(
+            lambda t=threshold: int(_stats(r, keys).get("pairs_processed", 0)) >= t,
+            60,
+            f"{threshold} pairs",
+        )
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
-    proc = subprocess.Popen([*PY, "worker", "--model", "cmos"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*PY, "worker", "--model", "cmos"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for(lambda: _stats(r, keys).get("pairs_processed") == "1500", 60, "all pairs")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
         # The killed workers may have committed every pair: the last must be running (its
         # SIGTERM handler installed) before it is asked to stop.
-        wait_for(lambda: r.get(keys.lease("cmos")) == f"{socket.gethostname()}-{proc.pid}"
-                 .encode(), 60, "the last worker to lead")
+        wait_for(
+            lambda: r.get(keys.lease("cmos")) == f"{socket.gethostname()}-{proc.pid}".encode(),
+            60,
+            "the last worker to lead",
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -151,7 +171,8 @@ def test_directory_checkpoints_resume_too(r: redis.Redis, settings: Settings) ->
 
 
 def test_every_dead_letter_series_exists_at_zero_before_the_first(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     """Each registered model's ``streamxm_dead_letters_total`` is scraped at 0 for every reason
     before anything is dead-lettered (so ``increase()`` sees the first one), then counts it."""
     import httpx
@@ -168,32 +189,46 @@ def test_every_dead_letter_series_exists_at_zero_before_the_first(
         before = httpx.get(f"{api.url}/metrics", timeout=10).text
         assert metric(before, "streamxm_checkpoint_corrupt_total", model="cmos") == 0
         for reason in REASONS:
-            assert metric(before, "streamxm_dead_letters_total", model="cmos",
-                          reason=reason) == 0, reason
-        r.xadd(keys.pairs, {"v": "1", "id": "no-txt",  # type: ignore[arg-type]
-                            "img": np.ones(4, "<f4").tobytes()})
+            assert (
+                metric(before, "streamxm_dead_letters_total", model="cmos", reason=reason) == 0
+            ), reason
+        r.xadd(
+            keys.pairs,
+            {
+                "v": "1",
+                "id": "no-txt",  # type: ignore[arg-type]
+                "img": np.ones(4, "<f4").tobytes(),
+            },
+        )
         build_worker(settings, r, "cmos").run(until_idle=True)
         after = httpx.get(f"{api.url}/metrics", timeout=10).text
-    assert metric(after, "streamxm_dead_letters_total", model="cmos",
-                  reason="missing_field") == 1
+    assert metric(after, "streamxm_dead_letters_total", model="cmos", reason="missing_field") == 1
     assert metric(after, "streamxm_dead_letters_total", model="cmos", reason="bad_labels") == 0
 
 
 def test_checkpoints_wait_until_they_are_within_their_share_of_the_time(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     """A checkpoint that took ``c`` seconds holds the next back ``c (1 - share) / share``
     seconds, past the pairs interval; what is learned and committed in the end is the same."""
     pairs = list(iter_pairs(load_dataset(bundled_wiki_path()), limit=300))
 
     def run(share: float, namespace: str) -> tuple[int, StreamLearner]:
-        s = settings.model_copy(update={
-            "namespace": namespace, "checkpoint_every_pairs": 50, "read_batch": 50,
-            "checkpoint_every_seconds": 3600.0, "checkpoint_max_share": share})
+        s = settings.model_copy(
+            update={
+                "namespace": namespace,
+                "checkpoint_every_pairs": 50,
+                "read_batch": 50,
+                "checkpoint_every_seconds": 3600.0,
+                "checkpoint_max_share": share,
+            }
+        )
         StreamClient(r, namespace).push_pairs(pairs)
         worker = build_worker(s, r, "cmos")
         worker.run(until_idle=True)
-        assert worker.learner is not None and r.xpending(Keys(namespace).pairs, "cmos")[
-            "pending"] == 0
+        assert (
+            worker.learner is not None and r.xpending(Keys(namespace).pairs, "cmos")["pending"] == 0
+        )
         return worker.version, worker.learner
 
     every, learned = run(1.0, settings.namespace)
@@ -204,8 +239,7 @@ def test_checkpoints_wait_until_they_are_within_their_share_of_the_time(
     assert np.array_equal(held_learned.model.W, learned.model.W)  # type: ignore[attr-defined]
 
 
-def test_learning_goes_on_while_a_checkpoint_is_written(
-        r: redis.Redis, settings: Settings) -> None:
+def test_learning_goes_on_while_a_checkpoint_is_written(r: redis.Redis, settings: Settings) -> None:
     """Every checkpoint's commit stalls for 3 s between its WATCH of the lease and its EXEC (a
     slow store): the worker learns the next interval's pairs meanwhile, its own refreshes of
     the lease do not abort the commit, and what it commits in the end is the uninterrupted
@@ -213,17 +247,25 @@ def test_learning_goes_on_while_a_checkpoint_is_written(
     keys = Keys(settings.namespace)
     pairs = class_stream(400, IMG, TXT, seed=31)
     StreamClient(r, settings.namespace).push_pairs(pairs)
-    env = worker_env(settings, STREAMXM_READ_BATCH="50", STREAMXM_CHECKPOINT_EVERY_PAIRS="100",
-                     STREAMXM_CHECKPOINT_MAX_SHARE="1", STREAMXM_LEASE_TTL_MS="30000",
-                     STREAMXM_FAULT_PAUSE="checkpoint.before_exec:3")
+    env = worker_env(
+        settings,
+        STREAMXM_READ_BATCH="50",
+        STREAMXM_CHECKPOINT_EVERY_PAIRS="100",
+        STREAMXM_CHECKPOINT_MAX_SHARE="1",
+        STREAMXM_LEASE_TTL_MS="30000",
+        STREAMXM_FAULT_PAUSE="checkpoint.before_exec:3",
+    )
     worker = WorkerProcess(env)
     store = open_store(settings, r)
     try:
         wait_for(lambda: worker.saw("fail point"), 60, "the first commit to stall")
         # The first checkpoint holds 100 pairs; the next 100 are read and learned before it
         # lands (they stay pending: acknowledged by the checkpoint that holds them).
-        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] >= 200, 2.5,
-                 "the next interval's pairs while the commit stalls")
+        wait_for(
+            lambda: r.xpending(keys.pairs, "cmos")["pending"] >= 200,
+            2.5,
+            "the next interval's pairs while the commit stalls",
+        )
         assert store.head("cmos") is None
         wait_for(lambda: processed(r, keys) == 400, 60, "every pair committed")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")

@@ -24,7 +24,8 @@ PROGRESS = re.compile(
     r"streamxm\.worker\.progress: worker \S+: cmos (?P<total>\d+) pairs learned "
     r"\(\+(?P<new>\d+) in [\d.]+ s: [\d.]+/s\), version (?P<version>\d+), "
     r"mistakes since the last line i2t (?P<i2t>\d+) t2i (?P<t2i>\d+), "
-    r"rolling mAP i2t (?:[\d.]+|-) t2i (?:[\d.]+|-), lag (?P<lag>\d+|\?)(?P<idle>, idle)?$")
+    r"rolling mAP i2t (?:[\d.]+|-) t2i (?:[\d.]+|-), lag (?P<lag>\d+|\?)(?P<idle>, idle)?$"
+)
 
 
 def _progress(worker: Child) -> list[re.Match[str]]:
@@ -36,11 +37,16 @@ def _wait_processed(r: redis.Redis, keys: Keys, pairs: int) -> None:
 
 
 def test_progress_lines_count_every_pair_once_and_show_version_mistakes_and_lag(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(300, IMG, TXT, seed=58)
-    env = worker_env(settings, STREAMXM_PROGRESS_EVERY_SECONDS="0.5",
-                     STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2", STREAMXM_READ_BATCH="50")
+    env = worker_env(
+        settings,
+        STREAMXM_PROGRESS_EVERY_SECONDS="0.5",
+        STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2",
+        STREAMXM_READ_BATCH="50",
+    )
     client = StreamClient(r, settings.namespace)
     with WorkerProcess(env) as worker:
         wait_for(lambda: worker.saw("leads cmos"), 30, "the worker to lead")
@@ -50,8 +56,14 @@ def test_progress_lines_count_every_pair_once_and_show_version_mistakes_and_lag(
             client.push_pairs(pairs[part * 100 : (part + 1) * 100])
             _wait_processed(r, keys, (part + 1) * 100)
             time.sleep(1.6)
-        wait_for(lambda: any(m["idle"] and int(m["total"]) == 300 and int(m["version"]) > 0
-                             for m in _progress(worker)), 10, "the idle line after the last pairs")
+        wait_for(
+            lambda: any(
+                m["idle"] and int(m["total"]) == 300 and int(m["version"]) > 0
+                for m in _progress(worker)
+            ),
+            10,
+            "the idle line after the last pairs",
+        )
         assert worker.alive(), worker.tail()
     lines = _progress(worker)
     assert sum(int(m["new"]) for m in lines) == 300, worker.tail(40)
@@ -83,7 +95,8 @@ def test_no_progress_line_when_the_setting_is_zero(r: redis.Redis, settings: Set
 
 
 def test_the_lag_counts_the_entries_the_group_has_not_applied(
-        r: redis.Redis, settings: Settings) -> None:
+    r: redis.Redis, settings: Settings
+) -> None:
     """Against the server's real replies (Redis 6.2 has no group lag: the count from the
     stream's length; Redis >= 7 its own)."""
     keys = Keys(settings.namespace)

@@ -24,14 +24,19 @@ def include_routers(app: FastAPI, settings: Settings) -> None:
     ``STREAMXM_API_TOKEN_FOR_READS``."""
     # Only routers that do check a token declare the bearer scheme and its 401, so the OpenAPI
     # schema tells clients the truth about which calls need one.
-    guarded: dict[str, Any] = {"dependencies": [Depends(require_token)],
-                               "responses": error_responses(401)}
+    guarded: dict[str, Any] = {
+        "dependencies": [Depends(require_token)],
+        "responses": error_responses(401),
+    }
     app.include_router(probes.router)
-    app.include_router(limits.router, **(
-        guarded if settings.api_token and settings.api_token_for_reads else {}))
+    app.include_router(
+        limits.router, **(guarded if settings.api_token and settings.api_token_for_reads else {})
+    )
     if settings.api_role != "ingest":
-        app.include_router(queries.router, **(
-            guarded if settings.api_token and settings.api_token_for_reads else {}))
+        app.include_router(
+            queries.router,
+            **(guarded if settings.api_token and settings.api_token_for_reads else {}),
+        )
     else:
         _refuse_routes(app, queries.router, settings.api_role)
     if settings.api_role != "query":
@@ -43,13 +48,16 @@ def include_routers(app: FastAPI, settings: Settings) -> None:
 def _refuse_routes(app: FastAPI, router: APIRouter, role: str) -> None:
     """The routes another role serves answer 404 naming this process's role (and stay out of
     its OpenAPI schema), not a bare "Not Found" that reads like a wrong URL."""
-    detail = (f"this API process serves {role} only (STREAMXM_API_ROLE={role}); send this "
-              f"request to one with the role 'all' or '{'ingest' if role == 'query' else 'query'}'")
+    detail = (
+        f"this API process serves {role} only (STREAMXM_API_ROLE={role}); send this "
+        f"request to one with the role 'all' or '{'ingest' if role == 'query' else 'query'}'"
+    )
 
     async def refuse() -> JSONResponse:
         return JSONResponse({"detail": detail}, status_code=404)
 
     for route in router.routes:
         if isinstance(route, APIRoute):
-            app.add_api_route(route.path, refuse, methods=sorted(route.methods or ()),
-                              include_in_schema=False)
+            app.add_api_route(
+                route.path, refuse, methods=sorted(route.methods or ()), include_in_schema=False
+            )

@@ -20,25 +20,34 @@ async def healthz() -> HealthOut:
     return HealthOut(status="ok")
 
 
-@router.get("/readyz", response_model=ReadyOut,
-            responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}})
+@router.get(
+    "/readyz",
+    response_model=ReadyOut,
+    responses={503: {"model": ReadyOut, "description": "no model checkpoint loaded"}},
+)
 async def readyz(server: Server, settings: AppSettings) -> JSONResponse:
     if settings.api_role == "ingest":  # takes pairs from the start; serves no model
         return JSONResponse({"status": "ready", "models": []})
     if server.ready:
         # Ready but degraded: search serves every segment but the corrupt ones (named).
         gallery = GalleryHealth.of(server.gallery_corrupt)
-        return JSONResponse({"status": "degraded" if gallery.degraded else "ready",
-                             "models": sorted(server.served),
-                             "gallery": gallery.model_dump()})
-    return JSONResponse({"status": "waiting for a model checkpoint", "models": []},
-                        status_code=503)
+        return JSONResponse(
+            {
+                "status": "degraded" if gallery.degraded else "ready",
+                "models": sorted(server.served),
+                "gallery": gallery.model_dump(),
+            }
+        )
+    return JSONResponse({"status": "waiting for a model checkpoint", "models": []}, status_code=503)
 
 
-@router.get("/metrics", response_class=PlainTextResponse,
-            responses={200: {"content": {"text/plain": {}},
-                             "description": "Prometheus text exposition"}})
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition"}},
+)
 async def prometheus_metrics(context: Context) -> Response:
-    text = await anyio.to_thread.run_sync(generate_latest, context.metrics.registry,
-                                          limiter=context.scrape_threads)
+    text = await anyio.to_thread.run_sync(
+        generate_latest, context.metrics.registry, limiter=context.scrape_threads
+    )
     return Response(text, media_type=CONTENT_TYPE_LATEST)

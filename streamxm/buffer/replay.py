@@ -55,8 +55,17 @@ from numpy.typing import ArrayLike, NDArray
 
 from streamxm.stream.messages import Pair
 
-__all__ = ["BURST_THRESHOLD", "BURST_WINDOW", "MAX_GROUPS", "ReplayBuffer", "TripletSampler",
-           "group_keys", "label_tuples", "sample_triplet_slots", "skip_past"]
+__all__ = [
+    "BURST_THRESHOLD",
+    "BURST_WINDOW",
+    "MAX_GROUPS",
+    "ReplayBuffer",
+    "TripletSampler",
+    "group_keys",
+    "label_tuples",
+    "sample_triplet_slots",
+    "skip_past",
+]
 
 #: Arrivals whose class mix :meth:`ReplayBuffer.burst` compares with the whole stream's.
 BURST_WINDOW = 100
@@ -73,15 +82,15 @@ def group_keys(first_labels: ArrayLike) -> NDArray[np.int64]:
     ``MAX_GROUPS``, else ``MAX_GROUPS + label % MAX_GROUPS``; so at most ``2 * MAX_GROUPS + 1``
     keys however many distinct labels a stream carries."""
     first_labels = np.asarray(first_labels, dtype=np.int64)
-    return np.where(first_labels < MAX_GROUPS, first_labels,
-                    MAX_GROUPS + first_labels % MAX_GROUPS)
+    return np.where(first_labels < MAX_GROUPS, first_labels, MAX_GROUPS + first_labels % MAX_GROUPS)
 
 
 def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float32]:
     """L2 norm of each row, 1 for a zero row; one code path, so a restored buffer has the very
     same bits as the one that was saved."""
     norms: NDArray[np.float32] = np.sqrt(
-        np.einsum("ij,ij->i", rows, rows, dtype=np.float64)).astype(np.float32)
+        np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
+    ).astype(np.float32)
     norms[norms == 0] = 1.0
     return norms
 
@@ -139,8 +148,15 @@ class ReplayBuffer:
     (1.0, True)
     """
 
-    def __init__(self, capacity: int, img_dim: int, txt_dim: int, max_labels: int = 64,
-                 memory: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        img_dim: int,
+        txt_dim: int,
+        max_labels: int = 64,
+        memory: int = 0,
+        seed: int = 0,
+    ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         if not 0 <= memory < capacity:
@@ -226,8 +242,9 @@ class ReplayBuffer:
                 num, den = _THRESHOLD.numerator, _THRESHOLD.denominator
                 # S - E > theta (1 - E), times den W^2 T^2, with S = window_sq / W^2 and
                 # E = (arrived_sq (W - 1) / T^2 + 1) / W.
-                self._bursty = (den * self.window_sq * t * t - num * w * w * t * t
-                                > (den - num) * w * (self.arrived_sq * (w - 1) + t * t))
+                self._bursty = den * self.window_sq * t * t - num * w * w * t * t > (
+                    den - num
+                ) * w * (self.arrived_sq * (w - 1) + t * t)
         return self._bursty
 
     def _window_full(self) -> bool:
@@ -237,8 +254,12 @@ class ReplayBuffer:
         """Probabilities over ``slots`` that draw each class as often as it arrived in the
         whole stream (:attr:`arrived`), uniform within a class: a class-balanced memory drawn
         with them gives the stream's class mix back, not the memory's even one."""
-        return self._class_mix(slots, lambda values: np.array(
-            [self.arrived.get(int(g), 0) for g in values], dtype=np.float64))
+        return self._class_mix(
+            slots,
+            lambda values: np.array(
+                [self.arrived.get(int(g), 0) for g in values], dtype=np.float64
+            ),
+        )
 
     def balanced_mix(self, slots: NDArray[np.intp]) -> NDArray[np.float64]:
         """Probabilities over ``slots`` that draw every class (the group of the first label;
@@ -253,9 +274,11 @@ class ReplayBuffer:
         """
         return self._class_mix(slots, lambda values: np.ones(len(values)))
 
-    def _class_mix(self, slots: NDArray[np.intp],
-                   class_weight: Callable[[NDArray[np.int64]], NDArray[np.float64]]
-                   ) -> NDArray[np.float64]:
+    def _class_mix(
+        self,
+        slots: NDArray[np.intp],
+        class_weight: Callable[[NDArray[np.int64]], NDArray[np.float64]],
+    ) -> NDArray[np.float64]:
         """Each class's weight (of the group keys present) spread evenly over its slots,
         normalised; uniform if every weight is 0."""
         groups = group_keys(self.labels[slots, 0])
@@ -332,8 +355,9 @@ class ReplayBuffer:
             ring_order = np.arange(ring)
         else:
             ring_order = (np.arange(self.recent) + self.head) % self.recent
-        return np.concatenate([np.arange(self.recent, self.recent + self.stored),
-                               ring_order]).astype(np.intp)
+        return np.concatenate(
+            [np.arange(self.recent, self.recent + self.stored), ring_order]
+        ).astype(np.intp)
 
     def labels_at(self, slot: int) -> tuple[int, ...]:
         """The labels of the pair stored at ``slot``."""
@@ -351,8 +375,9 @@ class ReplayBuffer:
         pair carries labels."""
         return np.asarray(self.labels[: self.drawable() if count is None else count, 0] >= 0)
 
-    def shared_label_counts(self, labels: tuple[int, ...],
-                            count: int | None = None) -> NDArray[np.int64]:
+    def shared_label_counts(
+        self, labels: tuple[int, ...], count: int | None = None
+    ) -> NDArray[np.int64]:
         """Per slot (the first ``count``, default :meth:`drawable`): how many labels the stored
         pair shares with ``labels``."""
         count = self.drawable() if count is None else count
@@ -365,18 +390,27 @@ class ReplayBuffer:
         return np.asarray(np.isin(stored, query).sum(axis=1), dtype=np.int64)
 
     def state(self) -> tuple[dict[str, NDArray[Any]], dict[str, Any]]:
-        arrays: dict[str, NDArray[Any]] = {"img": self.img, "txt": self.txt,
-                                           "labels": self.labels}
-        return arrays, {"capacity": self.capacity, "size": self.size, "head": self.head,
-                        "memory": self.memory, "stored": self.stored,
-                        "seen": [[g, n] for g, n in sorted(self.seen.items())],
-                        "arrived": [[g, n] for g, n in sorted(self.arrived.items())],
-                        "rng": self.rng.bit_generator.state}
+        arrays: dict[str, NDArray[Any]] = {"img": self.img, "txt": self.txt, "labels": self.labels}
+        return arrays, {
+            "capacity": self.capacity,
+            "size": self.size,
+            "head": self.head,
+            "memory": self.memory,
+            "stored": self.stored,
+            "seen": [[g, n] for g, n in sorted(self.seen.items())],
+            "arrived": [[g, n] for g, n in sorted(self.arrived.items())],
+            "rng": self.rng.bit_generator.state,
+        }
 
     @classmethod
     def from_state(cls, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> ReplayBuffer:
-        buf = cls(int(meta["capacity"]), arrays["img"].shape[1], arrays["txt"].shape[1],
-                  arrays["labels"].shape[1], memory=int(meta.get("memory", 0)))
+        buf = cls(
+            int(meta["capacity"]),
+            arrays["img"].shape[1],
+            arrays["txt"].shape[1],
+            arrays["labels"].shape[1],
+            memory=int(meta.get("memory", 0)),
+        )
         buf.img[:] = arrays["img"]
         buf.txt[:] = arrays["txt"]
         buf.labels[:] = arrays["labels"]
@@ -443,8 +477,9 @@ class TripletSampler:
         else:
             self.pos = np.flatnonzero(labelled)  # the candidates, for the multi-label rule
 
-    def directed(self, rng: np.random.Generator, count: int,
-                 drawn_before: int) -> Iterator[tuple[bool, int, int]]:
+    def directed(
+        self, rng: np.random.Generator, count: int, drawn_before: int
+    ) -> Iterator[tuple[bool, int, int]]:
         """Up to ``count`` triplets as ``(is_text, positive, negative)``, directions alternating
         over the learner's whole stream (Algorithm 1): the query is the image when the number of
         triplets drawn before is even, the text when it is odd."""

@@ -39,9 +39,14 @@ class AsyncClient:
             hits = await client.search(vector, modality="text", k=10)
     """
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None,
-                 timeout: float = 30.0, retries: Retries = Retries(),
-                 http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: Retries = Retries(),
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
         self._own = http is None
         self.http = http or httpx.AsyncClient(base_url=url, timeout=timeout)
         self.http.headers.update(headers(token))
@@ -88,23 +93,35 @@ class AsyncClient:
         """As :meth:`Client.push`."""
         return await self._run(self.calls.push_call(pairs, binary))
 
-    async def search(self, vector: ArrayLike, modality: Literal["image", "text"] = "image",
-                     k: int = 10, model: str | None = None, version: int | None = None,
-                     target: Literal["image", "text"] | None = None) -> SearchResult:
+    async def search(
+        self,
+        vector: ArrayLike,
+        modality: Literal["image", "text"] = "image",
+        k: int = 10,
+        model: str | None = None,
+        version: int | None = None,
+        target: Literal["image", "text"] | None = None,
+    ) -> SearchResult:
         """As :meth:`Client.search`."""
-        return await self._run(self.calls.search_call(vector, modality, k, model, version,
-                                                      target))
+        return await self._run(self.calls.search_call(vector, modality, k, model, version, target))
 
-    async def similarity(self, images: ArrayLike, texts: ArrayLike,
-                         mode: Literal["paired", "matrix"] = "paired", model: str | None = None,
-                         version: int | None = None, direction: Literal["i2t", "t2i"] = "i2t"
-                         ) -> SimilarityResult:
+    async def similarity(
+        self,
+        images: ArrayLike,
+        texts: ArrayLike,
+        mode: Literal["paired", "matrix"] = "paired",
+        model: str | None = None,
+        version: int | None = None,
+        direction: Literal["i2t", "t2i"] = "i2t",
+    ) -> SimilarityResult:
         """As :meth:`Client.similarity`."""
-        return await self._run(self.calls.similarity_call(images, texts, mode, model, version,
-                                                          direction))
+        return await self._run(
+            self.calls.similarity_call(images, texts, mode, model, version, direction)
+        )
 
-    async def wait_learned(self, entry_id: str, model: str | None = None,
-                           timeout: float = 60.0, interval: float = 0.2) -> list[ModelInfo]:
+    async def wait_learned(
+        self, entry_id: str, model: str | None = None, timeout: float = 60.0, interval: float = 0.2
+    ) -> list[ModelInfo]:
         """As :meth:`Client.wait_learned`."""
         return await self._run(self.calls.learned_call(entry_id, model, timeout, interval))
 

@@ -52,8 +52,9 @@ class BodyReader:
     """Decodes a response's raw bytes as they arrive and refuses more than ``limit`` decoded
     bytes (more than ``limit`` raw bytes too, so an endless body of nothing is refused)."""
 
-    def __init__(self, what: str, status: int, headers: httpx.Headers, limit: int,
-                 writes: bool = False) -> None:
+    def __init__(
+        self, what: str, status: int, headers: httpx.Headers, limit: int, writes: bool = False
+    ) -> None:
         self.what, self.status, self.headers, self.limit = what, status, headers, limit
         self.writes = writes  # a push: a 2xx says its batch landed
         self.body = bytearray()  # one buffer: a list of tiny chunks costs ~40 bytes a chunk
@@ -68,8 +69,10 @@ class BodyReader:
         elif encoding in ("identity", ""):
             self._inflate = None
         else:
-            raise self._bad(f"a body in the content-encoding {encoding!r}, which the client "
-                            f"did not ask for (it accepts {ACCEPT_ENCODING})")
+            raise self._bad(
+                f"a body in the content-encoding {encoding!r}, which the client "
+                f"did not ask for (it accepts {ACCEPT_ENCODING})"
+            )
         length = headers.get("content-length", "")
         if self._inflate is None and length.isdigit() and int(length) > limit:
             self._overflow(f"Content-Length {int(length)}")
@@ -110,7 +113,10 @@ class BodyReader:
             return
         raise ResponseTooLarge(
             f"{self.what}: {self.status} with {seen}, past the client's cap of {self.limit} "
-            f"bytes for this request", self.status, written=self._written())
+            f"bytes for this request",
+            self.status,
+            written=self._written(),
+        )
 
     def answer(self) -> Answer:
         if self._inflate is not None and not self._inflate.eof and self.status < 400:
@@ -121,8 +127,9 @@ class BodyReader:
         return True if self.writes and 200 <= self.status < 300 else None
 
     def _bad(self, why: str) -> BadResponse:
-        return BadResponse(f"{self.what}: {self.status} with {why}", self.status,
-                           written=self._written())
+        return BadResponse(
+            f"{self.what}: {self.status} with {why}", self.status, written=self._written()
+        )
 
 
 @contextmanager
@@ -132,9 +139,11 @@ def decoded(what: str, answer: Answer, writes: bool = False) -> Iterator[None]:
     whose batch a 2xx says landed."""
     try:
         yield
-    except (ValueError, RecursionError, KeyError, TypeError, AttributeError,
-            IndexError) as exc:
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError, IndexError) as exc:
         written = True if writes and 200 <= answer.status_code < 300 else None
-        raise BadResponse(f"{what}: {answer.status_code} with a body that is not its answer "
-                          f"({type(exc).__name__}: {str(exc)[:200]})", answer.status_code,
-                          written=written) from None
+        raise BadResponse(
+            f"{what}: {answer.status_code} with a body that is not its answer "
+            f"({type(exc).__name__}: {str(exc)[:200]})",
+            answer.status_code,
+            written=written,
+        ) from None

@@ -54,8 +54,20 @@ from streamxm.stream.messages import (
 )
 from streamxm.stream.messages import InvalidPair as PairRefused
 
-__all__ = ["Calls", "Hit", "ModelInfo", "PairLike", "Readiness", "Request", "Retries",
-           "SearchResult", "ServerLimits", "SimilarityResult", "Sleep", "exchange"]
+__all__ = [
+    "Calls",
+    "Hit",
+    "ModelInfo",
+    "PairLike",
+    "Readiness",
+    "Request",
+    "Retries",
+    "SearchResult",
+    "ServerLimits",
+    "SimilarityResult",
+    "Sleep",
+    "exchange",
+]
 
 T = TypeVar("T")
 
@@ -233,8 +245,11 @@ def error_of(request: Request, reply: Answer | httpx.TransportError) -> Streamxm
     if isinstance(reply, httpx.TransportError):
         # A connection that was never made carried nothing: a push may be sent again.
         written = False if isinstance(reply, httpx.ConnectError) else None
-        return Unavailable(f"{request.method} {request.path}: no answer "
-                           f"({type(reply).__name__}: {reply})", None, written=written)
+        return Unavailable(
+            f"{request.method} {request.path}: no answer ({type(reply).__name__}: {reply})",
+            None,
+            written=written,
+        )
     status = reply.status_code
     # The status decides the class; the body only the message, whatever shape it has.
     try:
@@ -253,8 +268,14 @@ def error_of(request: Request, reply: Answer | httpx.TransportError) -> Streamxm
         with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError, IndexError):
             loc = detail[0].get("loc", []) if isinstance(detail, list) and detail else []
             if request.path.startswith("/v1/pairs") and len(loc) >= 3 and loc[1] == "pairs":
-                return InvalidPair(message, list(loc[1:]), str(detail[0].get("type", "")),
-                                   int(loc[2]), status, detail)
+                return InvalidPair(
+                    message,
+                    list(loc[1:]),
+                    str(detail[0].get("type", "")),
+                    int(loc[2]),
+                    status,
+                    detail,
+                )
         return InvalidRequest(message, status, detail)
     return ServerError(message, status, detail)
 
@@ -267,15 +288,17 @@ def exchange(request: Request, retries: Retries) -> Call[Answer]:
         assert reply is not None
         if isinstance(reply, StreamxmError):
             raise reply
-        if isinstance(reply, Answer) and (reply.status_code < 400
-                                          or reply.status_code in request.answers):
+        if isinstance(reply, Answer) and (
+            reply.status_code < 400 or reply.status_code in request.answers
+        ):
             return reply
         error = error_of(request, reply)
         again = isinstance(error, Unavailable) and (request.idempotent or error.written is False)
         if not again or attempt == attempts - 1:
             raise error
-        yield Sleep(retries.delay(attempt, _retry_after(reply)
-                                  if isinstance(reply, Answer) else None))
+        yield Sleep(
+            retries.delay(attempt, _retry_after(reply) if isinstance(reply, Answer) else None)
+        )
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -288,8 +311,9 @@ def _rows(x: ArrayLike, what: str) -> NDArray[np.float32]:
     if rows.ndim == 1:
         rows = rows[None, :]
     if rows.ndim != 2 or rows.shape[0] == 0 or rows.shape[1] == 0:
-        raise InvalidRequest(f"{what}: expected a vector or a non-empty 2-d array, "
-                             f"got shape {rows.shape}")
+        raise InvalidRequest(
+            f"{what}: expected a vector or a non-empty 2-d array, got shape {rows.shape}"
+        )
     return rows
 
 
@@ -302,17 +326,25 @@ def as_pairs(items: Iterable[PairLike]) -> list[Pair]:
             if isinstance(item, Pair):
                 pairs.append(item)
             elif isinstance(item, Mapping):
-                pairs.append(make_pair(item["id"], item["img"], item["txt"],
-                                       item.get("labels"), item.get("ts")))
+                pairs.append(
+                    make_pair(
+                        item["id"], item["img"], item["txt"], item.get("labels"), item.get("ts")
+                    )
+                )
             else:
                 pairs.append(make_pair(*item))
         except PairRefused as exc:
-            raise InvalidPair(f"pairs[{i}].{exc.field}: {exc.detail}", ["pairs", i, exc.field],
-                              exc.reason, i) from None
+            raise InvalidPair(
+                f"pairs[{i}].{exc.field}: {exc.detail}", ["pairs", i, exc.field], exc.reason, i
+            ) from None
         except (KeyError, TypeError) as exc:
-            raise InvalidPair(f"pairs[{i}]: not a pair ({exc}); give (id, img, txt[, labels]) "
-                              "or a mapping with those keys", ["pairs", i], "bad_shape",
-                              i) from None
+            raise InvalidPair(
+                f"pairs[{i}]: not a pair ({exc}); give (id, img, txt[, labels]) "
+                "or a mapping with those keys",
+                ["pairs", i],
+                "bad_shape",
+                i,
+            ) from None
     if not pairs:
         raise InvalidRequest("no pairs to push")
     return pairs
@@ -327,8 +359,9 @@ def _pair_json(pair: Pair) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def push_batches(pairs: Sequence[Pair], limits: ServerLimits, binary: bool
-                 ) -> list[tuple[int, Request]]:
+def push_batches(
+    pairs: Sequence[Pair], limits: ServerLimits, binary: bool
+) -> list[tuple[int, Request]]:
     """The pairs as requests that each fit the server's limits (pairs, values and bytes per
     request), with the position of each batch's first pair."""
     head, sep, tail = (b"", b"", b"") if binary else (b'{"pairs":[', b",", b"]}")
@@ -338,15 +371,27 @@ def push_batches(pairs: Sequence[Pair], limits: ServerLimits, binary: bool
 
     def close(stop: int) -> None:
         body = head + sep.join(parts[start:stop]) + tail
-        batches.append((start, Request(
-            "POST", "/v1/pairs/frames" if binary else "/v1/pairs", content=body,
-            content_type=FRAMES_MEDIA_TYPE if binary else "application/json",
-            idempotent=False, max_answer_bytes=ANSWER_BYTES + (stop - start) * ENTRY_ID_BYTES)))
+        batches.append(
+            (
+                start,
+                Request(
+                    "POST",
+                    "/v1/pairs/frames" if binary else "/v1/pairs",
+                    content=body,
+                    content_type=FRAMES_MEDIA_TYPE if binary else "application/json",
+                    idempotent=False,
+                    max_answer_bytes=ANSWER_BYTES + (stop - start) * ENTRY_ID_BYTES,
+                ),
+            )
+        )
 
     for i, (pair, part) in enumerate(zip(pairs, parts, strict=True)):
         n = pair.img.shape[0] + pair.txt.shape[0]
-        fits = (i - start < limits.max_batch and values + n <= limits.max_request_values
-                and size + len(part) + len(sep) <= limits.max_body_bytes)
+        fits = (
+            i - start < limits.max_batch
+            and values + n <= limits.max_request_values
+            and size + len(part) + len(sep) <= limits.max_body_bytes
+        )
         if i > start and not fits:
             close(i)
             start, size, values = i, len(head) + len(tail), 0
@@ -448,50 +493,96 @@ class Calls:
             ids.extend(got)
         return ids
 
-    def search_call(self, vector: ArrayLike, modality: str, k: int, model: str | None,
-                    version: int | None, target: str | None) -> Call[SearchResult]:
+    def search_call(
+        self,
+        vector: ArrayLike,
+        modality: str,
+        k: int,
+        model: str | None,
+        version: int | None,
+        target: str | None,
+    ) -> Call[SearchResult]:
         rows = _rows(vector, "vector")
         if rows.shape[0] != 1:
             raise InvalidRequest(f"vector: one query vector, got {rows.shape[0]} rows")
         body: dict[str, Any] = {"modality": modality, "vector": _b64(rows[0]), "k": k}
-        body.update({key: value for key, value in (("model", model), ("version", version),
-                                                    ("target", target)) if value is not None})
-        request = Request("POST", "/v1/search", json=body,
-                          max_answer_bytes=ANSWER_BYTES + max(0, int(k)) * HIT_BYTES)
+        body.update(
+            {
+                key: value
+                for key, value in (("model", model), ("version", version), ("target", target))
+                if value is not None
+            }
+        )
+        request = Request(
+            "POST",
+            "/v1/search",
+            json=body,
+            max_answer_bytes=ANSWER_BYTES + max(0, int(k)) * HIT_BYTES,
+        )
         reply = yield from exchange(request, self.retries)
         with decoded(request.what, reply):
             out = reply.json()
             hits = [Hit(str(h["id"]), float(h["score"])) for h in out["results"]]
             if len(hits) > k:
                 raise ValueError(f"{len(hits)} hits for k={k}")
-            return SearchResult(out["model"], out["version"], out["members"], out["target"],
-                                float(out["version_lag_s"]), out["index_version"], hits)
+            return SearchResult(
+                out["model"],
+                out["version"],
+                out["members"],
+                out["target"],
+                float(out["version_lag_s"]),
+                out["index_version"],
+                hits,
+            )
 
-    def similarity_call(self, images: ArrayLike, texts: ArrayLike, mode: str,
-                        model: str | None, version: int | None, direction: str
-                        ) -> Call[SimilarityResult]:
+    def similarity_call(
+        self,
+        images: ArrayLike,
+        texts: ArrayLike,
+        mode: str,
+        model: str | None,
+        version: int | None,
+        direction: str,
+    ) -> Call[SimilarityResult]:
         """Split into requests within the server's limits; every block after the first is
         pinned to the version that scored the first (an ensemble's members: checked equal)."""
         imgs, txts = _rows(images, "images"), _rows(texts, "texts")
         if mode == "paired" and len(imgs) != len(txts):
             raise InvalidRequest("paired mode needs as many texts as images")
         limits = yield from self.limits_call()
-        size = max(1, min(limits.max_batch,
-                          limits.max_request_values // (imgs.shape[1] + txts.shape[1])))
+        size = max(
+            1, min(limits.max_batch, limits.max_request_values // (imgs.shape[1] + txts.shape[1]))
+        )
         scores = np.zeros((len(imgs), len(txts)) if mode == "matrix" else len(imgs))
-        blocks = ([(i, j) for i in _blocks(len(imgs), size) for j in _blocks(len(txts), size)]
-                  if mode == "matrix" else [(i, i) for i in _blocks(len(imgs), size)])
+        blocks = (
+            [(i, j) for i in _blocks(len(imgs), size) for j in _blocks(len(txts), size)]
+            if mode == "matrix"
+            else [(i, i) for i in _blocks(len(imgs), size)]
+        )
         first: dict[str, Any] | None = None
         pinned: int | None = None
         for i, j in blocks:
-            body: dict[str, Any] = {"images": [_b64(v) for v in imgs[i]], "mode": mode,
-                                    "texts": [_b64(v) for v in txts[j]], "direction": direction}
+            body: dict[str, Any] = {
+                "images": [_b64(v) for v in imgs[i]],
+                "mode": mode,
+                "texts": [_b64(v) for v in txts[j]],
+                "direction": direction,
+            }
             pin = version if first is None else pinned
-            body.update({key: value for key, value in (("model", model), ("version", pin))
-                         if value is not None})
+            body.update(
+                {
+                    key: value
+                    for key, value in (("model", model), ("version", pin))
+                    if value is not None
+                }
+            )
             block = scores[(i, j) if mode == "matrix" else i]
-            request = Request("POST", "/v1/similarity", json=body,
-                              max_answer_bytes=ANSWER_BYTES + block.size * SCORE_BYTES)
+            request = Request(
+                "POST",
+                "/v1/similarity",
+                json=body,
+                max_answer_bytes=ANSWER_BYTES + block.size * SCORE_BYTES,
+            )
             reply = yield from exchange(request, self.retries)
             with decoded(request.what, reply):
                 out = reply.json()
@@ -501,8 +592,10 @@ class Calls:
                 first = first or out
                 members, pinned = out["members"], first["version"]
             if members != first["members"]:
-                raise Unavailable(f"the ensemble's members changed version between blocks "
-                                  f"({first['members']} -> {members}); ask again")
+                raise Unavailable(
+                    f"the ensemble's members changed version between blocks "
+                    f"({first['members']} -> {members}); ask again"
+                )
             scores[(i, j) if mode == "matrix" else i] = got
         assert first is not None
         with decoded("POST /v1/similarity", reply):
@@ -513,11 +606,14 @@ class Calls:
         reply = yield from exchange(request, self.retries)
         known = {f.name for f in fields(ModelInfo)}
         with decoded(request.what, reply):
-            return [ModelInfo(**{k: v for k, v in m.items() if k in known})
-                    for m in reply.json()["models"]]
+            return [
+                ModelInfo(**{k: v for k, v in m.items() if k in known})
+                for m in reply.json()["models"]
+            ]
 
-    def learned_call(self, entry_id: str, model: str | None, timeout: float,
-                     interval: float) -> Call[list[ModelInfo]]:
+    def learned_call(
+        self, entry_id: str, model: str | None, timeout: float, interval: float
+    ) -> Call[list[ModelInfo]]:
         """Poll ``/v1/models`` until the served version of ``model`` (None: of every model
         the API lists, at least one) has learned the stream up to ``entry_id``."""
         try:
@@ -531,15 +627,18 @@ class Calls:
             infos = yield from self.models_call()
             chosen = [m for m in infos if model is None or m.name == model]
             with decoded("GET /v1/models", _NO_ANSWER):
-                if chosen and all(m.last_entry_id and entry_order(str(m.last_entry_id))
-                                  >= wanted for m in chosen):
+                if chosen and all(
+                    m.last_entry_id and entry_order(str(m.last_entry_id)) >= wanted for m in chosen
+                ):
                     return infos
             if time.monotonic() + interval > deadline:
                 break
             yield Sleep(interval)
         where = {m.name: m.last_entry_id for m in infos}
-        raise Unavailable(f"after {timeout:g} s no served version of {model or 'every model'} "
-                          f"had learned entry {entry_id} (served up to: {where})")
+        raise Unavailable(
+            f"after {timeout:g} s no served version of {model or 'every model'} "
+            f"had learned entry {entry_id} (served up to: {where})"
+        )
 
     def health_call(self) -> Call[bool]:
         """Liveness: answered at once, never retried; ``False`` when the API cannot be
@@ -559,5 +658,8 @@ class Calls:
             return Readiness(False, str(exc), [])
         with decoded(request.what, reply):
             out = reply.json()
-            return Readiness(out["status"] in ("ready", "degraded"), str(out["status"]),
-                             [str(m) for m in out.get("models", [])])
+            return Readiness(
+                out["status"] in ("ready", "degraded"),
+                str(out["status"]),
+                [str(m) for m in out.get("models", [])],
+            )

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BadResponse", "InvalidPair", "InvalidRequest", "NotFound", "ResponseTooLarge",
-           "ServerError", "StreamxmError", "Unauthorized", "Unavailable"]
+__all__ = [
+    "BadResponse",
+    "InvalidPair",
+    "InvalidRequest",
+    "NotFound",
+    "ResponseTooLarge",
+    "ServerError",
+    "StreamxmError",
+    "Unauthorized",
+    "Unavailable",
+]
 
 
 class StreamxmError(Exception):
@@ -50,8 +59,15 @@ class InvalidPair(InvalidRequest):
     body (``["pairs", 3, "img"]``), ``index`` is the pair's position in the pushed sequence,
     ``field`` its field and ``reason`` the code (``dim_mismatch``, ``non_finite``, ...)."""
 
-    def __init__(self, message: str, path: list[str | int], reason: str, index: int | None,
-                 status: int | None = None, detail: Any = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        path: list[str | int],
+        reason: str,
+        index: int | None,
+        status: int | None = None,
+        detail: Any = None,
+    ) -> None:
         super().__init__(message, status, detail)
         self.path = path
         self.reason = reason
@@ -78,8 +94,13 @@ class Unavailable(StreamxmError):
     add its pairs twice).
     """
 
-    def __init__(self, message: str, status: int | None = None, detail: Any = None,
-                 written: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        detail: Any = None,
+        written: bool | None = None,
+    ) -> None:
         super().__init__(message, status, detail)
         self.written = written
 
@@ -94,8 +115,13 @@ class BadResponse(StreamxmError):
     ask for. ``written``: ``True`` when a push was answered 2xx (its batch landed), else
     ``None``."""
 
-    def __init__(self, message: str, status: int | None = None, detail: Any = None,
-                 written: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        detail: Any = None,
+        written: bool | None = None,
+    ) -> None:
         super().__init__(message, status, detail)
         self.written = written
 

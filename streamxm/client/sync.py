@@ -38,14 +38,20 @@ def headers(token: str | None) -> dict[str, str]:
 
 
 def reader_for(request: Request, response: httpx.Response) -> BodyReader:
-    return BodyReader(request.what, response.status_code, response.headers,
-                      request.max_answer_bytes, writes=not request.idempotent)
+    return BodyReader(
+        request.what,
+        response.status_code,
+        response.headers,
+        request.max_answer_bytes,
+        writes=not request.idempotent,
+    )
 
 
 def build(http: httpx.Client | httpx.AsyncClient, request: Request) -> httpx.Request:
     headers = {"content-type": request.content_type} if request.content_type else {}
-    return http.build_request(request.method, request.path, json=request.json,
-                              content=request.content, headers=headers)
+    return http.build_request(
+        request.method, request.path, json=request.json, content=request.content, headers=headers
+    )
 
 
 class Client:
@@ -82,9 +88,14 @@ class Client:
             print(hits.version, hits.ids, hits.scores)
     """
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None,
-                 timeout: float = 30.0, retries: Retries = Retries(),
-                 http: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: Retries = Retries(),
+        http: httpx.Client | None = None,
+    ) -> None:
         self._own = http is None
         self.http = http or httpx.Client(base_url=url, timeout=timeout)
         self.http.headers.update(headers(token))
@@ -139,22 +150,32 @@ class Client:
         """
         return self._run(self.calls.push_call(pairs, binary))
 
-    def search(self, vector: ArrayLike, modality: Literal["image", "text"] = "image",
-               k: int = 10, model: str | None = None, version: int | None = None,
-               target: Literal["image", "text"] | None = None) -> SearchResult:
+    def search(
+        self,
+        vector: ArrayLike,
+        modality: Literal["image", "text"] = "image",
+        k: int = 10,
+        model: str | None = None,
+        version: int | None = None,
+        target: Literal["image", "text"] | None = None,
+    ) -> SearchResult:
         """The ``k`` gallery items of ``target`` (default: the other modality) that score best
         with the query ``vector`` of ``modality``; ``model``: default the server's;
         ``version``: a kept version to answer with."""
         return self._run(self.calls.search_call(vector, modality, k, model, version, target))
 
-    def similarity(self, images: ArrayLike, texts: ArrayLike,
-                   mode: Literal["paired", "matrix"] = "paired", model: str | None = None,
-                   version: int | None = None, direction: Literal["i2t", "t2i"] = "i2t"
-                   ) -> SimilarityResult:
+    def similarity(
+        self,
+        images: ArrayLike,
+        texts: ArrayLike,
+        mode: Literal["paired", "matrix"] = "paired",
+        model: str | None = None,
+        version: int | None = None,
+        direction: Literal["i2t", "t2i"] = "i2t",
+    ) -> SimilarityResult:
         """Scores of ``(images[i], texts[i])`` (paired) or of every image with every text
         (matrix), in as many requests as the server's limits need, all by one version."""
-        return self._run(self.calls.similarity_call(images, texts, mode, model, version,
-                                                    direction))
+        return self._run(self.calls.similarity_call(images, texts, mode, model, version, direction))
 
     def models(self) -> list[ModelInfo]:
         """Every model's state: versions, pairs seen, mistakes per triplet, rolling mAP."""
@@ -164,8 +185,9 @@ class Client:
         """What one request may hold on this server (read once)."""
         return self._run(self.calls.limits_call())
 
-    def wait_learned(self, entry_id: str, model: str | None = None, timeout: float = 60.0,
-                     interval: float = 0.2) -> list[ModelInfo]:
+    def wait_learned(
+        self, entry_id: str, model: str | None = None, timeout: float = 60.0, interval: float = 0.2
+    ) -> list[ModelInfo]:
         """Wait until the version the API serves of ``model`` (None: of every model) has
         learned the stream up to ``entry_id`` (e.g. the last id :meth:`push` returned), and
         return the models' state; :class:`~streamxm.client.errors.Unavailable` after

@@ -109,8 +109,11 @@ class DriftMonitor:
         if found:
             self.detections += 1
             self.positions = [*self.positions, position][-self.keep :]
-            log.warning("drift: the mistake rate changed at stream position %d "
-                        "(ADWIN, delta=%g)", position, self.delta)
+            log.warning(
+                "drift: the mistake rate changed at stream position %d (ADWIN, delta=%g)",
+                position,
+                self.delta,
+            )
         return found
 
     def _warm_up(self) -> None:
@@ -119,9 +122,16 @@ class DriftMonitor:
             self.adwin.update(float(value))  # type: ignore[no-untyped-call]
 
     def state(self) -> dict[str, Any]:
-        return {"delta": self.delta, "keep": self.keep, "detections": self.detections,
-                "positions": self.positions, "fed": list(self.fed), "waiting": self.waiting,
-                "carry": self.carry, "recent": list(self.recent)}
+        return {
+            "delta": self.delta,
+            "keep": self.keep,
+            "detections": self.detections,
+            "positions": self.positions,
+            "fed": list(self.fed),
+            "waiting": self.waiting,
+            "carry": self.carry,
+            "recent": list(self.recent),
+        }
 
     @classmethod
     def from_state(cls, meta: dict[str, Any]) -> DriftMonitor:

@@ -53,8 +53,9 @@ def _rows(x: ArrayLike, name: str) -> NDArray[np.float32]:
     if arr.ndim == 1:
         arr = arr[None, :]
     if arr.ndim != 2:
-        raise ValueError(f"{name} must be a vector or a matrix of row vectors, got shape "
-                         f"{arr.shape}")
+        raise ValueError(
+            f"{name} must be a vector or a matrix of row vectors, got shape {arr.shape}"
+        )
     return arr
 
 
@@ -110,9 +111,17 @@ class Learner:
     1
     """
 
-    def __init__(self, model: str, img_dim: int, txt_dim: int, *, seed: int = 0,
-                 buffer_capacity: int = 500, buffer_memory: int | None = None,
-                 **params: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        img_dim: int,
+        txt_dim: int,
+        *,
+        seed: int = 0,
+        buffer_capacity: int = 500,
+        buffer_memory: int | None = None,
+        **params: Any,
+    ) -> None:
         try:
             split_name(model)
         except ValueError as exc:
@@ -120,9 +129,15 @@ class Learner:
         for name, value in (("img_dim", img_dim), ("txt_dim", txt_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self._learner = StreamLearner(model, img_dim, txt_dim, params or None, seed=seed,
-                                      buffer_capacity=buffer_capacity,
-                                      buffer_memory=buffer_memory)
+        self._learner = StreamLearner(
+            model,
+            img_dim,
+            txt_dim,
+            params or None,
+            seed=seed,
+            buffer_capacity=buffer_capacity,
+            buffer_memory=buffer_memory,
+        )
 
     @classmethod
     def _wrapping(cls, learner: StreamLearner) -> Learner:
@@ -156,13 +171,15 @@ class Learner:
         return self._learner.rolling_map()
 
     # -- learning --------------------------------------------------------------------------------
-    def learn_one(self, img: ArrayLike, txt: ArrayLike,
-                  labels: Sequence[int] | None = None) -> LearnReport:
+    def learn_one(
+        self, img: ArrayLike, txt: ArrayLike, labels: Sequence[int] | None = None
+    ) -> LearnReport:
         """Test-then-train on one pair (its image, its text, optional labels)."""
         return self._learn([make_pair(str(self.pairs_seen), img, txt, labels)])
 
-    def learn_many(self, imgs: ArrayLike, txts: ArrayLike,
-                   labels: Sequence[Sequence[int] | None] | None = None) -> LearnReport:
+    def learn_many(
+        self, imgs: ArrayLike, txts: ArrayLike, labels: Sequence[Sequence[int] | None] | None = None
+    ) -> LearnReport:
         """Learn rows in order, as that many ``learn_one`` calls would (the state afterwards
         does not depend on how a stream is cut into calls)."""
         a, b = _rows(imgs, "imgs"), _rows(txts, "txts")
@@ -171,19 +188,26 @@ class Learner:
         if labels is not None and len(labels) != len(a):
             raise ValueError(f"labels must have one entry per row, got {len(labels)}")
         start = self.pairs_seen
-        pairs = [make_pair(str(start + i), a[i], b[i], None if labels is None else labels[i])
-                 for i in range(len(a))]
+        pairs = [
+            make_pair(str(start + i), a[i], b[i], None if labels is None else labels[i])
+            for i in range(len(a))
+        ]
         return self._learn(pairs)
 
     def _learn(self, pairs: list[Pair]) -> LearnReport:
         for pair in pairs:
             if pair.img.shape[0] != self.img_dim or pair.txt.shape[0] != self.txt_dim:
-                raise ValueError(f"pair has {pair.img.shape[0]}/{pair.txt.shape[0]} values, the "
-                                 f"learner takes {self.img_dim}/{self.txt_dim}")
+                raise ValueError(
+                    f"pair has {pair.img.shape[0]}/{pair.txt.shape[0]} values, the "
+                    f"learner takes {self.img_dim}/{self.txt_dim}"
+                )
         out = self._learner.learn(pairs)
-        return LearnReport(pairs=out["pairs"], triplets=dict(out["triplets"]),
-                           mistakes=dict(out["mistakes"]),
-                           loss={d: float(out["loss"][d]) for d in DIRECTIONS})
+        return LearnReport(
+            pairs=out["pairs"],
+            triplets=dict(out["triplets"]),
+            mistakes=dict(out["mistakes"]),
+            loss={d: float(out["loss"][d]) for d in DIRECTIONS},
+        )
 
     # -- using it --------------------------------------------------------------------------------
     def embed_images(self, imgs: ArrayLike) -> NDArray[np.float32]:
@@ -202,8 +226,14 @@ class Learner:
         self._learner.flush()
         return self._learner.model.similarity(_rows(imgs, "imgs"), _rows(txts, "txts"))
 
-    def search(self, query: ArrayLike, gallery: ArrayLike, *,
-               modality: Literal["image", "text"] = "image", k: int = 10) -> list[SearchHit]:
+    def search(
+        self,
+        query: ArrayLike,
+        gallery: ArrayLike,
+        *,
+        modality: Literal["image", "text"] = "image",
+        k: int = 10,
+    ) -> list[SearchHit]:
         """The ``k`` best rows of ``gallery`` (items of the other modality) for one ``query``
         of ``modality``, best first; ties keep gallery order."""
         if modality not in ("image", "text"):

@@ -19,8 +19,15 @@ if TYPE_CHECKING:
     from streamxm.models.base import CrossModalModel
     from streamxm.stream.messages import Pair
 
-__all__ = ["Split", "as_label_matrix", "average_precision", "label_relevance",
-           "mean_average_precision", "retrieval_maps", "split_of"]
+__all__ = [
+    "Split",
+    "as_label_matrix",
+    "average_precision",
+    "label_relevance",
+    "mean_average_precision",
+    "retrieval_maps",
+    "split_of",
+]
 
 #: Images, texts and labels of a set of pairs, row-aligned.
 Split = tuple[NDArray[np.floating], NDArray[np.floating], NDArray[Any]]
@@ -92,9 +99,7 @@ def average_precision(
     return out
 
 
-def mean_average_precision(
-    scores: NDArray[np.floating], relevance: NDArray[np.bool_]
-) -> float:
+def mean_average_precision(scores: NDArray[np.floating], relevance: NDArray[np.bool_]) -> float:
     """Mean of :func:`average_precision` over the queries that have a relevant item."""
     ap = average_precision(scores, relevance)
     valid = ~np.isnan(ap)
@@ -103,24 +108,34 @@ def mean_average_precision(
 
 def split_of(pairs: Sequence[Pair]) -> Split:
     """Stack labelled pairs into a :data:`Split` (their first label each)."""
-    return (np.stack([p.img for p in pairs]), np.stack([p.txt for p in pairs]),
-            np.array([p.labels[0] for p in pairs]))
+    return (
+        np.stack([p.img for p in pairs]),
+        np.stack([p.txt for p in pairs]),
+        np.array([p.labels[0] for p in pairs]),
+    )
 
 
-def retrieval_maps(model: CrossModalModel, queries: Split,
-                   gallery: Split | None = None) -> dict[str, float]:
+def retrieval_maps(
+    model: CrossModalModel, queries: Split, gallery: Split | None = None
+) -> dict[str, float]:
     """mAP of each direction, ``queries`` ranked against the whole ``gallery`` (default: the
     queries themselves); relevant = shares a label. Models with a shared space also get the
     same-modality directions (``map_i2i``, ``map_t2t``)."""
     q_img, q_txt, q_y = queries
     g_img, g_txt, g_y = gallery if gallery is not None else queries
     rel = label_relevance(q_y, g_y)
-    e_qi, e_qt = (model.embed_images(q_img).astype(np.float64),
-                  model.embed_texts(q_txt).astype(np.float64))
-    e_gi, e_gt = (model.embed_images(g_img).astype(np.float64),
-                  model.embed_texts(g_txt).astype(np.float64))
-    out = {"map_i2t": mean_average_precision(e_qi @ e_gt.T, rel),
-           "map_t2i": mean_average_precision(e_qt @ e_gi.T, rel)}
+    e_qi, e_qt = (
+        model.embed_images(q_img).astype(np.float64),
+        model.embed_texts(q_txt).astype(np.float64),
+    )
+    e_gi, e_gt = (
+        model.embed_images(g_img).astype(np.float64),
+        model.embed_texts(g_txt).astype(np.float64),
+    )
+    out = {
+        "map_i2t": mean_average_precision(e_qi @ e_gt.T, rel),
+        "map_t2i": mean_average_precision(e_qt @ e_gi.T, rel),
+    }
     if model.shared_space:
         out["map_i2i"] = mean_average_precision(e_qi @ e_gi.T, rel)
         out["map_t2t"] = mean_average_precision(e_qt @ e_gt.T, rel)

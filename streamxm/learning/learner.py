@@ -59,8 +59,10 @@ class LearnFailed(RuntimeError):
     """
 
     def __init__(self, index: int, pair_id: str, cause: BaseException) -> None:
-        super().__init__(f"learning pair {pair_id!r} (#{index} of the batch) raised "
-                         f"{type(cause).__name__}: {cause}")
+        super().__init__(
+            f"learning pair {pair_id!r} (#{index} of the batch) raised "
+            f"{type(cause).__name__}: {cause}"
+        )
         self.index = index
         self.pair_id = pair_id
 
@@ -136,8 +138,14 @@ class StreamLearner:
         self.model: CrossModalModel = create_model(model, img_dim, txt_dim, params)
         if buffer_memory is None:
             buffer_memory = default_memory(self.model, buffer_capacity)
-        self.buffer = ReplayBuffer(buffer_capacity + buffer_memory, img_dim, txt_dim, max_labels,
-                                   memory=buffer_memory, seed=seed)
+        self.buffer = ReplayBuffer(
+            buffer_capacity + buffer_memory,
+            img_dim,
+            txt_dim,
+            max_labels,
+            memory=buffer_memory,
+            seed=seed,
+        )
         self.rng = np.random.default_rng(seed)
         self.seed = seed
         self.eval_gallery = eval_gallery
@@ -217,8 +225,11 @@ class StreamLearner:
                 self.model.update(pair, slot, self.buffer, self.rng, self.stats)
             except Exception as exc:  # any bug or MemoryError: the caller must know where
                 raise LearnFailed(index, pair.id, exc) from exc
-            self.drift.follow(sum(self.stats.mistakes.values()),
-                              sum(self.stats.triplets.values()), self.pairs_seen)
+            self.drift.follow(
+                sum(self.stats.mistakes.values()),
+                sum(self.stats.triplets.values()),
+                self.pairs_seen,
+            )
             self.pairs_seen += 1
             self.pairs_unlabelled += not pair.labels
             elapsed = time.perf_counter() - start
@@ -278,10 +289,15 @@ class StreamLearner:
         params = _checkpoint_params(meta)
         memory = int(meta["buffer_meta"].get("memory", 0))
         learner = cls(
-            meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), params,
-            buffer_capacity=int(meta["buffer_meta"]["capacity"]) - memory, seed=int(meta["seed"]),
+            meta["model"],
+            int(meta["img_dim"]),
+            int(meta["txt_dim"]),
+            params,
+            buffer_capacity=int(meta["buffer_meta"]["capacity"]) - memory,
+            seed=int(meta["seed"]),
             buffer_memory=memory,
-            eval_every=_eval_every(meta["eval_every"]), eval_gallery=int(meta["eval_gallery"]),
+            eval_every=_eval_every(meta["eval_every"]),
+            eval_gallery=int(meta["eval_gallery"]),
             rolling_window=int(meta["rolling_window"]),
             max_labels=buffer_arrays["labels"].shape[1],
         )
@@ -309,18 +325,21 @@ def _checkpoint_params(meta: dict[str, Any]) -> dict[str, Any]:
     return {**model_class(meta["model"]).checkpoint_defaults, **meta["params"]}
 
 
-def _load_model_state(model: CrossModalModel, arrays: dict[str, NDArray[Any]],
-                      meta: dict[str, Any]) -> None:
-    model.load_state({k[6:]: v for k, v in arrays.items() if k.startswith("model.")},
-                     meta["model_meta"])
+def _load_model_state(
+    model: CrossModalModel, arrays: dict[str, NDArray[Any]], meta: dict[str, Any]
+) -> None:
+    model.load_state(
+        {k[6:]: v for k, v in arrays.items() if k.startswith("model.")}, meta["model_meta"]
+    )
 
 
 def model_from_state(arrays: dict[str, NDArray[Any]], meta: dict[str, Any]) -> CrossModalModel:
     """The model of a learner checkpoint with its deferred learning applied, ready to score:
     what :meth:`StreamLearner.from_state` followed by :meth:`StreamLearner.flush` holds as its
     ``model``, without the replay buffer, random generator and statistics around it."""
-    model = create_model(meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]),
-                         _checkpoint_params(meta))
+    model = create_model(
+        meta["model"], int(meta["img_dim"]), int(meta["txt_dim"]), _checkpoint_params(meta)
+    )
     _load_model_state(model, arrays, meta)
     model.flush(LearnStats.from_dict(meta["stats"]))
     return model

@@ -62,8 +62,9 @@ class RankGroup:
     so nothing outlives :meth:`close`.
     """
 
-    def __init__(self, store: Store, rank: int, world: int, timeout_s: float,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, store: Store, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1"
+    ) -> None:
         self.rank, self.world = rank, world
         # torch's stubs omit the gloo group's options and collectives: typed as Any.
         gloo: Any = dist.ProcessGroupGloo
@@ -109,8 +110,7 @@ class RankGroup:
 
     def send_bytes(self, data: bytes, dst: int) -> None:
         if data:
-            self._pg().send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dst,
-                            0).wait()
+            self._pg().send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dst, 0).wait()
 
     def recv_bytes(self, size: int, src: int = 0) -> bytes:
         buf = torch.zeros(size, dtype=torch.uint8)
@@ -130,8 +130,9 @@ class RankGroup:
 
     def all_reduce_(self, flat: NDArray[Any], op: str = "sum") -> None:
         """Reduce a contiguous array in place (``op``: ``"sum"`` or ``"max"``)."""
-        self._all_reduce(torch.from_numpy(flat),
-                         dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        self._all_reduce(
+            torch.from_numpy(flat), dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        )
 
 
 # -- what travels ----------------------------------------------------------------------------------
@@ -149,14 +150,17 @@ def split_share(count: int, world: int, first: int | None = None) -> list[tuple[
         sizes = [len(part) for part in np.array_split(np.arange(count), world)]
     else:
         first = max(0, min(count, first))
-        sizes = [first, *(len(part) for part in
-                          np.array_split(np.arange(count - first), world - 1))]
+        sizes = [
+            first,
+            *(len(part) for part in np.array_split(np.arange(count - first), world - 1)),
+        ]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
     return [(int(s), int(s + n)) for s, n in zip(starts, sizes, strict=True)]
 
 
-def balanced_first(count: int, world: int, rank0_pair_s: float, peer_pair_s: float,
-                   rank0_extra_s: float) -> int | None:
+def balanced_first(
+    count: int, world: int, rank0_pair_s: float, peer_pair_s: float, rank0_extra_s: float
+) -> int | None:
     """Rank 0's share that makes every rank finish together: rank 0 spends ``rank0_extra_s``
     on other work in the round and ``rank0_pair_s`` a pair, the slowest other rank
     ``peer_pair_s`` a pair; ``None`` (even shares) until both rates are known.
@@ -177,8 +181,9 @@ def encode_share(pairs: Sequence[Pair], round_labels: Sequence[tuple[int, ...]])
     return len(head).to_bytes(4, "little") + head + encode_frames(pairs)
 
 
-def decode_share(body: bytes, img_dim: int | None = None, txt_dim: int | None = None
-                 ) -> tuple[list[Pair], list[tuple[int, ...]]]:
+def decode_share(
+    body: bytes, img_dim: int | None = None, txt_dim: int | None = None
+) -> tuple[list[Pair], list[tuple[int, ...]]]:
     """Undo :func:`encode_share` (rank 0 validated the pairs when it read them)."""
     size = int.from_bytes(body[:4], "little")
     labels = [tuple(int(x) for x in item) for item in json.loads(body[4 : 4 + size])]
@@ -226,7 +231,8 @@ def _set_learner_parts(learner: StreamLearner, merged: dict[str, NDArray[Any]]) 
     for key in ("triplets", "mistakes", "loss", "updates"):
         cast = float if key == "loss" else int
         getattr(learner.stats, key).update(
-            {d: cast(v) for d, v in zip(DIRECTIONS, merged[f"learner.{key}"], strict=True)})
+            {d: cast(v) for d, v in zip(DIRECTIONS, merged[f"learner.{key}"], strict=True)}
+        )
 
 
 def _pad(base: NDArray[Any], shape: tuple[int, ...]) -> NDArray[Any]:
@@ -264,8 +270,11 @@ class RankMerge:
         return {**{f"model.{k}": v for k, v in parts.items()}, **_learner_parts(learner)}
 
     def reset(self, learner: StreamLearner) -> None:
-        self.base = {name: np.array(arr, copy=True)
-                     for name, (op, arr) in self._parts(learner).items() if op in ("sum", "mix")}
+        self.base = {
+            name: np.array(arr, copy=True)
+            for name, (op, arr) in self._parts(learner).items()
+            if op in ("sum", "mix")
+        }
         self.pairs_before = learner.pairs_seen
 
     def merge(self, learner: StreamLearner, learned: int) -> MergeReport:
@@ -296,8 +305,11 @@ class RankMerge:
         merged: dict[str, NDArray[Any]] = {}
         sent = 0
         for (reduce, dtype), items in buckets.items():
-            flat = (np.ascontiguousarray(items[0][1]).reshape(-1) if len(items) == 1
-                    else np.concatenate([v.ravel() for _, v in items]).astype(dtype, copy=False))
+            flat = (
+                np.ascontiguousarray(items[0][1]).reshape(-1)
+                if len(items) == 1
+                else np.concatenate([v.ravel() for _, v in items]).astype(dtype, copy=False)
+            )
             self.group.all_reduce_(flat, reduce)
             sent += flat.nbytes
             at = 0
@@ -313,7 +325,10 @@ class RankMerge:
         learner.model.set_merged({k[6:]: v for k, v in merged.items() if k.startswith("model.")})
         learner.model.after_merge(self.pairs_before, learner.pairs_seen, learner.rng)
         # The next round's base is what every rank now holds (not a second read of the parts).
-        self.base = {name: np.array(merged[name], copy=True)
-                     for name, (op, _) in parts.items() if op in ("sum", "mix")}
+        self.base = {
+            name: np.array(merged[name], copy=True)
+            for name, (op, _) in parts.items()
+            if op in ("sum", "mix")
+        }
         self.pairs_before = learner.pairs_seen
         return MergeReport(time.perf_counter() - start, sent)

@@ -32,8 +32,9 @@ EvalEvery = int | Literal["auto"]
 REFERENCE_RATES = Rates(defaults.REFERENCE_FLOPS_PER_S, defaults.REFERENCE_BYTES_PER_S)
 
 
-def evaluation_interval(model: CrossModalModel, gallery: int,
-                        share: float = defaults.EVAL_SHARE) -> int:
+def evaluation_interval(
+    model: CrossModalModel, gallery: int, share: float = defaults.EVAL_SHARE
+) -> int:
     """Every how many pairs to evaluate so that evaluating costs about ``share`` of learning;
     1 for a model that does not count its work.
 
@@ -81,8 +82,7 @@ class EvaluationSchedule:
     the model's state only; ``next_at`` is kept in checkpoints."""
 
     def __init__(self, every: EvalEvery, gallery: int, next_at: int = 0) -> None:
-        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int)
-                                or every < 1):
+        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"eval_every must be a positive integer or 'auto', got {every!r}")
         self.every: EvalEvery = every
         self.gallery = gallery

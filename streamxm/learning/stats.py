@@ -49,7 +49,8 @@ class WorkerStats:
     mistakes: dict[str, int] = field(default_factory=_zeros)
     loss: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
     rolling_map: dict[str, float | None] = field(
-        default_factory=lambda: dict.fromkeys(DIRECTIONS, None))
+        default_factory=lambda: dict.fromkeys(DIRECTIONS, None)
+    )
     #: Per-pair update latency histogram: counts per bucket of ``UPDATE_BUCKETS``.
     update_buckets: tuple[int, ...] = (0,) * len(UPDATE_BUCKETS)
 
@@ -60,20 +61,30 @@ class WorkerStats:
         if learner is None:
             return cls(**fields)
         return cls(
-            **fields, pairs_processed=learner.pairs_seen,
-            pairs_unlabelled=learner.pairs_unlabelled, pairs_in_burst=learner.pairs_in_burst,
-            update_seconds_sum=learner.update_seconds, drift_detected=learner.drift.detections,
-            triplets=dict(learner.stats.triplets), mistakes=dict(learner.stats.mistakes),
-            loss=dict(learner.stats.loss), rolling_map=learner.rolling_map(),
-            update_buckets=tuple(learner.update_hist))
+            **fields,
+            pairs_processed=learner.pairs_seen,
+            pairs_unlabelled=learner.pairs_unlabelled,
+            pairs_in_burst=learner.pairs_in_burst,
+            update_seconds_sum=learner.update_seconds,
+            drift_detected=learner.drift.detections,
+            triplets=dict(learner.stats.triplets),
+            mistakes=dict(learner.stats.mistakes),
+            loss=dict(learner.stats.loss),
+            rolling_map=learner.rolling_map(),
+            update_buckets=tuple(learner.update_hist),
+        )
 
     def to_hash(self) -> dict[str, str]:
-        fields = {"last_id": self.last_id, "dead_letters": str(self.dead_letters),
-                  "consumer": self.consumer, "pairs_processed": str(self.pairs_processed),
-                  "pairs_unlabelled": str(self.pairs_unlabelled),
-                  "pairs_in_burst": str(self.pairs_in_burst),
-                  "update_seconds_sum": repr(self.update_seconds_sum),
-                  "drift_detected": str(self.drift_detected)}
+        fields = {
+            "last_id": self.last_id,
+            "dead_letters": str(self.dead_letters),
+            "consumer": self.consumer,
+            "pairs_processed": str(self.pairs_processed),
+            "pairs_unlabelled": str(self.pairs_unlabelled),
+            "pairs_in_burst": str(self.pairs_in_burst),
+            "update_seconds_sum": repr(self.update_seconds_sum),
+            "drift_detected": str(self.drift_detected),
+        }
         if self.version is not None:
             fields["version"] = str(self.version)
         if self.checkpoint_time is not None:
@@ -99,10 +110,10 @@ class WorkerStats:
         return cls(
             version=int(raw["version"]) if raw.get("version") else None,
             last_id=raw.get("last_id", "0-0"),
-            checkpoint_time=float(raw["checkpoint_time"]) if raw.get("checkpoint_time")
-            else None,
+            checkpoint_time=float(raw["checkpoint_time"]) if raw.get("checkpoint_time") else None,
             learned_time=float(raw["learned_time"]) if raw.get("learned_time") else None,
-            dead_letters=int(number("dead_letters")), consumer=raw.get("consumer", ""),
+            dead_letters=int(number("dead_letters")),
+            consumer=raw.get("consumer", ""),
             pairs_processed=int(number("pairs_processed")),
             pairs_unlabelled=int(number("pairs_unlabelled")),
             pairs_in_burst=int(number("pairs_in_burst")),
@@ -111,7 +122,9 @@ class WorkerStats:
             triplets={d: int(number(f"triplets_{d}")) for d in DIRECTIONS},
             mistakes={d: int(number(f"mistakes_{d}")) for d in DIRECTIONS},
             loss={d: number(f"loss_{d}") for d in DIRECTIONS},
-            rolling_map={d: float(raw[f"rolling_map_{d}"]) if raw.get(f"rolling_map_{d}")
-                         else None for d in DIRECTIONS},
+            rolling_map={
+                d: float(raw[f"rolling_map_{d}"]) if raw.get(f"rolling_map_{d}") else None
+                for d in DIRECTIONS
+            },
             update_buckets=tuple(int(number(f"update_bucket_{b}")) for b in UPDATE_BUCKETS),
         )

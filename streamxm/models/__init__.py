@@ -20,8 +20,17 @@ from streamxm.models.pairwise import PairwiseLogistic
 from streamxm.models.scsm import SCSM
 from streamxm.models.sdsrl import SDSRL
 
-__all__ = ["DIRECTIONS", "MODELS", "MODEL_NAMES", "CrossModalModel", "LearnStats", "check_params",
-           "create_model", "model_class", "split_name"]
+__all__ = [
+    "DIRECTIONS",
+    "MODELS",
+    "MODEL_NAMES",
+    "CrossModalModel",
+    "LearnStats",
+    "check_params",
+    "create_model",
+    "model_class",
+    "split_name",
+]
 
 MODELS: dict[str, type[CrossModalModel]] = {
     m.name: m for m in (CMOS, CMOMKS, PairwiseLogistic, CCA, SDSRL, SCSM)
@@ -36,8 +45,17 @@ LAZY_EXTRAS: dict[str, str] = {"sam": "sam"}
 VARIANT_CLASSES: dict[str, type[CrossModalModel]] = {"pairwise:marginal": MarginalMatching}
 
 #: Every name a user may give, variants included.
-MODEL_NAMES = ("cmos", "cmomks", "pairwise", "pairwise:bipartite", "pairwise:marginal", "cca",
-               "sdsrl", "scsm", "sam")
+MODEL_NAMES = (
+    "cmos",
+    "cmomks",
+    "pairwise",
+    "pairwise:bipartite",
+    "pairwise:marginal",
+    "cca",
+    "sdsrl",
+    "scsm",
+    "sam",
+)
 
 
 #: The ``:variant`` suffixes each model takes (``pairwise:logistic`` is plain ``pairwise``).
@@ -55,7 +73,8 @@ pairwise:marginal, cca, sdsrl, scsm, sam
     """
     base, sep, variant = name.partition(":")
     if (base not in MODELS and base not in LAZY_MODELS) or (
-            sep and variant not in VARIANTS.get(base, ())):
+        sep and variant not in VARIANTS.get(base, ())
+    ):
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     return base, variant or None
 
@@ -95,8 +114,10 @@ def model_class(name: str) -> type[CrossModalModel]:
             imported = importlib.import_module(module)
         except ModuleNotFoundError as exc:
             extra = LAZY_EXTRAS[base]
-            raise ImportError(f"model {name!r} needs {exc.name}, which is not installed: "
-                              f"pip install 'streamxm[{extra}]'") from exc
+            raise ImportError(
+                f"model {name!r} needs {exc.name}, which is not installed: "
+                f"pip install 'streamxm[{extra}]'"
+            ) from exc
         found: type[CrossModalModel] = getattr(imported, cls)
         return found
     return MODELS[base]

@@ -18,8 +18,15 @@ from streamxm.models.moments import ResolveSchedule
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
-__all__ = ["DIRECTIONS", "CrossModalModel", "IndexUpdate", "LearnStats", "MergeParts",
-           "observe_triplet", "require"]
+__all__ = [
+    "DIRECTIONS",
+    "CrossModalModel",
+    "IndexUpdate",
+    "LearnStats",
+    "MergeParts",
+    "observe_triplet",
+    "require",
+]
 
 #: Query directions: an image query ranks texts (i2t), a text query ranks images (t2i).
 DIRECTIONS = ("i2t", "t2i")
@@ -56,8 +63,12 @@ class LearnStats:
         self.updates[direction] += int(updated)
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {"triplets": dict(self.triplets), "mistakes": dict(self.mistakes),
-                "loss": dict(self.loss), "updates": dict(self.updates)}
+        return {
+            "triplets": dict(self.triplets),
+            "mistakes": dict(self.mistakes),
+            "loss": dict(self.loss),
+            "updates": dict(self.updates),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, dict[str, float]]) -> LearnStats:
@@ -94,12 +105,22 @@ class CrossModalModel(ABC):
     #: today's default), so a restored learner continues exactly.
     checkpoint_defaults: ClassVar[dict[str, Any]] = {}
 
-    def __init_subclass__(cls, *, name: str | None = None, online: bool | None = None,
-                          shared_space: bool | None = None, batch_fit: bool | None = None,
-                          **kwargs: Any) -> None:
+    def __init_subclass__(
+        cls,
+        *,
+        name: str | None = None,
+        online: bool | None = None,
+        shared_space: bool | None = None,
+        batch_fit: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init_subclass__(**kwargs)
-        for attr, value in (("name", name), ("online", online), ("shared_space", shared_space),
-                            ("batch_fit", batch_fit)):
+        for attr, value in (
+            ("name", name),
+            ("online", online),
+            ("shared_space", shared_space),
+            ("batch_fit", batch_fit),
+        ):
             if value is not None:
                 setattr(cls, attr, value)
 
@@ -114,8 +135,11 @@ class CrossModalModel(ABC):
         name (scikit-learn's rule), so adding a parameter cannot leave it out of checkpoints.
         Values with a ``to_json`` (CMOMKS's kernel pairs) are stored through it.
         """
-        names = [p for p in inspect.signature(type(self).__init__).parameters
-                 if p not in ("self", "img_dim", "txt_dim")]
+        names = [
+            p
+            for p in inspect.signature(type(self).__init__).parameters
+            if p not in ("self", "img_dim", "txt_dim")
+        ]
         return {name: _jsonable(getattr(self, name)) for name in names}
 
     def get_params(self) -> dict[str, Any]:
@@ -124,7 +148,11 @@ class CrossModalModel(ABC):
 
     @abstractmethod
     def update(
-        self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:
         """Learn from one arriving pair, already stored at ``slot`` of ``buffer``."""
@@ -156,8 +184,9 @@ class CrossModalModel(ABC):
         b = self.embed_texts(txts).astype(np.float64)
         return a @ b.T
 
-    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp],
-                          kept: SlotFeatures) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def evaluation_scores(
+        self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp], kept: SlotFeatures
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """The rolling evaluation's scores, before the model learns ``pair``: its image against
         its own text and the texts stored at ``rows`` of ``buffer`` (i2t), and its text against
         its own image and those images (t2i); item 0 is the pair itself.
@@ -170,18 +199,28 @@ class CrossModalModel(ABC):
         if image_head is None or text_head is None:
             imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
             txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
-            return (self.similarity(pair.img[None, :], txts)[0],
-                    self.similarity(imgs, pair.txt[None, :])[:, 0])
+            return (
+                self.similarity(pair.img[None, :], txts)[0],
+                self.similarity(imgs, pair.txt[None, :])[:, 0],
+            )
         sides = []
-        for head, modality, query in ((image_head, "image", pair.img),
-                                      (text_head, "text", pair.txt)):
+        for head, modality, query in (
+            (image_head, "image", pair.img),
+            (text_head, "text", pair.txt),
+        ):
             own = head.embed(unit_features(head.features, query))[0].astype(np.float64)
-            stored = np.concatenate([head.embed_float32(run) for run in
-                                     kept.runs(head.features, modality, buffer, rows)])
+            stored = np.concatenate(
+                [
+                    head.embed_float32(run)
+                    for run in kept.runs(head.features, modality, buffer, rows)
+                ]
+            )
             sides.append((own, stored.astype(np.float64)))
         (image, images), (text, texts) = sides
-        return (np.concatenate([[text @ image], texts @ image]),
-                np.concatenate([[image @ text], images @ text]))
+        return (
+            np.concatenate([[text @ image], texts @ image]),
+            np.concatenate([[image @ text], images @ text]),
+        )
 
     # -- the work the algorithm does (streamxm/models/work.py) --------------------------------
     def learning_work(self) -> Work | None:
@@ -219,8 +258,13 @@ class CrossModalModel(ABC):
                 # Read in place when the rows are a run of slots (the ring's newest pairs),
                 # gathered otherwise; charged the gather either way, an upper bound.
                 kept = elementwise(gallery * width, 4, flops_per_item=0.0)
-                total += (query + gemm(1, k, width) + kept + gemm(gallery, k, width, 4)
-                          + gemm(1, gallery + 1, k))
+                total += (
+                    query
+                    + gemm(1, k, width)
+                    + kept
+                    + gemm(gallery, k, width, 4)
+                    + gemm(1, gallery + 1, k)
+                )
                 continue
             embedding = self.embedding_work(gallery + 2, modality)
             if embedding is None:
@@ -251,14 +295,16 @@ class CrossModalModel(ABC):
     #: projection (cca, scsm, sdsrl, marginal, sam, cmomks) have no such space.
     fixed_space: ClassVar[bool] = False
 
-    def queries_for_texts(self, imgs: NDArray[np.floating]
-                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def queries_for_texts(
+        self, imgs: NDArray[np.floating]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Image queries as ``(q, c)`` with ``similarity(imgs, txts) = q @ unit(txts).T + c``
         (``unit``: rows divided by their L2 norm; ``c`` is constant per query)."""
         raise NotImplementedError(f"{self.name} has no fixed space")
 
-    def queries_for_images(self, txts: NDArray[np.floating]
-                           ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def queries_for_images(
+        self, txts: NDArray[np.floating]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Text queries as ``(q, c)`` with ``similarity(imgs, txts).T = q @ unit(imgs).T + c``."""
         raise NotImplementedError(f"{self.name} has no fixed space")
 
@@ -367,18 +413,29 @@ def require(values: dict[str, Any], **rules: str) -> None:
             left, low, high, right = interval.groups()
             lo, hi = float(low), float(high)
             ok = (value > lo if left == "(" else value >= lo) and (
-                value < hi if right == ")" else value <= hi)
+                value < hi if right == ")" else value <= hi
+            )
         else:
             op, _, bound = rule.partition(" ")
             limit = float(bound)
-            ok = {">": value > limit, ">=": value >= limit, "<": value < limit,
-                  "<=": value <= limit}[op]
+            ok = {
+                ">": value > limit,
+                ">=": value >= limit,
+                "<": value < limit,
+                "<=": value <= limit,
+            }[op]
         if not ok:
             raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
-def observe_triplet(model: CrossModalModel, pair: Pair, slot: int, buffer: ReplayBuffer,
-                    rng: np.random.Generator, stats: LearnStats) -> None:
+def observe_triplet(
+    model: CrossModalModel,
+    pair: Pair,
+    slot: int,
+    buffer: ReplayBuffer,
+    rng: np.random.Generator,
+    stats: LearnStats,
+) -> None:
     """Score one triplet of the arriving pair with the current model and record it, without
     learning from it: the mistake metrics of models whose updates are not per triplet.
 
@@ -395,5 +452,4 @@ def observe_triplet(model: CrossModalModel, pair: Pair, slot: int, buffer: Repla
             query = model.embed_images(pair.img[None, :])
             items = model.embed_texts(buffer.txt[[pos, neg]])
         s_pos, s_neg = (items.astype(np.float64) @ query[0].astype(np.float64)).tolist()
-        stats.add("t2i" if is_text else "i2t", s_pos - s_neg <= 0, max(0.0, s_neg - s_pos),
-                  False)
+        stats.add("t2i" if is_text else "i2t", s_pos - s_neg <= 0, max(0.0, s_neg - s_pos), False)

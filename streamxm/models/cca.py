@@ -97,12 +97,15 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
     reads_labels = False
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
+        self,
+        img_dim: int,
+        txt_dim: int,
         k: int = 10,
         ridge: float = 0.3,
         power: float = 1.0,
         scale_by_correlation: bool = True,
-        solve_first: int = 32, solve_every: int = 256,
+        solve_first: int = 32,
+        solve_every: int = 256,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         require(locals(), k=">= 1", ridge=">= 0", power="> 0")
@@ -120,14 +123,21 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         self.correlations = np.zeros(self.k)
         self.solves = 0
 
-    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
-                  stats: LearnStats) -> None:
+    def update(
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
+        stats: LearnStats,
+    ) -> None:
         # CCA learns no triplets; once it has solved, one is scored before the update for the
         # mistake metrics and the drift detector (the model itself never reads the RNG).
         if self.solves:
             observe_triplet(self, pair, slot, buffer, rng, stats)
-        self.moments.add(power_normalize(pair.img, self.power),
-                         power_normalize(pair.txt, self.power))
+        self.moments.add(
+            power_normalize(pair.img, self.power), power_normalize(pair.txt, self.power)
+        )
         if self.schedule.due(self.moments.n):
             self.solve()
 
@@ -154,8 +164,9 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         self.mean_x, self.mean_y = m.mean_x(), m.mean_y()
         self.solves += 1
 
-    def _embed(self, x: NDArray[np.floating], mean: NDArray[np.float64],
-               proj: NDArray[np.float64]) -> NDArray[np.float32]:
+    def _embed(
+        self, x: NDArray[np.floating], mean: NDArray[np.float64], proj: NDArray[np.float64]
+    ) -> NDArray[np.float32]:
         z = (power_normalize(np.atleast_2d(x), self.power) - mean) @ proj
         if self.scale_by_correlation:
             z = z * self.correlations
@@ -166,8 +177,9 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
 
     def linear_head(self, modality: str) -> LinearHead:
         """:meth:`_embed` as ``l2((x - mean) P c)``: weight ``P c``, bias ``-mean P c``."""
-        mean, proj = ((self.mean_x, self.proj_x) if modality == "image"
-                      else (self.mean_y, self.proj_y))
+        mean, proj = (
+            (self.mean_x, self.proj_x) if modality == "image" else (self.mean_y, self.proj_y)
+        )
         if self.scale_by_correlation:
             proj = proj * self.correlations
         return LinearHead(power_features(self.power), proj, -(mean @ proj), "l2")
@@ -191,13 +203,20 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         - ``R``: a re-solve (:func:`_solve_work`).
         """
         dx, dy = self.img_dim, self.txt_dim
-        triplet = 0.5 * (self.embedding_work(1, "image") + self.embedding_work(2, "text")
-                         + self.embedding_work(1, "text") + self.embedding_work(2, "image"))
+        triplet = 0.5 * (
+            self.embedding_work(1, "image")
+            + self.embedding_work(2, "text")
+            + self.embedding_work(1, "text")
+            + self.embedding_work(2, "image")
+        )
         block = RunningMoments.BLOCK
-        return (triplet + power_normalize_work(dx, self.power)
-                + power_normalize_work(dy, self.power)
-                + fold_work(dx, dy, block) * (1.0 / block)
-                + _solve_work(dx, dy, self.k) * (1.0 / self.solve_every))
+        return (
+            triplet
+            + power_normalize_work(dx, self.power)
+            + power_normalize_work(dy, self.power)
+            + fold_work(dx, dy, block) * (1.0 / block)
+            + _solve_work(dx, dy, self.k) * (1.0 / self.solve_every)
+        )
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """:meth:`_embed` on ``r`` rows of size ``d`` (float64, ``k`` components):
@@ -206,9 +225,14 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
         L2 normalisation of the ``r x k`` result."""
         dim = _dim(self, modality)
         scale = elementwise(rows * self.k, passes=3) if self.scale_by_correlation else Work()
-        return (power_normalize_work(rows * dim, self.power) + elementwise(rows * dim, passes=3)
-                + gemm(rows, self.k, dim) + scale + power_normalize_work(rows * self.k, 1.0)
-                + elementwise(rows * self.k, itemsize=4, flops_per_item=0.0))
+        return (
+            power_normalize_work(rows * dim, self.power)
+            + elementwise(rows * dim, passes=3)
+            + gemm(rows, self.k, dim)
+            + scale
+            + power_normalize_work(rows * self.k, 1.0)
+            + elementwise(rows * self.k, itemsize=4, flops_per_item=0.0)
+        )
 
     def merge_parts(self) -> MergeParts:
         return {k: ("sum", np.asarray(v)) for k, v in self.moments.sums("moments.").items()}
@@ -221,9 +245,14 @@ class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
             self.solve()
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays = {**self.moments.state("moments."), "proj_x": self.proj_x,
-                  "proj_y": self.proj_y, "mean_x": self.mean_x, "mean_y": self.mean_y,
-                  "correlations": self.correlations}
+        arrays = {
+            **self.moments.state("moments."),
+            "proj_x": self.proj_x,
+            "proj_y": self.proj_y,
+            "mean_x": self.mean_x,
+            "mean_y": self.mean_y,
+            "correlations": self.correlations,
+        }
         return arrays, {"solves": self.solves}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
@@ -251,9 +280,11 @@ def _top_singular_work(dx: int, dy: int, k: int) -> Work:
     top ``k`` eigenpairs (tridiagonal reduction ``4 n^3 / 3``, then ``O(n^2 k)``) and the
     vectors of the other side (``2 N n k``)."""
     long, short = max(dx, dy), min(dx, dy)
-    return (Work(float(long * short * short), 8.0 * (long * short + short * short))
-            + Work(4.0 * short**3 / 3 + 6.0 * short * short * k, 16.0 * short * short)
-            + gemm(long, k, short))
+    return (
+        Work(float(long * short * short), 8.0 * (long * short + short * short))
+        + Work(4.0 * short**3 / 3 + 6.0 * short * short * k, 16.0 * short * short)
+        + gemm(long, k, short)
+    )
 
 
 def _solve_work(dx: int, dy: int, k: int) -> Work:
@@ -267,8 +298,13 @@ def _solve_work(dx: int, dy: int, k: int) -> Work:
     - its top ``k`` singular triplets (:func:`_top_singular_work`);
     - ``P_x = L_x^-T U_k``, ``P_y = L_y^-T V_k``: triangular solves (``d_x^2 k + d_y^2 k``).
     """
-    return (covariance_work(dx * (dx + 1) // 2 + dy * (dy + 1) // 2 + dx * dy)
-            + ridge_cholesky_work(dx) + ridge_cholesky_work(dy)
-            + _triangular_solve_work(dx, dy) + _triangular_solve_work(dy, dx)
-            + _top_singular_work(dx, dy, k)
-            + _triangular_solve_work(dx, k) + _triangular_solve_work(dy, k))
+    return (
+        covariance_work(dx * (dx + 1) // 2 + dy * (dy + 1) // 2 + dx * dy)
+        + ridge_cholesky_work(dx)
+        + ridge_cholesky_work(dy)
+        + _triangular_solve_work(dx, dy)
+        + _triangular_solve_work(dy, dx)
+        + _top_singular_work(dx, dy, k)
+        + _triangular_solve_work(dx, k)
+        + _triangular_solve_work(dy, k)
+    )

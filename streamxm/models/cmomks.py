@@ -38,13 +38,20 @@ class KernelPair:
         def block(value: Any) -> tuple[int, int] | None:
             return None if value is None else (int(value[0]), int(value[1]))
 
-        return cls(float(spec["img_gamma"]), float(spec["txt_gamma"]),
-                   block(spec.get("img_block")), block(spec.get("txt_block")))
+        return cls(
+            float(spec["img_gamma"]),
+            float(spec["txt_gamma"]),
+            block(spec.get("img_block")),
+            block(spec.get("txt_block")),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"img_gamma": self.img_gamma, "txt_gamma": self.txt_gamma,
-                "img_block": list(self.img_block) if self.img_block else None,
-                "txt_block": list(self.txt_block) if self.txt_block else None}
+        return {
+            "img_gamma": self.img_gamma,
+            "txt_gamma": self.txt_gamma,
+            "img_block": list(self.img_block) if self.img_block else None,
+            "txt_block": list(self.txt_block) if self.txt_block else None,
+        }
 
 
 def default_kernels() -> list[dict[str, Any]]:
@@ -60,8 +67,16 @@ class _Side:
     ``m(x) = mean_r k(x, r)`` and ``c = mean_{r, r'} k(r, r')``.
     """
 
-    def __init__(self, dim: int, blocks: list[tuple[int, int]], block_of: list[int],
-                 gammas: F64, power: float, landmarks: int, budget: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        blocks: list[tuple[int, int]],
+        block_of: list[int],
+        gammas: F64,
+        power: float,
+        landmarks: int,
+        budget: int,
+    ) -> None:
         self.blocks, self.block_of, self.gammas, self.power = blocks, block_of, gammas, power
         self.landmarks = landmarks
         widths = [stop - start for start, stop in blocks]
@@ -90,9 +105,13 @@ class _Side:
             out.append((part / np.where(norms > 0, norms, 1.0)).astype(np.float32))
         return out
 
-    def kernels(self, parts: list[NDArray[np.float32]], points: list[NDArray[np.float32]],
-                points_sq: list[NDArray[np.float32]] | None = None,
-                dtype: type[np.floating] = np.float64) -> F64:
+    def kernels(
+        self,
+        parts: list[NDArray[np.float32]],
+        points: list[NDArray[np.float32]],
+        points_sq: list[NDArray[np.float32]] | None = None,
+        dtype: type[np.floating] = np.float64,
+    ) -> F64:
         """(M, n, p): raw kernel values between prepared rows and prepared points (whose squared
         norms may be given, to spare a pass over large stored arrays), in ``dtype`` (learning:
         float64; a server's index rows: float32, whose exponentials cost a fifth)."""
@@ -101,8 +120,7 @@ class _Side:
             pts_sq = np.einsum("ij,ij->i", pts, pts) if points_sq is None else points_sq[b]
             # The stored points on the left: BLAS streams them once (a few rows against many
             # points); with the rows on the left it packs the points first, twice the time.
-            d = (np.einsum("ij,ij->i", part, part)[:, None] + pts_sq[None, :]
-                 - 2 * (pts @ part.T).T)
+            d = np.einsum("ij,ij->i", part, part)[:, None] + pts_sq[None, :] - 2 * (pts @ part.T).T
             dists.append(np.maximum(d, 0.0, dtype=dtype))
         out = np.empty((len(self.block_of), *dists[0].shape), dtype=dtype)
         for j, (b, g) in enumerate(zip(self.block_of, self.gammas, strict=True)):
@@ -112,11 +130,13 @@ class _Side:
     def pool_points(self) -> list[NDArray[np.float32]]:
         return [p[: self.pool_size] for p in self.pool]
 
-    def centred_to_pool(self, parts: list[NDArray[np.float32]],
-                        dtype: type[np.floating] = np.float64) -> tuple[F64, F64]:
+    def centred_to_pool(
+        self, parts: list[NDArray[np.float32]], dtype: type[np.floating] = np.float64
+    ) -> tuple[F64, F64]:
         """``k~(x, r)`` for every pool point ``r``, (M, n, P), and ``m(x)``, (M, n)."""
-        k = self.kernels(parts, self.pool_points(), [q[: self.pool_size] for q in self.pool_sq],
-                         dtype)
+        k = self.kernels(
+            parts, self.pool_points(), [q[: self.pool_size] for q in self.pool_sq], dtype
+        )
         m_x = k.mean(axis=2, dtype=np.float64)
         k -= (self.pool_m - self.c[:, None]).astype(dtype)[:, None, :]
         k -= m_x[:, :, None].astype(dtype)
@@ -136,9 +156,13 @@ class _Side:
         """``sum_c coef_kc k~(x, x_kc)`` for every support triplet ``k``: (M, n, used)."""
         return self.centred_to_slots(parts, m_x, slice(0, used))
 
-    def centred_to_slots(self, parts: list[NDArray[np.float32]], m_x: F64,
-                         slots: slice | NDArray[np.int64],
-                         dtype: type[np.floating] = np.float64) -> F64:
+    def centred_to_slots(
+        self,
+        parts: list[NDArray[np.float32]],
+        m_x: F64,
+        slots: slice | NDArray[np.int64],
+        dtype: type[np.floating] = np.float64,
+    ) -> F64:
         """:meth:`centred_to_support` for the support triplets in ``slots`` only (a slice of
         slots from 0 reads the stored points in place), the kernels in ``dtype``."""
         count = len(range(len(self.coef))[slots]) if isinstance(slots, slice) else len(slots)
@@ -149,8 +173,9 @@ class _Side:
             pts_sq = [q[: count * 2] for q in self.support_sq]
         else:
             pts_sq = [q.reshape(-1, 2)[slots].ravel() for q in self.support_sq]
-        k = self.kernels(parts, pts, pts_sq, dtype).reshape(len(self.block_of), len(parts[0]),
-                                                             count, 2)
+        k = self.kernels(parts, pts, pts_sq, dtype).reshape(
+            len(self.block_of), len(parts[0]), count, 2
+        )
         # The centring summed over each triplet's points: sum_c coef_c (k_c - m(x) - m(x_c) + c)
         # = sum_c coef_c k_c - (m(x) - c) sum_c coef_c - sum_c coef_c m(x_c), so only one pass
         # reads the (M, n, slots, 2) kernels.
@@ -164,8 +189,11 @@ class _Side:
 
     def same_pool(self, other: _Side) -> bool:
         """Whether ``other`` has this side's closed landmark pool (so its kernels centre alike)."""
-        return (self.pool_size == other.pool_size and np.array_equal(self.c, other.c)
-                and all(np.array_equal(a, b) for a, b in zip(self.pool, other.pool, strict=True)))
+        return (
+            self.pool_size == other.pool_size
+            and np.array_equal(self.c, other.c)
+            and all(np.array_equal(a, b) for a, b in zip(self.pool, other.pool, strict=True))
+        )
 
     def rewritten(self, before: _Side, used: int, used_before: int) -> NDArray[np.int64]:
         """The support slots below ``used`` whose triplet is not ``before``'s (written since, or
@@ -177,8 +205,9 @@ class _Side:
         same &= (self.support_m[:, :used] == before.support_m[:, :used]).all(axis=(0, 2))
         return np.flatnonzero(~same).astype(np.int64)
 
-    def put(self, slot: int, parts: list[NDArray[np.float32]], m_x: F64,
-            coef: tuple[float, float]) -> None:
+    def put(
+        self, slot: int, parts: list[NDArray[np.float32]], m_x: F64, coef: tuple[float, float]
+    ) -> None:
         """Store a support triplet's two prepared points and their ``m`` at ``slot``."""
         for b, part in enumerate(parts):
             self.support[b][slot] = part
@@ -209,30 +238,34 @@ class _Side:
         total = Work()
         for start, stop in self.blocks:
             width = stop - start
-            total += (gemm(rows, points, width, 4)
-                      + elementwise(rows * width, 4, flops_per_item=3.0, passes=3.0)
-                      + elementwise(rows * points, 4, flops_per_item=3.0, passes=7.0))
+            total += (
+                gemm(rows, points, width, 4)
+                + elementwise(rows * width, 4, flops_per_item=3.0, passes=3.0)
+                + elementwise(rows * points, 4, flops_per_item=3.0, passes=7.0)
+            )
             if not norms_given:
                 total += elementwise(points * width, 4, flops_per_item=2.0, passes=1.0)
-        return total + elementwise(len(self.block_of) * rows * points, 8, flops_per_item=2.0,
-                                   passes=4.0)
+        return total + elementwise(
+            len(self.block_of) * rows * points, 8, flops_per_item=2.0, passes=4.0
+        )
 
     def pool_work(self, rows: int) -> Work:
         """:meth:`centred_to_pool` of ``rows`` rows: the kernels to the ``P`` pool points, their
         mean ``m(x)`` and the centring ``k - m(x) - m(r) + c`` (``4 M n P`` flops, 7 float64
         passes)."""
         items = len(self.block_of) * rows * self.landmarks
-        return (self.kernels_work(rows, self.landmarks)
-                + elementwise(items, 8, flops_per_item=4.0, passes=7.0))
+        return self.kernels_work(rows, self.landmarks) + elementwise(
+            items, 8, flops_per_item=4.0, passes=7.0
+        )
 
     def support_work(self, rows: int, used: int) -> Work:
         """:meth:`centred_to_support` of ``rows`` rows against ``used`` support triplets: the
         kernels to their ``2 used`` points, the centring (``3`` flops, 6 passes an item) and
         the sum over each triplet's two points with its coefficients (``2`` flops, 1 pass), all
         over ``M n 2 used`` float64 items."""
-        return (self.kernels_work(rows, 2 * used)
-                + elementwise(len(self.block_of) * rows * 2 * used, 8, flops_per_item=5.0,
-                              passes=7.0))
+        return self.kernels_work(rows, 2 * used) + elementwise(
+            len(self.block_of) * rows * 2 * used, 8, flops_per_item=5.0, passes=7.0
+        )
 
 
 class CMOMKS(CrossModalModel, name="cmomks"):
@@ -343,7 +376,9 @@ class CMOMKS(CrossModalModel, name="cmomks"):
     checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0}  # came later, off
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
+        self,
+        img_dim: int,
+        txt_dim: int,
         kernels: list[dict[str, Any]] | None = None,
         C: float = 0.5,
         margin: float = 1.0,
@@ -358,8 +393,17 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         specs = [KernelPair.from_json(k) for k in (kernels or default_kernels())]
         if not specs:
             raise ValueError("kernels must name at least one kernel pair")
-        require(locals(), C="> 0", margin="> 0", beta="in (0, 1)", power="> 0", budget=">= 1",
-                landmarks=">= 2", triplets_per_pair=">= 1", rehearse=">= 0")
+        require(
+            locals(),
+            C="> 0",
+            margin="> 0",
+            beta="in (0, 1)",
+            power="> 0",
+            budget=">= 1",
+            landmarks=">= 2",
+            triplets_per_pair=">= 1",
+            rehearse=">= 0",
+        )
         for k in specs:
             for block, dim in ((k.img_block, img_dim), (k.txt_block, txt_dim)):
                 if block is not None and not 0 <= block[0] < block[1] <= dim:
@@ -371,10 +415,12 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self.budget, self.landmarks = int(budget), int(landmarks)
         self.triplets_per_pair = int(triplets_per_pair)
         self.rehearse = int(rehearse)
-        self.img_side = self._side(img_dim, [k.img_block for k in specs],
-                                   [k.img_gamma for k in specs])
-        self.txt_side = self._side(txt_dim, [k.txt_block for k in specs],
-                                   [k.txt_gamma for k in specs])
+        self.img_side = self._side(
+            img_dim, [k.img_block for k in specs], [k.img_gamma for k in specs]
+        )
+        self.txt_side = self._side(
+            txt_dim, [k.txt_block for k in specs], [k.txt_gamma for k in specs]
+        )
         m = len(specs)
         self.tau = np.zeros((m, budget), dtype=np.float64)
         self.A = np.zeros((m, landmarks, landmarks), dtype=np.float64)  # projected triplets
@@ -391,8 +437,15 @@ class CMOMKS(CrossModalModel, name="cmomks"):
     def _side(self, dim: int, blocks: list[tuple[int, int] | None], gammas: list[float]) -> _Side:
         full = [b or (0, dim) for b in blocks]
         distinct = sorted(set(full))
-        return _Side(dim, distinct, [distinct.index(b) for b in full], np.array(gammas),
-                     self.power, self.landmarks, self.budget)
+        return _Side(
+            dim,
+            distinct,
+            [distinct.index(b) for b in full],
+            np.array(gammas),
+            self.power,
+            self.landmarks,
+            self.budget,
+        )
 
     @property
     def theta(self) -> F64:
@@ -425,14 +478,15 @@ class CMOMKS(CrossModalModel, name="cmomks"):
     def kernel_scores(self, imgs: NDArray[np.floating], txts: NDArray[np.floating]) -> F64:
         """(M, n_imgs, n_txts): every kernel pair's own similarity ``s_j``."""
         if not self.pool_full:
-            return np.zeros((len(self.kernels), len(np.atleast_2d(imgs)),
-                             len(np.atleast_2d(txts))))
-        return np.asarray(np.einsum("mik,mjk->mij", self._image_terms(imgs),
-                                    self._text_terms(txts)))
+            return np.zeros((len(self.kernels), len(np.atleast_2d(imgs)), len(np.atleast_2d(txts))))
+        return np.asarray(
+            np.einsum("mik,mjk->mij", self._image_terms(imgs), self._text_terms(txts))
+        )
 
     # -- learning ----------------------------------------------------------------------------
-    def _side_terms(self, side: _Side, parts: list[NDArray[np.float32]]
-                    ) -> tuple[F64, F64, F64, F64]:
+    def _side_terms(
+        self, side: _Side, parts: list[NDArray[np.float32]]
+    ) -> tuple[F64, F64, F64, F64]:
         """For two prepared rows: centred kernels to the pool (M, 2, P), support terms
         (M, 2, used), ``m`` of the rows (M, 2) and ``k(row0, row1)`` (M,)."""
         to_pool, m_x = side.centred_to_pool(parts)
@@ -440,16 +494,22 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         k01 = side.kernels([p[:1] for p in parts], [p[1:] for p in parts])[:, 0, 0]
         return to_pool, support, m_x, k01
 
-    def learn_triplet(self, img_rows: NDArray[np.float32], txt_rows: NDArray[np.float32],
-                      is_text: bool, stats: LearnStats) -> None:
+    def learn_triplet(
+        self,
+        img_rows: NDArray[np.float32],
+        txt_rows: NDArray[np.float32],
+        is_text: bool,
+        stats: LearnStats,
+    ) -> None:
         """``img_rows``/``txt_rows``: (2, d) each; an image triplet has its query twice in
         ``img_rows`` and ``(t+, t-)`` in ``txt_rows``, a text triplet the mirror."""
         img_parts, txt_parts = self.img_side.prep(img_rows), self.txt_side.prep(txt_rows)
         i_pool, i_sup, i_m, i_k01 = self._side_terms(self.img_side, img_parts)
         t_pool, t_sup, t_m, t_k01 = self._side_terms(self.txt_side, txt_parts)
         used = self.support_size
-        img_terms = np.concatenate([np.matmul(i_pool, self.A),
-                                    i_sup * self.tau[:, None, :used]], axis=2)
+        img_terms = np.concatenate(
+            [np.matmul(i_pool, self.A), i_sup * self.tau[:, None, :used]], axis=2
+        )
         s = np.einsum("mik,mjk->mij", img_terms, np.concatenate([t_pool, t_sup], axis=2))
         # Gaussian: k(x, x) = 1, so k(p,p) - 2k(p,n) + k(n,n) = 2 - 2k(p,n); the query term is
         # the centred k~(q, q) = 1 - 2 m(q) + c.
@@ -469,8 +529,12 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self.kernel_mistakes += wrong
         self.log_theta += np.log(self.beta) * wrong
         self.log_theta -= self.log_theta.max()
-        stats.add("t2i" if is_text else "i2t", float(theta @ diff) <= 0.0,
-                  float(theta @ loss), bool(new_tau.any()))
+        stats.add(
+            "t2i" if is_text else "i2t",
+            float(theta @ diff) <= 0.0,
+            float(theta @ loss),
+            bool(new_tau.any()),
+        )
         if new_tau.any():
             slot = self.head
             if self.support_size == self.budget:
@@ -494,7 +558,11 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self.projected += 1
 
     def update(
-        self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:
         if not self.pool_full:
@@ -506,19 +574,24 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         queries = [(slot, pair.labels, self.triplets_per_pair, stats)]
         # A burst: rehearse the rest (once learning has started: waiting triplets are counted).
         if self.rehearse and self.pool_full and buffer.drawable() > buffer.recent:
-            for q in rng.integers(buffer.recent, buffer.recent + buffer.stored,
-                                  size=self.rehearse):
+            for q in rng.integers(buffer.recent, buffer.recent + buffer.stored, size=self.rehearse):
                 labels = buffer.labels_at(int(q))
                 queries.append((int(q), labels, 1, LearnStats()))
         for qslot, qlabels, count, qstats in queries:
             sampler = TripletSampler(buffer, qslot, qlabels)
             for is_text, pos, neg in sampler.directed(rng, count, self.n_triplets):
                 if is_text:
-                    triplet = (np.vstack([buffer.img[pos], buffer.img[neg]]),
-                               np.vstack([buffer.txt[qslot], buffer.txt[qslot]]), True)
+                    triplet = (
+                        np.vstack([buffer.img[pos], buffer.img[neg]]),
+                        np.vstack([buffer.txt[qslot], buffer.txt[qslot]]),
+                        True,
+                    )
                 else:
-                    triplet = (np.vstack([buffer.img[qslot], buffer.img[qslot]]),
-                               np.vstack([buffer.txt[pos], buffer.txt[neg]]), False)
+                    triplet = (
+                        np.vstack([buffer.img[qslot], buffer.img[qslot]]),
+                        np.vstack([buffer.txt[pos], buffer.txt[neg]]),
+                        False,
+                    )
                 self.n_triplets += 1
                 if self.pool_full and not self._waiting:
                     self.learn_triplet(*triplet, qstats)
@@ -582,17 +655,26 @@ class CMOMKS(CrossModalModel, name="cmomks"):
             terms = self._image_terms(x)
         else:
             to_pool, support = self._features(self.txt_side, x)
-            terms = np.concatenate([np.matmul(to_pool, self.A.transpose(0, 2, 1)),
-                                    support * self.tau[:, None, : self.support_size]], axis=2)
+            terms = np.concatenate(
+                [
+                    np.matmul(to_pool, self.A.transpose(0, 2, 1)),
+                    support * self.tau[:, None, : self.support_size],
+                ],
+                axis=2,
+            )
         return self._index_flat(terms * self.theta[:, None, None], np.zeros((m, rows)))
 
     def index_update(self, earlier: CrossModalModel, modality: str) -> IndexUpdate | None:
         """Kept rows with the columns of the support slots written since ``earlier`` recomputed
         (the pool means read from the kept rows); ``None`` unless ``earlier`` is an earlier
         version of this model (same settings, the same closed pool, no larger support)."""
-        if not (isinstance(earlier, CMOMKS) and self.pool_full and earlier.pool_full
-                and self._settings() == earlier._settings()
-                and earlier.support_size <= self.support_size):
+        if not (
+            isinstance(earlier, CMOMKS)
+            and self.pool_full
+            and earlier.pool_full
+            and self._settings() == earlier._settings()
+            and earlier.support_size <= self.support_size
+        ):
             return None
         side = self.img_side if modality == "image" else self.txt_side
         before = earlier.img_side if modality == "image" else earlier.txt_side
@@ -604,8 +686,9 @@ class CMOMKS(CrossModalModel, name="cmomks"):
 
         def update(kept: NDArray[np.float32], x: NDArray[np.floating]) -> NDArray[np.float32]:
             if kept.shape[1] != self._index_width():
-                raise ValueError(f"kept rows are {kept.shape[1]} wide, not cmomks's "
-                                 f"{self._index_width()}")
+                raise ValueError(
+                    f"kept rows are {kept.shape[1]} wide, not cmomks's {self._index_width()}"
+                )
             out = np.array(kept, dtype=np.float32)
             if len(slots):
                 m_x = kept[:, -m:].T.astype(np.float64)
@@ -647,12 +730,19 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         total = Work()
         for side in (self.img_side, self.txt_side):
             width = sum(stop - start for start, stop in side.blocks)
-            total += (side.prep_work(2) + side.pool_work(2) + side.support_work(2, u)
-                      + side.kernels_work(1, 1, norms_given=False)
-                      + elementwise(2 * width, 4, flops_per_item=2.0, passes=3.0))  # put
-        total += (gemm(2, p, p) * m + gemm(2, 2, p + u) * m
-                  + elementwise(m * 2 * u, 8, flops_per_item=1.0, passes=2.0)
-                  + elementwise(m * 2 * (p + u), 8, flops_per_item=0.0, passes=4.0))
+            total += (
+                side.prep_work(2)
+                + side.pool_work(2)
+                + side.support_work(2, u)
+                + side.kernels_work(1, 1, norms_given=False)
+                + elementwise(2 * width, 4, flops_per_item=2.0, passes=3.0)
+            )  # put
+        total += (
+            gemm(2, p, p) * m
+            + gemm(2, 2, p + u) * m
+            + elementwise(m * 2 * u, 8, flops_per_item=1.0, passes=2.0)
+            + elementwise(m * 2 * (p + u), 8, flops_per_item=0.0, passes=4.0)
+        )
         return total + self._project_work()
 
     def _project_work(self) -> Work:
@@ -664,9 +754,11 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         m, p = len(self.kernels), self.landmarks
         total = Work()
         for side in (self.img_side, self.txt_side):
-            total += (side.pool_work(2) + elementwise(m * 2 * p, 8, flops_per_item=2.0,
-                                                      passes=1.0)
-                      + matvec(p, p) * m)
+            total += (
+                side.pool_work(2)
+                + elementwise(m * 2 * p, 8, flops_per_item=2.0, passes=1.0)
+                + matvec(p, p) * m
+            )
         return total + elementwise(m * p * p, 8, flops_per_item=2.0, passes=4.0)
 
     def embedding_work(self, rows: int, modality: str) -> Work:
@@ -679,19 +771,29 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         m, p, u = len(self.kernels), self.landmarks, self.budget
         side = self.img_side if modality == "image" else self.txt_side
         terms = m * rows * (p + u)
-        total = (side.prep_work(rows) + side.pool_work(rows) + side.support_work(rows, u)
-                 + elementwise(terms, 8, flops_per_item=0.0, passes=2.0)
-                 + elementwise(terms, 4, flops_per_item=0.0, passes=4.0))
+        total = (
+            side.prep_work(rows)
+            + side.pool_work(rows)
+            + side.support_work(rows, u)
+            + elementwise(terms, 8, flops_per_item=0.0, passes=2.0)
+            + elementwise(terms, 4, flops_per_item=0.0, passes=4.0)
+        )
         if modality == "image":
-            total += (gemm(rows, p, p) * m
-                      + elementwise(m * rows * u, 8, flops_per_item=1.0, passes=2.0)
-                      + elementwise(terms, 8, flops_per_item=1.0, passes=2.0))
+            total += (
+                gemm(rows, p, p) * m
+                + elementwise(m * rows * u, 8, flops_per_item=1.0, passes=2.0)
+                + elementwise(terms, 8, flops_per_item=1.0, passes=2.0)
+            )
         return total
 
     # -- state -------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays: Arrays = {"tau": self.tau, "A": self.A, "log_theta": self.log_theta,
-                          "kernel_mistakes": self.kernel_mistakes}
+        arrays: Arrays = {
+            "tau": self.tau,
+            "A": self.A,
+            "log_theta": self.log_theta,
+            "kernel_mistakes": self.kernel_mistakes,
+        }
         for name, side in (("img", self.img_side), ("txt", self.txt_side)):
             arrays[f"{name}.coef"] = side.coef
             arrays[f"{name}.support_m"] = side.support_m
@@ -702,10 +804,14 @@ class CMOMKS(CrossModalModel, name="cmomks"):
             arrays["waiting.img"] = np.stack([w[0] for w in self._waiting])
             arrays["waiting.txt"] = np.stack([w[1] for w in self._waiting])
             arrays["waiting.is_text"] = np.array([w[2] for w in self._waiting])
-        return arrays, {"support_size": self.support_size, "head": self.head,
-                        "n_triplets": self.n_triplets, "projected": self.projected,
-                        "vote_mistakes": self.vote_mistakes,
-                        "pool_size": self.img_side.pool_size}
+        return arrays, {
+            "support_size": self.support_size,
+            "head": self.head,
+            "n_triplets": self.n_triplets,
+            "projected": self.projected,
+            "vote_mistakes": self.vote_mistakes,
+            "pool_size": self.img_side.pool_size,
+        }
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         self.tau = np.array(arrays["tau"], dtype=np.float64)
@@ -729,5 +835,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
         self.vote_mistakes = int(meta["vote_mistakes"])
         self._waiting = []
         if "waiting.is_text" in arrays:
-            self._waiting = [(arrays["waiting.img"][i], arrays["waiting.txt"][i], bool(flag))
-                             for i, flag in enumerate(arrays["waiting.is_text"])]
+            self._waiting = [
+                (arrays["waiting.img"][i], arrays["waiting.txt"][i], bool(flag))
+                for i, flag in enumerate(arrays["waiting.is_text"])
+            ]

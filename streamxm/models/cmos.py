@@ -124,7 +124,9 @@ class CMOS(CrossModalModel, name="cmos"):
     checkpoint_defaults: ClassVar[dict[str, Any]] = {"replay": 0}  # replay came later, off
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
+        self,
+        img_dim: int,
+        txt_dim: int,
         C: float = 0.1,
         margin: float = 1.0,
         triplets_per_pair: int = 10,
@@ -136,8 +138,14 @@ class CMOS(CrossModalModel, name="cmos"):
         replay: int = 2,
     ) -> None:
         super().__init__(img_dim, txt_dim)
-        require(locals(), C="> 0", margin="> 0", triplets_per_pair=">= 1", flush_every=">= 1",
-                replay=">= 0")
+        require(
+            locals(),
+            C="> 0",
+            margin="> 0",
+            triplets_per_pair=">= 1",
+            flush_every=">= 1",
+            replay=">= 0",
+        )
         if normalize not in ("l2", "none"):
             raise ValueError(f"normalize must be 'l2' or 'none', got {normalize!r}")
         if solver not in ("blocked", "paper"):
@@ -168,7 +176,6 @@ class CMOS(CrossModalModel, name="cmos"):
         self._queued = 0
         self._stats = LearnStats()  # where reads record a flush; update points it at its own
 
-
     # -- input map -------------------------------------------------------------------------
     def _norm(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
         x = np.asarray(x, dtype=np.float64)
@@ -182,8 +189,9 @@ class CMOS(CrossModalModel, name="cmos"):
             return np.zeros_like(total)
         return total / self.n_seen
 
-    def _row_diff(self, rows: NDArray[np.float32], norms: NDArray[np.float32], pos: int,
-                  neg: int) -> NDArray[np.float32]:
+    def _row_diff(
+        self, rows: NDArray[np.float32], norms: NDArray[np.float32], pos: int, neg: int
+    ) -> NDArray[np.float32]:
         """``phi(x+) - phi(x-)`` of two buffered rows (their norms are cached by the buffer)."""
         if self.normalize == "l2":
             return np.asarray(rows[pos] / norms[pos] - rows[neg] / norms[neg])
@@ -198,16 +206,23 @@ class CMOS(CrossModalModel, name="cmos"):
         return self._norm(x) - self._mean(self.txt_sum)
 
     # -- the PA updates (Eq. 6 and 7) ------------------------------------------------------
-    def _enqueue(self, left: NDArray[np.floating], right: NDArray[np.floating],
-                 is_text: bool) -> None:
+    def _enqueue(
+        self, left: NDArray[np.floating], right: NDArray[np.floating], is_text: bool
+    ) -> None:
         k = self._queued
         self._left[k] = left
         self._right[k] = right
         self._is_text[k] = is_text
         self._queued += 1
 
-    def _submit(self, left: NDArray[np.floating], right: NDArray[np.floating], is_text: bool,
-                stats: LearnStats, defer: bool) -> None:
+    def _submit(
+        self,
+        left: NDArray[np.floating],
+        right: NDArray[np.floating],
+        is_text: bool,
+        stats: LearnStats,
+        defer: bool,
+    ) -> None:
         if self._queued >= self.flush_every:
             self.flush(stats)
         self._enqueue(left, right, is_text)
@@ -215,8 +230,12 @@ class CMOS(CrossModalModel, name="cmos"):
             self.flush(stats)
 
     def update_image(
-        self, v: NDArray[np.floating], t_pos: NDArray[np.floating], t_neg: NDArray[np.floating],
-        stats: LearnStats, defer: bool = False,
+        self,
+        v: NDArray[np.floating],
+        t_pos: NDArray[np.floating],
+        t_neg: NDArray[np.floating],
+        stats: LearnStats,
+        defer: bool = False,
     ) -> None:
         """Image-query triplet ``(v, t+, t-)`` on mapped vectors: ``V = v (t+ - t-)^T``.
 
@@ -225,8 +244,12 @@ class CMOS(CrossModalModel, name="cmos"):
         self._submit(v, np.asarray(t_pos, np.float64) - t_neg, False, stats, defer)
 
     def update_text(
-        self, t: NDArray[np.floating], v_pos: NDArray[np.floating], v_neg: NDArray[np.floating],
-        stats: LearnStats, defer: bool = False,
+        self,
+        t: NDArray[np.floating],
+        v_pos: NDArray[np.floating],
+        v_neg: NDArray[np.floating],
+        stats: LearnStats,
+        defer: bool = False,
     ) -> None:
         """Text-query triplet ``(t, v+, v-)`` on mapped vectors: ``V = (v+ - v-) t^T`` (see
         :meth:`update_image`)."""
@@ -254,8 +277,9 @@ class CMOS(CrossModalModel, name="cmos"):
         if n == 0:
             return
         self._queued = 0
-        tau = self._paper_steps(n, stats) if self.solver == "paper" else self._blocked_steps(
-            n, stats)
+        tau = (
+            self._paper_steps(n, stats) if self.solver == "paper" else self._blocked_steps(n, stats)
+        )
         if self.tau_log is not None:
             self.tau_log.extend(tau.tolist())
 
@@ -276,8 +300,9 @@ class CMOS(CrossModalModel, name="cmos"):
             self._merge(left, tau, right)
         return tau
 
-    def _merge(self, left: NDArray[np.floating], tau: NDArray[np.float64],
-               right: NDArray[np.floating]) -> None:
+    def _merge(
+        self, left: NDArray[np.floating], tau: NDArray[np.float64], right: NDArray[np.floating]
+    ) -> None:
         """``W += A^T diag(tau) B`` in place: BLAS ``gemm`` with ``beta = 1`` on ``W^T`` (a
         Fortran-ordered view of ``W``), bit for bit what a product plus an add gives, without
         a temporary of ``W``'s size."""
@@ -289,7 +314,11 @@ class CMOS(CrossModalModel, name="cmos"):
         gemm_(1.0, right.T, scaled, beta=1.0, c=self.W.T, overwrite_c=1)
 
     def update(
-        self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:
         self._stats = stats
@@ -302,11 +331,13 @@ class CMOS(CrossModalModel, name="cmos"):
         for is_text, pos, neg in sampler.directed(rng, self.triplets_per_pair, self.n_triplets):
             # Mean-centring cancels in a difference, so the normalised rows suffice there.
             if is_text:
-                self._enqueue(self._row_diff(buffer.img, buffer.img_norm, pos, neg), t,
-                              is_text=True)
+                self._enqueue(
+                    self._row_diff(buffer.img, buffer.img_norm, pos, neg), t, is_text=True
+                )
             else:
-                self._enqueue(v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg),
-                              is_text=False)
+                self._enqueue(
+                    v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg), is_text=False
+                )
             self.n_triplets += 1
         if self.replay and buffer.drawable() > buffer.recent:  # a burst: rehearse the rest
             self._rehearse(buffer, rng)
@@ -323,12 +354,14 @@ class CMOS(CrossModalModel, name="cmos"):
             for is_text, pos, neg in sampler.directed(rng, 1, self.n_triplets):
                 if is_text:
                     t = self.map_texts(buffer.txt[q])
-                    self._enqueue(self._row_diff(buffer.img, buffer.img_norm, pos, neg), t,
-                                  is_text=True)
+                    self._enqueue(
+                        self._row_diff(buffer.img, buffer.img_norm, pos, neg), t, is_text=True
+                    )
                 else:
                     v = self.map_images(buffer.img[q])
-                    self._enqueue(v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg),
-                                  is_text=False)
+                    self._enqueue(
+                        v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg), is_text=False
+                    )
                 self.n_triplets += 1
 
     # -- serving ---------------------------------------------------------------------------
@@ -349,8 +382,9 @@ class CMOS(CrossModalModel, name="cmos"):
             return np.asarray((a @ self.W) @ b.T)
         return np.asarray(a @ (self.W @ b.T))
 
-    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp],
-                          kept: SlotFeatures) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def evaluation_scores(
+        self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp], kept: SlotFeatures
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """``W`` multiplied into the arriving pair's side, once per direction, in ``W``'s dtype
         (a float64 operand would copy ``W`` at every call); the stored rows enter through the
         norms the buffer keeps: ``psi(t) . q = (t . q) / ||t|| - mean . q``."""
@@ -359,12 +393,19 @@ class CMOS(CrossModalModel, name="cmos"):
         text_query = (self.W @ self.map_texts(pair.txt).astype(self.W.dtype)).astype(np.float64)
         i2t = self._stored_scores(buffer.txt, buffer.txt_norm, rows, image_query, self.txt_sum)
         t2i = self._stored_scores(buffer.img, buffer.img_norm, rows, text_query, self.img_sum)
-        return (np.concatenate([[self.map_texts(pair.txt) @ image_query], i2t]),
-                np.concatenate([[self.map_images(pair.img) @ text_query], t2i]))
+        return (
+            np.concatenate([[self.map_texts(pair.txt) @ image_query], i2t]),
+            np.concatenate([[self.map_images(pair.img) @ text_query], t2i]),
+        )
 
-    def _stored_scores(self, stored: NDArray[np.float32], norms: NDArray[np.float32],
-                       rows: NDArray[np.intp], query: NDArray[np.float64],
-                       total: NDArray[np.float64]) -> NDArray[np.float64]:
+    def _stored_scores(
+        self,
+        stored: NDArray[np.float32],
+        norms: NDArray[np.float32],
+        rows: NDArray[np.intp],
+        query: NDArray[np.float64],
+        total: NDArray[np.float64],
+    ) -> NDArray[np.float64]:
         raw = np.asarray(stored[rows] @ query.astype(np.float32), dtype=np.float64)
         if self.normalize == "l2":
             raw /= np.where(norms[rows] > 0, norms[rows], 1.0)
@@ -380,16 +421,20 @@ class CMOS(CrossModalModel, name="cmos"):
 
     def _flush_work(self, queued: int) -> Work:
         size = np.dtype(self.dtype).itemsize
-        return (gemm(queued, self.txt_dim, self.img_dim, size)
-                + gemm(queued, queued, self.img_dim) + gemm(queued, queued, self.txt_dim)
-                + rank_update(self.img_dim, self.txt_dim, queued, size))
+        return (
+            gemm(queued, self.txt_dim, self.img_dim, size)
+            + gemm(queued, queued, self.img_dim)
+            + gemm(queued, queued, self.txt_dim)
+            + rank_update(self.img_dim, self.txt_dim, queued, size)
+        )
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """Images: the map and ``phi(x) W``; texts: the map only."""
         if modality == "text":
             return elementwise(rows * self.txt_dim, flops_per_item=4.0)
-        return (elementwise(rows * self.img_dim, flops_per_item=4.0)
-                + gemm(rows, self.txt_dim, self.img_dim))
+        return elementwise(rows * self.img_dim, flops_per_item=4.0) + gemm(
+            rows, self.txt_dim, self.img_dim
+        )
 
     def evaluation_work(self, gallery: int) -> Work:
         """The flush an evaluation forces before its time (``W`` read for the margins and read
@@ -397,30 +442,39 @@ class CMOS(CrossModalModel, name="cmos"):
         ``W`` and the stored rows' products with the queries."""
         size = np.dtype(self.dtype).itemsize
         early_flush = Work(bytes=3.0 * size * self.img_dim * self.txt_dim)
-        return (early_flush + matvec(self.img_dim, self.txt_dim, size) * 2
-                + matvec(gallery + 1, self.img_dim + self.txt_dim, 4))
+        return (
+            early_flush
+            + matvec(self.img_dim, self.txt_dim, size) * 2
+            + matvec(gallery + 1, self.img_dim + self.txt_dim, 4)
+        )
 
     @property
     def fixed_space(self) -> bool:  # type: ignore[override]
         # phi(x) = unit(x) - mean: bilinear in the unit rows, the mean folding into a constant.
         return self.normalize == "l2"
 
-    def queries_for_texts(self, imgs: NDArray[np.floating]
-                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def queries_for_texts(
+        self, imgs: NDArray[np.floating]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         self.flush(self._stats)
         q = self.map_images(np.atleast_2d(imgs)) @ self.W.astype(np.float64)
         return q, -(q @ self._mean(self.txt_sum))
 
-    def queries_for_images(self, txts: NDArray[np.floating]
-                           ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def queries_for_images(
+        self, txts: NDArray[np.floating]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         self.flush(self._stats)
         q = self.map_texts(np.atleast_2d(txts)) @ self.W.T.astype(np.float64)
         return q, -(q @ self._mean(self.img_sum))
 
     def merge_parts(self) -> MergeParts:
-        return {"W": ("mix", self.W), "img_sum": ("sum", self.img_sum),
-                "txt_sum": ("sum", self.txt_sum), "n_seen": ("sum", np.asarray(self.n_seen)),
-                "n_triplets": ("sum", np.asarray(self.n_triplets))}
+        return {
+            "W": ("mix", self.W),
+            "img_sum": ("sum", self.img_sum),
+            "txt_sum": ("sum", self.txt_sum),
+            "n_seen": ("sum", np.asarray(self.n_seen)),
+            "n_triplets": ("sum", np.asarray(self.n_triplets)),
+        }
 
     def set_merged(self, merged: Arrays) -> None:
         if self._queued:
@@ -432,9 +486,14 @@ class CMOS(CrossModalModel, name="cmos"):
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         n = self._queued
-        arrays = {"W": self.W, "img_sum": self.img_sum, "txt_sum": self.txt_sum,
-                  "queued_left": self._left[:n], "queued_right": self._right[:n],
-                  "queued_is_text": self._is_text[:n]}
+        arrays = {
+            "W": self.W,
+            "img_sum": self.img_sum,
+            "txt_sum": self.txt_sum,
+            "queued_left": self._left[:n],
+            "queued_right": self._right[:n],
+            "queued_is_text": self._is_text[:n],
+        }
         return arrays, {"n_seen": self.n_seen, "n_triplets": self.n_triplets}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:

@@ -57,8 +57,15 @@ from numpy.typing import NDArray
 
 from streamxm.models import CrossModalModel, split_name
 
-__all__ = ["ENSEMBLE_PREFIX", "REFERENCE_ITEMS", "Ensemble", "EnsembleSpec", "is_ensemble",
-           "member_scores", "parse_ensemble"]
+__all__ = [
+    "ENSEMBLE_PREFIX",
+    "REFERENCE_ITEMS",
+    "Ensemble",
+    "EnsembleSpec",
+    "is_ensemble",
+    "member_scores",
+    "parse_ensemble",
+]
 
 ENSEMBLE_PREFIX = "ensemble:"
 #: Items of the served gallery each query's member scores are standardised against.
@@ -95,15 +102,16 @@ def parse_ensemble(name: str) -> EnsembleSpec:
     """
     if not is_ensemble(name):
         raise ValueError(f"{name!r} is not an ensemble (ensemble:<model>+<model>...)")
-    parts = name[len(ENSEMBLE_PREFIX):].split("+")
+    parts = name[len(ENSEMBLE_PREFIX) :].split("+")
     if len(parts) < 2:
         raise ValueError(f"ensemble {name!r} needs at least two members joined by '+'")
     members, weights = [], []
     for part in parts:
         match = _WEIGHT.fullmatch(part)
         if match is None:
-            raise ValueError(f"ensemble {name!r}: member {part!r} is not <model> or "
-                             f"<model>*<weight>")
+            raise ValueError(
+                f"ensemble {name!r}: member {part!r} is not <model> or <model>*<weight>"
+            )
         member = match["name"]
         split_name(member)  # an unknown member raises, naming the known ones
         if member in members:
@@ -116,8 +124,13 @@ def parse_ensemble(name: str) -> EnsembleSpec:
     return EnsembleSpec(name, tuple(members), tuple(weights))
 
 
-def member_scores(model: CrossModalModel, direction: str, queries: NDArray[np.floating],
-                  items: NDArray[np.floating], paired: bool = False) -> NDArray[np.float64]:
+def member_scores(
+    model: CrossModalModel,
+    direction: str,
+    queries: NDArray[np.floating],
+    items: NDArray[np.floating],
+    paired: bool = False,
+) -> NDArray[np.float64]:
     """One model's scores: image queries against texts for ``i2t``, text queries against images
     for ``t2i``; (n_queries, n_items), or with ``paired`` query ``i`` against item ``i`` only."""
     if direction not in ("i2t", "t2i"):
@@ -146,9 +159,14 @@ class Ensemble:
         self.spec = spec
         self.models = {m: models[m] for m in spec.members}
 
-    def scores(self, direction: str, queries: NDArray[np.floating],
-               items: NDArray[np.floating], reference: NDArray[np.floating],
-               paired: bool = False) -> NDArray[np.float64]:
+    def scores(
+        self,
+        direction: str,
+        queries: NDArray[np.floating],
+        items: NDArray[np.floating],
+        reference: NDArray[np.floating],
+        paired: bool = False,
+    ) -> NDArray[np.float64]:
         """Fused scores (n_queries, n_items), or with ``paired`` of query ``i`` and item ``i``
         (n,); each member standardised per query over its scores of ``reference`` (items of
         the same modality as ``items``, at least two)."""
@@ -161,17 +179,18 @@ class Ensemble:
             fused += (scores - mean) / std
         return fused
 
-    def standardisers(self, direction: str, queries: NDArray[np.floating],
-                      reference: NDArray[np.floating]
-                      ) -> list[tuple[NDArray[np.float64], NDArray[np.float64]]]:
+    def standardisers(
+        self, direction: str, queries: NDArray[np.floating], reference: NDArray[np.floating]
+    ) -> list[tuple[NDArray[np.float64], NDArray[np.float64]]]:
         """Per member, in order, the ``(offset, scale)`` per query that :meth:`scores` maps its
         scores with, ``fused = sum_m (s_m - offset_m) / scale_m``: the reference mean and the
         reference standard deviation divided by the member's weight (std 1 when it is 0).
         Increasing in each member's score, so a bound on each member's scores bounds the
         fused score."""
         if len(reference) < 2:
-            raise ValueError("an ensemble needs at least two reference items to standardise "
-                             "its members' scores")
+            raise ValueError(
+                "an ensemble needs at least two reference items to standardise its members' scores"
+            )
         out = []
         for member, weight in zip(self.spec.members, self.spec.weights, strict=True):
             ref = member_scores(self.models[member], direction, queries, reference)

@@ -31,8 +31,16 @@ from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.moments import power_normalize
 from streamxm.models.work import Work, elementwise, gemm
 
-__all__ = ["FeatureMap", "LinearHead", "PowerFeatures", "RbfFeatures", "SlotFeatures",
-           "power_features", "rbf_kernel", "unit_features"]
+__all__ = [
+    "FeatureMap",
+    "LinearHead",
+    "PowerFeatures",
+    "RbfFeatures",
+    "SlotFeatures",
+    "power_features",
+    "rbf_kernel",
+    "unit_features",
+]
 
 F32 = NDArray[np.float32]
 F64 = NDArray[np.float64]
@@ -45,8 +53,9 @@ _HALF_U = 2.0**-11
 _HALF_SUBNORMAL = 2.0**-25
 
 
-def rbf_kernel(x: NDArray[np.floating], y: NDArray[np.floating], gamma: float,
-               y_norms: F64 | None = None) -> F64:
+def rbf_kernel(
+    x: NDArray[np.floating], y: NDArray[np.floating], gamma: float, y_norms: F64 | None = None
+) -> F64:
     """``exp(-gamma ||x - y||^2)`` for every row pair (the paper's ``sigma`` is ``gamma``);
     ``y_norms``: the rows of ``y``'s squared norms (:func:`squared_norms`), kept by a caller
     whose ``y`` is fixed (landmarks) so that a call for a few rows reads ``y`` once, not twice.
@@ -88,8 +97,9 @@ class FeatureMap:
         features themselves."""
         return features
 
-    def restore(self, kept: NDArray[np.floating], dtype: type[np.floating] = np.float32
-                ) -> NDArray[np.floating]:
+    def restore(
+        self, kept: NDArray[np.floating], dtype: type[np.floating] = np.float32
+    ) -> NDArray[np.floating]:
         """The features of rows kept by :meth:`keep`, as ``dtype`` (float32 rows pass)."""
         return np.asarray(kept, dtype=dtype)
 
@@ -163,13 +173,15 @@ class RbfFeatures(FeatureMap):
 
     def __post_init__(self) -> None:
         below = self.inputs.key if self.inputs is not None else ()
-        object.__setattr__(self, "key", ("rbf", self.gamma, len(self.landmarks),
-                                         _digest(self.landmarks), *below))
+        object.__setattr__(
+            self, "key", ("rbf", self.gamma, len(self.landmarks), _digest(self.landmarks), *below)
+        )
         object.__setattr__(self, "_norms", squared_norms(self.landmarks))
 
     def own_work(self, rows: int, width: int) -> Work:
         return gemm(rows, len(self.landmarks), width) + elementwise(
-            rows * len(self.landmarks), flops_per_item=20.0)  # the exponential
+            rows * len(self.landmarks), flops_per_item=20.0
+        )  # the exponential
 
     def keep(self, features: F32) -> NDArray[np.floating]:
         out = np.empty(features.shape, dtype=np.float16)
@@ -177,8 +189,9 @@ class RbfFeatures(FeatureMap):
             out[at : at + _ROWS] = 1.0 - features[at : at + _ROWS]
         return out
 
-    def restore(self, kept: NDArray[np.floating], dtype: type[np.floating] = np.float32
-                ) -> NDArray[np.floating]:
+    def restore(
+        self, kept: NDArray[np.floating], dtype: type[np.floating] = np.float32
+    ) -> NDArray[np.floating]:
         if kept.dtype != np.float16:
             return np.asarray(kept, dtype=dtype)
         return np.asarray(np.subtract(dtype(1.0), kept, dtype=dtype))
@@ -186,11 +199,15 @@ class RbfFeatures(FeatureMap):
     def kept_error(self, kept: NDArray[np.floating]) -> float:
         if kept.dtype != np.float16 or not kept.size:
             return 0.0
-        largest = max(float(np.einsum("ij,ij->i", part, part, dtype=np.float64).max())
-                      for part in (kept[at : at + _ROWS].astype(np.float32)
-                                   for at in range(0, len(kept), _ROWS)))
-        return float(_HALF_U / (1 - _HALF_U) * np.sqrt(largest)
-                     + _HALF_SUBNORMAL * np.sqrt(kept.shape[1]))
+        largest = max(
+            float(np.einsum("ij,ij->i", part, part, dtype=np.float64).max())
+            for part in (
+                kept[at : at + _ROWS].astype(np.float32) for at in range(0, len(kept), _ROWS)
+            )
+        )
+        return float(
+            _HALF_U / (1 - _HALF_U) * np.sqrt(largest) + _HALF_SUBNORMAL * np.sqrt(kept.shape[1])
+        )
 
     def apply(self, x: F32, landmarks: F64 | None = None) -> F32:
         norms: F64 | None = self._norms if landmarks is None else None
@@ -207,8 +224,12 @@ class RbfFeatures(FeatureMap):
         best_rows, best = 0, None
         for key, values in kept.items():
             rows = key[2] if len(key) > 4 and key[0] == "rbf" else None
-            if (not isinstance(rows, int) or key[1] != self.gamma or key[4:] != self.key[4:]
-                    or not best_rows < rows < len(self.landmarks)):
+            if (
+                not isinstance(rows, int)
+                or key[1] != self.gamma
+                or key[4:] != self.key[4:]
+                or not best_rows < rows < len(self.landmarks)
+            ):
                 continue
             if _digest(self.landmarks[:rows]) == key[3]:
                 best_rows, best = rows, values
@@ -218,8 +239,9 @@ class RbfFeatures(FeatureMap):
 
 
 def _digest(rows: F64) -> str:
-    return hashlib.blake2b(np.ascontiguousarray(rows, dtype=np.float64).tobytes(),
-                           digest_size=12).hexdigest()
+    return hashlib.blake2b(
+        np.ascontiguousarray(rows, dtype=np.float64).tobytes(), digest_size=12
+    ).hexdigest()
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,7 +276,8 @@ class LinearHead:
         out = np.empty((len(features), self.weight.shape[1]), dtype=np.float32)
         for at in range(0, len(features), _ROWS):
             out[at : at + _ROWS] = self._finish(
-                fmap.restore(features[at : at + _ROWS], np.float64) @ self.weight)
+                fmap.restore(features[at : at + _ROWS], np.float64) @ self.weight
+            )
         return out
 
     def score_error(self, feature_error: float, query: NDArray[np.floating]) -> float:
@@ -307,13 +330,15 @@ class SlotFeatures:
     def __init__(self) -> None:
         self._kept: dict[str, tuple[tuple[object, ...], F32, NDArray[np.int64]]] = {}
 
-    def features(self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer,
-                 rows: NDArray[np.intp]) -> F32:
+    def features(
+        self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer, rows: NDArray[np.intp]
+    ) -> F32:
         """The features of the pairs stored at ``rows`` (a copy, in their order)."""
         return self._current(fmap, modality, buffer, rows)[rows]
 
-    def runs(self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer,
-             rows: NDArray[np.intp]) -> list[F32]:
+    def runs(
+        self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer, rows: NDArray[np.intp]
+    ) -> list[F32]:
         """:meth:`features` in pieces whose concatenation is the rows' features: one view of
         the kept rows per run of consecutive slots when there are at most two, as the ring's
         newest pairs are in any rotation (nothing copied); otherwise one gathered copy."""
@@ -323,16 +348,20 @@ class SlotFeatures:
             return [values[rows]]
         return [values[int(run[0]) : int(run[-1]) + 1] for run in np.split(rows, breaks)]
 
-    def _current(self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer,
-                 rows: NDArray[np.intp]) -> F32:
+    def _current(
+        self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer, rows: NDArray[np.intp]
+    ) -> F32:
         """The kept features, one row per slot, with those of ``rows`` made current."""
         stored = buffer.img if modality == "image" else buffer.txt
         key = fmap.key if fmap is not None else ()
         kept = self._kept.get(modality)
         if kept is None or kept[0] != key or len(kept[2]) != buffer.capacity:
             width = unit_features(fmap, stored[0]).shape[1]
-            kept = (key, np.zeros((buffer.capacity, width), dtype=np.float32),
-                    np.zeros(buffer.capacity, dtype=np.int64))  # versions start at 1
+            kept = (
+                key,
+                np.zeros((buffer.capacity, width), dtype=np.float32),
+                np.zeros(buffer.capacity, dtype=np.int64),
+            )  # versions start at 1
             self._kept[modality] = kept
         _, values, versions = kept
         stale = np.unique(rows[versions[rows] != buffer.versions[rows]])

@@ -104,7 +104,9 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
     memory_share = 2.0
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
+        self,
+        img_dim: int,
+        txt_dim: int,
         variant: str = "marginal",
         lam: float = 1e-4,
         lr: float = 0.1,
@@ -164,8 +166,14 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
                 setattr(self, key, np.hstack([w, np.zeros((w.shape[0], grow))]))
         return cols
 
-    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
-                  stats: LearnStats) -> None:
+    def update(
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
+        stats: LearnStats,
+    ) -> None:
         if not pair.labels:
             self.skipped_unlabelled += 1
             return
@@ -182,18 +190,29 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
                 drawn = rng.choice(labelled, size=self.replay, p=mix)
                 slots += drawn.tolist()
                 labels += buffer.labels_of(drawn)
-        fx, fy = self._stored.rows(buffer, np.asarray(slots, dtype=np.intp), self._features,
-                                   self._features)
+        fx, fy = self._stored.rows(
+            buffer, np.asarray(slots, dtype=np.intp), self._features, self._features
+        )
         self._learn_features(fx, fy, labels, stats)
 
-    def learn_labelled(self, imgs: NDArray[np.floating], txts: NDArray[np.floating],
-                       labels: list[tuple[int, ...]], stats: LearnStats) -> None:
+    def learn_labelled(
+        self,
+        imgs: NDArray[np.floating],
+        txts: NDArray[np.floating],
+        labels: list[tuple[int, ...]],
+        stats: LearnStats,
+    ) -> None:
         """One AdaGrad step of each softmax model on the mean loss of a mini-batch of labelled
         pairs; the first pair is the arriving one and the only one counted in ``stats``."""
         self._learn_features(self._features(imgs), self._features(txts), labels, stats)
 
-    def _learn_features(self, fx: NDArray[np.float64], fy: NDArray[np.float64],
-                        labels: list[tuple[int, ...]], stats: LearnStats) -> None:
+    def _learn_features(
+        self,
+        fx: NDArray[np.float64],
+        fy: NDArray[np.float64],
+        labels: list[tuple[int, ...]],
+        stats: LearnStats,
+    ) -> None:
         """:meth:`learn_labelled` on the pairs' features (:meth:`_features`, the same for a
         stored pair at every step: :class:`~streamxm.models.slots.SlotRows` keeps them)."""
         cols = [self._add_classes(lab, arriving=i == 0) for i, lab in enumerate(labels)]
@@ -203,8 +222,7 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         target = np.zeros((len(rows), len(self.classes)))
         for r, i in enumerate(rows):
             target[r, cols[i]] = 1.0 / len(cols[i])
-        for direction, x, w, g in (("i2t", fx, self.Wx, self.Gx),
-                                   ("t2i", fy, self.Wy, self.Gy)):
+        for direction, x, w, g in (("i2t", fx, self.Wx, self.Gx), ("t2i", fy, self.Wy, self.Gy)):
             f = x[rows]
             p = softmax(f @ w, axis=-1)
             if rows[0] == 0:
@@ -228,20 +246,25 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         total = elementwise(b * c, flops_per_item=0.0, passes=1.0)
         for dim in (self.img_dim, self.txt_dim):
             width = dim + 1
-            total += (self._feature_work(1, dim)
-                      + elementwise(b * width, flops_per_item=0.0, passes=2.0)
-                      + gemm(b, c, width) + _softmax_work(b * c)
-                      + elementwise(b * c, flops_per_item=1.0, passes=3.0)
-                      + gemm(width, c, b) + elementwise(width * c, passes=2.0)
-                      + adagrad_work(width * c, 8))
+            total += (
+                self._feature_work(1, dim)
+                + elementwise(b * width, flops_per_item=0.0, passes=2.0)
+                + gemm(b, c, width)
+                + _softmax_work(b * c)
+                + elementwise(b * c, flops_per_item=1.0, passes=3.0)
+                + gemm(width, c, b)
+                + elementwise(width * c, passes=2.0)
+                + adagrad_work(width * c, 8)
+            )
         return total
 
     def _feature_work(self, rows: int, dim: int) -> Work:
         """:meth:`_features` of ``n`` float32 rows:
         :func:`~streamxm.models.moments.power_normalize_work` and the constant appended
         (2 passes of 8 bytes an item)."""
-        return (power_normalize_work(rows * dim, self.power)
-                + elementwise(rows * (dim + 1), flops_per_item=0.0, passes=2.0))
+        return power_normalize_work(rows * dim, self.power) + elementwise(
+            rows * (dim + 1), flops_per_item=0.0, passes=2.0
+        )
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """:meth:`embed_images` / :meth:`embed_texts` of ``n`` rows with ``C`` the classes
@@ -250,9 +273,12 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         write 4 bytes an item)."""
         dim = self.img_dim if modality == "image" else self.txt_dim
         c = max(1, len(self.class_index))
-        return (self._feature_work(rows, dim) + gemm(rows, c, dim + 1)
-                + _softmax_work(rows * c) + elementwise(rows * c, flops_per_item=0.0,
-                                                        passes=1.5))
+        return (
+            self._feature_work(rows, dim)
+            + gemm(rows, c, dim + 1)
+            + _softmax_work(rows * c)
+            + elementwise(rows * c, flops_per_item=0.0, passes=1.5)
+        )
 
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self.posteriors_images(x).astype(np.float32)
@@ -285,10 +311,17 @@ class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
         self.class_index.ignored_labels = int(merged["ignored_labels"])
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays = {"Wx": self.Wx, "Wy": self.Wy, "Gx": self.Gx, "Gy": self.Gy,
-                  "classes": np.asarray(self.classes, dtype=np.int64)}
-        return arrays, {"skipped_unlabelled": self.skipped_unlabelled,
-                        "ignored_labels": self.ignored_labels}
+        arrays = {
+            "Wx": self.Wx,
+            "Wy": self.Wy,
+            "Gx": self.Gx,
+            "Gy": self.Gy,
+            "classes": np.asarray(self.classes, dtype=np.int64),
+        }
+        return arrays, {
+            "skipped_unlabelled": self.skipped_unlabelled,
+            "ignored_labels": self.ignored_labels,
+        }
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         for key in ("Wx", "Wy", "Gx", "Gy"):

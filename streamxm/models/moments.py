@@ -16,9 +16,20 @@ from scipy.linalg.blas import dgemm, dsyrk
 
 from streamxm.models.work import Work, cholesky, elementwise, gemm, gram_update
 
-__all__ = ["FeatureScaler", "ResolveSchedule", "RunningMoments", "append_constant",
-           "covariance_work", "fold_work", "power_normalize", "power_normalize_work",
-           "ridge_cholesky", "ridge_cholesky_work", "ridge_whitener", "top_singular"]
+__all__ = [
+    "FeatureScaler",
+    "ResolveSchedule",
+    "RunningMoments",
+    "append_constant",
+    "covariance_work",
+    "fold_work",
+    "power_normalize",
+    "power_normalize_work",
+    "ridge_cholesky",
+    "ridge_cholesky_work",
+    "ridge_whitener",
+    "top_singular",
+]
 
 Arrays = dict[str, NDArray[Any]]
 
@@ -58,8 +69,9 @@ def append_constant(z: NDArray[np.floating]) -> NDArray[np.float64]:
     return np.hstack([z, np.ones((z.shape[0], 1))])
 
 
-def ridge_cholesky(cov: NDArray[np.float64], ridge: float,
-                   overwrite: bool = False) -> NDArray[np.float64]:
+def ridge_cholesky(
+    cov: NDArray[np.float64], ridge: float, overwrite: bool = False
+) -> NDArray[np.float64]:
     """The lower Cholesky factor ``L`` of ``cov + r I``, ``r = ridge * trace(cov) / d``: the
     whitener of :func:`ridge_whitener` is ``L^-1``, which a caller that only applies it can
     use through triangular solves instead.
@@ -88,8 +100,9 @@ def ridge_cholesky_work(d: int) -> Work:
     return elementwise(d, passes=3.0) + cholesky(d)
 
 
-def top_singular(m: NDArray[np.float64], k: int
-                 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+def top_singular(
+    m: NDArray[np.float64], k: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """``(U_k, s_k, V_k)``: the ``k`` largest singular values of ``m``, descending, and their
     left and right vectors as columns.
 
@@ -110,8 +123,7 @@ def top_singular(m: NDArray[np.float64], k: int
     gram = a.T @ a
     n = gram.shape[0]
     k = min(k, n)
-    values, short = eigh(gram, subset_by_index=[n - k, n - 1], driver="evr",
-                         check_finite=False)
+    values, short = eigh(gram, subset_by_index=[n - k, n - 1], driver="evr", check_finite=False)
     values, short = values[::-1], short[:, ::-1]
     # A canonical sign (scikit-learn's svd_flip rule): each vector's largest entry positive,
     # so two learners whose statistics differ by rounding keep the same orientation.
@@ -123,8 +135,9 @@ def top_singular(m: NDArray[np.float64], k: int
     return (long, s, short) if tall else (short, s, long)
 
 
-def ridge_whitener(cov: NDArray[np.float64], ridge: float,
-                   overwrite: bool = False) -> NDArray[np.float64]:
+def ridge_whitener(
+    cov: NDArray[np.float64], ridge: float, overwrite: bool = False
+) -> NDArray[np.float64]:
     """``K`` with ``K (cov + r I) K^T = I``, ``r = ridge * trace(cov) / d`` (ridge relative to
     the mean eigenvalue, so it does not depend on the scale of the features).
 
@@ -207,8 +220,9 @@ class RunningMoments:
         self.sxx = _add_gram(self.sxx, x.T)
         self.syy = _add_gram(self.syy, y.T)
         if self.sxy.size:
-            self.sxy = np.asarray(dgemm(1.0, x.T, y.T, beta=1.0, c=self.sxy, trans_b=1,
-                                        overwrite_c=1))
+            self.sxy = np.asarray(
+                dgemm(1.0, x.T, y.T, beta=1.0, c=self.sxy, trans_b=1, overwrite_c=1)
+            )
 
     def mean_x(self) -> NDArray[np.float64]:
         self.fold()
@@ -218,8 +232,14 @@ class RunningMoments:
         self.fold()
         return self.sum_y / max(self.n, 1)
 
-    def _cov(self, s: NDArray[np.float64], a: NDArray[np.float64], b: NDArray[np.float64],
-             reuse: str | None, lower: bool = False) -> NDArray[np.float64]:
+    def _cov(
+        self,
+        s: NDArray[np.float64],
+        a: NDArray[np.float64],
+        b: NDArray[np.float64],
+        reuse: str | None,
+        lower: bool = False,
+    ) -> NDArray[np.float64]:
         """``s / n - (a / n)(b / n)^T`` in Fortran order, a block of columns at a time (no
         ``d x d`` temporary; the same numbers entry by entry); ``lower`` computes the lower
         triangle's blocks only. ``reuse`` names a scratch matrix these moments keep and
@@ -245,14 +265,16 @@ class RunningMoments:
         ``reuse=True`` returns a scratch matrix the next ``reuse`` call overwrites (a caller
         that factors it and is done with it before then)."""
         self.fold()
-        return _symmetric(self._cov(self.sxx, self.sum_x, self.sum_x, "xx" if reuse else None,
-                                    lower=True), full)
+        return _symmetric(
+            self._cov(self.sxx, self.sum_x, self.sum_x, "xx" if reuse else None, lower=True), full
+        )
 
     def cov_yy(self, full: bool = True, reuse: bool = False) -> NDArray[np.float64]:
         """The covariance of ``y``; ``full`` and ``reuse`` as in :meth:`cov_xx`."""
         self.fold()
-        return _symmetric(self._cov(self.syy, self.sum_y, self.sum_y, "yy" if reuse else None,
-                                    lower=True), full)
+        return _symmetric(
+            self._cov(self.syy, self.sum_y, self.sum_y, "yy" if reuse else None, lower=True), full
+        )
 
     def cov_xy(self, reuse: bool = False) -> NDArray[np.float64]:
         """The cross-covariance; ``reuse`` as in :meth:`cov_xx`."""
@@ -268,17 +290,25 @@ class RunningMoments:
         return self._sums(prefix)
 
     def _sums(self, prefix: str) -> Arrays:
-        return {f"{prefix}sum_x": self.sum_x, f"{prefix}sum_y": self.sum_y,
-                f"{prefix}sxx": self.sxx, f"{prefix}syy": self.syy, f"{prefix}sxy": self.sxy,
-                f"{prefix}n": np.asarray(self.n, dtype=np.int64)}
+        return {
+            f"{prefix}sum_x": self.sum_x,
+            f"{prefix}sum_y": self.sum_y,
+            f"{prefix}sxx": self.sxx,
+            f"{prefix}syy": self.syy,
+            f"{prefix}sxy": self.sxy,
+            f"{prefix}n": np.asarray(self.n, dtype=np.int64),
+        }
 
     def state(self, prefix: str) -> Arrays:
         """The sums and, apart, the pending rows (saving folds nothing: a checkpoint does not
         change when the sums take their rows)."""
         pending_x = [p[0] for p in self._pending] or [np.zeros((0, len(self.sum_x)))]
         pending_y = [p[1] for p in self._pending] or [np.zeros((0, len(self.sum_y)))]
-        return {**self._sums(prefix), f"{prefix}pending_x": np.vstack(pending_x),
-                f"{prefix}pending_y": np.vstack(pending_y)}
+        return {
+            **self._sums(prefix),
+            f"{prefix}pending_x": np.vstack(pending_x),
+            f"{prefix}pending_y": np.vstack(pending_y),
+        }
 
     def load_state(self, arrays: Arrays, prefix: str) -> None:
         """From :meth:`state` or :meth:`sums` (checkpoints from before the block have no
@@ -291,8 +321,12 @@ class RunningMoments:
             setattr(self, key, np.array(arrays[f"{prefix}{key}"], dtype=np.float64, order="F"))
         self._pending, self._pending_rows = [], 0
         if f"{prefix}pending_x" in arrays and len(arrays[f"{prefix}pending_x"]):
-            self._pending = [(np.array(arrays[f"{prefix}pending_x"], dtype=np.float64),
-                              np.array(arrays[f"{prefix}pending_y"], dtype=np.float64))]
+            self._pending = [
+                (
+                    np.array(arrays[f"{prefix}pending_x"], dtype=np.float64),
+                    np.array(arrays[f"{prefix}pending_y"], dtype=np.float64),
+                )
+            ]
             self._pending_rows = len(self._pending[0][0])
 
 
@@ -301,8 +335,7 @@ def fold_work(dx: int, dy: int, rows: int, cross: bool = True) -> Work:
     (``B (d_x + d_y)``, five passes); ``S_xx += X'X`` and ``S_yy += Y'Y`` on their lower
     triangles in place (:func:`~streamxm.models.work.gram_update`); with ``cross``,
     ``S_xy += X'Y`` in place (``2 d_x d_y B`` flops, ``S_xy`` read and written)."""
-    work = (elementwise(rows * (dx + dy), passes=5.0) + gram_update(dx, rows)
-            + gram_update(dy, rows))
+    work = elementwise(rows * (dx + dy), passes=5.0) + gram_update(dx, rows) + gram_update(dy, rows)
     if cross:
         work += gemm(dx, dy, rows) + elementwise(dx * dy, flops_per_item=0.0)
     return work
@@ -385,8 +418,11 @@ class FeatureScaler:
         return z.astype(np.float32)
 
     def state(self, prefix: str) -> Arrays:
-        return {f"{prefix}sum": self.sum, f"{prefix}sum_sq": self.sum_sq,
-                f"{prefix}n": np.asarray(self.n, dtype=np.int64)}
+        return {
+            f"{prefix}sum": self.sum,
+            f"{prefix}sum_sq": self.sum_sq,
+            f"{prefix}n": np.asarray(self.n, dtype=np.int64),
+        }
 
     def load_state(self, arrays: Arrays, prefix: str) -> None:
         self.n = int(arrays[f"{prefix}n"])

@@ -10,12 +10,19 @@ from numpy.typing import NDArray
 from streamxm.models.compiled import njit
 from streamxm.models.work import Work, elementwise
 
-__all__ = ["adagrad_outer_step", "adagrad_outer_work", "adagrad_step", "adagrad_work",
-           "nesterov_step", "nesterov_work"]
+__all__ = [
+    "adagrad_outer_step",
+    "adagrad_outer_work",
+    "adagrad_step",
+    "adagrad_work",
+    "nesterov_step",
+    "nesterov_work",
+]
 
 
-def adagrad_step(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: float,
-                 lam: float) -> None:
+def adagrad_step(
+    w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: float, lam: float
+) -> None:
     """In place: ``g = grad + lam w``, ``sq_sum += g^2``, ``w -= lr g / (sqrt(sq_sum) + 1e-8)``
     (``w`` and ``sq_sum`` of one dtype).
 
@@ -33,18 +40,23 @@ def adagrad_step(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: 
     (array([0.5]), array([16.]))
     """
     kind = w.dtype.type
-    if (w.dtype == sq_sum.dtype == grad.dtype and w.dtype in (np.float32, np.float64)
-            and w.shape == sq_sum.shape == grad.shape
-            and all(a.flags.c_contiguous for a in (w, sq_sum, grad))):
-        _adagrad_pass(w.reshape(-1), sq_sum.reshape(-1), grad.reshape(-1), kind(lr), kind(lam),
-                      kind(1e-8))
+    if (
+        w.dtype == sq_sum.dtype == grad.dtype
+        and w.dtype in (np.float32, np.float64)
+        and w.shape == sq_sum.shape == grad.shape
+        and all(a.flags.c_contiguous for a in (w, sq_sum, grad))
+    ):
+        _adagrad_pass(
+            w.reshape(-1), sq_sum.reshape(-1), grad.reshape(-1), kind(lr), kind(lam), kind(1e-8)
+        )
         return
     _adagrad_arrays(w, sq_sum, grad, lr, lam)
 
 
 @njit(error_model="numpy", boundscheck=False)
-def _adagrad_pass(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: Any, lam: Any,
-                  eps: Any) -> None:  # pragma: no cover - compiled
+def _adagrad_pass(
+    w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: Any, lam: Any, eps: Any
+) -> None:  # pragma: no cover - compiled
     for i in range(w.size):
         g = w[i] * lam + grad[i]
         total = sq_sum[i] + g * g
@@ -52,9 +64,14 @@ def _adagrad_pass(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr:
         w[i] -= (g * lr) / (np.sqrt(total) + eps)
 
 
-def adagrad_outer_step(w: NDArray[np.float32], sq_sum: NDArray[np.float32],
-                       left: NDArray[np.float32], right: NDArray[np.float32], lr: float,
-                       lam: float) -> None:
+def adagrad_outer_step(
+    w: NDArray[np.float32],
+    sq_sum: NDArray[np.float32],
+    left: NDArray[np.float32],
+    right: NDArray[np.float32],
+    lr: float,
+    lam: float,
+) -> None:
     """:func:`adagrad_step` on a gradient of rank ``r``, ``grad = left^T right`` (``left``
     ``(r, m)``, ``right`` ``(r, n)``, ``w`` ``(m, n)``), the gradient formed inside the pass.
 
@@ -72,19 +89,34 @@ def adagrad_outer_step(w: NDArray[np.float32], sq_sum: NDArray[np.float32],
     if not (w.dtype == sq_sum.dtype == left.dtype == right.dtype == np.float32):
         raise TypeError("adagrad_outer_step takes float32 arrays")
     if w.shape != sq_sum.shape or left.shape[1:] != w.shape[:1] or right.shape[1:] != w.shape[1:]:
-        raise ValueError(f"shapes do not match: w {w.shape}, sq_sum {sq_sum.shape}, "
-                         f"left {left.shape}, right {right.shape}")
+        raise ValueError(
+            f"shapes do not match: w {w.shape}, sq_sum {sq_sum.shape}, "
+            f"left {left.shape}, right {right.shape}"
+        )
     if not (w.flags.c_contiguous and sq_sum.flags.c_contiguous):
         raise ValueError("w and sq_sum must be C-contiguous (updated in place)")
     kind = np.float32
-    _adagrad_outer_pass(w, sq_sum, np.ascontiguousarray(left.T), np.ascontiguousarray(right),
-                        kind(lr), kind(lam), kind(1e-8))
+    _adagrad_outer_pass(
+        w,
+        sq_sum,
+        np.ascontiguousarray(left.T),
+        np.ascontiguousarray(right),
+        kind(lr),
+        kind(lam),
+        kind(1e-8),
+    )
 
 
 @njit(error_model="numpy", boundscheck=False)
-def _adagrad_outer_pass(w: NDArray[Any], sq_sum: NDArray[Any], left_t: NDArray[Any],
-                        right: NDArray[Any], lr: Any, lam: Any,
-                        eps: Any) -> None:  # pragma: no cover - compiled
+def _adagrad_outer_pass(
+    w: NDArray[Any],
+    sq_sum: NDArray[Any],
+    left_t: NDArray[Any],
+    right: NDArray[Any],
+    lr: Any,
+    lam: Any,
+    eps: Any,
+) -> None:  # pragma: no cover - compiled
     rank, n = right.shape
     row = np.empty(n, dtype=w.dtype)
     for i in range(w.shape[0]):
@@ -100,8 +132,9 @@ def _adagrad_outer_pass(w: NDArray[Any], sq_sum: NDArray[Any], left_t: NDArray[A
             w[i, j] -= (g * lr) / (np.sqrt(total) + eps)
 
 
-def _adagrad_arrays(w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: float,
-                    lam: float) -> None:
+def _adagrad_arrays(
+    w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: float, lam: float
+) -> None:
     """The whole-array form, for any other dtype mix (a gradient of another dtype is cast to
     ``w``'s)."""
     lr, lam = float(lr), float(lam)  # Python floats: a numpy float64 would promote float32 w
@@ -129,8 +162,13 @@ def adagrad_outer_work(items: int, rank: int, itemsize: int = 4) -> Work:
     return elementwise(items, itemsize, flops_per_item=8.0 + 2.0 * rank, passes=4.0)
 
 
-def nesterov_step(w: NDArray[np.float32], buf: NDArray[np.float32], grad: NDArray[np.float32],
-                  lr: float, momentum: float) -> None:
+def nesterov_step(
+    w: NDArray[np.float32],
+    buf: NDArray[np.float32],
+    grad: NDArray[np.float32],
+    lr: float,
+    momentum: float,
+) -> None:
     """In place, SGD with Nesterov momentum as torch's ``SGD(nesterov=True)`` takes it:
     ``buf = momentum buf + grad``, ``w -= lr (grad + momentum buf)`` (float32 arrays of one
     shape, C-contiguous).
@@ -152,13 +190,15 @@ def nesterov_step(w: NDArray[np.float32], buf: NDArray[np.float32], grad: NDArra
         raise TypeError("nesterov_step takes C-contiguous float32 arrays")
     if not w.shape == buf.shape == grad.shape:
         raise ValueError(f"shapes do not match: w {w.shape}, buf {buf.shape}, grad {grad.shape}")
-    _nesterov_pass(w.reshape(-1), buf.reshape(-1), grad.reshape(-1), np.float32(lr),
-                   np.float32(momentum))
+    _nesterov_pass(
+        w.reshape(-1), buf.reshape(-1), grad.reshape(-1), np.float32(lr), np.float32(momentum)
+    )
 
 
 @njit(error_model="numpy", boundscheck=False)
-def _nesterov_pass(w: NDArray[Any], buf: NDArray[Any], grad: NDArray[Any], lr: Any,
-                   momentum: Any) -> None:  # pragma: no cover - compiled
+def _nesterov_pass(
+    w: NDArray[Any], buf: NDArray[Any], grad: NDArray[Any], lr: Any, momentum: Any
+) -> None:  # pragma: no cover - compiled
     smallest = np.float32(np.finfo(np.float32).tiny)
     for i in range(w.size):
         g = grad[i]

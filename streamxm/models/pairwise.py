@@ -162,7 +162,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0, "restart": False}  # came later
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
+        self,
+        img_dim: int,
+        txt_dim: int,
         variant: Variant = "logistic",
         negatives: int = 10,
         lam: float = 0.02,
@@ -171,18 +173,28 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         ridge: float = 3.0,
         whiten: bool = True,
         power: float = 1.0,
-        whiten_first: int = 64, whiten_every: int = 1024,
+        whiten_first: int = 64,
+        whiten_every: int = 1024,
         rehearse: int | None = None,
         restart: bool = True,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant not in ("logistic", "bipartite"):
-            raise ValueError(f"pairwise variant must be 'logistic', 'bipartite' or 'marginal', "
-                             f"got {variant!r}")
+            raise ValueError(
+                f"pairwise variant must be 'logistic', 'bipartite' or 'marginal', got {variant!r}"
+            )
         if rehearse is None:
             rehearse = 2 if variant == "logistic" else 8
-        require(locals(), negatives=">= 1", lam=">= 0", lr="> 0", pos_weight="> 0", ridge=">= 0",
-                power="> 0", rehearse=">= 0")
+        require(
+            locals(),
+            negatives=">= 1",
+            lam=">= 0",
+            lr="> 0",
+            pos_weight="> 0",
+            ridge=">= 0",
+            power="> 0",
+            rehearse=">= 0",
+        )
         self.variant = variant
         self.negatives = int(negatives)
         self.lam = float(lam)
@@ -204,10 +216,10 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         self.white_y = np.eye(txt_dim)
         self._cache = SlotRows()
 
-
     # -- features ----------------------------------------------------------------------------
-    def _features(self, x: NDArray[np.floating], mean: NDArray[np.float64],
-                  white: NDArray[np.float64]) -> NDArray[np.float32]:
+    def _features(
+        self, x: NDArray[np.floating], mean: NDArray[np.float64], white: NDArray[np.float64]
+    ) -> NDArray[np.float32]:
         centred = power_normalize(np.atleast_2d(x), self.power) - mean
         if not self.whiten:
             z = centred  # the whitener is the identity
@@ -225,8 +237,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
     def text_features(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._features(x, self.mean_y, self.white_y)
 
-    def buffer_features(self, buffer: ReplayBuffer, rows: NDArray[np.intp]
-                        ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    def buffer_features(
+        self, buffer: ReplayBuffer, rows: NDArray[np.intp]
+    ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         """:meth:`image_features` and :meth:`text_features` of the pairs stored at ``rows``,
         each stored pair whitened once per whitener (:class:`~streamxm.models.slots.SlotRows`)."""
         return self._cache.rows(buffer, rows, self.image_features, self.text_features)
@@ -240,10 +253,17 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         self._cache.clear()
 
     # -- learning ----------------------------------------------------------------------------
-    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
-                  stats: LearnStats) -> None:
-        self.moments.add(power_normalize(pair.img, self.power),
-                         power_normalize(pair.txt, self.power))
+    def update(
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
+        stats: LearnStats,
+    ) -> None:
+        self.moments.add(
+            power_normalize(pair.img, self.power), power_normalize(pair.txt, self.power)
+        )
         if self.schedule.due(self.moments.n):
             self._refresh_whitener()
         drawable = buffer.drawable()
@@ -260,8 +280,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
             for q in rng.integers(drawable, size=self.rehearse):
                 self.learn_stored(int(q), drawable, buffer, rng)
 
-    def _restart(self, slot: int, drawable: int, buffer: ReplayBuffer,
-                 rng: np.random.Generator) -> None:
+    def _restart(
+        self, slot: int, drawable: int, buffer: ReplayBuffer, rng: np.random.Generator
+    ) -> None:
         """``W`` and the AdaGrad sums from zero, then one step for each stored pair but the
         arriving one (at ``slot``), in slot order."""
         self.W[:] = 0.0
@@ -271,8 +292,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
                 if q != slot:
                     self.learn_stored(q, drawable, buffer, rng)
 
-    def learn_stored(self, q: int, drawable: int, buffer: ReplayBuffer,
-                     rng: np.random.Generator) -> None:
+    def learn_stored(
+        self, q: int, drawable: int, buffer: ReplayBuffer, rng: np.random.Generator
+    ) -> None:
         """One step with the pair stored at slot ``q`` as the positive and partners drawn from
         the first ``drawable`` slots; not counted in the metrics (it is not an arriving pair)."""
         others = self.draw_partners(buffer.others(q, drawable), drawable, rng)
@@ -280,11 +302,11 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         agree = np.zeros(self.negatives, dtype=bool)
         if labels:
             agree = buffer.shared_label_counts(labels, drawable)[others] > 0
-        self.step(*self.buffer_features(buffer, np.concatenate([[q], others])), agree,
-                  LearnStats())
+        self.step(*self.buffer_features(buffer, np.concatenate([[q], others])), agree, LearnStats())
 
-    def draw_partners(self, skip: list[int], size: int,
-                      rng: np.random.Generator) -> NDArray[np.intp]:
+    def draw_partners(
+        self, skip: list[int], size: int, rng: np.random.Generator
+    ) -> NDArray[np.intp]:
         """``negatives`` buffer slots, uniform with replacement over the first ``size`` slots
         without those in ``skip`` (sorted: the positive, and its copy in the memory)."""
         draws = rng.integers(0, size - len(skip), size=self.negatives)
@@ -327,8 +349,13 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
             left, right = ax[rows], by[rows]
         return loss, left * coef.astype(np.float32)[:, None], right, margins
 
-    def step(self, fx: NDArray[np.float32], fy: NDArray[np.float32], agree: NDArray[np.bool_],
-             stats: LearnStats) -> None:
+    def step(
+        self,
+        fx: NDArray[np.float32],
+        fy: NDArray[np.float32],
+        agree: NDArray[np.bool_],
+        stats: LearnStats,
+    ) -> None:
         """One AdaGrad step on :meth:`loss_and_factors` plus the l2 term, the gradient formed
         inside the pass (:func:`~streamxm.models.optim.adagrad_outer_step`); counts each formed
         pair as a triplet of its direction (mistake: margin <= 0 before the step)."""
@@ -339,8 +366,9 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
                 stats.add(direction, bool(m <= 0), float(np.logaddexp(0.0, -m)), True)
         adagrad_outer_step(self.W, self.G, left, right, self.lr, self.lam)
 
-    def evaluation_scores(self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp],
-                          kept: SlotFeatures) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def evaluation_scores(
+        self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp], kept: SlotFeatures
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """The stored pairs' features from the cache the steps whiten them into, and ``W``
         multiplied into the query's side: two passes over ``W`` instead of whitening and
         projecting every stored pair again (at 4096-d, 200 whitenings are 3.4 GFLOP)."""
@@ -375,7 +403,8 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         every, block = self.whiten_every, RunningMoments.BLOCK
         whitenings = 1.0 + _stale_whitenings(_RING, s, every) / every
         total = (self._feature_work(1, self.img_dim) + self._feature_work(1, self.txt_dim)) * (
-            whitenings)
+            whitenings
+        )
         total += gemm(s + 1, dy, dx, 4) + adagrad_outer_work(dx * dy, s + 1, 4)
         total += fold_work(self.img_dim, self.txt_dim, block, cross=False) * (1.0 / block)
         for d in (self.img_dim, self.txt_dim):
@@ -392,18 +421,23 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         items = rows * dim
         whitening = Work()
         if self.whiten:
-            whitening = (Work(float(dim * dim), 4.0 * dim * dim) if rows == 1
-                         else gemm(rows, dim, dim))
-        return (power_normalize_work(items, self.power) + whitening
-                + elementwise(items, flops_per_item=1.0, passes=5.5))
+            whitening = (
+                Work(float(dim * dim), 4.0 * dim * dim) if rows == 1 else gemm(rows, dim, dim)
+            )
+        return (
+            power_normalize_work(items, self.power)
+            + whitening
+            + elementwise(items, flops_per_item=1.0, passes=5.5)
+        )
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """Texts: :meth:`_feature_work`; images: that and ``gemm(n, D_y, D_x)`` with ``W``
         (float32)."""
         if modality == "text":
             return self._feature_work(rows, self.txt_dim)
-        return (self._feature_work(rows, self.img_dim)
-                + gemm(rows, self.txt_dim + 1, self.img_dim + 1, 4))
+        return self._feature_work(rows, self.img_dim) + gemm(
+            rows, self.txt_dim + 1, self.img_dim + 1, 4
+        )
 
     def evaluation_work(self, gallery: int) -> Work:
         """:meth:`evaluation_scores` against ``g = gallery`` stored pairs whose cached features
@@ -413,11 +447,15 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         bytes an item), then ``matvec(g + 1, D_y) + matvec(g + 1, D_x)`` in float64."""
         dx, dy, rows = self.img_dim + 1, self.txt_dim + 1, gallery + 1
         items = rows * (dx + dy)
-        return (self._feature_work(1, self.img_dim) + self._feature_work(1, self.txt_dim)
-                + matvec(dx, dy, 4) * 2
-                + elementwise(items, 4, flops_per_item=0.0, passes=4.0)
-                + elementwise(items, 4, flops_per_item=0.0, passes=3.0)
-                + matvec(rows, dy) + matvec(rows, dx))
+        return (
+            self._feature_work(1, self.img_dim)
+            + self._feature_work(1, self.txt_dim)
+            + matvec(dx, dy, 4) * 2
+            + elementwise(items, 4, flops_per_item=0.0, passes=4.0)
+            + elementwise(items, 4, flops_per_item=0.0, passes=3.0)
+            + matvec(rows, dy)
+            + matvec(rows, dx)
+        )
 
     # -- serving -----------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
@@ -431,26 +469,29 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
         # f(x) = [white (unit(x)^power - mean), 1]: bilinear in the unit rows only at power 1.
         return self.power == 1.0
 
-    def _fixed_queries(self, left: NDArray[np.floating], white: NDArray[np.float64],
-                       mean: NDArray[np.float64]
-                       ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def _fixed_queries(
+        self, left: NDArray[np.floating], white: NDArray[np.float64], mean: NDArray[np.float64]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         # s = a . [white (u - mean), 1] = (white^T a[:-1]) . u - (white^T a[:-1]) . mean + a[-1]
         a = left.astype(np.float64)
         q = a[:, :-1] @ white
         return q, a[:, -1] - q @ mean
 
-    def queries_for_texts(self, imgs: NDArray[np.floating]
-                          ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def queries_for_texts(
+        self, imgs: NDArray[np.floating]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         return self._fixed_queries(self.embed_images(imgs), self.white_y, self.mean_y)
 
-    def queries_for_images(self, txts: NDArray[np.floating]
-                           ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def queries_for_images(
+        self, txts: NDArray[np.floating]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         left = self.text_features(txts).astype(np.float64) @ self.W.T.astype(np.float64)
         return self._fixed_queries(left, self.white_x, self.mean_x)
 
     def merge_parts(self) -> MergeParts:
-        parts: MergeParts = {k: ("sum", np.asarray(v))
-                             for k, v in self.moments.sums("moments.").items()}
+        parts: MergeParts = {
+            k: ("sum", np.asarray(v)) for k, v in self.moments.sums("moments.").items()
+        }
         parts.update({"W": ("mean", self.W), "G": ("mean", self.G)})
         return parts
 
@@ -464,9 +505,15 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
             self._refresh_whitener()
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays = {**self.moments.state("moments."), "W": self.W, "G": self.G,
-                  "mean_x": self.mean_x, "mean_y": self.mean_y,
-                  "white_x": self.white_x, "white_y": self.white_y}
+        arrays = {
+            **self.moments.state("moments."),
+            "W": self.W,
+            "G": self.G,
+            "mean_x": self.mean_x,
+            "mean_y": self.mean_y,
+            "white_x": self.white_x,
+            "white_y": self.white_y,
+        }
         return arrays, {}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
@@ -499,8 +546,9 @@ def _refresh_work(dim: int, whiten: bool) -> Work:
     ``triangular_inverse(d)``."""
     if not whiten:
         return elementwise(dim)
-    return (covariance_work(dim * (dim + 1) // 2) + ridge_cholesky_work(dim)
-            + triangular_inverse(dim))
+    return (
+        covariance_work(dim * (dim + 1) // 2) + ridge_cholesky_work(dim) + triangular_inverse(dim)
+    )
 
 
 def _stale_whitenings(ring: int, partners: int, every: int) -> float:
@@ -519,6 +567,5 @@ def _stale_whitenings(ring: int, partners: int, every: int) -> float:
     others = ring - 1
     miss = (1.0 - 1.0 / others) ** partners  # q^S: a slot not drawn in one step
     exposed = min(every, others)
-    drawn_never = miss * (1.0 - miss**exposed) / (1.0 - miss) + (others - exposed) * (
-        miss**exposed)
+    drawn_never = miss * (1.0 - miss**exposed) / (1.0 - miss) + (others - exposed) * (miss**exposed)
     return others - drawn_never

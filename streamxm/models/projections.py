@@ -57,7 +57,7 @@ def _quartic_argmin(grad: float, hess: float, aij: float) -> float:
     """The step minimising the coordinate's quartic exactly: the best real root of its
     derivative ``4 d^3 + 12 A_ij d^2 + f2 d + f1`` (Cardano on the depressed cubic)."""
     p = hess / 4.0 - 3.0 * aij * aij
-    q = 2.0 * aij ** 3 - aij * hess / 4.0 + grad / 4.0
+    q = 2.0 * aij**3 - aij * hess / 4.0 + grad / 4.0
     disc = (q / 2.0) ** 2 + (p / 3.0) ** 3
     if disc >= 0.0:
         s = math.sqrt(disc)
@@ -96,8 +96,9 @@ def _sweep(a: F64, g: F64, btb: F64, htb: F64, order: NDArray[np.intp]) -> None:
 
 
 @njit(boundscheck=False)
-def _steps(a: F64, g: F64, p: F64, r: F64, row_sq: F64, g_sq: F64,
-           order: NDArray[np.int64]) -> None:  # pragma: no cover - compiled
+def _steps(
+    a: F64, g: F64, p: F64, r: F64, row_sq: F64, g_sq: F64, order: NDArray[np.int64]
+) -> None:  # pragma: no cover - compiled
     q, c = a.shape[1], g.shape[1]
     for flat in order:
         i, j = flat // q, flat % q
@@ -148,8 +149,14 @@ class CDResult:
 
 
 def mpl_cd(
-    g: F64, h: F64, a: F64, b: F64, rng: np.random.Generator,
-    outer: int = 10, inner: int = 3, tol: float = 1e-5,
+    g: F64,
+    h: F64,
+    a: F64,
+    b: F64,
+    rng: np.random.Generator,
+    outer: int = 10,
+    inner: int = 3,
+    tol: float = 1e-5,
 ) -> CDResult:
     """Minimise :func:`projection_loss` over ``A`` (m1 x q) and ``B`` (m2 x q) from ``a``, ``b``.
 
@@ -191,9 +198,15 @@ def projection_loss_work(m1: int, m2: int, classes: int, q: int) -> Work:
     ``G'A``, ``H'B`` (``2 c q m`` each), and nine products summed over ``q^2``, ``c q`` and
     ``c^2`` entries (2 flops, four passes an entry)."""
     c = classes
-    return (syrk(q, m1) + syrk(q, m2) + syrk(c, m1) + syrk(c, m2)
-            + gemm(c, q, m1) + gemm(c, q, m2)
-            + elementwise(3 * (q * q + c * q + c * c), flops_per_item=2.0, passes=4.0))
+    return (
+        syrk(q, m1)
+        + syrk(q, m2)
+        + syrk(c, m1)
+        + syrk(c, m2)
+        + gemm(c, q, m1)
+        + gemm(c, q, m2)
+        + elementwise(3 * (q * q + c * q + c * c), flops_per_item=2.0, passes=4.0)
+    )
 
 
 def sweep_work(n: int, classes: int, q: int) -> Work:

@@ -31,8 +31,16 @@ from streamxm.models.sam_tower import (
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair, make_pair
 
-__all__ = ["SAM", "Tower", "batch_loss", "centroid_margin", "pairwise_distances", "schedule_alpha",
-           "score_gradient", "semantic_margin"]
+__all__ = [
+    "SAM",
+    "Tower",
+    "batch_loss",
+    "centroid_margin",
+    "pairwise_distances",
+    "schedule_alpha",
+    "score_gradient",
+    "semantic_margin",
+]
 
 _EMBED_ROWS = 4096  # rows per forward pass when embedding: bounds the hidden activations
 
@@ -48,8 +56,9 @@ def schedule_alpha(t: float, k: float, f_a: float, n_e: float) -> float:
     return 1.0 / (1.0 + math.exp(-k * (t - f_a * n_e)))
 
 
-def semantic_margin(dist_img: Tensor, dist_txt: Tensor, scale_img: float,
-                    scale_txt: float) -> Tensor:
+def semantic_margin(
+    dist_img: Tensor, dist_txt: Tensor, scale_img: float, scale_txt: float
+) -> Tensor:
     """``f_ms`` (Eq. 9): the mean over both modalities of the input-space distance between
     anchor and negative, each divided by its modality's largest distance (``scale_*``) and
     clipped to [0, 1].
@@ -71,6 +80,7 @@ def centroid_margin(cent_img: Tensor, cent_txt: Tensor) -> Tensor:
     >>> centroid_margin(c, c)[0]
     tensor([0.0000, 0.5000, 1.0000])
     """
+
     def cosine_distance(c: Tensor) -> Tensor:
         u = nn.functional.normalize(c, dim=1)
         return (1.0 - u @ u.T) / 2.0
@@ -169,8 +179,10 @@ def _resolve_device(device: str) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     cuda = torch.cuda.is_available()
     if device == "cuda" and not cuda:
-        raise ValueError("device must be 'auto' or 'cpu' where torch finds no CUDA device "
-                         "(torch.cuda.is_available() is False), got 'cuda'")
+        raise ValueError(
+            "device must be 'auto' or 'cpu' where torch finds no CUDA device "
+            "(torch.cuda.is_available() is False), got 'cuda'"
+        )
     return torch.device("cuda" if device == "cuda" or (device == "auto" and cuda) else "cpu")
 
 
@@ -192,8 +204,9 @@ def _distance_work(rows: int, dim: int) -> Work:
     """:func:`pairwise_distances` of ``r`` rows: the ``r x r x d`` product and five passes over
     the ``r x r`` result (scale, two norm additions, clip, square root, each read and
     written)."""
-    return gemm(rows, rows, dim, _NET) + elementwise(rows * rows, _NET, flops_per_item=5.0,
-                                                     passes=10.0)
+    return gemm(rows, rows, dim, _NET) + elementwise(
+        rows * rows, _NET, flops_per_item=5.0, passes=10.0
+    )
 
 
 class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
@@ -364,17 +377,30 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     checkpoint_defaults: ClassVar[dict[str, Any]] = {"balance": False, "scale_pairs": None}
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
-        dim: int = 200, hidden: int = 1024, dropout: float = 0.3,
-        lr: float = 5e-3, momentum: float = 0.9, decay: float = 1e-6, batch_size: int = 200,
-        lam: float = 0.25, f_a: float = 0.4, k: float = 0.1,
-        n_e: float = 100.0, margin: float = 1.0,
+        self,
+        img_dim: int,
+        txt_dim: int,
+        dim: int = 200,
+        hidden: int = 1024,
+        dropout: float = 0.3,
+        lr: float = 5e-3,
+        momentum: float = 0.9,
+        decay: float = 1e-6,
+        batch_size: int = 200,
+        lam: float = 0.25,
+        f_a: float = 0.4,
+        k: float = 0.1,
+        n_e: float = 100.0,
+        margin: float = 1.0,
         alpha: float | None = None,
         epochs: int = 100,
-        epoch_pairs: int = 2000, step_every: int = 2, replay: int = 5000,
+        epoch_pairs: int = 2000,
+        step_every: int = 2,
+        replay: int = 5000,
         centroid_rate: float = 0.1,
         max_classes: int = 1000,
-        power_img: float | None = 0.5, power_txt: float | None = None,
+        power_img: float | None = 0.5,
+        power_txt: float | None = None,
         balance: bool = True,
         scale_pairs: int | None = 300,
         device: str = "auto",
@@ -382,9 +408,21 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         super().__init__(img_dim, txt_dim)
         self.device = device
         self.device_ = _resolve_device(device)
-        require(locals(), dim=">= 1", hidden=">= 1", batch_size=">= 2", epochs=">= 0",
-                epoch_pairs=">= 1", dropout="in [0, 1)", lr="> 0", momentum="in [0, 1)",
-                decay=">= 0", lam="in [0, 1]", step_every=">= 1", centroid_rate="in (0, 1]")
+        require(
+            locals(),
+            dim=">= 1",
+            hidden=">= 1",
+            batch_size=">= 2",
+            epochs=">= 0",
+            epoch_pairs=">= 1",
+            dropout="in [0, 1)",
+            lr="> 0",
+            momentum="in [0, 1)",
+            decay=">= 0",
+            lam="in [0, 1]",
+            step_every=">= 1",
+            centroid_rate="in (0, 1]",
+        )
         if alpha is not None:
             require(locals(), alpha="in [0, 1]")
         if scale_pairs is not None:
@@ -411,14 +449,16 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
 
         self.img_tower = Tower(img_dim, self.hidden, self.dim, self.device_)
         self.txt_tower = Tower(txt_dim, self.hidden, self.dim, self.device_)
-        self.optimizer = torch.optim.SGD(self._parameters(), lr=self.lr,
-                                         momentum=self.momentum, nesterov=self.momentum > 0)
+        self.optimizer = torch.optim.SGD(
+            self._parameters(), lr=self.lr, momentum=self.momentum, nesterov=self.momentum > 0
+        )
         # The model's randomness (weights, dropout), on the CPU whatever the device, so its
         # checkpointed state is one format; on CUDA the masks come from a generator on the
         # device, re-seeded from this one each step (:meth:`_dropout_generator`).
         self.generator = torch.Generator()
-        self._device_generator = (torch.Generator(device=self.device_)
-                                  if self.device_.type != "cpu" else None)
+        self._device_generator = (
+            torch.Generator(device=self.device_) if self.device_.type != "cpu" else None
+        )
         self.initialised = False
         self.img_scaler = FeatureScaler(img_dim)
         self.txt_scaler = FeatureScaler(txt_dim)
@@ -497,8 +537,14 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
                 self.reservoir.put(j, pair)
         self.reservoir_seen += 1
 
-    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
-                  stats: LearnStats) -> None:
+    def update(
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
+        stats: LearnStats,
+    ) -> None:
         self._start(rng)
         self._arrive([pair])
         self.pending.append(pair)
@@ -507,8 +553,11 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         fresh, self.pending = self.pending, []
         fill = min(self.batch_size - len(fresh), self.reservoir.size)
         # A burst of few classes: every class equally likely in the fill (see the docstring).
-        mix = (self.reservoir.balanced_mix(np.arange(self.reservoir.size))
-               if self.balance and buffer.bursty() else None)
+        mix = (
+            self.reservoir.balanced_mix(np.arange(self.reservoir.size))
+            if self.balance and buffer.bursty()
+            else None
+        )
         slots = rng.choice(self.reservoir.size, size=fill, replace=False, p=mix)
         img = np.vstack([np.stack([p.img for p in fresh]), self.reservoir.img[slots]])
         txt = np.vstack([np.stack([p.txt for p in fresh]), self.reservoir.txt[slots]])
@@ -525,8 +574,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         for _ in self.fit_epochs(pairs, rng, stats):
             pass
 
-    def fit_epochs(self, pairs: list[Pair], rng: np.random.Generator,
-                   stats: LearnStats) -> Iterator[int]:
+    def fit_epochs(
+        self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats
+    ) -> Iterator[int]:
         """:meth:`fit`, yielding the number of epochs done after each one (to trace them)."""
         self._start(rng)
         self._arrive(pairs, scale_all=True)
@@ -543,8 +593,14 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
                 rows = order[at : at + self.batch_size]
                 if len(rows) < 2:
                     continue
-                self.step(img[rows], txt[rows], [labels[i] for i in rows],
-                          np.ones(len(rows), dtype=bool), stats, len(pairs))
+                self.step(
+                    img[rows],
+                    txt[rows],
+                    [labels[i] for i in rows],
+                    np.ones(len(rows), dtype=bool),
+                    stats,
+                    len(pairs),
+                )
             yield epoch + 1
 
     @staticmethod
@@ -552,8 +608,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         """Inputs before standardisation: as sent, or power-mapped and L2-normalised."""
         return x if power is None else power_normalize(x, power)
 
-    def _prepare(self, x: NDArray[np.floating], scaler: FeatureScaler,
-                 power: float | None) -> Tensor:
+    def _prepare(
+        self, x: NDArray[np.floating], scaler: FeatureScaler, power: float | None
+    ) -> Tensor:
         """A tower's input rows, float32 on the model's device: power-mapped and L2-normalised
         when ``power`` is set (:func:`~streamxm.models.moments.power_normalize`'s map), then
         standardised by ``scaler``'s running moments (computed in float64, applied in
@@ -570,8 +627,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     def _stored_labels(self, slots: NDArray[np.int_]) -> list[tuple[int, ...]]:
         return label_tuples(self.reservoir.labels[slots])
 
-    def _distances(self, img: NDArray[np.floating],
-                   txt: NDArray[np.floating]) -> tuple[Tensor, Tensor]:
+    def _distances(
+        self, img: NDArray[np.floating], txt: NDArray[np.floating]
+    ) -> tuple[Tensor, Tensor]:
         """Euclidean distances between the rows, per modality, on the vectors as sent."""
         ti = self._tensor(np.asarray(img, dtype=np.float32))
         tt = self._tensor(np.asarray(txt, dtype=np.float32))
@@ -600,8 +658,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             zeros = torch.zeros(grow, self.dim, device=self.device_)
             self.cent_img = torch.cat([self.cent_img, zeros])
             self.cent_txt = torch.cat([self.cent_txt, zeros])
-            self.cent_seen = torch.cat([self.cent_seen,
-                                        torch.zeros(grow, dtype=torch.bool, device=self.device_)])
+            self.cent_seen = torch.cat(
+                [self.cent_seen, torch.zeros(grow, dtype=torch.bool, device=self.device_)]
+            )
         counts = y.sum(dim=0)
         present = counts > 0
         rate = torch.where(self.cent_seen, self.centroid_rate, 1.0)[present, None]
@@ -625,9 +684,15 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             f_am = f_ms
         return alpha * f_am + (1 - alpha) * self.margin
 
-    def step(self, img: NDArray[np.floating], txt: NDArray[np.floating],
-             labels: list[tuple[int, ...]], new: NDArray[np.bool_], stats: LearnStats,
-             epoch: int) -> float:
+    def step(
+        self,
+        img: NDArray[np.floating],
+        txt: NDArray[np.floating],
+        labels: list[tuple[int, ...]],
+        new: NDArray[np.bool_],
+        stats: LearnStats,
+        epoch: int,
+    ) -> float:
         """One SGD step on a mini-batch; returns its loss. ``new`` marks the anchors whose
         triplets enter ``stats``; ``epoch`` is the clock's unit in rows. The gradients are the
         chain rule written out (:func:`score_gradient`, :meth:`Tower.set_gradients`); the step
@@ -635,9 +700,15 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         with _subnormals_flushed():
             return self._step(img, txt, labels, new, stats, epoch)
 
-    def _step(self, img: NDArray[np.floating], txt: NDArray[np.floating],
-              labels: list[tuple[int, ...]], new: NDArray[np.bool_], stats: LearnStats,
-              epoch: int) -> float:
+    def _step(
+        self,
+        img: NDArray[np.floating],
+        txt: NDArray[np.floating],
+        labels: list[tuple[int, ...]],
+        new: NDArray[np.bool_],
+        stats: LearnStats,
+        epoch: int,
+    ) -> float:
         b = len(img)
         y = self._category_matrix(labels)
         negatives = self._negatives(y)
@@ -654,8 +725,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             s = zi @ zt.T
             i2t, t2i = batch_loss(s, margins, negatives)
             loss = float(i2t.sum() + t2i.sum()) / b
-            self._record(s, i2t, t2i, negatives, self._tensor(np.asarray(new, dtype=np.bool_)),
-                         stats)
+            self._record(
+                s, i2t, t2i, negatives, self._tensor(np.asarray(new, dtype=np.bool_)), stats
+            )
             grad_s = score_gradient(i2t, t2i)
             self.img_tower.set_gradients(img_pass, grad_s @ zt)
             self.txt_tower.set_gradients(txt_pass, grad_s.T @ zi)
@@ -678,10 +750,16 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             state = self.optimizer.state[p]
             if "momentum_buffer" not in state:  # torch's first step: the buffer is the gradient
                 state["momentum_buffer"] = torch.zeros_like(
-                    p, memory_format=torch.contiguous_format)
+                    p, memory_format=torch.contiguous_format
+                )
             assert p.grad is not None
-            nesterov_step(p.detach().numpy(), state["momentum_buffer"].numpy(), p.grad.numpy(),
-                          lr, self.momentum)
+            nesterov_step(
+                p.detach().numpy(),
+                state["momentum_buffer"].numpy(),
+                p.grad.numpy(),
+                lr,
+                self.momentum,
+            )
 
     def _negatives(self, y: Tensor) -> Tensor:
         """(b, b): whether item ``n`` is a negative of anchor ``a`` (see the class docstring)."""
@@ -695,12 +773,14 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         """This step's dropout multipliers for one tower's ``rows x hidden`` activations."""
         if self.dropout == 0:
             return None
-        return dropout_multipliers((rows, self.hidden), self.dropout,
-                                   self._dropout_generator(), self.device_)
+        return dropout_multipliers(
+            (rows, self.hidden), self.dropout, self._dropout_generator(), self.device_
+        )
 
     @staticmethod
-    def _record(s: Tensor, i2t: Tensor, t2i: Tensor, negatives: Tensor, new: Tensor,
-                stats: LearnStats) -> None:
+    def _record(
+        s: Tensor, i2t: Tensor, t2i: Tensor, negatives: Tensor, new: Tensor, stats: LearnStats
+    ) -> None:
         """The triplets of the new anchors: their rows of the scores, hinges and negatives."""
         pos = torch.diagonal(s)[new, None]
         rows = negatives[new]
@@ -711,8 +791,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             stats.updates[direction] += int(((hinge > 0) & rows).sum())
 
     # -- serving -------------------------------------------------------------------------------
-    def _embed(self, tower: Tower, scaler: FeatureScaler, power: float | None,
-               x: NDArray[np.floating]) -> NDArray[np.float32]:
+    def _embed(
+        self, tower: Tower, scaler: FeatureScaler, power: float | None, x: NDArray[np.floating]
+    ) -> NDArray[np.float32]:
         x = np.atleast_2d(x)
         if not self.initialised:
             return np.zeros((len(x), self.dim), dtype=np.float32)
@@ -764,15 +845,18 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         total = Work(0.0, 16.0 * b * (self.img_dim + self.txt_dim))
         params = 0
         for in_dim, power in ((self.img_dim, self.power_img), (self.txt_dim, self.power_txt)):
-            total += (_prepare_work(b, in_dim, power) + tower_training_work(b, in_dim, h, d)
-                      + _distance_work(b, in_dim)
-                      + gemm(b, b, d, _NET)        # centroid cosines U U^T
-                      + gemm(c, d, b, _NET)        # class sums Y^T Z
-                      + gemm(b, d, c, _NET))       # items' centroids Y_n Cent
+            total += (
+                _prepare_work(b, in_dim, power)
+                + tower_training_work(b, in_dim, h, d)
+                + _distance_work(b, in_dim)
+                + gemm(b, b, d, _NET)  # centroid cosines U U^T
+                + gemm(c, d, b, _NET)  # class sums Y^T Z
+                + gemm(b, d, c, _NET)
+            )  # items' centroids Y_n Cent
             params += (in_dim + 1) * h + (h + 1) * d
-        total += gemm(b, b, d, _NET) * 3.0        # S and its two backward products
+        total += gemm(b, b, d, _NET) * 3.0  # S and its two backward products
         total += elementwise(b * b, _NET, _PAIRWISE_FLOPS, _PAIRWISE_PASSES)
-        total += gemm(b, b, c, _NET)              # shared classes Y Y^T
+        total += gemm(b, b, c, _NET)  # shared classes Y Y^T
         total += elementwise(b * c, _NET, flops_per_item=3.0, passes=_CATEGORY_PASSES)
         if self.device_.type == "cpu" and self.momentum > 0:
             return total + nesterov_work(params)
@@ -792,8 +876,10 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         full, rest = divmod(rows, _EMBED_ROWS)
         for chunk, times in ((_EMBED_ROWS, full), (rest, 1 if rest else 0)):
             if times:
-                total += times * (_prepare_work(chunk, in_dim, power)
-                                  + tower_forward_work(chunk, in_dim, self.hidden, self.dim))
+                total += times * (
+                    _prepare_work(chunk, in_dim, power)
+                    + tower_forward_work(chunk, in_dim, self.hidden, self.dim)
+                )
         return total
 
     # -- several ranks ---------------------------------------------------------------------------
@@ -812,10 +898,13 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             # reads them, and set_merged writes the result back.
             parts[f"w.{name}"] = ("mean", p.detach().cpu().numpy())
             parts[f"momentum.{name}"] = (
-                "mean", self.optimizer.state[p]["momentum_buffer"].cpu().numpy())
+                "mean",
+                self.optimizer.state[p]["momentum_buffer"].cpu().numpy(),
+            )
         for key, scaler in (("img", self.img_scaler), ("txt", self.txt_scaler)):
-            parts.update({k: ("sum", np.asarray(v))
-                          for k, v in scaler.state(f"scaler_{key}.").items()})
+            parts.update(
+                {k: ("sum", np.asarray(v)) for k, v in scaler.state(f"scaler_{key}.").items()}
+            )
         parts["scales"] = ("max", np.array([self.scale_img, self.scale_txt]))
         grow = max(len(self.classes) - self.cent_img.shape[0], 0)
         seen = torch.cat([self.cent_seen.cpu(), torch.zeros(grow, dtype=torch.bool)])
@@ -833,8 +922,9 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         with torch.no_grad():
             for name, p in self._named_parameters():
                 p.copy_(torch.from_numpy(np.asarray(merged[f"w.{name}"], dtype=np.float32)))
-                self.optimizer.state[p]["momentum_buffer"].copy_(torch.from_numpy(
-                    np.asarray(merged[f"momentum.{name}"], dtype=np.float32)))
+                self.optimizer.state[p]["momentum_buffer"].copy_(
+                    torch.from_numpy(np.asarray(merged[f"momentum.{name}"], dtype=np.float32))
+                )
         self.img_scaler.load_state(merged, "scaler_img.")
         self.txt_scaler.load_state(merged, "scaler_txt.")
         self.scale_img, self.scale_txt = (float(x) for x in merged["scales"])
@@ -849,7 +939,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
     # -- state ---------------------------------------------------------------------------------
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(f"img.{n}", p) for n, p in self.img_tower.named_parameters()] + [
-            (f"txt.{n}", p) for n, p in self.txt_tower.named_parameters()]
+            (f"txt.{n}", p) for n, p in self.txt_tower.named_parameters()
+        ]
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays: Arrays = {}
@@ -871,11 +962,18 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
             pending.add(pair)
         pending_arrays, _ = pending.state()
         arrays.update({f"pending.{k}": v for k, v in pending_arrays.items()})
-        meta = {"initialised": self.initialised, "steps": self.steps, "clock": self.clock,
-                "scale_img": self.scale_img, "scale_txt": self.scale_txt,
-                "classes": self.classes.classes, "ignored_labels": self.classes.ignored_labels,
-                "reservoir": reservoir_meta, "reservoir_seen": self.reservoir_seen,
-                "pending": len(self.pending)}
+        meta = {
+            "initialised": self.initialised,
+            "steps": self.steps,
+            "clock": self.clock,
+            "scale_img": self.scale_img,
+            "scale_txt": self.scale_txt,
+            "classes": self.classes.classes,
+            "ignored_labels": self.classes.ignored_labels,
+            "reservoir": reservoir_meta,
+            "reservoir_seen": self.reservoir_seen,
+            "pending": len(self.pending),
+        }
         return arrays, meta
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
@@ -884,7 +982,8 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
                 p.copy_(torch.from_numpy(np.asarray(arrays[f"w.{name}"], dtype=np.float32)))
                 if f"momentum.{name}" in arrays:
                     self.optimizer.state[p]["momentum_buffer"] = self._tensor(
-                        np.array(arrays[f"momentum.{name}"], dtype=np.float32))
+                        np.array(arrays[f"momentum.{name}"], dtype=np.float32)
+                    )
         self.img_scaler.load_state(arrays, "scaler_img.")
         self.txt_scaler.load_state(arrays, "scaler_txt.")
         self.cent_img = self._tensor(np.array(arrays["cent_img"], dtype=np.float32))
@@ -892,13 +991,18 @@ class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
         self.cent_seen = self._tensor(np.array(arrays["cent_seen"], dtype=np.bool_))
         self.generator.set_state(torch.from_numpy(np.array(arrays["torch_rng"], dtype=np.uint8)))
         self.reservoir = ReplayBuffer.from_state(
-            {k[10:]: v for k, v in arrays.items() if k.startswith("reservoir.")},
-            meta["reservoir"])
+            {k[10:]: v for k, v in arrays.items() if k.startswith("reservoir.")}, meta["reservoir"]
+        )
         self.reservoir_seen = int(meta["reservoir_seen"])
         self.pending = [
-            make_pair(f"pending-{i}", arrays["pending.img"][i], arrays["pending.txt"][i],
-                      labels=[int(x) for x in arrays["pending.labels"][i] if x >= 0])
-            for i in range(int(meta["pending"]))]
+            make_pair(
+                f"pending-{i}",
+                arrays["pending.img"][i],
+                arrays["pending.txt"][i],
+                labels=[int(x) for x in arrays["pending.labels"][i] if x >= 0],
+            )
+            for i in range(int(meta["pending"]))
+        ]
         self.initialised = bool(meta["initialised"])
         self.steps, self.clock = int(meta["steps"]), float(meta["clock"])
         self.scale_img, self.scale_txt = float(meta["scale_img"]), float(meta["scale_txt"])

@@ -27,8 +27,9 @@ _NET = 4  # itemsize of the towers, their inputs and activations: float32
 _DROPOUT_BITS = 15
 
 
-def dropout_multipliers(shape: tuple[int, int], rate: float, generator: torch.Generator,
-                        device: torch.device) -> Tensor:
+def dropout_multipliers(
+    shape: tuple[int, int], rate: float, generator: torch.Generator, device: torch.device
+) -> Tensor:
     """Inverted dropout's multipliers: ``1 / (1 - rate)`` for a kept unit, 0 for a dropped one.
 
     Each unit draws :data:`_DROPOUT_BITS` uniform bits (four units share a 63-bit word of
@@ -78,8 +79,9 @@ class Tower(nn.Module):
     torch's global state. The weights live on ``device``.
     """
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, in_dim: int, hidden: int, out_dim: int, device: torch.device | str = "cpu"
+    ) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(in_dim, hidden, device=device))
         self.b1 = nn.Parameter(torch.zeros(hidden, device=device))
@@ -155,17 +157,24 @@ def tower_training_work(rows: int, in_dim: int, hidden: int, dim: int) -> Work:
     W2`` (``2 r (in h + h d)`` flops), backward ``x^T g1``, ``h^T g2`` and ``g2 W2^T`` (``2 r
     in h + 4 r h d``: the inputs need no gradient), and the elementwise passes over the
     ``r x h`` activations and ``r x d`` outputs (dropout, tanh, normalisation, both ways)."""
-    return (gemm(rows, hidden, in_dim, _NET) + gemm(rows, dim, hidden, _NET)
-            + gemm(in_dim, hidden, rows, _NET) + gemm(hidden, dim, rows, _NET)
-            + gemm(rows, hidden, dim, _NET)
-            + elementwise(rows * hidden, _NET, flops_per_item=8.0, passes=_HIDDEN_PASSES)
-            + elementwise(rows * dim, _NET, flops_per_item=12.0, passes=_OUTPUT_PASSES))
+    return (
+        gemm(rows, hidden, in_dim, _NET)
+        + gemm(rows, dim, hidden, _NET)
+        + gemm(in_dim, hidden, rows, _NET)
+        + gemm(hidden, dim, rows, _NET)
+        + gemm(rows, hidden, dim, _NET)
+        + elementwise(rows * hidden, _NET, flops_per_item=8.0, passes=_HIDDEN_PASSES)
+        + elementwise(rows * dim, _NET, flops_per_item=12.0, passes=_OUTPUT_PASSES)
+    )
 
 
 def tower_forward_work(rows: int, in_dim: int, hidden: int, dim: int) -> Work:
     """An inference pass: ``x W1`` and ``h W2`` (``2 r (in h + h d)`` flops, the biases added
     by the products), tanh in place on the ``r x h`` activations (2 passes), tanh and
     normalisation on the ``r x d`` outputs (5 passes) and their copy out (2)."""
-    return (gemm(rows, hidden, in_dim, _NET) + gemm(rows, dim, hidden, _NET)
-            + elementwise(rows * hidden, _NET, flops_per_item=1.0, passes=2.0)
-            + elementwise(rows * dim, _NET, flops_per_item=4.0, passes=7.0))
+    return (
+        gemm(rows, hidden, in_dim, _NET)
+        + gemm(rows, dim, hidden, _NET)
+        + elementwise(rows * hidden, _NET, flops_per_item=1.0, passes=2.0)
+        + elementwise(rows * dim, _NET, flops_per_item=4.0, passes=7.0)
+    )

@@ -118,19 +118,36 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
     reads_labels = False
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
+        self,
+        img_dim: int,
+        txt_dim: int,
         groups: int = 10,
-        alpha: float = 0.3, gamma: float = 1.0, beta: float = 1e-4,
+        alpha: float = 0.3,
+        gamma: float = 1.0,
+        beta: float = 1e-4,
         r: int = 5,
-        iterations: int = 5, growth: float = 1.2,
+        iterations: int = 5,
+        growth: float = 1.2,
         window: int = 2500,
-        solve_first: int = 64, solve_every: int = 256,
-        power_img: float = 0.5, power_txt: float = 1.0,
+        solve_first: int = 64,
+        solve_every: int = 256,
+        power_img: float = 0.5,
+        power_txt: float = 1.0,
         center: bool = True,
     ) -> None:
         super().__init__(img_dim, txt_dim)
-        require(locals(), groups=">= 2", r=">= 1", iterations=">= 0", alpha=">= 0",
-                gamma=">= 0", beta="> 0", growth=">= 1", power_img="> 0", power_txt="> 0")
+        require(
+            locals(),
+            groups=">= 2",
+            r=">= 1",
+            iterations=">= 0",
+            alpha=">= 0",
+            gamma=">= 0",
+            beta="> 0",
+            growth=">= 1",
+            power_img="> 0",
+            power_txt="> 0",
+        )
         if window < groups:
             raise ValueError(f"window must be >= groups ({groups}), got {window}")
         self.groups, self.r = int(groups), int(r)
@@ -158,8 +175,14 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
         return append_constant(power_normalize(np.atleast_2d(x), power))
 
     # -- learning ----------------------------------------------------------------------------
-    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
-                  stats: LearnStats) -> None:
+    def update(
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
+        stats: LearnStats,
+    ) -> None:
         if self.solves:
             observe_triplet(self, dataclasses.replace(pair, labels=()), slot, buffer, rng, stats)
         self._add(pair)
@@ -192,8 +215,15 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
         n = len(rows)
         if n < max(self.groups, 2):
             return
-        problem = Problem(self.xa[rows], self.xb[rows], self.groups, self.alpha / n,
-                          self.gamma * n, self.beta * n, self.r)
+        problem = Problem(
+            self.xa[rows],
+            self.xb[rows],
+            self.groups,
+            self.alpha / n,
+            self.gamma * n,
+            self.beta * n,
+            self.r,
+        )
         previous = self.y[rows].copy()
         warm = self.solves > 0
         problem.start(rng, init=previous if warm else None)
@@ -224,8 +254,11 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
 
     def linear_head(self, modality: str) -> LinearHead:
         """:meth:`_embed` as ``l2(x U + u_c - mean)`` (``u_c``: the constant feature's row)."""
-        u, mean, power = ((self.ua, self.mean_a, self.power_img) if modality == "image"
-                          else (self.ub, self.mean_b, self.power_txt))
+        u, mean, power = (
+            (self.ua, self.mean_a, self.power_img)
+            if modality == "image"
+            else (self.ub, self.mean_b, self.power_txt)
+        )
         if not self.solves:  # zero embeddings until the first solve
             u, mean = np.zeros_like(u), np.zeros_like(mean)
         return LinearHead(power_features(power), u[:-1], u[-1] - mean, "l2")
@@ -255,12 +288,20 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
           counted.
         """
         da, db = self.img_dim + 1, self.txt_dim + 1
-        triplet = (self.embedding_work(1, "image") + self.embedding_work(2, "text")
-                   + self.embedding_work(1, "text") + self.embedding_work(2, "image")) * 0.5
-        gather = elementwise(2 * (self.img_dim + self.txt_dim), itemsize=4,
-                             flops_per_item=0.0) * 0.5
-        add = (_feature_work(1, self.img_dim, self.power_img)
-               + _feature_work(1, self.txt_dim, self.power_txt) + elementwise(da + db))
+        triplet = (
+            self.embedding_work(1, "image")
+            + self.embedding_work(2, "text")
+            + self.embedding_work(1, "text")
+            + self.embedding_work(2, "image")
+        ) * 0.5
+        gather = (
+            elementwise(2 * (self.img_dim + self.txt_dim), itemsize=4, flops_per_item=0.0) * 0.5
+        )
+        add = (
+            _feature_work(1, self.img_dim, self.power_img)
+            + _feature_work(1, self.txt_dim, self.power_txt)
+            + elementwise(da + db)
+        )
         return triplet + gather + add + self._solve_work() * (1.0 / self.solve_every)
 
     def _solve_work(self) -> Work:
@@ -268,23 +309,41 @@ class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
         n = self.window
         sizes = ProblemWork(n, self.img_dim + 1, self.txt_dim + 1, self.groups, self.r)
         copy = elementwise(n * (sizes.da + sizes.db), flops_per_item=0.0)
-        return (copy + sizes.construction() + sizes.start(min(self.solve_every, n))
-                + sizes.objective() + sizes.iterate() * self.iterations)
+        return (
+            copy
+            + sizes.construction()
+            + sizes.start(min(self.solve_every, n))
+            + sizes.objective()
+            + sizes.iterate() * self.iterations
+        )
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """:meth:`embed_images` / :meth:`embed_texts` on ``rows`` float32 vectors of ``d``:
         the features (:func:`_feature_work`), ``gemm(rows, c, d + 1)`` with ``U`` (float64),
         and the centring, normalisation and float32 cast of the ``rows x c`` result (6
         flops, 10 passes)."""
-        dim, power = ((self.img_dim, self.power_img) if modality == "image"
-                      else (self.txt_dim, self.power_txt))
-        return (_feature_work(rows, dim, power) + gemm(rows, self.groups, dim + 1)
-                + elementwise(rows * self.groups, flops_per_item=6.0, passes=10.0))
+        dim, power = (
+            (self.img_dim, self.power_img)
+            if modality == "image"
+            else (self.txt_dim, self.power_txt)
+        )
+        return (
+            _feature_work(rows, dim, power)
+            + gemm(rows, self.groups, dim + 1)
+            + elementwise(rows * self.groups, flops_per_item=6.0, passes=10.0)
+        )
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays: Arrays = {"xa": self.xa, "xb": self.xb, "y": self.y, "ua": self.ua,
-                          "ub": self.ub, "mean_a": self.mean_a, "mean_b": self.mean_b}
+        arrays: Arrays = {
+            "xa": self.xa,
+            "xb": self.xb,
+            "y": self.y,
+            "ua": self.ua,
+            "ub": self.ub,
+            "mean_a": self.mean_a,
+            "mean_b": self.mean_b,
+        }
         return arrays, {"pairs": self.pairs, "solves": self.solves, "trace": self.trace}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
@@ -307,8 +366,9 @@ def _feature_work(rows: int, dim: int, power: float) -> Work:
     return Work(3.0 * items, (4.0 + 8.0 * 8.0) * items)
 
 
-def _match_groups(previous: NDArray[np.int64], y: NDArray[np.int64],
-                  groups: int) -> tuple[NDArray[np.int64], NDArray[np.intp]]:
+def _match_groups(
+    previous: NDArray[np.int64], y: NDArray[np.int64], groups: int
+) -> tuple[NDArray[np.int64], NDArray[np.intp]]:
     """Relabel the new groups to the old ones they overlap most (Hungarian assignment on the
     pairs placed by both solves): the relabelled ``y`` and the permutation of ``U``'s columns
     (the new column for each old group) to match."""

@@ -48,8 +48,7 @@ def gram(x: NDArray[np.floating]) -> F64:
     return np.asarray(x @ x.T)
 
 
-def knn_graph(x: NDArray[np.floating], r: int,
-              gram_x: F64 | None = None) -> sparse.csr_matrix:
+def knn_graph(x: NDArray[np.floating], r: int, gram_x: F64 | None = None) -> sparse.csr_matrix:
     """Symmetric r-nearest-neighbour graph with Gaussian weights ``exp(-d^2 / sigma^2)``
     (Eq. 7); an edge exists when either end is among the other's ``r`` nearest. ``sigma^2`` is
     the mean squared distance to the ``r``-th neighbour (the paper leaves the width open).
@@ -107,8 +106,13 @@ def laplacian(w: sparse.csr_matrix) -> sparse.csr_matrix:
     return (sparse.diags(np.asarray(w.sum(axis=1)).ravel()) - w).tocsr()
 
 
-def kmeans(x: NDArray[np.floating], k: int, rng: np.random.Generator, iterations: int = 50,
-           restarts: int = 3) -> NDArray[np.int64]:
+def kmeans(
+    x: NDArray[np.floating],
+    k: int,
+    rng: np.random.Generator,
+    iterations: int = 50,
+    restarts: int = 3,
+) -> NDArray[np.int64]:
     """Lloyd's k-means, the best (least within-cluster sum of squares) of ``restarts``
     k-means++ starts; an emptied cluster takes the farthest point.
 
@@ -126,8 +130,9 @@ def kmeans(x: NDArray[np.floating], k: int, rng: np.random.Generator, iterations
     return best
 
 
-def _lloyd(x: F64, k: int, rng: np.random.Generator,
-           iterations: int) -> tuple[NDArray[np.int64], float]:
+def _lloyd(
+    x: F64, k: int, rng: np.random.Generator, iterations: int
+) -> tuple[NDArray[np.int64], float]:
     n = len(x)
     centres = [x[rng.integers(n)]]
     for _ in range(1, k):
@@ -153,8 +158,9 @@ def _lloyd(x: F64, k: int, rng: np.random.Generator,
     return labels, sse
 
 
-def nearest_centroid(x: NDArray[np.floating], groups_of: NDArray[np.int64], k: int,
-                     rows: NDArray[np.bool_]) -> NDArray[np.int64]:
+def nearest_centroid(
+    x: NDArray[np.floating], groups_of: NDArray[np.int64], k: int, rows: NDArray[np.bool_]
+) -> NDArray[np.int64]:
     """For the ``rows`` of ``x``, the group (of ``groups_of``, < 0 = none) whose centroid is
     nearest; groups without a member are skipped."""
     x = np.asarray(x, dtype=np.float64)
@@ -179,9 +185,13 @@ class GroupSums:
 
     @classmethod
     def of(cls, y: NDArray[np.int64], za: F64, zb: F64, groups: int) -> GroupSums:
-        sums = cls(np.bincount(y, minlength=groups).astype(np.float64),
-                   np.zeros((groups, za.shape[1])), np.zeros((groups, zb.shape[1])),
-                   np.zeros(groups), np.zeros(groups))
+        sums = cls(
+            np.bincount(y, minlength=groups).astype(np.float64),
+            np.zeros((groups, za.shape[1])),
+            np.zeros((groups, zb.shape[1])),
+            np.zeros(groups),
+            np.zeros(groups),
+        )
         np.add.at(sums.sa, y, za)
         np.add.at(sums.sb, y, zb)
         np.add.at(sums.qa, y, np.einsum("ij,ij->i", za, za))
@@ -190,8 +200,13 @@ class GroupSums:
 
     def move(self, za_i: F64, zb_i: F64, old: int, new: int) -> None:
         """One pair leaves group ``old`` for ``new``."""
-        for key, value in (("n", 1.0), ("sa", za_i), ("sb", zb_i), ("qa", float(za_i @ za_i)),
-                           ("qb", float(zb_i @ zb_i))):
+        for key, value in (
+            ("n", 1.0),
+            ("sa", za_i),
+            ("sb", zb_i),
+            ("qa", float(za_i @ za_i)),
+            ("qb", float(zb_i @ zb_i)),
+        ):
             getattr(self, key)[old] -= value
             getattr(self, key)[new] += value
 
@@ -226,8 +241,9 @@ class NormalEquations:
     _factor: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(cls, x: F64, lap: sparse.csr_matrix, alpha_gamma: float,
-           gram_x: F64 | None) -> NormalEquations:
+    def of(
+        cls, x: F64, lap: sparse.csr_matrix, alpha_gamma: float, gram_x: F64 | None
+    ) -> NormalEquations:
         """Sample space when ``gram_x`` is given, feature space otherwise."""
         scaled = (alpha_gamma * lap).tocsr()
         if gram_x is not None:
@@ -303,15 +319,18 @@ class Problem:
     v: NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
     lam: float = 0.0
     space: Space = "auto"
-    _kept: dict[str, tuple[F64, F64]] = field(default_factory=dict, init=False, repr=False,
-                                               compare=False)
+    _kept: dict[str, tuple[F64, F64]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         ga, gb = gram(self.xa), gram(self.xb)
         self.la = laplacian(knn_graph(self.xa, self.r, ga))
         self.lb = laplacian(knn_graph(self.xb, self.r, gb))
-        self.normal = {"image": self._normal_equations(self.xa, self.la, ga),
-                       "text": self._normal_equations(self.xb, self.lb, gb)}
+        self.normal = {
+            "image": self._normal_equations(self.xa, self.la, ga),
+            "text": self._normal_equations(self.xb, self.lb, gb),
+        }
         n = len(self.xa)
         if self.y.shape != (n,):
             self.y = np.zeros(n, dtype=np.int64)
@@ -364,12 +383,17 @@ class Problem:
     def objective(self) -> float:
         """Eq. 14 (with ``lam = 1/k``)."""
         za, zb = self.projections()
-        graph = self.gamma * (float(np.sum(za * (self.la @ za)))
-                              + float(np.sum(zb * (self.lb @ zb))))
+        graph = self.gamma * (
+            float(np.sum(za * (self.la @ za))) + float(np.sum(zb * (self.lb @ zb)))
+        )
         fit = float(np.sum(self.sample_losses()[self.v]))
-        reg = self.beta * (float(np.sum(self.ua ** 2)) + float(np.sum(self.ub ** 2)))
-        return (fit + self.alpha * (graph + self.cross_term(za, zb)) + reg
-                - self.lam * float(self.v.sum()))
+        reg = self.beta * (float(np.sum(self.ua**2)) + float(np.sum(self.ub**2)))
+        return (
+            fit
+            + self.alpha * (graph + self.cross_term(za, zb))
+            + reg
+            - self.lam * float(self.v.sum())
+        )
 
     # -- the steps ---------------------------------------------------------------------------
     def update_v(self) -> None:
@@ -404,8 +428,13 @@ class Problem:
         cross-block distances ``sum_{j in c, j != i} ||Z_a,i - Z_b,j||^2 + ||Z_a,j - Z_b,i||^2``
         to the other members of each group ``c``, from the group sums."""
         na2, nb2 = float(za[i] @ za[i]), float(zb[i] @ zb[i])
-        cross = (sums.n * (na2 + nb2) - 2.0 * (sums.sb @ za[i]) - 2.0 * (sums.sa @ zb[i])
-                 + sums.qa + sums.qb)
+        cross = (
+            sums.n * (na2 + nb2)
+            - 2.0 * (sums.sb @ za[i])
+            - 2.0 * (sums.sa @ zb[i])
+            + sums.qa
+            + sums.qb
+        )
         # Pair i's own group counts it among the members: take its own term back out.
         cross[self.y[i]] -= 2.0 * float(np.sum((za[i] - zb[i]) ** 2))
         fit = -2.0 * (za[i] + zb[i]) if self.v[i] else np.zeros(self.groups)
@@ -422,8 +451,11 @@ class Problem:
         sums = self.group_sums(za, zb)
         moves = 0
         for _ in range(sweeps):
-            moved = int(_sweep_groups(self.y, self.v, za, zb, sums.n, sums.sa, sums.sb,
-                                      sums.qa, sums.qb, self.alpha))
+            moved = int(
+                _sweep_groups(
+                    self.y, self.v, za, zb, sums.n, sums.sa, sums.sb, sums.qa, sums.qb, self.alpha
+                )
+            )
             moves += moved
             if not moved:
                 break
@@ -484,9 +516,18 @@ class Problem:
 
 
 @njit(error_model="numpy", boundscheck=False)
-def _sweep_groups(y: NDArray[np.int64], v: NDArray[np.bool_], za: F64, zb: F64, n: F64,
-                  sa: F64, sb: F64, qa: F64, qb: F64,
-                  alpha: float) -> int:  # pragma: no cover - compiled
+def _sweep_groups(
+    y: NDArray[np.int64],
+    v: NDArray[np.bool_],
+    za: F64,
+    zb: F64,
+    n: F64,
+    sa: F64,
+    sb: F64,
+    qa: F64,
+    qb: F64,
+    alpha: float,
+) -> int:  # pragma: no cover - compiled
     """One sweep of :meth:`Problem.update_y` in place on ``y`` and the group sums: per pair
     the costs of :meth:`Problem.column_costs`, a move to the first group of least cost when
     it lowers the pair's cost. Returns the number of moves."""
@@ -563,8 +604,7 @@ class ProblemWork:
         (``sq_i + sq_j - 2 G`` and its ``max(., 0)``: 4 flops an entry; the insertions into
         the ``r`` kept are rare and not counted)."""
         n = self.n
-        return (Work(2.0 * n * d, 8.0 * n * d) + syrk(n, d)
-                + elementwise(n * n, flops_per_item=4.0))
+        return Work(2.0 * n * d, 8.0 * n * d) + syrk(n, d) + elementwise(n * n, flops_per_item=4.0)
 
     def fixed(self, d: int) -> Work:
         """:meth:`NormalEquations.of`, once per problem: in sample space ``(alpha gamma L) G``
@@ -580,8 +620,7 @@ class ProblemWork:
     def construction(self) -> Work:
         """``Problem(...)``: both graphs and both modalities' fixed parts of Eq. 16 (the
         Laplacians are O(nnz))."""
-        return (self.graph(self.da) + self.graph(self.db) + self.fixed(self.da)
-                + self.fixed(self.db))
+        return self.graph(self.da) + self.graph(self.db) + self.fixed(self.da) + self.fixed(self.db)
 
     def projection(self, d: int) -> Work:
         """One modality's ``X U``: ``gemm(n, c, d)``. :class:`Problem` computes it once per
@@ -595,8 +634,9 @@ class ProblemWork:
     def objective(self) -> Work:
         """:meth:`Problem.objective` with the projections kept: ``L_p Z_p`` for both
         (``2 nnz c`` each)."""
-        sparse_z = Work(2.0 * self.nnz * self.groups,
-                        8.0 * (self.nnz * self.groups + 2 * self.n * self.groups))
+        sparse_z = Work(
+            2.0 * self.nnz * self.groups, 8.0 * (self.nnz * self.groups + 2 * self.n * self.groups)
+        )
         return sparse_z * 2
 
     def update_u(self, modality: str, factorise: bool = True) -> Work:
@@ -615,9 +655,13 @@ class ProblemWork:
         if self.n_space(d):
             factor = elementwise(n * n, flops_per_item=2.0, passes=5.0) + lu_work(n)
             return (factor if factorise else Work()) + substitution_work(n, c) + gemm(d, c, n)
-        factor = (elementwise(n * d) + syrk(d, n)
-                  + elementwise(d * d, flops_per_item=1.0, passes=3.0)
-                  + elementwise(d * d, flops_per_item=0.0) + cholesky(d))
+        factor = (
+            elementwise(n * d)
+            + syrk(d, n)
+            + elementwise(d * d, flops_per_item=1.0, passes=3.0)
+            + elementwise(d * d, flops_per_item=0.0)
+            + cholesky(d)
+        )
         return (factor if factorise else Work()) + gemm(d, c, n) + substitution_work(d, c)
 
     def update_y(self, sweeps: int) -> Work:
@@ -635,20 +679,29 @@ class ProblemWork:
         each needs: ``X_b U_b`` three times (for the two ``U_a`` and the losses,
         the first with ``U_b = 0``), ``X_a U_a`` twice (for the two ``U_b``)."""
         dt = self.db - 1
-        centroids = (elementwise(self.n * dt, passes=3.0)
-                     + elementwise(unplaced * dt, flops_per_item=3.0, passes=8.0) * self.groups)
-        rounds = (self.update_u("image") + self.update_u("text")
-                  + self.update_u("image", factorise=False)
-                  + self.update_u("text", factorise=False))
-        return (centroids + rounds
-                + self.projection(self.da) * 2 + self.projection(self.db) * 3)
+        centroids = (
+            elementwise(self.n * dt, passes=3.0)
+            + elementwise(unplaced * dt, flops_per_item=3.0, passes=8.0) * self.groups
+        )
+        rounds = (
+            self.update_u("image")
+            + self.update_u("text")
+            + self.update_u("image", factorise=False)
+            + self.update_u("text", factorise=False)
+        )
+        return centroids + rounds + self.projection(self.da) * 2 + self.projection(self.db) * 3
 
     def iterate(self, sweeps: int = 2) -> Work:
         """:meth:`Problem.iterate`: ``U_a``, ``U_b`` and their new projections, ``Y``, and the
         objective four times (the trace); ``v`` reuses the projections of the previous step,
         and the empty-group guard is not counted (it runs only when a group empties)."""
-        return (self.update_u("image") + self.update_u("text") + self.projections()
-                + self.update_y(sweeps) + self.objective() * 4)
+        return (
+            self.update_u("image")
+            + self.update_u("text")
+            + self.projections()
+            + self.update_y(sweeps)
+            + self.objective() * 4
+        )
 
 
 def lu_work(m: int) -> Work:

@@ -54,8 +54,13 @@ class NystroemMap:
     True
     """
 
-    def __init__(self, landmarks: NDArray[np.floating], gamma: float, floor: float = 1e-10,
-                 proj: F64 | None = None) -> None:
+    def __init__(
+        self,
+        landmarks: NDArray[np.floating],
+        gamma: float,
+        floor: float = 1e-10,
+        proj: F64 | None = None,
+    ) -> None:
         self.landmarks = np.asarray(landmarks, dtype=np.float64)
         self.gamma = float(gamma)
         if proj is None:
@@ -173,24 +178,46 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
     """
 
     def __init__(
-        self, img_dim: int, txt_dim: int,
+        self,
+        img_dim: int,
+        txt_dim: int,
         q: int = 10,
         mu: float = 7e-4,
-        m_img: int = 1000, m_txt: int | None = None,
-        sigma_img: float = 1.0, sigma_txt: float = 1.0,
-        power_img: float = 0.5, power_txt: float = 1.0,
+        m_img: int = 1000,
+        m_txt: int | None = None,
+        sigma_img: float = 1.0,
+        sigma_txt: float = 1.0,
+        power_img: float = 0.5,
+        power_txt: float = 1.0,
         landmark_pool: int = 1000,
-        solve_first: int = 32, solve_every: int = 256,
-        outer: int = 10, inner: int = 3, tol: float = 1e-4,
+        solve_first: int = 32,
+        solve_every: int = 256,
+        outer: int = 10,
+        inner: int = 3,
+        tol: float = 1e-4,
         forget: float = 1.0,
         batch: int = 64,
         max_classes: int = 1000,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         m_txt = min(2 * txt_dim, 1000) if m_txt is None else m_txt
-        require(locals(), q=">= 1", mu="> 0", m_img=">= 1", m_txt=">= 1", landmark_pool=">= 1",
-                sigma_img="> 0", sigma_txt="> 0", power_img="> 0", power_txt="> 0",
-                forget="in (0, 1]", batch=">= 1", outer=">= 1", inner=">= 1", tol=">= 0")
+        require(
+            locals(),
+            q=">= 1",
+            mu="> 0",
+            m_img=">= 1",
+            m_txt=">= 1",
+            landmark_pool=">= 1",
+            sigma_img="> 0",
+            sigma_txt="> 0",
+            power_img="> 0",
+            power_txt="> 0",
+            forget="in (0, 1]",
+            batch=">= 1",
+            outer=">= 1",
+            inner=">= 1",
+            tol=">= 0",
+        )
         self.q, self.mu = int(q), float(mu)
         self.m_img, self.m_txt = int(m_img), int(m_txt)
         self.sigma_img, self.sigma_txt = float(sigma_img), float(sigma_txt)
@@ -233,8 +260,14 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         return self.class_index.ignored_labels
 
     # -- learning ----------------------------------------------------------------------------
-    def update(self, pair: Pair, slot: int, buffer: ReplayBuffer, rng: np.random.Generator,
-                  stats: LearnStats) -> None:
+    def update(
+        self,
+        pair: Pair,
+        slot: int,
+        buffer: ReplayBuffer,
+        rng: np.random.Generator,
+        stats: LearnStats,
+    ) -> None:
         if self.serve_img is not None:
             observe_triplet(self, pair, slot, buffer, rng, stats)
         self._add(pair)
@@ -266,8 +299,10 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         txts = np.asarray(self.pending_txt[:pool])
         pick_img = np.sort(rng.choice(pool, size=min(self.m_img, pool), replace=False))
         pick_txt = np.sort(rng.choice(pool, size=min(self.m_txt, pool), replace=False))
-        return (NystroemMap(imgs[pick_img], self.sigma_img),
-                NystroemMap(txts[pick_txt], self.sigma_txt))
+        return (
+            NystroemMap(imgs[pick_img], self.sigma_img),
+            NystroemMap(txts[pick_txt], self.sigma_txt),
+        )
 
     def _freeze(self, rng: np.random.Generator, pool: int) -> None:
         self.map_img, self.map_txt = self._draw_maps(rng, pool)
@@ -302,7 +337,7 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
             labels[row, cols] = 1.0
         n = len(phi)
         w = self.forget ** np.arange(n - 1, -1, -1, dtype=np.float64)
-        decay = self.forget ** n
+        decay = self.forget**n
         grow = labels.shape[1] - self.lab_img.shape[1]
         self.lab_img = np.hstack([self.lab_img, np.zeros((self.lab_img.shape[0], grow))])
         self.lab_txt = np.hstack([self.lab_txt, np.zeros((self.lab_txt.shape[0], grow))])
@@ -362,8 +397,9 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         if grow:  # classes registered for this round that no folded pair carried yet
             self.lab_img = np.hstack([self.lab_img, np.zeros((self.lab_img.shape[0], grow))])
             self.lab_txt = np.hstack([self.lab_txt, np.zeros((self.lab_txt.shape[0], grow))])
-        parts: MergeParts = {k: ("sum", getattr(self, k))
-                             for k in ("gram_img", "gram_txt", "lab_img", "lab_txt")}
+        parts: MergeParts = {
+            k: ("sum", getattr(self, k)) for k in ("gram_img", "gram_txt", "lab_img", "lab_txt")
+        }
         for key in ("weight", "pairs", "unlabelled"):
             parts[key] = ("sum", np.asarray(getattr(self, key)))
         parts["ignored_labels"] = ("sum", np.asarray(self.class_index.ignored_labels))
@@ -381,8 +417,9 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
             self.solve(rng)
 
     # -- serving -------------------------------------------------------------------------------
-    def _embed(self, x: NDArray[np.floating], nm: NystroemMap | None, power: float,
-               w: F64) -> NDArray[np.float32]:
+    def _embed(
+        self, x: NDArray[np.floating], nm: NystroemMap | None, power: float, w: F64
+    ) -> NDArray[np.float32]:
         x = np.atleast_2d(x)
         if nm is None:
             return np.zeros((len(x), self.q), dtype=np.float32)
@@ -397,8 +434,11 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
     def linear_head(self, modality: str) -> LinearHead | None:
         """:meth:`_embed` as ``k(x, landmarks) W``: the kernel rows are the features, the same
         for every version once the landmarks freeze; ``None`` before the first solve."""
-        nm, power, w = ((self.serve_img, self.power_img, self.w_img) if modality == "image"
-                        else (self.serve_txt, self.power_txt, self.w_txt))
+        nm, power, w = (
+            (self.serve_img, self.power_img, self.w_img)
+            if modality == "image"
+            else (self.serve_txt, self.power_txt, self.w_txt)
+        )
         if nm is None:
             return None
         # One map per landmark set: its key digests the landmarks (32 MB at 1,000 x 4,096), and
@@ -422,8 +462,11 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         feature counts, at their most: the eigenvalue floor may drop some, a property of the
         data), and ``c`` the class columns seen so far (at least one: they grow with the
         stream's classes)."""
-        return (min(self.m_img, self.landmark_pool), min(self.m_txt, self.landmark_pool),
-                max(1, len(self.class_index)))
+        return (
+            min(self.m_img, self.landmark_pool),
+            min(self.m_txt, self.landmark_pool),
+            max(1, len(self.class_index)),
+        )
 
     def learning_work(self) -> Work:
         """Per pair in the steady state (landmarks frozen, solved once), float64, with
@@ -440,22 +483,33 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         - ``R``: a re-solve (:func:`_solve_work`).
         """
         m1, m2, c = self._steady_sizes()
-        triplet = 0.5 * (self.embedding_work(1, "image") + self.embedding_work(2, "text")
-                         + self.embedding_work(1, "text") + self.embedding_work(2, "image"))
+        triplet = 0.5 * (
+            self.embedding_work(1, "image")
+            + self.embedding_work(2, "text")
+            + self.embedding_work(1, "text")
+            + self.embedding_work(2, "image")
+        )
         fold = _fold_work(self.batch, ((self.img_dim, m1), (self.txt_dim, m2)), c)
         solve = _solve_work(m1, m2, c, self.q, self.outer, self.inner)
-        return (triplet + power_normalize_work(self.img_dim, self.power_img)
-                + power_normalize_work(self.txt_dim, self.power_txt)
-                + fold * (1.0 / self.batch) + solve * (1.0 / self.solve_every))
+        return (
+            triplet
+            + power_normalize_work(self.img_dim, self.power_img)
+            + power_normalize_work(self.txt_dim, self.power_txt)
+            + fold * (1.0 / self.batch)
+            + solve * (1.0 / self.solve_every)
+        )
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """:meth:`_embed` on ``r`` rows of size ``d`` against the ``m`` steady-state landmarks
         (:meth:`_steady_sizes`): ``N(r, d)`` (:func:`power_normalize_work`), the kernel rows
         ``K(r, m, d)`` (:func:`_rbf_work`) and their product with ``W`` (``2 r m q``)."""
         dim, m, power = self._side(modality)
-        return (power_normalize_work(rows * dim, power) + _rbf_work(rows, m, dim)
-                + gemm(rows, self.q, m)
-                + elementwise(rows * self.q, itemsize=4, flops_per_item=0.0))
+        return (
+            power_normalize_work(rows * dim, power)
+            + _rbf_work(rows, m, dim)
+            + gemm(rows, self.q, m)
+            + elementwise(rows * self.q, itemsize=4, flops_per_item=0.0)
+        )
 
     def evaluation_work(self, gallery: int) -> Work:
         """The base class's count (the query's kept-feature map, the ``g + 1`` stored and
@@ -465,8 +519,11 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         total = Work()
         for modality in ("image", "text"):
             dim, m, _ = self._side(modality)
-            total += (self._steady_features(modality).work(1, dim)
-                      + gemm(gallery + 1, self.q, m) + gemm(1, gallery + 1, self.q))
+            total += (
+                self._steady_features(modality).work(1, dim)
+                + gemm(gallery + 1, self.q, m)
+                + gemm(1, gallery + 1, self.q)
+            )
         return total
 
     def kept_feature_work(self, rows: int) -> Work:
@@ -474,8 +531,9 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         total = Work()
         for modality in ("image", "text"):
             dim = self._side(modality)[0]
-            total += (elementwise(rows * dim, 4, flops_per_item=3.0, passes=3.0)
-                      + self._steady_features(modality).work(rows, dim))
+            total += elementwise(
+                rows * dim, 4, flops_per_item=3.0, passes=3.0
+            ) + self._steady_features(modality).work(rows, dim)
         return total
 
     def _steady_features(self, modality: str) -> RbfFeatures:
@@ -498,8 +556,12 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays: Arrays = {
-            "gram_img": self.gram_img, "gram_txt": self.gram_txt,
-            "lab_img": self.lab_img, "lab_txt": self.lab_txt, "a": self.a, "b": self.b,
+            "gram_img": self.gram_img,
+            "gram_txt": self.gram_txt,
+            "lab_img": self.lab_img,
+            "lab_txt": self.lab_txt,
+            "a": self.a,
+            "b": self.b,
             "pending_img": np.asarray(self.pending_img).reshape(-1, self.img_dim),
             "pending_txt": np.asarray(self.pending_txt).reshape(-1, self.txt_dim),
             "classes": np.asarray(self.class_index.classes, dtype=np.int64),
@@ -516,10 +578,17 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
                 arrays[f"serve_proj_{key}"] = nm.proj
         if self.serve_img is not None:
             arrays["w_img"], arrays["w_txt"] = self.w_img, self.w_txt
-        meta = {"frozen": self.frozen, "weight": self.weight, "pairs": self.pairs,
-                "unlabelled": self.unlabelled, "solves": self.solves,
-                "pending_cols": self.pending_cols, "cd_losses": self.cd_losses,
-                "ignored_labels": self.class_index.ignored_labels, "serve_apart": serve_apart}
+        meta = {
+            "frozen": self.frozen,
+            "weight": self.weight,
+            "pairs": self.pairs,
+            "unlabelled": self.unlabelled,
+            "solves": self.solves,
+            "pending_cols": self.pending_cols,
+            "cd_losses": self.cd_losses,
+            "ignored_labels": self.class_index.ignored_labels,
+            "serve_apart": serve_apart,
+        }
         return arrays, meta
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
@@ -531,10 +600,12 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
         self.map_img = self.map_txt = None
         if "landmarks_img" in arrays:
-            self.map_img = NystroemMap(arrays["landmarks_img"], self.sigma_img,
-                                       proj=arrays["proj_img"])
-            self.map_txt = NystroemMap(arrays["landmarks_txt"], self.sigma_txt,
-                                       proj=arrays["proj_txt"])
+            self.map_img = NystroemMap(
+                arrays["landmarks_img"], self.sigma_img, proj=arrays["proj_img"]
+            )
+            self.map_txt = NystroemMap(
+                arrays["landmarks_txt"], self.sigma_txt, proj=arrays["proj_txt"]
+            )
         self.frozen = bool(meta["frozen"])
         self.weight = float(meta["weight"])
         self.pairs, self.unlabelled = int(meta["pairs"]), int(meta["unlabelled"])
@@ -542,10 +613,12 @@ class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
         self.cd_losses = [float(x) for x in meta["cd_losses"]]
         self.serve_img, self.serve_txt = self.map_img, self.map_txt
         if meta["serve_apart"]:
-            self.serve_img = NystroemMap(arrays["serve_landmarks_img"], self.sigma_img,
-                                         proj=arrays["serve_proj_img"])
-            self.serve_txt = NystroemMap(arrays["serve_landmarks_txt"], self.sigma_txt,
-                                         proj=arrays["serve_proj_txt"])
+            self.serve_img = NystroemMap(
+                arrays["serve_landmarks_img"], self.sigma_img, proj=arrays["serve_proj_img"]
+            )
+            self.serve_txt = NystroemMap(
+                arrays["serve_landmarks_txt"], self.sigma_txt, proj=arrays["serve_proj_txt"]
+            )
         if "w_img" in arrays:
             self.w_img = np.array(arrays["w_img"], dtype=np.float64)
             self.w_txt = np.array(arrays["w_txt"], dtype=np.float64)
@@ -565,8 +638,11 @@ def _rbf_work(rows: int, m: int, dim: int) -> Work:
     (3 flops, three passes over ``r d``), the product ``(2 x) L'`` (``2 r m d``) and, over the
     ``r x m`` result, the norms added, ``max(., 0)``, ``-gamma .`` and ``exp`` (24 flops, ten
     passes an entry)."""
-    return (elementwise(rows * dim, flops_per_item=3.0, passes=3.0)
-            + gemm(rows, m, dim) + elementwise(rows * m, flops_per_item=24.0, passes=10.0))
+    return (
+        elementwise(rows * dim, flops_per_item=3.0, passes=3.0)
+        + gemm(rows, m, dim)
+        + elementwise(rows * m, flops_per_item=24.0, passes=10.0)
+    )
 
 
 def _fold_work(batch: int, sides: tuple[tuple[int, int], ...], classes: int) -> Work:
@@ -584,11 +660,16 @@ def _fold_work(batch: int, sides: tuple[tuple[int, int], ...], classes: int) -> 
     """
     work = elementwise(batch * classes, flops_per_item=0.0, passes=1.0)
     for dim, m in sides:
-        work += (elementwise(batch * dim, flops_per_item=0.0) + _rbf_work(batch, m, dim)
-                 + gemm(batch, m, m) + 2 * elementwise(batch * m, passes=3.0)
-                 + gemm(m, m, batch) + gemm(m, classes, batch)
-                 + elementwise(m * m + m * classes, flops_per_item=2.0, passes=5.0)
-                 + elementwise(m * classes, flops_per_item=0.0))
+        work += (
+            elementwise(batch * dim, flops_per_item=0.0)
+            + _rbf_work(batch, m, dim)
+            + gemm(batch, m, m)
+            + 2 * elementwise(batch * m, passes=3.0)
+            + gemm(m, m, batch)
+            + gemm(m, classes, batch)
+            + elementwise(m * m + m * classes, flops_per_item=2.0, passes=5.0)
+            + elementwise(m * classes, flops_per_item=0.0)
+        )
     return work
 
 
@@ -606,8 +687,11 @@ def _solve_work(m1: int, m2: int, classes: int, q: int, outer: int, inner: int) 
     work = mpl_cd_work(m1, m2, classes, q, outer, inner)
     for m in (m1, m2):
         lu = Work(2.0 * m**3 / 3.0 + 2.0 * m * m * classes, 0.0)
-        work += (elementwise(m * m, flops_per_item=2.0, passes=6.0) + lu
-                 + elementwise(m * m + m * classes, flops_per_item=0.0, passes=3.0)
-                 + elementwise(m * classes, flops_per_item=0.0, passes=1.0)
-                 + gemm(m, q, m))
+        work += (
+            elementwise(m * m, flops_per_item=2.0, passes=6.0)
+            + lu
+            + elementwise(m * m + m * classes, flops_per_item=0.0, passes=3.0)
+            + elementwise(m * classes, flops_per_item=0.0, passes=1.0)
+            + gemm(m, q, m)
+        )
     return work

@@ -40,12 +40,16 @@ class SlotRows:
         """Forget every row (the map changed)."""
         self.versions[:] = 0  # no slot's version: versions start at 1
 
-    def rows(self, buffer: ReplayBuffer, slots: NDArray[np.intp], image: RowMap, text: RowMap
-             ) -> tuple[NDArray[Any], NDArray[Any]]:
+    def rows(
+        self, buffer: ReplayBuffer, slots: NDArray[np.intp], image: RowMap, text: RowMap
+    ) -> tuple[NDArray[Any], NDArray[Any]]:
         """The image and text rows of the pairs stored at ``slots``, mapping the stale ones by
         ``image`` and ``text``."""
-        stale = np.unique(slots[self.versions[slots] != buffer.versions[slots]]) if len(
-            self.versions) == buffer.capacity else np.unique(slots)
+        stale = (
+            np.unique(slots[self.versions[slots] != buffer.versions[slots]])
+            if len(self.versions) == buffer.capacity
+            else np.unique(slots)
+        )
         for slot in stale:
             fx, fy = image(buffer.img[slot][None, :])[0], text(buffer.txt[slot][None, :])[0]
             if len(self.versions) != buffer.capacity:

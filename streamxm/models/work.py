@@ -20,8 +20,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Rates", "Work", "cholesky", "eigh", "elementwise", "gemm", "gram_update", "matvec",
-           "rank_update", "svd", "syrk", "triangular_inverse"]
+__all__ = [
+    "Rates",
+    "Work",
+    "cholesky",
+    "eigh",
+    "elementwise",
+    "gemm",
+    "gram_update",
+    "matvec",
+    "rank_update",
+    "svd",
+    "syrk",
+    "triangular_inverse",
+]
 
 
 @dataclass(frozen=True)
@@ -45,8 +57,9 @@ class Work:
     flops32: float = 0.0
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.flops + other.flops, self.bytes + other.bytes,
-                    self.flops32 + other.flops32)
+        return Work(
+            self.flops + other.flops, self.bytes + other.bytes, self.flops32 + other.flops32
+        )
 
     def __mul__(self, times: float) -> Work:
         return Work(self.flops * times, self.bytes * times, self.flops32 * times)
@@ -61,8 +74,11 @@ class Work:
         return max(arithmetic, self.bytes / rates.bytes_per_s)
 
     def as_dict(self) -> dict[str, float]:
-        return {"flops": round(self.flops), "flops_float32": round(self.flops32),
-                "bytes": round(self.bytes)}
+        return {
+            "flops": round(self.flops),
+            "flops_float32": round(self.flops32),
+            "bytes": round(self.bytes),
+        }
 
 
 def gemm(m: int, n: int, k: int, itemsize: int = 8) -> Work:
@@ -96,8 +112,9 @@ def rank_update(m: int, n: int, k: int, itemsize: int = 8) -> Work:
     return gemm(m, n, k, itemsize) + elementwise(m * n, itemsize)
 
 
-def elementwise(n: float, itemsize: int = 8, flops_per_item: float = 1.0,
-                passes: float = 2.0) -> Work:
+def elementwise(
+    n: float, itemsize: int = 8, flops_per_item: float = 1.0, passes: float = 2.0
+) -> Work:
     """``n`` items, each read or written ``passes`` times in all, ``flops_per_item`` each."""
     flops = flops_per_item * n
     return Work(flops, passes * itemsize * n, flops if itemsize == 4 else 0.0)

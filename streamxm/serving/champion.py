@@ -52,7 +52,8 @@ class ChampionRule:
     margin: float = 0.005
     confirmations: int = 3
     champions: dict[str, str | None] = field(
-        default_factory=lambda: dict.fromkeys(DIRECTIONS, None))
+        default_factory=lambda: dict.fromkeys(DIRECTIONS, None)
+    )
     #: Direction -> (challenger, consecutive evaluations it has led by the margin).
     _leads: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: Champion changes so far (a first champion is not a change).
@@ -61,15 +62,22 @@ class ChampionRule:
 
     def update(self, evidence: dict[str, dict[str, Evidence]]) -> None:
         """Take one evaluation of every served model's evidence (model -> direction -> it)."""
-        self.fallback = max(sorted(evidence), default=None,
-                            key=lambda m: max((e.pairs for e in evidence[m].values()), default=0))
+        self.fallback = max(
+            sorted(evidence),
+            default=None,
+            key=lambda m: max((e.pairs for e in evidence[m].values()), default=0),
+        )
         for direction in DIRECTIONS:
-            self._update(direction, {m: e[direction] for m, e in evidence.items()
-                                     if direction in e})
+            self._update(
+                direction, {m: e[direction] for m, e in evidence.items() if direction in e}
+            )
 
     def _update(self, direction: str, standing: dict[str, Evidence]) -> None:
-        eligible = {m: float(e.rolling_map) for m, e in standing.items()
-                    if e.rolling_map is not None and e.pairs >= self.min_pairs}
+        eligible = {
+            m: float(e.rolling_map)
+            for m, e in standing.items()
+            if e.rolling_map is not None and e.pairs >= self.min_pairs
+        }
         current = self.champions.get(direction)
         if current not in standing:  # none yet, or its learner is gone
             current = None

@@ -43,8 +43,15 @@ class GalleryFollower:
         Stream entries read per ``XREAD``.
     """
 
-    def __init__(self, client: redis.Redis, store: CheckpointStore, keys: Keys,
-                 gallery_max: int, limits: Limits, read_count: int) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        store: CheckpointStore,
+        keys: Keys,
+        gallery_max: int,
+        limits: Limits,
+        read_count: int,
+    ) -> None:
         self.r, self.store, self.keys = client, store, keys
         self.gallery_max, self.limits, self.read_count = gallery_max, limits, read_count
         self.gallery = Gallery()
@@ -106,8 +113,9 @@ class GalleryFollower:
         first = manifest.segments[0] if manifest.segments else None
         if chunks and manifest.skip and first is not None and (first.seq, first.sha) in opened:
             sliced = (first.seq, first.sha, manifest.skip)
-            self._sliced = {sliced: self._sliced.get(sliced) or chunks[0].sliced(
-                slice(manifest.skip, None))}
+            self._sliced = {
+                sliced: self._sliced.get(sliced) or chunks[0].sliced(slice(manifest.skip, None))
+            }
             chunks[0] = self._sliced[sliced]
         self._segment_chunks = tuple(chunks)
         self._carry(chunks)
@@ -120,7 +128,7 @@ class GalleryFollower:
             if len(keep) == len(entries):
                 tail.append((chunk, entries))
             elif keep:
-                tail.append((chunk.sliced(slice(keep[0], None)), entries[keep[0]:]))
+                tail.append((chunk.sliced(slice(keep[0], None)), entries[keep[0] :]))
         self._tail = tail
         if entry_id_key(self.last_gallery_id) < covered:
             self.last_gallery_id = manifest.last_id
@@ -138,8 +146,7 @@ class GalleryFollower:
         for chunk in chunks:
             if id(chunk) not in published:
                 carried = chunk.carry_features(replaced)
-                log.debug("gallery chunk of %d rows: features of %d carried", len(chunk),
-                          carried)
+                log.debug("gallery chunk of %d rows: features of %d carried", len(chunk), carried)
 
     def _publish(self) -> None:
         self.gallery = Gallery((*self._segment_chunks, *(c for c, _ in self._tail)))
@@ -148,8 +155,9 @@ class GalleryFollower:
         """Read up to ``budget`` new stream entries into the gallery."""
         changed = False
         while budget > 0:
-            reply = self.r.xread({self.keys.pairs: self.last_gallery_id},
-                                 count=min(self.read_count, budget))
+            reply = self.r.xread(
+                {self.keys.pairs: self.last_gallery_id}, count=min(self.read_count, budget)
+            )
             entries = stream_entries(reply)
             if not entries:
                 return changed
@@ -159,9 +167,11 @@ class GalleryFollower:
             self.last_gallery_id = entries[-1][0]
             if pairs:
                 at = [entry_id for entry_id, _ in pairs]
-                chunk = GalleryChunk.of(np.asarray([p.id for _, p in pairs]),
-                                        np.vstack([p.img for _, p in pairs]),
-                                        np.vstack([p.txt for _, p in pairs]))
+                chunk = GalleryChunk.of(
+                    np.asarray([p.id for _, p in pairs]),
+                    np.vstack([p.img for _, p in pairs]),
+                    np.vstack([p.txt for _, p in pairs]),
+                )
                 if self._revision is None:
                     self.gallery = self.gallery.appended(chunk, self.gallery_max)
                 else:  # the indexer caps the segments; the tail after them only grows here

@@ -26,8 +26,9 @@ __all__ = ["FusedSpace", "scan_query"]
 F32 = NDArray[np.float32]
 
 
-def scan_query(model: CrossModalModel, modality: str, target: str, vector: F32
-               ) -> tuple[F32, float]:
+def scan_query(
+    model: CrossModalModel, modality: str, target: str, vector: F32
+) -> tuple[F32, float]:
     """``(query, c)`` with the model's score of an item ``= row . query + c``, ``row`` being
     the item's row in the member's scanned blocks (unit rows for a fixed space, else the
     version's index rows: :meth:`~streamxm.models.base.CrossModalModel.index_rows`)."""
@@ -63,16 +64,18 @@ class FusedSpace:
         """The side-by-side rows at global row positions."""
         return self.gallery.gather(self.blocks, rows, (sum(self.widths),))
 
-    def standardised(self, queries: list[tuple[F32, float]], weights: tuple[float, ...]
-                     ) -> tuple[F32, float, float]:
+    def standardised(
+        self, queries: list[tuple[F32, float]], weights: tuple[float, ...]
+    ) -> tuple[F32, float, float]:
         """The scan query of one search and its constant: each member's query divided by
         its scale, where offset and scale are the mean and standard deviation (1 when 0) of
         its scores over the reference rows, the scale divided by the member's weight, as
         :meth:`~streamxm.models.ensemble.Ensemble.standardisers`; and the largest term any
         row can contribute (for the rounding margin)."""
         parts, constant, reach, at = [], 0.0, 0.0, 0
-        for (query, c), width, norm, weight in zip(queries, self.widths, self.norms, weights,
-                                                   strict=True):
+        for (query, c), width, norm, weight in zip(
+            queries, self.widths, self.norms, weights, strict=True
+        ):
             scores = self.reference[:, at : at + width].astype(np.float64) @ query + c
             at += width
             std = float(scores.std())
@@ -83,8 +86,9 @@ class FusedSpace:
         return np.concatenate(parts).astype(np.float32), constant, reach
 
     @staticmethod
-    def sources_of(ensemble: ServedEnsemble, gallery: Gallery, target: str
-                   ) -> tuple[object, ...] | None:
+    def sources_of(
+        ensemble: ServedEnsemble, gallery: Gallery, target: str
+    ) -> tuple[object, ...] | None:
         """What each member's rows come from, or ``None`` when a member's rows are not exact
         float32 ones over exactly ``gallery`` (an index still embedding new rows, or an
         int8 one): the ensemble is then searched member by member."""
@@ -94,25 +98,34 @@ class FusedSpace:
                 sources.append(gallery)
                 continue
             index = served.index
-            if (index is None or index.version != served.version or not index.exact(target)
-                    or not index.covers(gallery)):
+            if (
+                index is None
+                or index.version != served.version
+                or not index.exact(target)
+                or not index.covers(gallery)
+            ):
                 return None
             sources.append(index)
         return tuple(sources)
 
     def current(self, sources: tuple[object, ...]) -> bool:
         return len(sources) == len(self.sources) and all(
-            a is b for a, b in zip(sources, self.sources, strict=True))
+            a is b for a, b in zip(sources, self.sources, strict=True)
+        )
 
     @classmethod
     def build(cls, sources: tuple[object, ...], gallery: Gallery, target: str) -> FusedSpace:
-        parts = [s.blocks(target) if isinstance(s, EmbeddedGallery)
-                 else gallery.exact_blocks(target) for s in sources]
+        parts = [
+            s.blocks(target) if isinstance(s, EmbeddedGallery) else gallery.exact_blocks(target)
+            for s in sources
+        ]
         blocks = tuple(np.hstack(chunk_parts) for chunk_parts in zip(*parts, strict=True))
         widths = tuple(int(p[0].shape[1]) if p else 0 for p in parts)
         norms = tuple(largest_norm(p) for p in parts)
-        space = cls(sources, gallery, blocks, widths, norms, np.empty((0, sum(widths)),
-                                                                      dtype=np.float32))
-        object.__setattr__(space, "reference",
-                           space.rows_at(gallery.reference_rows(REFERENCE_ITEMS)))
+        space = cls(
+            sources, gallery, blocks, widths, norms, np.empty((0, sum(widths)), dtype=np.float32)
+        )
+        object.__setattr__(
+            space, "reference", space.rows_at(gallery.reference_rows(REFERENCE_ITEMS))
+        )
         return space

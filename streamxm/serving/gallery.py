@@ -16,8 +16,15 @@ from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
 
 _Value = TypeVar("_Value", bound=np.generic)
 
-__all__ = ["CHUNK_MAX", "Gallery", "GalleryChunk", "GalleryRows", "largest_norm",
-           "merge_count", "reference_rows"]
+__all__ = [
+    "CHUNK_MAX",
+    "Gallery",
+    "GalleryChunk",
+    "GalleryRows",
+    "largest_norm",
+    "merge_count",
+    "reference_rows",
+]
 
 
 def reference_rows(size: int, items: int) -> NDArray[np.int64]:
@@ -28,8 +35,14 @@ def reference_rows(size: int, items: int) -> NDArray[np.int64]:
 
 def largest_norm(blocks: Iterable[Block]) -> float:
     """The largest L2 norm of a row of the float32 arrays among ``blocks`` (0 if none)."""
-    return max((float(np.sqrt(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
-                for b in blocks if isinstance(b, np.ndarray)), default=0.0)
+    return max(
+        (
+            float(np.sqrt(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
+            for b in blocks
+            if isinstance(b, np.ndarray)
+        ),
+        default=0.0,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,8 +61,9 @@ class GalleryChunk(GalleryRows):
         object.__setattr__(self, "_partial", {})
         object.__setattr__(self, "_errors", {})  # key -> kept_error
 
-    def features(self, modality: str, fmap: FeatureMap | None, compact: bool = False
-                 ) -> NDArray[np.floating]:
+    def features(
+        self, modality: str, fmap: FeatureMap | None, compact: bool = False
+    ) -> NDArray[np.floating]:
         """``fmap``'s features of this chunk's unit rows of ``modality`` (``None``: the unit
         rows), computed once and kept (two threads computing the same one at once both get
         equal arrays): float32, or with ``compact`` as the map keeps them
@@ -78,8 +92,9 @@ class GalleryChunk(GalleryRows):
         cache[key] = found
         return found
 
-    def _inputs(self, modality: str, fmap: FeatureMap,
-                rows: NDArray[np.bool_] | slice = slice(None)) -> NDArray[np.float32]:
+    def _inputs(
+        self, modality: str, fmap: FeatureMap, rows: NDArray[np.bool_] | slice = slice(None)
+    ) -> NDArray[np.float32]:
         """The features ``fmap`` reads of ``rows``, computed through the chain below it."""
         units = self.unit(modality)[rows]
         return units if fmap.inputs is None else fmap.inputs(units)
@@ -108,8 +123,10 @@ class GalleryChunk(GalleryRows):
         rows = np.flatnonzero(ordered[at] == self.ids)
         source = order[at[rows]].astype(np.int64)
         for modality in ("image", "text"):
-            same = (previous.gather(previous.exact_blocks(modality), source)
-                    == self.unit(modality)[rows]).all(axis=1)
+            same = (
+                previous.gather(previous.exact_blocks(modality), source)
+                == self.unit(modality)[rows]
+            ).all(axis=1)
             rows, source = rows[same], source[same]
         return rows.astype(np.int64), source
 
@@ -195,8 +212,9 @@ class Gallery:
         sizes = [len(c) for c in self.chunks]
         object.__setattr__(self, "starts", np.cumsum([0, *sizes]))
         object.__setattr__(self, "_blocks", {})
-        object.__setattr__(self, "_exact", {m: tuple(c.unit(m) for c in self.chunks)
-                                            for m in ("image", "text")})
+        object.__setattr__(
+            self, "_exact", {m: tuple(c.unit(m) for c in self.chunks) for m in ("image", "text")}
+        )
         object.__setattr__(self, "_references", {})
 
     def __len__(self) -> int:
@@ -215,17 +233,27 @@ class Gallery:
         """The unit rows of ``modality`` in float32, one block per chunk (the exact scan)."""
         return self._exact[modality]  # type: ignore[attr-defined,no-any-return]
 
-    def locate(self, rows: NDArray[np.int64], modality: str
-               ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    def locate(
+        self, rows: NDArray[np.int64], modality: str
+    ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         """Unit rows and norms of ``modality`` at global row positions (a raw vector is
         ``unit * norm``)."""
         norms = [c.norm_img if modality == "image" else c.norm_txt for c in self.chunks]
-        return (self.gather(self.exact_blocks(modality), rows, self.chunks[0].unit(modality)
-                            .shape[1:] if self.chunks else (0,)),
-                self.gather(norms, rows, ()))
+        return (
+            self.gather(
+                self.exact_blocks(modality),
+                rows,
+                self.chunks[0].unit(modality).shape[1:] if self.chunks else (0,),
+            ),
+            self.gather(norms, rows, ()),
+        )
 
-    def gather(self, blocks: Sequence[NDArray[_Value]], rows: NDArray[np.int64],
-               shape: tuple[int, ...] | None = None) -> NDArray[_Value]:
+    def gather(
+        self,
+        blocks: Sequence[NDArray[_Value]],
+        rows: NDArray[np.int64],
+        shape: tuple[int, ...] | None = None,
+    ) -> NDArray[_Value]:
         """The rows at global row positions of per-chunk arrays (one per chunk of this
         snapshot, in order: its unit rows, an index's embeddings); ``shape``: a row's, when
         ``blocks`` may be empty."""
@@ -248,8 +276,11 @@ class Gallery:
         same ones for every query against this snapshot: computed once)."""
         cache: dict[tuple[str, int], NDArray[np.float32]] = self._references  # type: ignore
         if (modality, items) not in cache:
-            cache[(modality, items)] = (self.vectors_at(self.reference_rows(items), modality)
-                                        if len(self) else np.empty((0, 0), dtype=np.float32))
+            cache[(modality, items)] = (
+                self.vectors_at(self.reference_rows(items), modality)
+                if len(self)
+                else np.empty((0, 0), dtype=np.float32)
+            )
         return cache[(modality, items)]
 
     def reference_rows(self, items: int) -> NDArray[np.int64]:
@@ -270,8 +301,7 @@ class Gallery:
 
     def feature_bytes(self) -> int:
         """Bytes of the features the chunks keep."""
-        kept: list[NDArray[np.float32]] = [
-            v for c in self.chunks for v in c._features.values()]  # type: ignore[attr-defined]
+        kept: list[NDArray[np.float32]] = [v for c in self.chunks for v in c._features.values()]  # type: ignore[attr-defined]
         kept += [v for c in self.chunks for _, v in c._partial.values()]  # type: ignore
         return sum(int(v.nbytes) for v in kept)
 

@@ -51,8 +51,9 @@ class _ReadDeadlineH11(H11Protocol):
         # Still reading: no request yet (or only the previous one's), or its body incomplete.
         reading = cycle is None or cycle.response_complete or cycle.more_body
         if reading and not self.transport.is_closing():
-            self.logger.info("closing a connection that sent no complete request in %.0f s",
-                             self.read_timeout)
+            self.logger.info(
+                "closing a connection that sent no complete request in %.0f s", self.read_timeout
+            )
             self.transport.close()
 
 
@@ -63,8 +64,7 @@ def guarded_h11(read_timeout: float) -> type[H11Protocol]:
 
 def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn options every API server of the project runs with."""
-    return {"http": guarded_h11(settings.request_read_timeout_seconds),
-            "timeout_keep_alive": 5}
+    return {"http": guarded_h11(settings.request_read_timeout_seconds), "timeout_keep_alive": 5}
 
 
 def freeze_startup_objects() -> None:

@@ -41,8 +41,18 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Bf16Block", "Block", "Int8Block", "QueryCoalescer", "bf16_native",
-           "bf16_score_error", "index_block", "int8_available", "top_k", "top_k_bounded"]
+__all__ = [
+    "Bf16Block",
+    "Block",
+    "Int8Block",
+    "QueryCoalescer",
+    "bf16_native",
+    "bf16_score_error",
+    "index_block",
+    "int8_available",
+    "top_k",
+    "top_k_bounded",
+]
 
 _BLOCK = 65_536  # rows per product: bounds the (queries x rows) float32 temporary
 _GROUP = 32  # rows per group of a full bfloat16 chunk's two-step selection
@@ -137,8 +147,10 @@ class Int8Block:
     @classmethod
     def of(cls, rows: NDArray[np.float32]) -> Int8Block:
         rows = np.ascontiguousarray(rows, dtype=np.float32)
-        return cls(tuple(_Int8Part.of(rows[s : s + _BLOCK])
-                         for s in range(0, len(rows), _BLOCK)), len(rows))
+        return cls(
+            tuple(_Int8Part.of(rows[s : s + _BLOCK]) for s in range(0, len(rows), _BLOCK)),
+            len(rows),
+        )
 
     def __len__(self) -> int:
         return self.rows
@@ -172,8 +184,13 @@ class _Int8Part:
             worst = max(worst, float(np.einsum("ij,ij->i", q, q).max()))
             scales[s : s + len(part)] = scale
         packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(codes), [8, rows.shape[1]])
-        return cls(packed, torch.from_numpy(scales), torch.zeros(padded, dtype=torch.int32),
-                   float(np.sqrt(worst)) * 1.01, len(rows))
+        return cls(
+            packed,
+            torch.from_numpy(scales),
+            torch.zeros(padded, dtype=torch.int32),
+            float(np.sqrt(worst)) * 1.01,
+            len(rows),
+        )
 
 
 _int8_checked: bool | None = None
@@ -198,9 +215,20 @@ def int8_available() -> bool:
                 qx[4:] = rng.integers(0, 256, size=(4, 64))
                 packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(codes), [8, 64])
                 got = torch.ops.onednn.qlinear_pointwise(
-                    torch.from_numpy(qx), 1.0, 128, packed, torch.ones(16),
-                    torch.zeros(16, dtype=torch.int32), None, 1.0, 0, torch.float32, "none",
-                    [], "").numpy()
+                    torch.from_numpy(qx),
+                    1.0,
+                    128,
+                    packed,
+                    torch.ones(16),
+                    torch.zeros(16, dtype=torch.int32),
+                    None,
+                    1.0,
+                    0,
+                    torch.float32,
+                    "none",
+                    [],
+                    "",
+                ).numpy()
                 want = (qx.astype(np.int64) - 128) @ codes.astype(np.int64).T
                 _int8_checked = bool(np.array_equal(got, want.astype(np.float32)))
             except (RuntimeError, AttributeError):  # no oneDNN int8 kernel in this build
@@ -237,8 +265,9 @@ def bf16_score_error(query_norm: Any, score: Any) -> Any:
     return ((2 * u + u * u) * query_norm + u / (1 - u) * abs(score)) * 1.01
 
 
-def top_k(queries: NDArray[np.float32], blocks: Sequence[Block], k: int
-          ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+def top_k(
+    queries: NDArray[np.float32], blocks: Sequence[Block], k: int
+) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
     """The ``k`` largest inner products of each query with the rows of ``blocks`` (taken as one
     array in order), best first; fewer than ``k`` when there are fewer rows. On float32 blocks
     the scores are exact and ties keep row order; on reduced-precision blocks the scores are
@@ -253,9 +282,9 @@ def top_k(queries: NDArray[np.float32], blocks: Sequence[Block], k: int
     return scores, rows
 
 
-def top_k_bounded(queries: NDArray[np.float32], blocks: Sequence[Block], k: int,
-                  per_chunk: int | None = None
-                  ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
+def top_k_bounded(
+    queries: NDArray[np.float32], blocks: Sequence[Block], k: int, per_chunk: int | None = None
+) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
     """:func:`top_k`, where each chunk of ``_BLOCK`` rows offers at most ``per_chunk`` rows
     (default ``k``), with each query's *ceiling*: a bound on the exact inner product of any
     row not returned (``-inf`` when every row is).
@@ -295,8 +324,9 @@ def top_k_bounded(queries: NDArray[np.float32], blocks: Sequence[Block], k: int,
                 bf16 = bf16 or _Bf16Queries.of(queries)
                 scores, rows, cut = bf16.top_k(block, start, per_chunk)
             else:
-                scores, rows, cut = _top_k_float32(queries, block[start : start + _BLOCK],
-                                                   per_chunk)
+                scores, rows, cut = _top_k_float32(
+                    queries, block[start : start + _BLOCK], per_chunk
+                )
             np.maximum(ceiling, cut, out=ceiling)
             best_s = np.concatenate([best_s, scores], axis=1)
             best_r = np.concatenate([best_r, rows + (offset + start)], axis=1)
@@ -308,8 +338,9 @@ def top_k_bounded(queries: NDArray[np.float32], blocks: Sequence[Block], k: int,
     return best_s, best_r, np.maximum(ceiling, cut)
 
 
-def _top_k_float32(queries: NDArray[np.float32], part: NDArray[np.float32], k: int
-                   ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
+def _top_k_float32(
+    queries: NDArray[np.float32], part: NDArray[np.float32], k: int
+) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
     """Top ``k`` of one chunk (unordered), local rows, and the best score left out. Rows that
     tie at the cut are kept in row order (the first of them), as a search's answer lists ties
     at every ``k``: ``argpartition`` alone keeps any of them."""
@@ -346,13 +377,13 @@ class _Bf16Queries:
 
     @classmethod
     def of(cls, queries: NDArray[np.float32]) -> _Bf16Queries:
-        batch = torch.zeros((_padded_batch(len(queries)), queries.shape[1]),
-                            dtype=torch.bfloat16)
+        batch = torch.zeros((_padded_batch(len(queries)), queries.shape[1]), dtype=torch.bfloat16)
         batch[: len(queries)] = torch.from_numpy(queries)
         return cls(batch, np.linalg.norm(queries.astype(np.float64), axis=1))
 
-    def top_k(self, block: Bf16Block, start: int, k: int
-              ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
+    def top_k(
+        self, block: Bf16Block, start: int, k: int
+    ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
         """Top ``k`` of the block's rows ``start : start + _BLOCK`` and the best left out, as
         upper bounds (scan score plus :func:`bf16_score_error`)."""
         m = len(self.norms)
@@ -399,27 +430,50 @@ class _Int8Queries:
         batch = np.full((_padded_batch(len(q)), q.shape[1]), 128, dtype=np.uint8)
         batch[: len(q)] = codes + 128
         quantised = step * codes
-        return cls(torch.from_numpy(batch), step, norms, np.linalg.norm(quantised, axis=1),
-                   np.linalg.norm(q - norms[:, None] * quantised, axis=1))
+        return cls(
+            torch.from_numpy(batch),
+            step,
+            norms,
+            np.linalg.norm(quantised, axis=1),
+            np.linalg.norm(q - norms[:, None] * quantised, axis=1),
+        )
 
-    def top_k(self, part: _Int8Part, k: int
-              ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
+    def top_k(
+        self, part: _Int8Part, k: int
+    ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
         """Top ``k`` of one part's rows and the best left out, as upper bounds."""
         m = len(self.norms)
         scores = torch.ops.onednn.qlinear_pointwise(
-            self.codes, self.step, 128, part.packed, part.scales, part.zero_points, None, 1.0,
-            0, torch.float32, "none", [], "")[:m]
+            self.codes,
+            self.step,
+            128,
+            part.packed,
+            part.scales,
+            part.zero_points,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
+        )[:m]
         values, found, cut = _select_chunk(scores, part.rows, k)
-        slack = (self.norms * self.code_norms * (part.error + 2e-6)
-                 + self.residuals * (1 + 1e-6)) * 1.001
+        slack = (
+            self.norms * self.code_norms * (part.error + 2e-6) + self.residuals * (1 + 1e-6)
+        ) * 1.001
         with np.errstate(invalid="ignore"):  # 0 * -inf for a zero query: -inf kept below
             cut = np.where(np.isneginf(cut), cut, self.norms * cut + slack)
-        return ((self.norms[:, None] * values + slack[:, None]).astype(np.float32), found,
-                cut.astype(np.float32))
+        return (
+            (self.norms[:, None] * values + slack[:, None]).astype(np.float32),
+            found,
+            cut.astype(np.float32),
+        )
 
 
-def _select_chunk(scores: Any, rows: int, k: int
-                  ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
+def _select_chunk(
+    scores: Any, rows: int, k: int
+) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
     """The top ``k`` of a chunk's scan scores (a float32 tensor, queries x padded rows, of
     which the first ``rows`` are real), their local rows and the best score left out.
 
@@ -438,8 +492,11 @@ def _select_chunk(scores: Any, rows: int, k: int
     inside = torch.gather(grouped, 1, groups[:, :, None].expand(m, k, _GROUP)).reshape(m, -1)
     values, found, cut = _select(inside, k)
     found = groups.gather(1, found // _GROUP) * _GROUP + found % _GROUP
-    return (values.numpy(), found.numpy().astype(np.int64),
-            torch.maximum(group_cut, cut).numpy().copy())
+    return (
+        values.numpy(),
+        found.numpy().astype(np.int64),
+        torch.maximum(group_cut, cut).numpy().copy(),
+    )
 
 
 def _select(scores: Any, k: int) -> tuple[Any, Any, Any]:
@@ -452,15 +509,19 @@ def _select(scores: Any, k: int) -> tuple[Any, Any, Any]:
     return values[:, :k], found[:, :k], values[:, k]
 
 
-def _best(scores: NDArray[np.float32], rows: NDArray[np.int64], k: int
-          ) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
+def _best(
+    scores: NDArray[np.float32], rows: NDArray[np.int64], k: int
+) -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np.float32]]:
     """The best ``k`` of each query's (score, row) pairs and the best score cut off."""
     # Sort by row first, then stably by score: equal scores keep row (gallery) order.
     by_row = np.argsort(rows, axis=1, kind="stable")
     scores, rows = np.take_along_axis(scores, by_row, 1), np.take_along_axis(rows, by_row, 1)
     order = np.argsort(-scores, axis=1, kind="stable")
-    cut = (np.take_along_axis(scores, order[:, k : k + 1], 1)[:, 0] if scores.shape[1] > k
-           else np.full(len(scores), -np.inf, dtype=np.float32))
+    cut = (
+        np.take_along_axis(scores, order[:, k : k + 1], 1)[:, 0]
+        if scores.shape[1] > k
+        else np.full(len(scores), -np.inf, dtype=np.float32)
+    )
     order = order[:, :k]
     return np.take_along_axis(scores, order, 1), np.take_along_axis(rows, order, 1), cut
 
@@ -490,14 +551,24 @@ class QueryCoalescer:
         self.batches = 0
         self.queries = 0
 
-    def search(self, blocks: Sequence[Block], query: NDArray[np.float32], k: int,
-               per_chunk: int | None = None) -> Found:
+    def search(
+        self,
+        blocks: Sequence[Block],
+        query: NDArray[np.float32],
+        k: int,
+        per_chunk: int | None = None,
+    ) -> Found:
         """Block until the query's batch is answered; its scores and rows, best first, and
         its ceiling (:func:`top_k_bounded`)."""
         return self.submit(blocks, query, k, per_chunk).result()
 
-    def submit(self, blocks: Sequence[Block], query: NDArray[np.float32], k: int,
-               per_chunk: int | None = None) -> Future[Found]:
+    def submit(
+        self,
+        blocks: Sequence[Block],
+        query: NDArray[np.float32],
+        k: int,
+        per_chunk: int | None = None,
+    ) -> Future[Found]:
         """:meth:`search`'s answer when the query's batch is answered."""
         request = _Request(blocks, np.ascontiguousarray(query, dtype=np.float32), k, per_chunk)
         self._queue.put(request)
@@ -532,16 +603,16 @@ class QueryCoalescer:
         try:
             k = max(r.k for r in group)
             per_chunk = max(r.k if r.per_chunk is None else r.per_chunk for r in group)
-            scores, rows, ceiling = top_k_bounded(np.stack([r.query for r in group]),
-                                                  group[0].blocks, k, per_chunk)
+            scores, rows, ceiling = top_k_bounded(
+                np.stack([r.query for r in group]), group[0].blocks, k, per_chunk
+            )
             self.batches += 1
             self.queries += len(group)
             for i, request in enumerate(group):
                 mine = float(ceiling[i])
                 if scores.shape[1] > request.k:  # rows past its own k are left out too
                     mine = max(mine, float(scores[i, request.k]))
-                request.future.set_result((scores[i, : request.k], rows[i, : request.k],
-                                           mine))
+                request.future.set_result((scores[i, : request.k], rows[i, : request.k], mine))
         except Exception as exc:  # every waiting request hears of it, the thread lives on
             for request in group:
                 if not request.future.done():

@@ -58,31 +58,45 @@ def method_label(method: str) -> str:
 class ApiMetrics:
     """The API process's own metrics, in a registry of its own (one per app)."""
 
-    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys,
-                 timeout: float = 0.5) -> None:
+    def __init__(
+        self, client: redis.Redis, server: ModelServer, keys: Keys, timeout: float = 0.5
+    ) -> None:
         self.registry = CollectorRegistry()
         self.request_seconds = Histogram(
-            "streamxm_request_duration_seconds", "HTTP request latency",
-            ["route", "method"], buckets=REQUEST_BUCKETS, registry=self.registry)
+            "streamxm_request_duration_seconds",
+            "HTTP request latency",
+            ["route", "method"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
         self.requests = Counter(
-            "streamxm_requests", "HTTP requests by status", ["route", "method", "status"],
-            registry=self.registry)
+            "streamxm_requests",
+            "HTTP requests by status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
         self.version_lag = Histogram(
-            "streamxm_served_version_lag_seconds", "per query: seconds since a checkpoint "
+            "streamxm_served_version_lag_seconds",
+            "per query: seconds since a checkpoint "
             "newer than the version that answered was written (0: the newest answered)",
-            ["model"], buckets=(0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
-            registry=self.registry)
+            ["model"],
+            buckets=(0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
+            registry=self.registry,
+        )
         self.pairs_accepted = Counter(
-            "streamxm_api_pairs_accepted", "pairs accepted by POST /v1/pairs",
-            registry=self.registry)
+            "streamxm_api_pairs_accepted",
+            "pairs accepted by POST /v1/pairs",
+            registry=self.registry,
+        )
         self.registry.register(StreamCollector(client, server, keys, timeout))
 
 
 class StreamCollector(Collector):
     """Reads stream and learner state from Redis on every scrape, within ``timeout`` seconds."""
 
-    def __init__(self, client: redis.Redis, server: ModelServer, keys: Keys,
-                 timeout: float = 0.5) -> None:
+    def __init__(
+        self, client: redis.Redis, server: ModelServer, keys: Keys, timeout: float = 0.5
+    ) -> None:
         self.r = client
         self.server = server
         self.keys = keys
@@ -93,8 +107,9 @@ class StreamCollector(Collector):
         self._last: list[Metric] = []  # the last complete read: served while Redis is away
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("streamxm_redis_up",
-                               "1 if the API could read stream state from Redis at this scrape")
+        up = GaugeMetricFamily(
+            "streamxm_redis_up", "1 if the API could read stream state from Redis at this scrape"
+        )
         with self._lock:
             # One read at a time: scrapes during a stall share the read in flight rather than
             # piling up threads blocked on Redis.
@@ -125,8 +140,10 @@ class StreamCollector(Collector):
         ns = self.keys.namespace
         ingested = int(text(self.r.get(self.keys.ingested) or 0))
         m_ingested = CounterMetricFamily(
-            "streamxm_pairs_ingested", "pairs added to the stream by streamxm producers",
-            labels=["namespace"])
+            "streamxm_pairs_ingested",
+            "pairs added to the stream by streamxm producers",
+            labels=["namespace"],
+        )
         m_ingested.add_metric([ns], ingested)
         yield m_ingested
 
@@ -138,44 +155,60 @@ class StreamCollector(Collector):
             length = int(self.r.xlen(self.keys.pairs))
             for info in self.r.xinfo_groups(self.keys.pairs):
                 groups[text(info["name"])] = info
-        stream_length = GaugeMetricFamily("streamxm_stream_length",
-                                          "entries in the pairs stream", labels=["namespace"])
+        stream_length = GaugeMetricFamily(
+            "streamxm_stream_length", "entries in the pairs stream", labels=["namespace"]
+        )
         stream_length.add_metric([ns], length)
         yield stream_length
         scans = CounterMetricFamily(
-            "streamxm_search_exact_scans", "searches whose reduced-precision candidates could "
-            "not be proven complete, answered by a float32 scan instead")
+            "streamxm_search_exact_scans",
+            "searches whose reduced-precision candidates could "
+            "not be proven complete, answered by a float32 scan instead",
+        )
         scans.add_metric([], self.server.searcher.exact_scans)
         yield scans
         expansions = CounterMetricFamily(
-            "streamxm_search_expansions", "candidate scans repeated with four times the rows "
-            "because the first could not prove the top k complete (embedding scans, ensembles)")
+            "streamxm_search_expansions",
+            "candidate scans repeated with four times the rows "
+            "because the first could not prove the top k complete (embedding scans, ensembles)",
+        )
         expansions.add_metric([], self.server.searcher.expansions)
         yield expansions
         earlier = CounterMetricFamily(
-            "streamxm_search_earlier_index_scans", "candidate scans of an earlier version's "
+            "streamxm_search_earlier_index_scans",
+            "candidate scans of an earlier version's "
             "index (a model that embeds raw vectors, while its served version embeds the "
-            "gallery): re-ranked exactly, not proven complete")
+            "gallery): re-ranked exactly, not proven complete",
+        )
         earlier.add_metric([], self.server.searcher.earlier_index_scans)
         yield earlier
         retention = str_hash(self.r.hgetall(self.keys.retention))
-        trimmed = CounterMetricFamily("streamxm_stream_trimmed",
-                                      "entries trimmed from the pairs stream by retention",
-                                      labels=["namespace"])
+        trimmed = CounterMetricFamily(
+            "streamxm_stream_trimmed",
+            "entries trimmed from the pairs stream by retention",
+            labels=["namespace"],
+        )
         trimmed.add_metric([ns], int(retention.get("trimmed_total", 0)))
         yield trimmed
         if "trimmed_to" in retention:
             position = GaugeMetricFamily(
-                "streamxm_stream_trim_position_seconds", "time (unix seconds) in the id of the "
-                "oldest entry retention keeps", labels=["namespace"])
+                "streamxm_stream_trim_position_seconds",
+                "time (unix seconds) in the id of the oldest entry retention keeps",
+                labels=["namespace"],
+            )
             position.add_metric([ns], entry_id_key(retention["trimmed_to"])[0] / 1000)
             yield position
-        lag = GaugeMetricFamily("streamxm_stream_lag",
-                                "stream entries, from any producer, the model's learner has not "
-                                "yet applied and checkpointed", labels=["model"])
-        pending = GaugeMetricFamily("streamxm_stream_pending",
-                                    "entries delivered to the group but not acknowledged",
-                                    labels=["model"])
+        lag = GaugeMetricFamily(
+            "streamxm_stream_lag",
+            "stream entries, from any producer, the model's learner has not "
+            "yet applied and checkpointed",
+            labels=["model"],
+        )
+        pending = GaugeMetricFamily(
+            "streamxm_stream_pending",
+            "entries delivered to the group but not acknowledged",
+            labels=["model"],
+        )
         for model, stats in models.items():
             group = groups.get(model, {})
             waiting = int(group.get("pending", 0))  # type: ignore[call-overload]
@@ -190,29 +223,44 @@ class StreamCollector(Collector):
 
     def _learning_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
         """What each model's learner wrote with its newest checkpoint."""
-        processed = CounterMetricFamily("streamxm_pairs_processed",
-                                        "pairs applied by the model's learner", labels=["model"])
-        triplets = CounterMetricFamily("streamxm_triplets", "triplets learned from",
-                                       labels=["model", "direction"])
+        processed = CounterMetricFamily(
+            "streamxm_pairs_processed", "pairs applied by the model's learner", labels=["model"]
+        )
+        triplets = CounterMetricFamily(
+            "streamxm_triplets", "triplets learned from", labels=["model", "direction"]
+        )
         mistakes = CounterMetricFamily(
-            "streamxm_mistakes", "triplets ranked wrongly before the update (s(q,p)-s(q,n)<=0)",
-            labels=["model", "direction"])
-        rolling = GaugeMetricFamily("streamxm_rolling_map",
-                                    "test-then-train rolling mAP (0..1)",
-                                    labels=["model", "direction"])
-        age = GaugeMetricFamily("streamxm_checkpoint_age_seconds",
-                                "seconds since the newest checkpoint", labels=["model"])
-        ckpt_version = GaugeMetricFamily("streamxm_checkpoint_version",
-                                         "newest checkpoint version", labels=["model"])
-        update = HistogramMetricFamily("streamxm_update_duration_seconds",
-                                       "time to test-then-train one pair", labels=["model"])
+            "streamxm_mistakes",
+            "triplets ranked wrongly before the update (s(q,p)-s(q,n)<=0)",
+            labels=["model", "direction"],
+        )
+        rolling = GaugeMetricFamily(
+            "streamxm_rolling_map",
+            "test-then-train rolling mAP (0..1)",
+            labels=["model", "direction"],
+        )
+        age = GaugeMetricFamily(
+            "streamxm_checkpoint_age_seconds",
+            "seconds since the newest checkpoint",
+            labels=["model"],
+        )
+        ckpt_version = GaugeMetricFamily(
+            "streamxm_checkpoint_version", "newest checkpoint version", labels=["model"]
+        )
+        update = HistogramMetricFamily(
+            "streamxm_update_duration_seconds", "time to test-then-train one pair", labels=["model"]
+        )
         drifts = CounterMetricFamily(
-            "streamxm_drift_detected", "changes in the mistake rate found by ADWIN",
-            labels=["model"])
+            "streamxm_drift_detected",
+            "changes in the mistake rate found by ADWIN",
+            labels=["model"],
+        )
         bursts = CounterMetricFamily(
-            "streamxm_pairs_in_burst", "pairs that arrived while the stream was in a burst of few "
+            "streamxm_pairs_in_burst",
+            "pairs that arrived while the stream was in a burst of few "
             "classes (the models with a memory of the whole history then also draw from it)",
-            labels=["model"])
+            labels=["model"],
+        )
         now = time.time()
         for model, stats in models.items():
             processed.add_metric([model], stats.pairs_processed)
@@ -232,26 +280,44 @@ class StreamCollector(Collector):
                 cumulative += in_bucket
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             update.add_metric([model], buckets, stats.update_seconds_sum)
-        yield from (processed, triplets, mistakes, rolling, age, ckpt_version, update, drifts,
-                    bursts)
+        yield from (
+            processed,
+            triplets,
+            mistakes,
+            rolling,
+            age,
+            ckpt_version,
+            update,
+            drifts,
+            bursts,
+        )
 
     def _serving_families(self, models: list[str]) -> Iterator[Metric]:
         """What this API serves: versions, gallery sizes, champions."""
-        served_version = GaugeMetricFamily("streamxm_model_version",
-                                           "model version the API serves", labels=["model"])
+        served_version = GaugeMetricFamily(
+            "streamxm_model_version", "model version the API serves", labels=["model"]
+        )
         champion = GaugeMetricFamily(
-            "streamxm_champion", "1 for the model that answers model=auto in a direction (its "
+            "streamxm_champion",
+            "1 for the model that answers model=auto in a direction (its "
             "rolling mAP leads, with hysteresis), 0 for the other served models",
-            labels=["model", "direction"])
-        gallery = GaugeMetricFamily("streamxm_gallery_items", "items in the search gallery",
-                                    labels=["model"])
+            labels=["model", "direction"],
+        )
+        gallery = GaugeMetricFamily(
+            "streamxm_gallery_items", "items in the search gallery", labels=["model"]
+        )
         embedding = GaugeMetricFamily(
-            "streamxm_version_embedding_seconds", "seconds the newest embedding of the gallery "
-            "took (0: a fixed space needs none)", labels=["model"])
+            "streamxm_version_embedding_seconds",
+            "seconds the newest embedding of the gallery took (0: a fixed space needs none)",
+            labels=["model"],
+        )
         index_version = GaugeMetricFamily(
-            "streamxm_index_version", "version whose embeddings of the gallery propose the "
+            "streamxm_index_version",
+            "version whose embeddings of the gallery propose the "
             "served version's candidates (below streamxm_model_version while a model that "
-            "embeds raw vectors embeds it again)", labels=["model"])
+            "embeds raw vectors embeds it again)",
+            labels=["model"],
+        )
         for model in models:
             served = self.server.served.get(model)
             if served is not None:
@@ -262,23 +328,35 @@ class StreamCollector(Collector):
                 for direction in DIRECTIONS:
                     champion.add_metric(
                         [model, direction],
-                        float(self.server.champion.champions.get(direction) == model))
+                        float(self.server.champion.champions.get(direction) == model),
+                    )
         yield from (served_version, gallery, champion, embedding, index_version)
 
     def _distributed_families(self, stats: dict[str, dict[str, str]]) -> Iterator[Metric]:
         """Distributed learners: ranks, rounds, time in the collective, formations."""
-        ranks = GaugeMetricFamily("streamxm_distributed_ranks",
-                                  "ranks of a distributed learner (streamxm worker --world-size)",
-                                  labels=["model"])
+        ranks = GaugeMetricFamily(
+            "streamxm_distributed_ranks",
+            "ranks of a distributed learner (streamxm worker --world-size)",
+            labels=["model"],
+        )
         rounds = CounterMetricFamily(
-            "streamxm_distributed_rounds", "rounds the ranks learned and merged, as of the "
-            "newest checkpoint (since rank 0 started)", labels=["model"])
+            "streamxm_distributed_rounds",
+            "rounds the ranks learned and merged, as of the "
+            "newest checkpoint (since rank 0 started)",
+            labels=["model"],
+        )
         collective = CounterMetricFamily(
-            "streamxm_distributed_collective_seconds", "seconds rank 0 spent in the merge and "
-            "the wait for the slowest rank (since rank 0 started)", labels=["model"])
+            "streamxm_distributed_collective_seconds",
+            "seconds rank 0 spent in the merge and "
+            "the wait for the slowest rank (since rank 0 started)",
+            labels=["model"],
+        )
         generations = CounterMetricFamily(
-            "streamxm_distributed_generations", "times the ranks' group was formed: the first, "
-            "then once after every lost or restarted rank", labels=["model"])
+            "streamxm_distributed_generations",
+            "times the ranks' group was formed: the first, "
+            "then once after every lost or restarted rank",
+            labels=["model"],
+        )
 
         for model, raw in stats.items():
             if raw.get("dist_world"):
@@ -296,28 +374,37 @@ class StreamCollector(Collector):
         corrupt = CounterMetricFamily(
             "streamxm_checkpoint_corrupt",
             "checkpoint versions that failed their checksum or did not parse (the previous good "
-            "version was used)", labels=["model"])
+            "version was used)",
+            labels=["model"],
+        )
         counts = str_hash(self.r.hgetall(self.keys.checkpoint_corrupt))
         for model in sorted({*models, *counts}):
             corrupt.add_metric([model], int(counts.get(model, 0)))
         yield corrupt
 
-        dead = CounterMetricFamily("streamxm_dead_letters", "entries dead-lettered, by reason",
-                                   labels=["model", "reason"])
-        letters = {tuple(key.partition("|")[::2]): int(count)
-                   for key, count in str_hash(self.r.hgetall(self.keys.dead_counts)).items()}
+        dead = CounterMetricFamily(
+            "streamxm_dead_letters", "entries dead-lettered, by reason", labels=["model", "reason"]
+        )
+        letters = {
+            tuple(key.partition("|")[::2]): int(count)
+            for key, count in str_hash(self.r.hgetall(self.keys.dead_counts)).items()
+        }
         for model, reason in sorted({*((m, r) for m in models for r in REASONS), *letters}):
             dead.add_metric([model, reason], letters.get((model, reason), 0))
         yield dead
 
         lost = CorruptSegments(self.r, self.keys).read()
         segments = CounterMetricFamily(
-            "streamxm_gallery_segments_corrupt", "gallery segments found missing or corrupt and "
-            "quarantined (search serves the rest)", labels=["namespace"])
+            "streamxm_gallery_segments_corrupt",
+            "gallery segments found missing or corrupt and quarantined (search serves the rest)",
+            labels=["namespace"],
+        )
         segments.add_metric([self.keys.namespace], len(lost))
         yield segments
         rows = CounterMetricFamily(
-            "streamxm_gallery_rows_lost", "gallery rows lost with corrupt segments",
-            labels=["namespace"])
+            "streamxm_gallery_rows_lost",
+            "gallery rows lost with corrupt segments",
+            labels=["namespace"],
+        )
         rows.add_metric([self.keys.namespace], sum(lost.values()))
         yield rows

@@ -50,12 +50,18 @@ class PinnedVersions:
         (:class:`~streamxm.storage.checkpoint.VersionNotKept` or its ``VersionUnreadable``
         when it cannot) and cache it."""
         ckpt = self.store.load_kept(name, version)
-        pinned = ServedModel(name=name, version=ckpt.version,
-                             model=model_from_state(ckpt.arrays, ckpt.meta),
-                             head={"version": ckpt.version, "created": ckpt.created,
-                                   "last_id": ckpt.last_id,
-                                   "pairs_seen": int(ckpt.meta["pairs_seen"])},
-                             loaded_at=time.time())
+        pinned = ServedModel(
+            name=name,
+            version=ckpt.version,
+            model=model_from_state(ckpt.arrays, ckpt.meta),
+            head={
+                "version": ckpt.version,
+                "created": ckpt.created,
+                "last_id": ckpt.last_id,
+                "pairs_seen": int(ckpt.meta["pairs_seen"]),
+            },
+            loaded_at=time.time(),
+        )
         with self._lock:
             self._cache[(name, version)] = pinned
             while len(self._cache) > self.capacity:

@@ -62,7 +62,6 @@ class Catalogue(Protocol):
     def index_of(self, served: ServedModel) -> EmbeddedGallery: ...
 
 
-
 #: A reduced-precision (int8 or bfloat16) scan of a fixed space proposes at least one candidate
 #: per this many gallery rows (400 at 1,000,000). The rows whose scores the error bound cannot
 #: tell from the k-th best lie in a band of fixed width, so their number grows with the
@@ -93,8 +92,9 @@ def _exact_blocks(blocks: Any) -> bool:
     return all(isinstance(b, np.ndarray) for b in blocks)
 
 
-def _proven_complete(ceiling: float, units: NDArray[np.float32], query: NDArray[np.float32],
-                     k: int, blocks: Any) -> bool:
+def _proven_complete(
+    ceiling: float, units: NDArray[np.float32], query: NDArray[np.float32], k: int, blocks: Any
+) -> bool:
     """Whether candidates from a reduced-precision scan surely hold the exact top ``k`` of the
     unit rows against ``query``.
 
@@ -111,8 +111,13 @@ def _proven_complete(ceiling: float, units: NDArray[np.float32], query: NDArray[
     return bool(kth > ceiling)
 
 
-def _exact_scores(model: CrossModalModel, modality: str, target: str,
-                  query: NDArray[np.float32], items: NDArray[np.float32]) -> NDArray[np.float64]:
+def _exact_scores(
+    model: CrossModalModel,
+    modality: str,
+    target: str,
+    query: NDArray[np.float32],
+    items: NDArray[np.float32],
+) -> NDArray[np.float64]:
     """The served version's own scores of one query against candidate items."""
     if modality == "image" and target == "text":
         return np.asarray(model.similarity(query[None, :], items)[0], dtype=np.float64)
@@ -127,8 +132,10 @@ def ensemble_reference(gallery: Gallery, modality: str) -> NDArray[np.float32]:
     """The gallery items an ensemble's member scores are standardised over (per query)."""
     reference = gallery.reference(modality, REFERENCE_ITEMS)
     if len(reference) < 2:
-        raise ModelNotReady("an ensemble standardises its members' scores over the gallery, "
-                            "which has fewer than 2 items yet")
+        raise ModelNotReady(
+            "an ensemble standardises its members' scores over the gallery, "
+            "which has fewer than 2 items yet"
+        )
     return reference
 
 
@@ -146,9 +153,12 @@ class Searcher:
         Candidates re-ranked per query: ``max(candidates, 4 k)``.
     """
 
-    def __init__(self, catalogue: Catalogue,
-                 lag: Callable[[ServedModel | ServedEnsemble], float],
-                 candidates: int = D.SEARCH_CANDIDATES) -> None:
+    def __init__(
+        self,
+        catalogue: Catalogue,
+        lag: Callable[[ServedModel | ServedEnsemble], float],
+        candidates: int = D.SEARCH_CANDIDATES,
+    ) -> None:
         self.catalogue = catalogue
         self.lag = lag
         self.candidates = candidates
@@ -169,8 +179,15 @@ class Searcher:
     def close(self) -> None:
         self.coalescer.close()
 
-    def search(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-               target: str | None = None, version: int | None = None) -> SearchAnswer:
+    def search(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None = None,
+        version: int | None = None,
+    ) -> SearchAnswer:
         """The ``k`` best gallery items of modality ``target`` (default: the other modality)
         for one query vector of ``modality``, scored by the served version exactly as
         :meth:`similarity` scores them, ties in gallery order.
@@ -185,17 +202,24 @@ class Searcher:
             step = next(steps)
             while True:
                 if isinstance(step, _Scan):
-                    step = steps.send(self.coalescer.search(step.blocks, step.query, step.k,
-                                                            step.per_chunk))
+                    step = steps.send(
+                        self.coalescer.search(step.blocks, step.query, step.k, step.per_chunk)
+                    )
                 else:
                     step = steps.send(step.run())
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    async def search_async(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-                           offload: Callable[[Callable[[], Any]], Awaitable[Any]],
-                           target: str | None = None, version: int | None = None
-                           ) -> SearchAnswer:
+    async def search_async(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        offload: Callable[[Callable[[], Any]], Awaitable[Any]],
+        target: str | None = None,
+        version: int | None = None,
+    ) -> SearchAnswer:
         """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
         of the candidates) run on the loop, the scan is awaited from the coalescing thread,
         and heavy work (loading a pinned version, building a missing index) goes to ``offload``.
@@ -207,17 +231,23 @@ class Searcher:
             while True:
                 if isinstance(step, _Scan):
                     found = await asyncio.wrap_future(
-                        self.coalescer.submit(step.blocks, step.query, step.k,
-                                              step.per_chunk))
+                        self.coalescer.submit(step.blocks, step.query, step.k, step.per_chunk)
+                    )
                 else:
                     found = await offload(step.run)
                 step = steps.send(found)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    def _steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-                      target: str | None, version: int | None
-                      ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
+    def _steps(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None,
+        version: int | None,
+    ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
         """The search, yielding each scan (and any heavy step) for a driver to run."""
         target = target or other_modality(modality)
         if is_ensemble(name):
@@ -228,7 +258,8 @@ class Searcher:
         if target == modality and not served.model.shared_space:
             raise SameModalityUnsupported(
                 f"model {name!r} embeds images and texts in different spaces: it answers "
-                f"cross-modal search only (target must be {other_modality(modality)})")
+                f"cross-modal search only (target must be {other_modality(modality)})"
+            )
         lag = self.lag(served)
         if len(self.catalogue.gallery) == 0:
             return SearchAnswer(served, [], lag, served.version)
@@ -242,12 +273,22 @@ class Searcher:
             wanted = min(len(found.gallery), 4 * wanted)
         order = np.argsort(-found.scores, kind="stable")[:k]
         ids = found.gallery.ids_at(found.rows[order])
-        return SearchAnswer(served, list(zip(ids, found.scores[order].tolist(), strict=True)),
-                            lag, served.index_version)
+        return SearchAnswer(
+            served,
+            list(zip(ids, found.scores[order].tolist(), strict=True)),
+            lag,
+            served.index_version,
+        )
 
-    def _candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
-                    wanted: int, target: str, k: int | None
-                    ) -> Generator[_Scan | _Work, Any, _Candidates]:
+    def _candidates(
+        self,
+        served: ServedModel,
+        modality: str,
+        vector: NDArray[np.float32],
+        wanted: int,
+        target: str,
+        k: int | None,
+    ) -> Generator[_Scan | _Work, Any, _Candidates]:
         """The best ``wanted`` rows of a gallery snapshot by the served version's index (more
         from a reduced-precision scan of a large gallery, :data:`_ROWS_PER_PROOF_CANDIDATE`),
         in gallery order (so that ties keep it), with the version's exact scores and a bound
@@ -259,8 +300,7 @@ class Searcher:
         (:class:`~streamxm.serving.served.EmbeddedGallery`)."""
         model = served.model
         if model.fixed_space and target != modality:
-            return (yield from self._fixed_candidates(served, modality, vector, wanted, target,
-                                                      k))
+            return (yield from self._fixed_candidates(served, modality, vector, wanted, target, k))
         index = served.index
         if index is None or index.version > served.version:  # a pinned version's first use
             index = yield _Work(partial(self.catalogue.index_of, served))
@@ -280,8 +320,7 @@ class Searcher:
             # gallery, COMPACT_FEATURES_ROWS): each row's exact score is within ``error`` of
             # its scan score, so the bound moves up by it and the candidates are scored from
             # their raw vectors.
-            return _Candidates.of(gallery, rows, model, modality, target, vector,
-                                  bound + error)
+            return _Candidates.of(gallery, rows, model, modality, target, vector, bound + error)
         # The version's own embeddings of the candidates are in the index: scoring them again
         # would cost a tower or kernel pass per candidate for the same numbers (to float32
         # rounding of the kept features, well inside the scan margin: tests/test_heads.py).
@@ -289,9 +328,15 @@ class Searcher:
         scores = index.embedded_at(rows, target).astype(np.float64) @ query.astype(np.float64)
         return _Candidates(gallery, rows, gallery.vectors_at(rows, target), scores, bound)
 
-    def _fixed_candidates(self, served: ServedModel, modality: str, vector: NDArray[np.float32],
-                          wanted: int, target: str, k: int | None
-                          ) -> Generator[_Scan | _Work, Any, _Candidates]:
+    def _fixed_candidates(
+        self,
+        served: ServedModel,
+        modality: str,
+        vector: NDArray[np.float32],
+        wanted: int,
+        target: str,
+        k: int | None,
+    ) -> Generator[_Scan | _Work, Any, _Candidates]:
         """:meth:`_candidates` of a fixed space (scan scores differ from the version's by
         the query's constant ``c``)."""
         gallery, model = self.catalogue.gallery, served.model
@@ -308,13 +353,13 @@ class Searcher:
                 # 50 of each 65,536, the union's 800 hold the best 400. A gallery of a few
                 # chunks gets a plain top ``scanned`` (each chunk's share is most of it; at
                 # 100k, 50 per chunk left a share of the searches unproven).
-                per_chunk = max(1, wanted // 2,
-                                -(-2 * scanned * CHUNK_MAX // len(gallery)))
+                per_chunk = max(1, wanted // 2, -(-2 * scanned * CHUNK_MAX // len(gallery)))
         _, rows, ceiling = yield _Scan(blocks, query, scanned, per_chunk)
         bound = raised(float(ceiling), c, float(np.linalg.norm(query)))  # unit rows
         if k is not None:  # this model's own search: its top k is settled here
-            if not _proven_complete(float(ceiling), gallery.locate(rows, target)[0], query, k,
-                                    blocks):
+            if not _proven_complete(
+                float(ceiling), gallery.locate(rows, target)[0], query, k, blocks
+            ):
                 # The reduced-precision scan could have missed part of the exact top k
                 # (scores flatter than its rounding): scan the float32 rows instead.
                 self.exact_scans += 1
@@ -323,9 +368,15 @@ class Searcher:
             bound = -np.inf
         return _Candidates.of(gallery, rows, model, modality, target, vector, bound)
 
-    def _ensemble_steps(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-                        target: str, version: int | None
-                        ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
+    def _ensemble_steps(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str,
+        version: int | None,
+    ) -> Generator[_Scan | _Work, Any, SearchAnswer]:
         """An ensemble's search: one scan of the members' rows side by side
         (:class:`~streamxm.serving.fused.FusedSpace`) when every member has exact float32 rows
         over the served gallery, else member by member; either way re-ranked by the fused
@@ -334,7 +385,8 @@ class Searcher:
         if target == modality:
             raise SameModalityUnsupported(
                 f"ensemble {name!r} answers cross-modal search only (target must be "
-                f"{other_modality(modality)})")
+                f"{other_modality(modality)})"
+            )
         lag = self.lag(ensemble)
         gallery = self.catalogue.gallery
         if len(gallery) == 0:
@@ -342,8 +394,7 @@ class Searcher:
         reference = ensemble_reference(gallery, target)
         sources = FusedSpace.sources_of(ensemble, gallery, target)
         if sources is None:
-            hits = yield from self._members_steps(ensemble, modality, vector, k, target,
-                                                  reference)
+            hits = yield from self._members_steps(ensemble, modality, vector, k, target, reference)
         else:
             space = self._fused.get((name, target))
             if space is None or not space.current(sources):
@@ -351,8 +402,9 @@ class Searcher:
             hits = yield from self._fused_steps(ensemble, space, modality, vector, k, target)
         return SearchAnswer(ensemble, hits, lag, None)
 
-    def _fused_space(self, name: str, sources: tuple[object, ...], gallery: Gallery,
-                     target: str) -> FusedSpace:
+    def _fused_space(
+        self, name: str, sources: tuple[object, ...], gallery: Gallery, target: str
+    ) -> FusedSpace:
         """The ensemble's fused space over ``sources``, built once however many searches ask
         for it at the same time (they wait for the first)."""
         with self._fused_lock:
@@ -362,26 +414,37 @@ class Searcher:
                 self._fused[(name, target)] = space
             return space
 
-    def _fused_steps(self, ensemble: ServedEnsemble, space: FusedSpace, modality: str,
-                     vector: NDArray[np.float32], k: int, target: str
-                     ) -> Generator[_Scan | _Work, Any, list[tuple[str, float]]]:
+    def _fused_steps(
+        self,
+        ensemble: ServedEnsemble,
+        space: FusedSpace,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str,
+    ) -> Generator[_Scan | _Work, Any, list[tuple[str, float]]]:
         """The fused top ``k`` from scans of ``space``: its float32 score is the fused score
         less a constant per query, to rounding (a margin scaled by each member's largest
         possible term); the candidates are scored from the same rows in float64, the members
         standardised over the rows of the reference sample."""
         weights = ensemble.spec.weights
         query, constant, reach = space.standardised(
-            [scan_query(m.model, modality, target, vector) for m in ensemble.members], weights)
+            [scan_query(m.model, modality, target, vector) for m in ensemble.members], weights
+        )
         gallery = space.gallery
         wanted = min(len(gallery), max(self.candidates, 4 * k))
         while True:
             _, rows, ceiling = yield _Scan(space.blocks, query, wanted)
             rows = np.sort(rows)
             # The fused scores of the members' own rows, in float64.
-            scores = space.rows_at(rows).astype(np.float64) @ query.astype(np.float64) \
-                + constant
-            found = _Candidates(gallery, rows, np.empty((0, 0), np.float32), scores,
-                                raised(float(ceiling), constant, reach))
+            scores = space.rows_at(rows).astype(np.float64) @ query.astype(np.float64) + constant
+            found = _Candidates(
+                gallery,
+                rows,
+                np.empty((0, 0), np.float32),
+                scores,
+                raised(float(ceiling), constant, reach),
+            )
             if found.holds_top(k) or wanted >= len(gallery):
                 break
             self.expansions += 1
@@ -389,10 +452,15 @@ class Searcher:
         order = np.argsort(-scores, kind="stable")[:k]
         return list(zip(gallery.ids_at(rows[order]), scores[order].tolist(), strict=True))
 
-    def _members_steps(self, ensemble: ServedEnsemble, modality: str,
-                       vector: NDArray[np.float32], k: int, target: str,
-                       reference: NDArray[np.float32]
-                       ) -> Generator[_Scan | _Work, Any, list[tuple[str, float]]]:
+    def _members_steps(
+        self,
+        ensemble: ServedEnsemble,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str,
+        reference: NDArray[np.float32],
+    ) -> Generator[_Scan | _Work, Any, list[tuple[str, float]]]:
         """Each member proposes its best candidates by its own index, the union is ranked by
         the fused score exactly, and members propose more until the fused k-th best is above
         what any row left out can reach (a threshold-algorithm stop: the fused score increases
@@ -407,8 +475,7 @@ class Searcher:
             items: list[NDArray[np.float32]] = []
             threshold = 0.0
             for served, (offset, scale) in zip(ensemble.members, standards, strict=True):
-                found = yield from self._candidates(served, modality, vector, wanted, target,
-                                                    None)
+                found = yield from self._candidates(served, modality, vector, wanted, target, None)
                 threshold += (found.bound - offset[0]) / scale[0]
                 ids.extend(found.gallery.ids_at(found.rows))
                 items.append(found.items)
@@ -417,8 +484,11 @@ class Searcher:
             ids, union = [ids[i] for i in keep], np.vstack(items)[keep]
             scores = fused.scores(direction, vector[None, :], union, reference)[0]
             order = np.argsort(-scores, kind="stable")[:k]
-            if wanted >= size or threshold == np.inf or (
-                    len(order) == k and scores[order[-1]] > threshold):
+            if (
+                wanted >= size
+                or threshold == np.inf
+                or (len(order) == k and scores[order[-1]] > threshold)
+            ):
                 break  # (an infinite threshold: a member's index cannot bound its scores)
             self.expansions += 1
             wanted = min(size, 4 * wanted)
@@ -458,13 +528,21 @@ class _Candidates:
     bound: float
 
     @classmethod
-    def of(cls, gallery: Gallery, rows: NDArray[np.int64], model: CrossModalModel,
-           modality: str, target: str, vector: NDArray[np.float32], bound: float
-           ) -> _Candidates:
+    def of(
+        cls,
+        gallery: Gallery,
+        rows: NDArray[np.int64],
+        model: CrossModalModel,
+        modality: str,
+        target: str,
+        vector: NDArray[np.float32],
+        bound: float,
+    ) -> _Candidates:
         rows = np.sort(rows)
         items = gallery.vectors_at(rows, target)
-        return cls(gallery, rows, items, _exact_scores(model, modality, target, vector, items),
-                   bound)
+        return cls(
+            gallery, rows, items, _exact_scores(model, modality, target, vector, items), bound
+        )
 
     def holds_top(self, k: int) -> bool:
         """Whether the exact top ``k`` of the gallery is surely among these rows (or, without

@@ -20,10 +20,24 @@ from streamxm.models.heads import LinearHead
 from streamxm.serving.gallery import Gallery, GalleryChunk, largest_norm
 from streamxm.serving.index import Block, index_block
 
-__all__ = ["AUTO", "COMPACT_FEATURES_ROWS", "EXACT_SCAN_DIMS", "EmbeddedGallery",
-           "EnsembleUnsupported", "InvalidModelName", "ModelNotReady", "SameModalityUnsupported",
-           "SearchAnswer", "ServedEnsemble", "ServedModel", "UnknownModel", "direction_of",
-           "embeds_raw_vectors", "feature_keys", "other_modality"]
+__all__ = [
+    "AUTO",
+    "COMPACT_FEATURES_ROWS",
+    "EXACT_SCAN_DIMS",
+    "EmbeddedGallery",
+    "EnsembleUnsupported",
+    "InvalidModelName",
+    "ModelNotReady",
+    "SameModalityUnsupported",
+    "SearchAnswer",
+    "ServedEnsemble",
+    "ServedModel",
+    "UnknownModel",
+    "direction_of",
+    "embeds_raw_vectors",
+    "feature_keys",
+    "other_modality",
+]
 
 
 class InvalidModelName(ValueError):
@@ -95,9 +109,14 @@ class EmbeddedGallery:
     gallery: Gallery = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_blocks", {
-            "image": tuple(a for _, a, _ in self.embedded),
-            "text": tuple(b for _, _, b in self.embedded)})
+        object.__setattr__(
+            self,
+            "_blocks",
+            {
+                "image": tuple(a for _, a, _ in self.embedded),
+                "text": tuple(b for _, _, b in self.embedded),
+            },
+        )
         object.__setattr__(self, "gallery", Gallery(tuple(c for c, _, _ in self.embedded)))
         object.__setattr__(self, "_norms", {})
         object.__setattr__(self, "_errors", {})
@@ -145,14 +164,18 @@ class EmbeddedGallery:
         if modality not in errors:
             head = _heads(self.model)[modality]
             fmap = head.features if head is not None else None
-            errors[modality] = 0.0 if fmap is None else max(
-                (c.kept_error(modality, fmap) for c in self.gallery.chunks), default=0.0)
+            errors[modality] = (
+                0.0
+                if fmap is None
+                else max((c.kept_error(modality, fmap) for c in self.gallery.chunks), default=0.0)
+            )
         return errors[modality]
 
     def covers(self, gallery: Gallery) -> bool:
         """Whether this index is over exactly ``gallery``'s chunks (nothing to embed)."""
         return len(self.embedded) == len(gallery.chunks) and all(
-            c is e[0] for c, e in zip(gallery.chunks, self.embedded, strict=True))
+            c is e[0] for c, e in zip(gallery.chunks, self.embedded, strict=True)
+        )
 
     def covering(self, gallery: Gallery) -> EmbeddedGallery:
         """The same version over ``gallery``: chunks it has keep their embeddings, new ones
@@ -164,10 +187,13 @@ class EmbeddedGallery:
         compact = len(gallery) >= COMPACT_FEATURES_ROWS
         staying = {id(c) for c in gallery.chunks}
         # What new chunks can take rows from: the chunks they replace, not the whole index.
-        replaced = EmbeddedGallery(self.version, self.model, tuple(
-            e for e in self.embedded if id(e[0]) not in staying))
-        return EmbeddedGallery(self.version, self.model, tuple(
-            known.get(id(c)) or replaced._carried(heads, c, compact) for c in gallery.chunks)
+        replaced = EmbeddedGallery(
+            self.version, self.model, tuple(e for e in self.embedded if id(e[0]) not in staying)
+        )
+        return EmbeddedGallery(
+            self.version,
+            self.model,
+            tuple(known.get(id(c)) or replaced._carried(heads, c, compact) for c in gallery.chunks),
         ).bounded()
 
     def bounded(self) -> EmbeddedGallery:
@@ -178,15 +204,19 @@ class EmbeddedGallery:
             self._feature_error(modality)
         return self
 
-    def _carried(self, heads: dict[str, LinearHead | None], chunk: GalleryChunk,
-                 compact: bool) -> tuple[GalleryChunk, Block, Block]:
+    def _carried(
+        self, heads: dict[str, LinearHead | None], chunk: GalleryChunk, compact: bool
+    ) -> tuple[GalleryChunk, Block, Block]:
         """A new chunk's embeddings, those of the rows this index holds already taken from it
         (:meth:`~streamxm.serving.gallery.GalleryChunk.rows_in`) when the model embeds raw
         vectors into float32 rows: rows moving from the stream tail into a segment would
         otherwise pass through sam's towers again, as costly as a new version. (A linear
         head embeds from the features its chunk carries: one product.)"""
-        if not self.embedded or any(h is not None for h in heads.values()) or not (
-                self.exact("image") and self.exact("text")):
+        if (
+            not self.embedded
+            or any(h is not None for h in heads.values())
+            or not (self.exact("image") and self.exact("text"))
+        ):
             return _embed(self.model, heads, chunk, compact)
         rows, source = chunk.rows_in(self.gallery)
         if not len(rows):
@@ -199,21 +229,27 @@ class EmbeddedGallery:
             out = np.empty((len(chunk), known.shape[1]), dtype=np.float32)
             out[rows] = known
             if missing.any():
-                out[missing] = _embedded_raw(self.model, chunk, modality,
-                                             np.flatnonzero(missing))
+                out[missing] = _embedded_raw(self.model, chunk, modality, np.flatnonzero(missing))
             blocks.append(out)
         return chunk, blocks[0], blocks[1]
 
     @classmethod
-    def build(cls, version: int, model: CrossModalModel, gallery: Gallery,
-              earlier: EmbeddedGallery | None = None) -> EmbeddedGallery:
+    def build(
+        cls,
+        version: int,
+        model: CrossModalModel,
+        gallery: Gallery,
+        earlier: EmbeddedGallery | None = None,
+    ) -> EmbeddedGallery:
         """``model``'s index of ``gallery``; ``earlier`` (an earlier version's index) lends the
         rows of the chunks it holds to a model that recomputes only what changed since
         (:meth:`~streamxm.models.base.CrossModalModel.index_update`)."""
         heads = _heads(model)
-        updates = ((model.index_update(earlier.model, "image"),
-                    model.index_update(earlier.model, "text")) if earlier is not None
-                   else (None, None))
+        updates = (
+            (model.index_update(earlier.model, "image"), model.index_update(earlier.model, "text"))
+            if earlier is not None
+            else (None, None)
+        )
         known = {id(e[0]): e for e in earlier.embedded} if earlier is not None else {}
         compact = len(gallery) >= COMPACT_FEATURES_ROWS
         embedded = []
@@ -238,17 +274,24 @@ def embeds_raw_vectors(model: CrossModalModel) -> bool:
 def feature_keys(model: CrossModalModel) -> set[tuple[object, ...]]:
     """Keys of the chunk features ``model``'s linear heads read (the maps below a head's
     are computed for it, never kept: :meth:`GalleryChunk.features`)."""
-    return {(modality, *head.features.key) for modality, head in _heads(model).items()
-            if head is not None and head.features is not None}
+    return {
+        (modality, *head.features.key)
+        for modality, head in _heads(model).items()
+        if head is not None and head.features is not None
+    }
 
 
-def _embed(model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: GalleryChunk,
-           compact: bool) -> tuple[GalleryChunk, Block, Block]:
+def _embed(
+    model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: GalleryChunk, compact: bool
+) -> tuple[GalleryChunk, Block, Block]:
     blocks = []
     for modality in ("image", "text"):
         head = heads[modality]
-        rows = (head.embed(chunk.features(modality, head.features, compact)) if head is not None
-                else _embedded_raw(model, chunk, modality))
+        rows = (
+            head.embed(chunk.features(modality, head.features, compact))
+            if head is not None
+            else _embedded_raw(model, chunk, modality)
+        )
         blocks.append(_scanned(rows))
     return chunk, blocks[0], blocks[1]
 
@@ -257,9 +300,9 @@ def _scanned(rows: NDArray[np.float32]) -> Block:
     return rows if rows.shape[1] <= EXACT_SCAN_DIMS else index_block(rows)
 
 
-def _embedded_since(updates: tuple[IndexUpdate | None, IndexUpdate | None],
-                    found: tuple[GalleryChunk, Block, Block]
-                    ) -> tuple[GalleryChunk, Block, Block] | None:
+def _embedded_since(
+    updates: tuple[IndexUpdate | None, IndexUpdate | None], found: tuple[GalleryChunk, Block, Block]
+) -> tuple[GalleryChunk, Block, Block] | None:
     """A chunk's rows updated from an earlier version's float32 rows of it (``updates``: the
     model's :meth:`~streamxm.models.base.CrossModalModel.index_update` per modality); ``None``
     when the model has no update or the earlier rows are reduced-precision codes, kept without
@@ -269,9 +312,10 @@ def _embedded_since(updates: tuple[IndexUpdate | None, IndexUpdate | None],
     for modality, update, rows in zip(("image", "text"), updates, kept, strict=True):
         if update is None or not isinstance(rows, np.ndarray):
             return None
-        parts = [update(rows[at : at + _EMBED_ROWS],
-                        chunk.raw(modality, slice(at, at + _EMBED_ROWS)))
-                 for at in range(0, len(chunk), _EMBED_ROWS)]
+        parts = [
+            update(rows[at : at + _EMBED_ROWS], chunk.raw(modality, slice(at, at + _EMBED_ROWS)))
+            for at in range(0, len(chunk), _EMBED_ROWS)
+        ]
         blocks.append(_scanned(np.concatenate(parts) if parts else rows.copy()))
     return chunk, blocks[0], blocks[1]
 
@@ -281,8 +325,12 @@ def _embedded_since(updates: tuple[IndexUpdate | None, IndexUpdate | None],
 _EMBED_ROWS = 8192
 
 
-def _embedded_raw(model: CrossModalModel, chunk: GalleryChunk, modality: str,
-                  rows: NDArray[np.int64] | None = None) -> NDArray[np.float32]:
+def _embedded_raw(
+    model: CrossModalModel,
+    chunk: GalleryChunk,
+    modality: str,
+    rows: NDArray[np.int64] | None = None,
+) -> NDArray[np.float32]:
     """The index rows of the chunk's raw vectors (``rows``: of those rows only)."""
     size = len(chunk) if rows is None else len(rows)
 
@@ -291,8 +339,11 @@ def _embedded_raw(model: CrossModalModel, chunk: GalleryChunk, modality: str,
         return model.index_rows(modality, chunk.raw(modality, which)).astype(np.float32)
 
     parts = [part(at) for at in range(0, size, _EMBED_ROWS)]
-    return np.concatenate(parts) if parts else model.index_rows(
-        modality, chunk.raw(modality)).astype(np.float32)
+    return (
+        np.concatenate(parts)
+        if parts
+        else model.index_rows(modality, chunk.raw(modality)).astype(np.float32)
+    )
 
 
 @dataclass(frozen=True, eq=False)

@@ -89,19 +89,25 @@ class ModelServer:
         503 quickly); default ``client``, which the background threads use.
     """
 
-    def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
-                 gallery_max: int = D.GALLERY_MAX, limits: Limits = Limits(),
-                 read_count: int = D.GALLERY_READ_COUNT,
-                 candidates: int = D.SEARCH_CANDIDATES, champion: ChampionRule | None = None,
-                 request_client: redis.Redis | None = None,
-                 wait_for_index: bool = D.WAIT_FOR_INDEX) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        store: CheckpointStore,
+        namespace: str = "default",
+        gallery_max: int = D.GALLERY_MAX,
+        limits: Limits = Limits(),
+        read_count: int = D.GALLERY_READ_COUNT,
+        candidates: int = D.SEARCH_CANDIDATES,
+        champion: ChampionRule | None = None,
+        request_client: redis.Redis | None = None,
+        wait_for_index: bool = D.WAIT_FOR_INDEX,
+    ) -> None:
         self.r = client
         self.request_r = request_client or client
         self.store = store
         self.keys = Keys(namespace)
         self.versions = ServedVersions(store, wait_for_index)
-        self.following = GalleryFollower(client, store, self.keys, gallery_max, limits,
-                                         read_count)
+        self.following = GalleryFollower(client, store, self.keys, gallery_max, limits, read_count)
         self.pins = PinnedVersions(store)
         self.searcher = Searcher(self, self.versions.lag, candidates)
         #: The champion per direction: who answers ``model: "auto"`` (updated every refresh).
@@ -135,8 +141,10 @@ class ModelServer:
         """Each registered model's learning statistics, as its worker last wrote them (read
         while a request waits: through the request client)."""
         r = self.request_r
-        return {name: WorkerStats.from_hash(str_hash(r.hgetall(self.keys.stats(name))))
-                for name in sorted(str_set(r.smembers(self.keys.models)))}
+        return {
+            name: WorkerStats.from_hash(str_hash(r.hgetall(self.keys.stats(name))))
+            for name in sorted(str_set(r.smembers(self.keys.models)))
+        }
 
     # -- background work -----------------------------------------------------------------------
     def start(self, interval: float = 0.25) -> None:
@@ -150,12 +158,17 @@ class ModelServer:
                     except Exception:  # the thread must outlive any one bad checkpoint
                         log.exception("%s failed (will retry)", step.__name__)
                     self._stop.wait(pause)
+
             return loop
 
-        for name, step in (("versions", self.refresh_versions),
-                           ("gallery", self.refresh_gallery), ("index", self.refresh_index)):
-            thread = threading.Thread(target=every(step, interval), name=f"streamxm-{name}",
-                                      daemon=True)
+        for name, step in (
+            ("versions", self.refresh_versions),
+            ("gallery", self.refresh_gallery),
+            ("index", self.refresh_index),
+        ):
+            thread = threading.Thread(
+                target=every(step, interval), name=f"streamxm-{name}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
 
@@ -208,8 +221,9 @@ class ModelServer:
         evidence = {}
         for name in list(self.served):
             stats = WorkerStats.from_hash(str_hash(self.r.hgetall(self.keys.stats(name))))
-            evidence[name] = {d: Evidence(stats.rolling_map.get(d), stats.pairs_processed)
-                              for d in DIRECTIONS}
+            evidence[name] = {
+                d: Evidence(stats.rolling_map.get(d), stats.pairs_processed) for d in DIRECTIONS
+            }
         before = dict(self.champion.champions)
         self.champion.update(evidence)
         if self.champion.champions != before:
@@ -244,8 +258,12 @@ class ModelServer:
     def is_loaded(self, name: str, version: int | None) -> bool:
         """Whether :meth:`get` answers without reading the store."""
         served = self.served.get(name)
-        return (served is None or version is None or version == served.version
-                or (name, version) in self.pins)
+        return (
+            served is None
+            or version is None
+            or version == served.version
+            or (name, version) in self.pins
+        )
 
     def pin(self, name: str, version: int) -> ServedModel:
         """Load a kept version of ``name`` for queries that name it (a few are cached)."""
@@ -271,8 +289,10 @@ class ModelServer:
         except ValueError as exc:
             raise InvalidModelName(str(exc)) from None
         if version is not None:
-            raise EnsembleUnsupported("version", f"{name!r} has no versions of its own: it "
-                                      f"answers with its members' newest ones")
+            raise EnsembleUnsupported(
+                "version",
+                f"{name!r} has no versions of its own: it answers with its members' newest ones",
+            )
         return ServedEnsemble(spec, tuple(self._served(m) for m in spec.members))
 
     def dims(self, name: str) -> tuple[int, int]:
@@ -293,9 +313,15 @@ class ModelServer:
             raise UnknownModel(f"model {name!r} has no learner in this namespace")
         return served
 
-    def similarity(self, name: str, images: NDArray[np.float32], texts: NDArray[np.float32],
-                   matrix: bool, version: int | None = None, direction: str = "i2t"
-                   ) -> tuple[ServedModel | ServedEnsemble, NDArray[np.float64]]:
+    def similarity(
+        self,
+        name: str,
+        images: NDArray[np.float32],
+        texts: NDArray[np.float32],
+        matrix: bool,
+        version: int | None = None,
+        direction: str = "i2t",
+    ) -> tuple[ServedModel | ServedEnsemble, NDArray[np.float64]]:
         """Scores of (image_i, text_i) pairs, or the full image x text matrix.
 
         ``direction`` says which side is the query; only ensembles score differently by it
@@ -303,23 +329,34 @@ class ModelServer:
         if is_ensemble(name):
             ensemble = self.ensemble(name, version)
             queries, items = (images, texts) if direction == "i2t" else (texts, images)
-            reference = ensemble_reference(self.gallery,
-                                           "text" if direction == "i2t" else "image")
+            reference = ensemble_reference(self.gallery, "text" if direction == "i2t" else "image")
             scores = ensemble.fused.scores(direction, queries, items, reference, not matrix)
             return ensemble, scores.T if matrix and direction == "t2i" else scores
         served = self.get(name, version)
         return served, member_scores(served.model, "i2t", images, texts, paired=not matrix)
 
-    def search(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-               target: str | None = None, version: int | None = None) -> SearchAnswer:
+    def search(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None = None,
+        version: int | None = None,
+    ) -> SearchAnswer:
         """The ``k`` best gallery items (:meth:`~streamxm.serving.search.Searcher.search`)."""
         return self.searcher.search(name, modality, vector, k, target, version)
 
-    async def search_async(self, name: str, modality: str, vector: NDArray[np.float32], k: int,
-                           offload: Callable[[Callable[[], Any]], Awaitable[Any]],
-                           target: str | None = None, version: int | None = None
-                           ) -> SearchAnswer:
+    async def search_async(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        offload: Callable[[Callable[[], Any]], Awaitable[Any]],
+        target: str | None = None,
+        version: int | None = None,
+    ) -> SearchAnswer:
         """:meth:`search` on an event loop
         (:meth:`~streamxm.serving.search.Searcher.search_async`)."""
-        return await self.searcher.search_async(name, modality, vector, k, offload, target,
-                                                version)
+        return await self.searcher.search_async(name, modality, vector, k, offload, target, version)

@@ -95,30 +95,68 @@ class ServedVersions:
         if earlier is not None and self._embedded_behind(model, earlier):
             # The index thread embeds the gallery with it (embed_behind); meanwhile it waits,
             # or answers from the earlier version's index.
-            staged = ServedModel(name=name, version=ckpt.version, model=model, head=head,
-                                 loaded_at=time.time(), index=earlier.index,
-                                 gallery_items=earlier.gallery_items,
-                                 index_seconds=earlier.index_seconds)
+            staged = ServedModel(
+                name=name,
+                version=ckpt.version,
+                model=model,
+                head=head,
+                loaded_at=time.time(),
+                index=earlier.index,
+                gallery_items=earlier.gallery_items,
+                index_seconds=earlier.index_seconds,
+            )
             self._staged[name] = staged
             if not self.wait_for_index:  # with the newest index then (the index thread's)
-                self._swap_in(name, lambda current: (
-                    staged, current.index if current is not None else staged.index), gallery)
-            log.info("%s version %d (%d pairs seen) %s", name, ckpt.version, head["pairs_seen"],
-                     "waits for its index" if self.wait_for_index
-                     else f"serves candidates from version {staged.index_version}'s index")
+                self._swap_in(
+                    name,
+                    lambda current: (
+                        staged,
+                        current.index if current is not None else staged.index,
+                    ),
+                    gallery,
+                )
+            log.info(
+                "%s version %d (%d pairs seen) %s",
+                name,
+                ckpt.version,
+                head["pairs_seen"],
+                "waits for its index"
+                if self.wait_for_index
+                else f"serves candidates from version {staged.index_version}'s index",
+            )
             return
-        index = None if model.fixed_space else EmbeddedGallery.build(
-            ckpt.version, model, gallery(), earlier.index if earlier is not None else None)
+        index = (
+            None
+            if model.fixed_space
+            else EmbeddedGallery.build(
+                ckpt.version, model, gallery(), earlier.index if earlier is not None else None
+            )
+        )
         self._staged.pop(name, None)
-        served = ServedModel(name=name, version=ckpt.version, model=model, head=head,
-                             loaded_at=time.time())
-        self._swap_in(name, lambda _: (served, index), gallery,
-                      time.perf_counter() - started if index is not None else 0.0)
-        log.info("serving %s version %d (%d pairs seen; gallery embedded in %.2f s)", name,
-                 ckpt.version, head["pairs_seen"], self.served[name].index_seconds)
+        served = ServedModel(
+            name=name, version=ckpt.version, model=model, head=head, loaded_at=time.time()
+        )
+        self._swap_in(
+            name,
+            lambda _: (served, index),
+            gallery,
+            time.perf_counter() - started if index is not None else 0.0,
+        )
+        log.info(
+            "serving %s version %d (%d pairs seen; gallery embedded in %.2f s)",
+            name,
+            ckpt.version,
+            head["pairs_seen"],
+            self.served[name].index_seconds,
+        )
 
-    def _swap_in(self, name: str, pick: Callable[[ServedModel | None], _Swap | None],
-                 gallery: Callable[[], Gallery], took: float | None = None) -> None:
+    def _swap_in(
+        self,
+        name: str,
+        pick: Callable[[ServedModel | None], _Swap | None],
+        gallery: Callable[[], Gallery],
+        took: float | None = None,
+    ) -> None:
         """Serve what ``pick`` chooses, given what is served now (under the swap lock: the
         other threads swap too), with its index over the newest gallery snapshot, in one
         reference assignment (the atomic swap); ``took``: the index's embedding time, when
@@ -132,8 +170,11 @@ class ServedVersions:
             if index is not None:
                 index = index.covering(latest)  # rows that arrived while it was built
             self.served[name] = replace(
-                served, index=index, gallery_items=len(latest),
-                index_seconds=served.index_seconds if took is None else took)
+                served,
+                index=index,
+                gallery_items=len(latest),
+                index_seconds=served.index_seconds if took is None else took,
+            )
         self.keep_features(latest)
 
     def _embedded_behind(self, model: CrossModalModel, earlier: ServedModel) -> bool:
@@ -153,12 +194,16 @@ class ServedVersions:
         off) takes the fresher index."""
         for name, staged in list(self._staged.items()):
             started = time.perf_counter()
-            index = EmbeddedGallery.build(staged.version, staged.model, gallery(),
-                                          self.served[name].index)
+            index = EmbeddedGallery.build(
+                staged.version, staged.model, gallery(), self.served[name].index
+            )
             took = time.perf_counter() - started
 
-            def pick(current: ServedModel | None, staged: ServedModel = staged,
-                     index: EmbeddedGallery = index) -> _Swap | None:
+            def pick(
+                current: ServedModel | None,
+                staged: ServedModel = staged,
+                index: EmbeddedGallery = index,
+            ) -> _Swap | None:
                 if current is None or current.version <= staged.version:
                     return staged, index
                 # A newer version answers from an earlier index: this one is fresher.
@@ -167,9 +212,14 @@ class ServedVersions:
             self._swap_in(name, pick, gallery, took)
             if self._staged.get(name) is staged:
                 del self._staged[name]
-            log.info("serving %s version %d (%d pairs seen; gallery embedded by version %d in "
-                     "%.2f s)", name, self.served[name].version, self.served[name].head.get(
-                         "pairs_seen", 0), index.version, took)
+            log.info(
+                "serving %s version %d (%d pairs seen; gallery embedded by version %d in %.2f s)",
+                name,
+                self.served[name].version,
+                self.served[name].head.get("pairs_seen", 0),
+                index.version,
+                took,
+            )
 
     def keep_features(self, gallery: Gallery) -> None:
         """Drop the gallery features no served model reads any more (an earlier version's

@@ -82,8 +82,13 @@ class Checkpoint:
 
 def encode_blob(ckpt: Checkpoint) -> bytes:
     """Serialise to ``.npz`` bytes (arrays + JSON); object arrays are refused."""
-    meta = {"format": FORMAT_VERSION, "version": ckpt.version, "last_id": ckpt.last_id,
-            "created": ckpt.created, "state": ckpt.meta}
+    meta = {
+        "format": FORMAT_VERSION,
+        "version": ckpt.version,
+        "last_id": ckpt.last_id,
+        "created": ckpt.created,
+        "state": ckpt.meta,
+    }
     arrays = {}
     for name, arr in ckpt.arrays.items():
         arr = np.asarray(arr)
@@ -103,8 +108,13 @@ def decode_blob(blob: bytes) -> Checkpoint:
         arrays = {k: data[k] for k in data.files if k != _META}
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"unsupported checkpoint format {meta.get('format')!r}")
-    return Checkpoint(version=int(meta["version"]), arrays=arrays, meta=meta["state"],
-                      last_id=str(meta["last_id"]), created=float(meta["created"]))
+    return Checkpoint(
+        version=int(meta["version"]),
+        arrays=arrays,
+        meta=meta["state"],
+        last_id=str(meta["last_id"]),
+        created=float(meta["created"]),
+    )
 
 
 def blob_sha(blob: bytes) -> str:
@@ -143,8 +153,13 @@ class CheckpointStore(ABC):
     #: Fail point just before the commit transaction is sent.
     before_exec_point = "checkpoint.before_exec"
 
-    def __init__(self, client: redis.Redis, keys: Keys, keep: int = D.CHECKPOINT_KEEP,
-                 replication: Replication = Replication()) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        keep: int = D.CHECKPOINT_KEEP,
+        replication: Replication = Replication(),
+    ) -> None:
         self.r = client
         self.keys = keys
         self.keep = keep
@@ -169,18 +184,34 @@ class CheckpointStore(ABC):
     def _stage(self, model: str, version: int, sha: str, blob: bytes) -> None:  # noqa: B027
         """Make the blob durable before the transaction, if it does not travel inside it."""
 
-    def _put(self, pipe: redis.client.Pipeline, model: str, version: int,  # noqa: B027
-             blob: bytes | None, dropped: list[tuple[int, str]]) -> None:
+    def _put(  # noqa: B027
+        self,
+        pipe: redis.client.Pipeline,
+        model: str,
+        version: int,
+        blob: bytes | None,
+        dropped: list[tuple[int, str]],
+    ) -> None:
         """Add the blob (and the deletion of dropped versions) to the transaction, if stored
         in Redis."""
 
-    def _after_commit(self, model: str, kept: list[tuple[int, str]],  # noqa: B027
-                      dropped: list[tuple[int, str]]) -> None:
+    def _after_commit(  # noqa: B027
+        self,
+        model: str,
+        kept: list[tuple[int, str]],
+        dropped: list[tuple[int, str]],
+    ) -> None:
         """Delete what the committed head no longer names, if stored outside Redis."""
 
-    def commit(self, model: str, ckpt: Checkpoint, head_extra: dict[str, Any],
-               hook: PipelineHook | None = None, lease: tuple[str, str] | None = None,
-               fence: threading.Lock | None = None) -> None:
+    def commit(
+        self,
+        model: str,
+        ckpt: Checkpoint,
+        head_extra: dict[str, Any],
+        hook: PipelineHook | None = None,
+        lease: tuple[str, str] | None = None,
+        fence: threading.Lock | None = None,
+    ) -> None:
         """Make ``ckpt`` durable and newest; ``hook`` adds commands to the same transaction.
 
         ``lease`` is ``(key, owner)``: the commit happens only while ``key`` holds ``owner``
@@ -199,24 +230,35 @@ class CheckpointStore(ABC):
         # (not always the oldest version's: a rollback commits an old position anew).
         positions = {**(previous or {}).get("positions", {}), ckpt.version: ckpt.last_id}
         kept_from = min((positions.get(v, "0-0") for v, _ in kept), key=entry_id_key)
-        head_extra = {**head_extra, "kept_from": kept_from,
-                      "positions": ",".join(f"{v}:{positions[v]}" for v, _ in kept
-                                            if v in positions)}
+        head_extra = {
+            **head_extra,
+            "kept_from": kept_from,
+            "positions": ",".join(f"{v}:{positions[v]}" for v, _ in kept if v in positions),
+        }
 
         def with_head(pipe: redis.client.Pipeline) -> None:
             pipe.delete(self.keys.checkpoint_head(model))
-            pipe.hset(self.keys.checkpoint_head(model),
-                      mapping=_head_fields(ckpt, kept, head_extra))  # type: ignore[arg-type]
+            fields = _head_fields(ckpt, kept, head_extra)
+            pipe.hset(self.keys.checkpoint_head(model), mapping=fields)  # type: ignore[arg-type]
             if hook:
                 hook(pipe)
 
-        self.commit_blob(model, ckpt.version, blob, kept, dropped, with_head, lease, sha=sha,
-                         fence=fence)
+        self.commit_blob(
+            model, ckpt.version, blob, kept, dropped, with_head, lease, sha=sha, fence=fence
+        )
 
-    def commit_blob(self, name: str, version: int, blob: bytes | None,
-                    kept: list[tuple[int, str]], dropped: list[tuple[int, str]],
-                    hook: PipelineHook, lease: tuple[str, str] | None = None,
-                    sha: str | None = None, fence: threading.Lock | None = None) -> None:
+    def commit_blob(
+        self,
+        name: str,
+        version: int,
+        blob: bytes | None,
+        kept: list[tuple[int, str]],
+        dropped: list[tuple[int, str]],
+        hook: PipelineHook,
+        lease: tuple[str, str] | None = None,
+        sha: str | None = None,
+        fence: threading.Lock | None = None,
+    ) -> None:
         """The durable write under :meth:`commit`: ``blob`` (if any) staged, stored and made
         current by ``hook``'s commands in one lease-fenced transaction; ``dropped`` blobs
         deleted with it, ``kept`` ones left alone (the search gallery's segments use it too).
@@ -288,10 +330,13 @@ class CheckpointStore(ABC):
                 ckpt = self._verified(model, version, sha)
                 if isinstance(ckpt, Checkpoint):
                     return ckpt
-                raise VersionUnreadable(f"model {model!r} version {version} is kept but "
-                                        f"unreadable ({ckpt}); kept versions: {kept}")
-        raise VersionNotKept(f"model {model!r} version {version} is not kept; kept "
-                             f"versions: {kept}")
+                raise VersionUnreadable(
+                    f"model {model!r} version {version} is kept but "
+                    f"unreadable ({ckpt}); kept versions: {kept}"
+                )
+        raise VersionNotKept(
+            f"model {model!r} version {version} is not kept; kept versions: {kept}"
+        )
 
     def load_latest(self, model: str) -> Checkpoint | None:
         """The newest version whose bytes verify; older good ones replace corrupt ones."""
@@ -299,8 +344,9 @@ class CheckpointStore(ABC):
             ckpt = self._verified(model, version, sha)
             if isinstance(ckpt, Checkpoint):
                 return ckpt
-            log.error("checkpoint %s: falling back from v%d to the previous version", model,
-                      version)
+            log.error(
+                "checkpoint %s: falling back from v%d to the previous version", model, version
+            )
         return None
 
     def corrupt_count(self, model: str) -> int:
@@ -315,8 +361,14 @@ class RedisCheckpointStore(CheckpointStore):
         value = self.r.get(self.keys.checkpoint_blob(model, version))
         return None if value is None else bytes(value)  # type: ignore[arg-type]
 
-    def _put(self, pipe: redis.client.Pipeline, model: str, version: int, blob: bytes | None,
-             dropped: list[tuple[int, str]]) -> None:
+    def _put(
+        self,
+        pipe: redis.client.Pipeline,
+        model: str,
+        version: int,
+        blob: bytes | None,
+        dropped: list[tuple[int, str]],
+    ) -> None:
         if blob is not None:
             pipe.set(self.keys.checkpoint_blob(model, version), blob)
         for old, _ in dropped:
@@ -335,9 +387,14 @@ class DirectoryCheckpointStore(CheckpointStore):
     #: are deleted by the next commit; younger ones may belong to a commit in flight.
     orphan_seconds = 3600.0
 
-    def __init__(self, client: redis.Redis, keys: Keys, root: str | Path,
-                 keep: int = D.CHECKPOINT_KEEP,
-                 replication: Replication = Replication()) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        root: str | Path,
+        keep: int = D.CHECKPOINT_KEEP,
+        replication: Replication = Replication(),
+    ) -> None:
         super().__init__(client, keys, keep, replication)
         self.root = Path(root) / keys.namespace
 
@@ -391,8 +448,9 @@ class DirectoryCheckpointStore(CheckpointStore):
         finally:
             os.close(fd)
 
-    def _after_commit(self, model: str, kept: list[tuple[int, str]],
-                      dropped: list[tuple[int, str]]) -> None:
+    def _after_commit(
+        self, model: str, kept: list[tuple[int, str]], dropped: list[tuple[int, str]]
+    ) -> None:
         directory = self._dir(model)
         named = {self._name(v, sha) for v, sha in kept}
         for version, sha in dropped:
@@ -400,19 +458,24 @@ class DirectoryCheckpointStore(CheckpointStore):
                 (directory / self._name(version, sha)).unlink()
         cutoff = time.time() - self.orphan_seconds
         for path in directory.iterdir():
-            if path.name in named or not (path.name.endswith((".npz", ".tmp"))
-                                          or path.name == "HEAD.json"):
+            if path.name in named or not (
+                path.name.endswith((".npz", ".tmp")) or path.name == "HEAD.json"
+            ):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
 
 
-def _head_fields(ckpt: Checkpoint, history: list[tuple[int, str]],
-                 extra: dict[str, Any]) -> dict[str, str]:
-    fields = {"version": str(ckpt.version), "created": repr(ckpt.created),
-              "last_id": ckpt.last_id,
-              "history": ",".join(f"{v}:{sha}" for v, sha in history)}
+def _head_fields(
+    ckpt: Checkpoint, history: list[tuple[int, str]], extra: dict[str, Any]
+) -> dict[str, str]:
+    fields = {
+        "version": str(ckpt.version),
+        "created": repr(ckpt.created),
+        "last_id": ckpt.last_id,
+        "history": ",".join(f"{v}:{sha}" for v, sha in history),
+    }
     fields.update({k: str(v) for k, v in extra.items()})
     return fields
 
@@ -421,9 +484,14 @@ def _parse_head(raw: dict[str, str]) -> dict[str, Any]:
     head: dict[str, Any] = dict(raw)
     head["version"] = int(raw["version"])
     head["created"] = float(raw["created"])
-    head["history"] = [(int(v), sha) for v, sha in
-                       (item.split(":", 1) for item in raw["history"].split(",") if item)]
-    head["positions"] = {int(v): last_id for v, last_id in
-                         (item.split(":", 1) for item in raw.get("positions", "").split(",")
-                          if item)}
+    head["history"] = [
+        (int(v), sha)
+        for v, sha in (item.split(":", 1) for item in raw["history"].split(",") if item)
+    ]
+    head["positions"] = {
+        int(v): last_id
+        for v, last_id in (
+            item.split(":", 1) for item in raw.get("positions", "").split(",") if item
+        )
+    }
     return head

@@ -31,8 +31,7 @@ class GalleryRows:
     norm_txt: NDArray[np.float32]
 
     @classmethod
-    def of(cls, ids: NDArray[np.str_], img: NDArray[np.float32], txt: NDArray[np.float32]
-           ) -> Self:
+    def of(cls, ids: NDArray[np.str_], img: NDArray[np.float32], txt: NDArray[np.float32]) -> Self:
         ui, ni = _unit_rows(img)
         ut, nt = _unit_rows(txt)
         return cls(ids, ui, ut, ni, nt)
@@ -43,20 +42,33 @@ class GalleryRows:
     def unit(self, modality: str) -> NDArray[np.float32]:
         return self.unit_img if modality == "image" else self.unit_txt
 
-    def raw(self, modality: str, rows: NDArray[np.intp] | slice = slice(None)
-            ) -> NDArray[np.float32]:
-        unit, norm = ((self.unit_img, self.norm_img) if modality == "image"
-                      else (self.unit_txt, self.norm_txt))
+    def raw(
+        self, modality: str, rows: NDArray[np.intp] | slice = slice(None)
+    ) -> NDArray[np.float32]:
+        unit, norm = (
+            (self.unit_img, self.norm_img)
+            if modality == "image"
+            else (self.unit_txt, self.norm_txt)
+        )
         return unit[rows] * norm[rows, None]
 
     def sliced(self, rows: slice) -> Self:
-        return type(self)(self.ids[rows], self.unit_img[rows], self.unit_txt[rows],
-                          self.norm_img[rows], self.norm_txt[rows])
+        return type(self)(
+            self.ids[rows],
+            self.unit_img[rows],
+            self.unit_txt[rows],
+            self.norm_img[rows],
+            self.norm_txt[rows],
+        )
 
     @classmethod
     def joined(cls, chunks: Sequence[GalleryRows]) -> Self:
-        return cls(*(np.concatenate([getattr(c, f) for c in chunks])
-                     for f in ("ids", "unit_img", "unit_txt", "norm_img", "norm_txt")))
+        return cls(
+            *(
+                np.concatenate([getattr(c, f) for c in chunks])
+                for f in ("ids", "unit_img", "unit_txt", "norm_img", "norm_txt")
+            )
+        )
 
 
 def _unit_rows(x: NDArray[np.float32]) -> tuple[NDArray[np.float32], NDArray[np.float32]]:

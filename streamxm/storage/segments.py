@@ -29,8 +29,16 @@ from streamxm.stream.redis_conn import str_hash, text
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SEGMENTS", "CorruptSegments", "Manifest", "SegmentRef", "decode_segment",
-           "encode_segment", "open_segment", "read_manifest"]
+__all__ = [
+    "SEGMENTS",
+    "CorruptSegments",
+    "Manifest",
+    "SegmentRef",
+    "decode_segment",
+    "encode_segment",
+    "open_segment",
+    "read_manifest",
+]
 
 #: The name segments are stored under in the checkpoint store.
 SEGMENTS = "_gallery"
@@ -63,9 +71,13 @@ class Manifest:
         return ref.rows - (self.skip if self.segments and ref == self.segments[0] else 0)
 
     def fields(self) -> dict[str, str]:
-        return {"segments": ",".join(f"{s.seq}:{s.sha}:{s.rows}" for s in self.segments),
-                "skip": str(self.skip), "last_id": self.last_id,
-                "revision": str(self.revision), "next_seq": str(self.next_seq)}
+        return {
+            "segments": ",".join(f"{s.seq}:{s.sha}:{s.rows}" for s in self.segments),
+            "skip": str(self.skip),
+            "last_id": self.last_id,
+            "revision": str(self.revision),
+            "next_seq": str(self.next_seq),
+        }
 
     @classmethod
     def parse(cls, raw: dict[str, str]) -> Manifest:
@@ -74,8 +86,13 @@ class Manifest:
             if item:
                 seq, sha, rows = item.split(":")
                 refs.append(SegmentRef(int(seq), sha, int(rows)))
-        return cls(tuple(refs), int(raw.get("skip", 0)), raw.get("last_id", "0-0"),
-                   int(raw.get("revision", 0)), int(raw.get("next_seq", 1)))
+        return cls(
+            tuple(refs),
+            int(raw.get("skip", 0)),
+            raw.get("last_id", "0-0"),
+            int(raw.get("revision", 0)),
+            int(raw.get("next_seq", 1)),
+        )
 
 
 def read_manifest(r: redis.Redis, keys: Keys, if_not: int | None = None) -> Manifest | None:
@@ -92,10 +109,14 @@ def read_manifest(r: redis.Redis, keys: Keys, if_not: int | None = None) -> Mani
 def encode_segment(seq: int, chunk: GalleryRows, last_id: str) -> bytes:
     """One segment's blob."""
     encoded = [i.encode() for i in chunk.ids.tolist()]
-    arrays: dict[str, NDArray[Any]] = {"ids_utf8": np.frombuffer(b"".join(encoded), dtype=np.uint8),
-              "ids_end": np.cumsum([len(b) for b in encoded], dtype=np.int64),
-              "unit_img": chunk.unit_img, "unit_txt": chunk.unit_txt,
-              "norm_img": chunk.norm_img, "norm_txt": chunk.norm_txt}
+    arrays: dict[str, NDArray[Any]] = {
+        "ids_utf8": np.frombuffer(b"".join(encoded), dtype=np.uint8),
+        "ids_end": np.cumsum([len(b) for b in encoded], dtype=np.int64),
+        "unit_img": chunk.unit_img,
+        "unit_txt": chunk.unit_txt,
+        "norm_img": chunk.norm_img,
+        "norm_txt": chunk.norm_txt,
+    }
     return encode_blob(Checkpoint(seq, arrays, {"rows": len(chunk)}, last_id=last_id))
 
 
@@ -105,10 +126,12 @@ def decode_segment(blob: bytes) -> GalleryRows:
     raw = bytes(a["ids_utf8"])
     ends = a["ids_end"].tolist()
     ids = [raw[s:e].decode() for s, e in zip([0, *ends[:-1]], ends, strict=True)]
-    chunk = GalleryRows(np.asarray(ids, dtype=np.str_), a["unit_img"], a["unit_txt"],
-                         a["norm_img"], a["norm_txt"])
-    if not all(len(getattr(chunk, f)) == len(ids)
-               for f in ("unit_img", "unit_txt", "norm_img", "norm_txt")):
+    chunk = GalleryRows(
+        np.asarray(ids, dtype=np.str_), a["unit_img"], a["unit_txt"], a["norm_img"], a["norm_txt"]
+    )
+    if not all(
+        len(getattr(chunk, f)) == len(ids) for f in ("unit_img", "unit_txt", "norm_img", "norm_txt")
+    ):
         raise ValueError("segment arrays disagree on their number of rows")
     return chunk
 
@@ -166,8 +189,9 @@ class CorruptSegments:
         """Record ``ref`` if the manifest still lists it (by a reader that does not hold the
         gallery lease). Whether it is quarantined: False when a newer manifest left it out (a
         missing segment is then merged away, not lost)."""
-        done = int(self._record(keys=[self.key, self.manifest_key],
-                                args=[self.field(ref), rows_lost]))
+        done = int(
+            self._record(keys=[self.key, self.manifest_key], args=[self.field(ref), rows_lost])
+        )
         if done == 1:
             self.report(ref, rows_lost)
         return done >= 0
@@ -179,8 +203,13 @@ class CorruptSegments:
 
     @staticmethod
     def report(ref: SegmentRef, rows_lost: int) -> None:
-        log.error("gallery segment %d (sha %s) is missing or corrupt: quarantined, its %d "
-                  "rows are lost to search", ref.seq, ref.sha[:16], rows_lost)
+        log.error(
+            "gallery segment %d (sha %s) is missing or corrupt: quarantined, its %d "
+            "rows are lost to search",
+            ref.seq,
+            ref.sha[:16],
+            rows_lost,
+        )
 
     def read(self) -> dict[str, int]:
         """Every corrupt segment recorded (``<seq>:<sha>``) and the rows lost with it."""

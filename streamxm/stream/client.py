@@ -39,8 +39,9 @@ def read_schema(r: redis.Redis, keys: Keys) -> tuple[int, int] | None:
     return int(data["img_dim"]), int(data["txt_dim"])
 
 
-def decode_entries(r: redis.Redis, keys: Keys, entries: Sequence[StreamEntry],
-                   limits: Limits) -> tuple[list[tuple[str, Pair]], int]:
+def decode_entries(
+    r: redis.Redis, keys: Keys, entries: Sequence[StreamEntry], limits: Limits
+) -> tuple[list[tuple[str, Pair]], int]:
     """The pairs of stream entries that decode under the namespace's schema, with their entry
     ids, and how many did not (invalid, or deleted before anyone read them): what readers that
     keep no dead letters (the gallery's) take from the stream."""
@@ -68,8 +69,9 @@ def ensure_schema(r: redis.Redis, keys: Keys, img_dim: int, txt_dim: int) -> tup
 def check_dims(pair: Pair, schema: tuple[int, int]) -> None:
     for name, vec, dim in (("img", pair.img, schema[0]), ("txt", pair.txt, schema[1])):
         if vec.shape[0] != dim:
-            raise InvalidPair(name, "dim_mismatch",
-                              f"{vec.shape[0]} values, the namespace expects {dim}")
+            raise InvalidPair(
+                name, "dim_mismatch", f"{vec.shape[0]} values, the namespace expects {dim}"
+            )
 
 
 class StreamClient:
@@ -92,9 +94,14 @@ class StreamClient:
         master only, and a failover would lose them; push again).
     """
 
-    def __init__(self, client: redis.Redis, namespace: str = "default",
-                 limits: Limits = Limits(), maxlen: int | None = None,
-                 replication: Replication = Replication()) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        namespace: str = "default",
+        limits: Limits = Limits(),
+        maxlen: int | None = None,
+        replication: Replication = Replication(),
+    ) -> None:
         self.r = client
         self.keys = Keys(namespace)
         self.limits = limits
@@ -110,8 +117,14 @@ class StreamClient:
             self._schema = ensure_schema(self.r, self.keys, pair.img.shape[0], pair.txt.shape[0])
         check_dims(pair, self._schema)
 
-    def push(self, id: str, img: ArrayLike, txt: ArrayLike, labels: Sequence[int] | None = None,
-             ts: float | None = None) -> str:
+    def push(
+        self,
+        id: str,
+        img: ArrayLike,
+        txt: ArrayLike,
+        labels: Sequence[int] | None = None,
+        ts: float | None = None,
+    ) -> str:
         """Validate and add one pair; return its stream entry id."""
         return self.push_pairs([make_pair(id, img, txt, labels, ts, self.limits)])[0]
 
@@ -132,8 +145,12 @@ class StreamClient:
                 raise InvalidPair(exc.field, exc.reason, exc.detail, index=i) from None
         return self.push_pairs(validated, chunk)
 
-    def push_pairs(self, pairs: Sequence[Pair], chunk: int = 500,
-                   messages: Sequence[Mapping[bytes, bytes]] | None = None) -> list[str]:
+    def push_pairs(
+        self,
+        pairs: Sequence[Pair],
+        chunk: int = 500,
+        messages: Sequence[Mapping[bytes, bytes]] | None = None,
+    ) -> list[str]:
         """Add already validated pairs, ``chunk`` per round trip. ``messages``: the pairs'
         message v1 fields when the caller holds them already (decoded from frames by
         :func:`~streamxm.stream.messages.decode_pair`), written as they came instead of
@@ -149,12 +166,19 @@ class StreamClient:
         ids: list[str] = []
         for start in range(0, len(pairs), chunk):
             part = pairs[start : start + chunk]
-            encoded = (messages[start : start + chunk] if messages is not None
-                       else [encode_pair(pair) for pair in part])
+            encoded = (
+                messages[start : start + chunk]
+                if messages is not None
+                else [encode_pair(pair) for pair in part]
+            )
             with self.r.pipeline(transaction=False) as pipe:
                 for fields in encoded:
-                    pipe.xadd(self.keys.pairs, fields,  # type: ignore[arg-type]
-                              maxlen=self.maxlen, approximate=True)
+                    pipe.xadd(
+                        self.keys.pairs,
+                        fields,  # type: ignore[arg-type]
+                        maxlen=self.maxlen,
+                        approximate=True,
+                    )
                 pipe.incrby(self.keys.ingested, len(part))
                 out = pipe.execute()
             wait_replicated(self.r, self.keys.replicated, self.replication)

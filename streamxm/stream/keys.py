@@ -57,18 +57,29 @@ class Keys:
     schema = _Key("schema", "The namespace's dimensions, fixed on first use (JSON).")
     ingested = _Key("ingested", "Counter of pairs added to the stream by the project's producers.")
     models = _Key("models", "Set of model names with a learner in this namespace.")
-    gallery = _Key("gallery", "Hash: the search gallery's manifest (live segments, rows retired, "
-                   "stream position covered, revision)")
+    gallery = _Key(
+        "gallery",
+        "Hash: the search gallery's manifest (live segments, rows retired, "
+        "stream position covered, revision)",
+    )
     gallery_corrupt = _Key(
-        "gallery:corrupt", "Hash: gallery segments found corrupt, <seq>:<sha> -> rows lost "
+        "gallery:corrupt",
+        "Hash: gallery segments found corrupt, <seq>:<sha> -> rows lost "
         "(written once per segment by whoever read it first; the indexer then drops it from "
-        "the manifest)")
-    retention = _Key("retention", "Hash: the last trim of the pairs stream (position, time, "
-                     "entries trimmed in all)")
-    replicated = _Key("replicated", "Counter written just before a WAIT (the write the WAIT "
-                      "covers on its connection; see redis_conn.wait_replicated).")
+        "the manifest)",
+    )
+    retention = _Key(
+        "retention",
+        "Hash: the last trim of the pairs stream (position, time, entries trimmed in all)",
+    )
+    replicated = _Key(
+        "replicated",
+        "Counter written just before a WAIT (the write the WAIT "
+        "covers on its connection; see redis_conn.wait_replicated).",
+    )
     checkpoint_corrupt = _Key(
-        "ckpt:corrupt", "Hash: checkpoint versions found corrupt (checksum or parse) per model.")
+        "ckpt:corrupt", "Hash: checkpoint versions found corrupt (checksum or parse) per model."
+    )
 
     def group(self, model: str) -> str:
         """Consumer group of a model: every model sees every pair."""

@@ -41,10 +41,25 @@ KNOWN_FIELDS = (*REQUIRED_FIELDS, b"labels", b"ts")
 #: Every reason a pair is refused or dead-lettered for: the ``reason`` label of
 #: ``streamxm_dead_letters_total``, exported at 0 for each model from the start so an alert on
 #: its increase fires on the first one.
-REASONS = ("bad_frame", "bad_id", "bad_labels", "bad_length", "bad_shape", "bad_ts",
-           "bad_version", "dim_mismatch", "duplicate_field", "empty", "learn_error",
-           "missing_field", "non_finite", "not_numeric", "too_large", "too_many_pairs",
-           "unknown_field")
+REASONS = (
+    "bad_frame",
+    "bad_id",
+    "bad_labels",
+    "bad_length",
+    "bad_shape",
+    "bad_ts",
+    "bad_version",
+    "dim_mismatch",
+    "duplicate_field",
+    "empty",
+    "learn_error",
+    "missing_field",
+    "non_finite",
+    "not_numeric",
+    "too_large",
+    "too_many_pairs",
+    "unknown_field",
+)
 
 
 class InvalidPair(ValueError):
@@ -78,8 +93,12 @@ class Limits:
         ``None`` for the vectors, which are never parsed: their length is checked against the
         namespace's dimension (``dim_mismatch``) or :attr:`max_dim` (``too_large``) before
         they are viewed."""
-        return {b"v": 8, b"id": 4 * self.max_id_length, b"labels": 19 * self.max_labels,
-                b"ts": 64}.get(name)
+        return {
+            b"v": 8,
+            b"id": 4 * self.max_id_length,
+            b"labels": 19 * self.max_labels,
+            b"ts": 64,
+        }.get(name)
 
 
 @dataclass(frozen=True)
@@ -103,8 +122,9 @@ def _vector(name: str, value: ArrayLike, limits: Limits) -> NDArray[np.float32]:
         except (TypeError, ValueError) as exc:
             raise InvalidPair(name, "not_numeric", f"not a numeric vector ({exc})") from None
     if arr.ndim != 1 or arr.size == 0:
-        raise InvalidPair(name, "bad_shape",
-                          f"must be a non-empty 1-d vector, got shape {arr.shape}")
+        raise InvalidPair(
+            name, "bad_shape", f"must be a non-empty 1-d vector, got shape {arr.shape}"
+        )
     if arr.size > limits.max_dim:
         raise InvalidPair(name, "too_large", f"{arr.size} values exceed the limit {limits.max_dim}")
     if not np.isfinite(arr).all():
@@ -140,8 +160,11 @@ def _pair_id(value: object, limits: Limits) -> str:
         raise InvalidPair("id", "bad_id", f"longer than {limits.max_id_length} characters")
     if not value.isprintable():
         bad = next(c for c in value if not c.isprintable())
-        raise InvalidPair("id", "bad_id", f"holds the control character {bad!r}: ids are "
-                          "printable characters only")
+        raise InvalidPair(
+            "id",
+            "bad_id",
+            f"holds the control character {bad!r}: ids are printable characters only",
+        )
     return value
 
 
@@ -190,8 +213,9 @@ def encode_pair(pair: Pair) -> dict[bytes, bytes]:
     return fields
 
 
-def _decode_vector(name: str, raw: bytes, dim: int | None, limits: Limits, copy: bool = True
-                   ) -> NDArray[np.float32]:
+def _decode_vector(
+    name: str, raw: bytes, dim: int | None, limits: Limits, copy: bool = True
+) -> NDArray[np.float32]:
     if len(raw) % 4:
         raise InvalidPair(name, "bad_length", f"{len(raw)} bytes is not a whole number of float32")
     n = len(raw) // 4
@@ -213,8 +237,9 @@ def field_name(raw: bytes | str, limit: int = 64) -> str:
     """
     name = raw if isinstance(raw, str) else raw.decode("utf-8", errors="backslashreplace")
     name = name[: limit + 1]
-    name = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in name)
+    name = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name
+    )
     return name if len(name) <= limit else name[:limit] + "..."
 
 
@@ -242,16 +267,21 @@ def decode_pair(
         if name not in fields:
             raise InvalidPair(name.decode(), "missing_field", "required field is missing")
     if fields[b"v"] != MESSAGE_VERSION:
-        raise InvalidPair("v", "bad_version",
-                          f"unsupported message version {fields[b'v'][:32]!r}")
+        raise InvalidPair("v", "bad_version", f"unsupported message version {fields[b'v'][:32]!r}")
     for name, value in fields.items():
         if name not in KNOWN_FIELDS:
-            raise InvalidPair(field_name(name), "unknown_field", "not a field of message v1 "
-                              "(v, id, img, txt, labels, ts)")
+            raise InvalidPair(
+                field_name(name),
+                "unknown_field",
+                "not a field of message v1 (v, id, img, txt, labels, ts)",
+            )
         bound = limits.field_bytes(name)
         if bound is not None and len(value) > bound:
-            raise InvalidPair(name.decode(), "too_large", f"{len(value)} bytes exceed the "
-                              f"field's limit of {bound}")
+            raise InvalidPair(
+                name.decode(),
+                "too_large",
+                f"{len(value)} bytes exceed the field's limit of {bound}",
+            )
     try:
         pair_id = fields[b"id"].decode("utf-8")
     except UnicodeDecodeError:
@@ -262,8 +292,11 @@ def decode_pair(
         if not _LABELS.fullmatch(raw_labels):
             raise InvalidPair("labels", "bad_labels", "not comma-separated decimal integers")
         if raw_labels.count(b",") >= limits.max_labels:
-            raise InvalidPair("labels", "bad_labels", f"{raw_labels.count(b',') + 1} labels "
-                              f"exceed {limits.max_labels}")
+            raise InvalidPair(
+                "labels",
+                "bad_labels",
+                f"{raw_labels.count(b',') + 1} labels exceed {limits.max_labels}",
+            )
         labels = [int(x) for x in raw_labels.split(b",")]
     ts: float | None = None
     if fields.get(b"ts"):
@@ -328,22 +361,34 @@ past the end of the body
     end, at = len(body), 0
 
     def short(what: str) -> InvalidPair:
-        return InvalidPair("body", "bad_frame", f"frame {len(frames)} at byte {at}: {what} "
-                           f"runs past the end of the body", len(frames))
+        return InvalidPair(
+            "body",
+            "bad_frame",
+            f"frame {len(frames)} at byte {at}: {what} runs past the end of the body",
+            len(frames),
+        )
 
     # Plain slices of ``body`` and inline bounds checks: this loop runs per field of every
     # pair posted, and helper calls and memoryview copies were a third of its time.
     while at < end:
         if len(frames) == max_pairs:
-            raise InvalidPair("body", "too_many_pairs",
-                              f"more than {max_pairs} frames (STREAMXM_MAX_BATCH)", len(frames))
+            raise InvalidPair(
+                "body",
+                "too_many_pairs",
+                f"more than {max_pairs} frames (STREAMXM_MAX_BATCH)",
+                len(frames),
+            )
         if at + 2 > end:
             raise short("the field count")
         (count,) = _U16(body, at)
         at += 2
         if not 0 < count <= _FRAME_FIELDS_MAX:
-            raise InvalidPair("body", "bad_frame", f"frame {len(frames)}: {count} fields "
-                              f"(1 to {_FRAME_FIELDS_MAX})", len(frames))
+            raise InvalidPair(
+                "body",
+                "bad_frame",
+                f"frame {len(frames)}: {count} fields (1 to {_FRAME_FIELDS_MAX})",
+                len(frames),
+            )
         fields: dict[bytes, bytes] = {}
         for _ in range(count):
             if at + 1 > end:
@@ -359,8 +404,12 @@ past the end of the body
             if at + 4 + size > end:
                 raise short(f"value of {size} bytes")
             if name in fields:
-                raise InvalidPair(field_name(name), "duplicate_field",
-                                  "the field appears twice in one frame", len(frames))
+                raise InvalidPair(
+                    field_name(name),
+                    "duplicate_field",
+                    "the field appears twice in one frame",
+                    len(frames),
+                )
             fields[name] = body[at + 4 : at + 4 + size]
             at += 4 + size
         frames.append(fields)

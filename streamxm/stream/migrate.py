@@ -41,6 +41,7 @@ def legacy_keys(r: redis.Redis, keys: Keys) -> list[str]:
 
 def require_migrated(r: redis.Redis, keys: Keys) -> None:
     """Raise :class:`LegacyKeys` when the namespace has data only under the old names."""
+
     def present(prefix: str) -> bool:
         return any(r.exists(f"{prefix}:{name}") for name in _MARKERS)
 
@@ -48,7 +49,8 @@ def require_migrated(r: redis.Redis, keys: Keys) -> None:
         raise LegacyKeys(
             f"namespace {keys.namespace!r} has its data under the untagged key names "
             f"({keys.legacy_prefix}:...); stop its workers and APIs and run "
-            f"`streamxm migrate-keys --namespace {keys.namespace}` once")
+            f"`streamxm migrate-keys --namespace {keys.namespace}` once"
+        )
 
 
 def migrate_keys(r: redis.Redis, keys: Keys, dry_run: bool = False) -> list[tuple[str, str]]:
@@ -60,14 +62,18 @@ def migrate_keys(r: redis.Redis, keys: Keys, dry_run: bool = False) -> list[tupl
     """
     if not _NAMESPACE.fullmatch(keys.namespace):  # a glob character would match others' keys
         raise ValueError(f"not a namespace name: {keys.namespace!r}")
-    renames = [(old, keys.prefix + old[len(keys.legacy_prefix):]) for old in legacy_keys(r, keys)]
+    renames = [(old, keys.prefix + old[len(keys.legacy_prefix) :]) for old in legacy_keys(r, keys)]
     taken = [new for _, new in renames if r.exists(new)]
     if taken:
-        raise MigrationConflict(f"{len(taken)} key(s) exist under both names, e.g. "
-                                f"{', '.join(taken[:3])}; nothing was renamed")
+        raise MigrationConflict(
+            f"{len(taken)} key(s) exist under both names, e.g. "
+            f"{', '.join(taken[:3])}; nothing was renamed"
+        )
     if not dry_run:
         for old, new in renames:
             if not r.renamenx(old, new):
-                raise MigrationConflict(f"{new} appeared during the migration; {old} and the "
-                                        f"keys after it were left under the old names")
+                raise MigrationConflict(
+                    f"{new} appeared during the migration; {old} and the "
+                    f"keys after it were left under the old names"
+                )
     return renames

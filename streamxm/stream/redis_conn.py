@@ -124,15 +124,21 @@ class EmbeddedRedis:
             if not self.is_running():
                 return f"the embedded Redis at {self.url} was not running"
             if self.pinned.exists():
-                return (f"the embedded Redis at {self.url} keeps running: `streamxm redis "
-                        f"start` started it (`streamxm redis stop` stops it)")
+                return (
+                    f"the embedded Redis at {self.url} keeps running: `streamxm redis "
+                    f"start` started it (`streamxm redis stop` stops it)"
+                )
             if others:
-                return (f"the embedded Redis at {self.url} keeps running for "
-                        f"{len(others)} other streamxm process(es) (pids "
-                        f"{', '.join(map(str, others))})")
+                return (
+                    f"the embedded Redis at {self.url} keeps running for "
+                    f"{len(others)} other streamxm process(es) (pids "
+                    f"{', '.join(map(str, others))})"
+                )
             self.stop()
-            return (f"stopped the embedded Redis at {self.url}: no other streamxm process "
-                    f"uses it (its data stays in {self.data_dir})")
+            return (
+                f"stopped the embedded Redis at {self.url}: no other streamxm process "
+                f"uses it (its data stays in {self.data_dir})"
+            )
 
     def live_users(self) -> list[int]:
         """The pids of the processes using the server that are still alive (a process killed
@@ -161,21 +167,35 @@ class EmbeddedRedis:
             raise RuntimeError(f"data directory path too long for a unix socket: {self.socket}")
         args = [
             _redis_server_binary(),
-            "--port", "0",
-            "--unixsocket", str(self.socket),
-            "--unixsocketperm", "700",
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--dbfilename", "dump.rdb",
-            "--pidfile", str(self.pidfile),
-            "--save", "",
-            "--daemonize", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(self.socket),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--dbfilename",
+            "dump.rdb",
+            "--pidfile",
+            str(self.pidfile),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
         self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True,
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -239,8 +259,9 @@ def _leave(server: EmbeddedRedis, pid: int) -> None:
         print(f"streamxm: {server.leave()}", file=sys.stderr)
 
 
-def connect(settings: Settings, url: str | None = None, retries: int = 20,
-            timeout: float | None = None) -> redis.Redis:
+def connect(
+    settings: Settings, url: str | None = None, retries: int = 20, timeout: float | None = None
+) -> redis.Redis:
     """A client that retries commands on connection errors (the server may restart under us).
 
     ``retries=0`` surfaces every connection error instead: the learner worker wants that, since
@@ -260,26 +281,34 @@ def connect(settings: Settings, url: str | None = None, retries: int = 20,
     if timeout is None:
         retry_on = (redis.ConnectionError, redis.TimeoutError)
     options: dict[str, Any] = {
-        "socket_timeout": timeout, "socket_connect_timeout": timeout,
-        "health_check_interval": 30, "client_name": f"streamxm-{os.getpid()}"}
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "health_check_interval": 30,
+        "client_name": f"streamxm-{os.getpid()}",
+    }
     scheme, cluster, rest = target.partition("+cluster://")
     if cluster:
         # A Redis Cluster: redis-py's client follows MOVED/ASK and re-reads the slot map after
         # a connection error. ``retries`` holds as above: a worker's (0) must not have a
         # blocking read or a fenced transaction re-sent behind its back on another node.
-        return _cluster_client(f"{scheme}://{rest}", Retry(
-            ExponentialBackoff(cap=2.0, base=0.05), retries=retries), options)
+        return _cluster_client(
+            f"{scheme}://{rest}",
+            Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries),
+            options,
+        )
     return redis.Redis.from_url(
         target,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries,
-                    supported_errors=retry_on),
+        retry=Retry(
+            ExponentialBackoff(cap=2.0, base=0.05), retries=retries, supported_errors=retry_on
+        ),
         retry_on_error=list(retry_on) if retries else [],
         **options,
     )
 
 
-def _cluster_client(url: str, retry: Any, options: dict[str, Any],
-                    patience: float = 60.0) -> redis.Redis:
+def _cluster_client(
+    url: str, retry: Any, options: dict[str, Any], patience: float = 60.0
+) -> redis.Redis:
     """A RedisCluster client; it reads the slot map when built, so a cluster that cannot be
     reached yet (starting, failing over) is waited for, up to ``patience`` seconds."""
     deadline = time.monotonic() + patience
@@ -289,8 +318,9 @@ def _cluster_client(url: str, retry: Any, options: dict[str, Any],
             client = RedisCluster.from_url(url, retry=retry, **options)
         except UNAVAILABLE as exc:  # includes every "no node answers" the client raises
             if time.monotonic() + delay > deadline:
-                raise redis.ConnectionError(f"no Redis Cluster node answers at {url}: "
-                                            f"{exc}") from exc
+                raise redis.ConnectionError(
+                    f"no Redis Cluster node answers at {url}: {exc}"
+                ) from exc
             time.sleep(delay)
             delay = min(2.0, delay * 2)
             continue
@@ -301,8 +331,14 @@ def _cluster_client(url: str, retry: Any, options: dict[str, Any],
 #: cluster a slot without a live master, a node still loading, a write to a node that was
 #: demoted to replica under the client. Callers drop unsaved state and retry.
 UNAVAILABLE: tuple[type[Exception], ...] = (
-    redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException,
-    TryAgainError, ReadOnlyError, redis.exceptions.BusyLoadingError)
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ClusterError,
+    RedisClusterException,
+    TryAgainError,
+    ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+)
 
 
 def is_cluster(client: redis.Redis) -> bool:
@@ -355,8 +391,9 @@ def wait_replicated(client: redis.Redis, key: str, replication: Replication) -> 
             client.nodes_manager.initialize()
         raise NotReplicated(f"the namespace's slot moved before WAIT: {exc}") from exc
     if acked < replicas:
-        raise NotReplicated(f"{acked} of {replicas} replicas acknowledged the writes within "
-                            f"{timeout_ms} ms")
+        raise NotReplicated(
+            f"{acked} of {replicas} replicas acknowledged the writes within {timeout_ms} ms"
+        )
 
 
 # -- reply helpers: redis-py returns loosely typed values; these give them one shape ----------

@@ -44,8 +44,14 @@ def evaluate_model(learner: StreamLearner, ds: Dataset) -> dict[str, float]:
     return retrieval_maps(learner.model, (ds.img_test, ds.txt_test, ds.y_test))
 
 
-def train(learner: StreamLearner, pairs: list[Pair], protocol: str, epochs: int = 5,
-          progress: bool = False, desc: str = "") -> int:
+def train(
+    learner: StreamLearner,
+    pairs: list[Pair],
+    protocol: str,
+    epochs: int = 5,
+    progress: bool = False,
+    desc: str = "",
+) -> int:
     """Feed ``pairs`` to ``learner`` by ``protocol``; returns the number of passes.
 
     ``stream`` feeds each pair once, in order; ``offline`` gives models with a batch fit
@@ -94,28 +100,49 @@ def quality(
     as on its own (same seed and stream, under ``members``), then the fused ranking is scored
     (:mod:`streamxm.models.ensemble`); ``params`` then go to every member."""
     ds = load_dataset(dataset)
-    run = {"dataset": str(dataset), "model": model, "protocol": protocol, "eval_every": eval_every,
-           "unlabelled": unlabelled, "order": order, "label_noise": label_noise,
-           "buffer_memory": buffer_memory, "seed": seed}
-    pairs = list(iter_pairs(ds, unlabelled=unlabelled, order=order, label_noise=label_noise,
-                            seed=seed))
+    run = {
+        "dataset": str(dataset),
+        "model": model,
+        "protocol": protocol,
+        "eval_every": eval_every,
+        "unlabelled": unlabelled,
+        "order": order,
+        "label_noise": label_noise,
+        "buffer_memory": buffer_memory,
+        "seed": seed,
+    }
+    pairs = list(
+        iter_pairs(ds, unlabelled=unlabelled, order=order, label_noise=label_noise, seed=seed)
+    )
 
     def member(name: str) -> tuple[StreamLearner, dict[str, Any]]:
-        learner = StreamLearner(name, ds.img_train.shape[1], ds.txt_train.shape[1], params,
-                                seed=seed, buffer_memory=buffer_memory, eval_every=eval_every)
+        learner = StreamLearner(
+            name,
+            ds.img_train.shape[1],
+            ds.txt_train.shape[1],
+            params,
+            seed=seed,
+            buffer_memory=buffer_memory,
+            eval_every=eval_every,
+        )
         start = time.perf_counter()
         passes = train(learner, pairs, protocol, epochs, progress, desc=f"{name} {protocol}")
         seconds = time.perf_counter() - start
         return learner, {
-            **run, "model": name, "passes": passes,
+            **run,
+            "model": name,
+            "passes": passes,
             "buffer_memory": learner.buffer.memory,  # as resolved: the model's own by default
-            "train_pairs": len(ds.img_train), "test_pairs": len(ds.img_test),
+            "train_pairs": len(ds.img_train),
+            "test_pairs": len(ds.img_test),
             **evaluate_model(learner, ds),
             "mistakes": dict(learner.stats.mistakes),
             "triplets": dict(learner.stats.triplets),
             "rolling_map": learner.rolling_map(),
-            "rolling_map_stderr": {d: (float(np.std(q) / np.sqrt(len(q))) if q else None)
-                                   for d, q in learner.rolling_ap.items()},
+            "rolling_map_stderr": {
+                d: (float(np.std(q) / np.sqrt(len(q))) if q else None)
+                for d, q in learner.rolling_ap.items()
+            },
             "pairs_evaluated": learner.pairs_evaluated,
             "drift_detections": learner.drift.detections,
             "pairs_in_burst": learner.pairs_in_burst,
@@ -131,11 +158,17 @@ def quality(
     members = {name: result for name, (_, result) in trained.items()}
     maps = ensemble_maps(fused, (ds.img_test, ds.txt_test, ds.y_test))
     best = max(members, key=lambda m: _mean_map(members[m]))
-    return {**run, "train_pairs": len(ds.img_train), "test_pairs": len(ds.img_test),
-            "weights": dict(zip(spec.members, spec.weights, strict=True)), **maps,
-            "mean_map": _mean_map(maps), "best_member": best,
-            "best_member_mean_map": _mean_map(members[best]),
-            "members": members}
+    return {
+        **run,
+        "train_pairs": len(ds.img_train),
+        "test_pairs": len(ds.img_test),
+        "weights": dict(zip(spec.members, spec.weights, strict=True)),
+        **maps,
+        "mean_map": _mean_map(maps),
+        "best_member": best,
+        "best_member_mean_map": _mean_map(members[best]),
+        "members": members,
+    }
 
 
 def stream_order(
@@ -163,40 +196,69 @@ def stream_order(
         reads = model_class(model).reads_labels
         runs: dict[str, dict[str, Any]] = {
             "file": _over_seeds(dataset, model, "file", 0.0, seeds, progress),
-            "class": _over_seeds(dataset, model, "class", 0.0, seeds, progress)}
+            "class": _over_seeds(dataset, model, "class", 0.0, seeds, progress),
+        }
         if reads:
             runs["noisy"] = _over_seeds(dataset, model, "file", label_noise, seeds, progress)
         file_mean = runs["file"]["mean"]
-        shares = {name: {d: run["mean"][d] / file_mean[d] if file_mean[d] else 0.0
-                         for d in DIRECTIONS} for name, run in runs.items() if name != "file"}
-        checks = {"class_keeps_share": min(shares["class"].values()) >= ORDER_SHARE,
-                  "noisy_keeps_share": not reads or min(shares["noisy"].values()) >= NOISE_SHARE}
-        rows.append({"model": model, **runs, "noisy": runs.get("noisy"),
-                     "class_share": shares["class"],
-                     "noisy_share": shares.get("noisy"), "checks": checks,
-                     "met": all(checks.values()),
-                     "file_drift_detections": runs["file"]["drift_detections"]})
-    return {"benchmark": "stream-order", "dataset": str(dataset), "seeds": list(seeds),
-            "label_noise": label_noise, "order_share": ORDER_SHARE, "noise_share": NOISE_SHARE,
-            "models": rows, "all_met": all(r["met"] for r in rows)}
+        shares = {
+            name: {d: run["mean"][d] / file_mean[d] if file_mean[d] else 0.0 for d in DIRECTIONS}
+            for name, run in runs.items()
+            if name != "file"
+        }
+        checks = {
+            "class_keeps_share": min(shares["class"].values()) >= ORDER_SHARE,
+            "noisy_keeps_share": not reads or min(shares["noisy"].values()) >= NOISE_SHARE,
+        }
+        rows.append(
+            {
+                "model": model,
+                **runs,
+                "noisy": runs.get("noisy"),
+                "class_share": shares["class"],
+                "noisy_share": shares.get("noisy"),
+                "checks": checks,
+                "met": all(checks.values()),
+                "file_drift_detections": runs["file"]["drift_detections"],
+            }
+        )
+    return {
+        "benchmark": "stream-order",
+        "dataset": str(dataset),
+        "seeds": list(seeds),
+        "label_noise": label_noise,
+        "order_share": ORDER_SHARE,
+        "noise_share": NOISE_SHARE,
+        "models": rows,
+        "all_met": all(r["met"] for r in rows),
+    }
 
 
-def _over_seeds(dataset: str | Path, model: str, order: str, noise: float, seeds: Sequence[int],
-                progress: bool) -> dict[str, Any]:
+def _over_seeds(
+    dataset: str | Path, model: str, order: str, noise: float, seeds: Sequence[int], progress: bool
+) -> dict[str, Any]:
     """One condition of :func:`stream_order`: each seed's figures, their mean and spread."""
     per_seed = []
     for seed in seeds:
-        result = quality(dataset, model, seed=seed, order=order, label_noise=noise,
-                         progress=progress)
-        per_seed.append({"seed": seed, **{d: float(result[d]) for d in DIRECTIONS},
-                         "drift_detections": int(result["drift_detections"]),
-                         "pairs_in_burst": result["pairs_in_burst"],
-                         "buffer_memory": result["buffer_memory"]})
+        result = quality(
+            dataset, model, seed=seed, order=order, label_noise=noise, progress=progress
+        )
+        per_seed.append(
+            {
+                "seed": seed,
+                **{d: float(result[d]) for d in DIRECTIONS},
+                "drift_detections": int(result["drift_detections"]),
+                "pairs_in_burst": result["pairs_in_burst"],
+                "buffer_memory": result["buffer_memory"],
+            }
+        )
     values = {d: np.array([run[d] for run in per_seed]) for d in DIRECTIONS}
-    return {"per_seed": per_seed,
-            "mean": {d: float(v.mean()) for d, v in values.items()},
-            "std": {d: float(v.std()) for d, v in values.items()},
-            "drift_detections": [run["drift_detections"] for run in per_seed]}
+    return {
+        "per_seed": per_seed,
+        "mean": {d: float(v.mean()) for d, v in values.items()},
+        "std": {d: float(v.std()) for d, v in values.items()},
+        "drift_detections": [run["drift_detections"] for run in per_seed],
+    }
 
 
 def _mean_map(result: dict[str, Any]) -> float:
@@ -208,10 +270,10 @@ def ensemble_maps(fused: Ensemble, split: Split) -> dict[str, float]:
     each query's member scores standardised over the whole gallery it ranks."""
     img, txt, y = split
     relevant = label_relevance(y, y)
-    return {"map_i2t": mean_average_precision(fused.scores("i2t", img, txt, reference=txt),
-                                              relevant),
-            "map_t2i": mean_average_precision(fused.scores("t2i", txt, img, reference=img),
-                                              relevant)}
+    return {
+        "map_i2t": mean_average_precision(fused.scores("i2t", img, txt, reference=txt), relevant),
+        "map_t2i": mean_average_precision(fused.scores("t2i", txt, img, reference=img), relevant),
+    }
 
 
 def database_split(
@@ -246,18 +308,22 @@ def database_split(
         order = np.random.default_rng(seed).permutation(len(img))
         query, base = order[:n_query], order[n_query:]
         learner = StreamLearner(model, img.shape[1], txt.shape[1], params, seed=seed)
-        pairs = [make_pair(f"db-{i}", img[i], txt[i], labels=row_labels(y, int(i)))
-                 for i in base]
+        pairs = [make_pair(f"db-{i}", img[i], txt[i], labels=row_labels(y, int(i))) for i in base]
         train(learner, pairs, protocol, epochs, progress, desc=f"{model} seed {seed}")
         learner.flush()
-        maps = retrieval_maps(learner.model, (img[query], txt[query], y[query]),
-                              (img[base], txt[base], y[base]))
+        maps = retrieval_maps(
+            learner.model, (img[query], txt[query], y[query]), (img[base], txt[base], y[base])
+        )
         runs.append({"seed": seed, **maps})
         params_used = learner.model.params()
     keys = [k for k in runs[0] if k.startswith("map_")]
     return {
-        "dataset": str(dataset), "model": model, "protocol": protocol,
-        "query_fraction": query_fraction, "queries": n_query, "database": len(img) - n_query,
+        "dataset": str(dataset),
+        "model": model,
+        "protocol": protocol,
+        "query_fraction": query_fraction,
+        "queries": n_query,
+        "database": len(img) - n_query,
         "params": params_used,
         "runs": runs,
         "mean": {k: float(np.mean([r[k] for r in runs])) for k in keys},

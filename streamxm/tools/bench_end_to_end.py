@@ -27,8 +27,14 @@ __all__ = ["end_to_end", "in_process_rate"]
 
 
 # -- end to end -----------------------------------------------------------------------------
-def in_process_rate(model: str, data: list[Pair], eval_every: EvalEvery, seed: int,
-                    threads: int = 1, warmup: int = 0) -> float:
+def in_process_rate(
+    model: str,
+    data: list[Pair],
+    eval_every: EvalEvery,
+    seed: int,
+    threads: int = 1,
+    warmup: int = 0,
+) -> float:
     """The reference: the same learner, options and pairs, fed in-process on ``threads``
     threads; pairs/s over the pairs after the first ``warmup``."""
     img_dim, txt_dim = data[0].img.shape[0], data[0].txt.shape[0]
@@ -66,15 +72,24 @@ def _drain_rate(st: Stack, model: str, backlog: int) -> float:
             time.sleep(0.02)
     reads.append((time.perf_counter(), backlog))
     if len(reads) < 3:
-        raise ValueError(f"the worker read the backlog of {backlog} pairs in {len(reads)} "
-                         "batches: raise --backlog to measure a rate")
+        raise ValueError(
+            f"the worker read the backlog of {backlog} pairs in {len(reads)} "
+            "batches: raise --backlog to measure a rate"
+        )
     (t0, _), (_, before_last), (t2, _) = reads[0], reads[-2], reads[-1]
     return before_last / (t2 - t0) if t2 > t0 else float("nan")
 
 
-def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
-               backlog: int = 4000, rate: float | None = None, seconds: float = 60.0,
-               eval_every: EvalEvery = "auto", seed: int = 0) -> dict[str, Any]:
+def end_to_end(
+    model: str = "cmos",
+    img_dim: int = 4096,
+    txt_dim: int = 1000,
+    backlog: int = 4000,
+    rate: float | None = None,
+    seconds: float = 60.0,
+    eval_every: EvalEvery = "auto",
+    seed: int = 0,
+) -> dict[str, Any]:
     """Drain a backlog with one worker (learned pairs/s), then push at ``rate`` (default half
     the measured rate) for ``seconds`` and sample the lag every 0.25 s."""
     data = synthetic_pairs(backlog, img_dim, txt_dim, seed=seed)
@@ -99,8 +114,7 @@ def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
         sampler.start()
         start = time.perf_counter()
         step = max(1, int(push_rate / 20))  # 20 pushes per second
-        for i in tqdm(range(0, len(more), step), desc=f"pushing at {push_rate}/s",
-                      file=sys.stderr):
+        for i in tqdm(range(0, len(more), step), desc=f"pushing at {push_rate}/s", file=sys.stderr):
             client.push_pairs(more[i : i + step])
             wait = start + (i + step) / push_rate - time.perf_counter()
             if wait > 0:
@@ -112,16 +126,22 @@ def end_to_end(model: str = "cmos", img_dim: int = 4096, txt_dim: int = 1000,
         stop.set()
         sampler.join()
     return {
-        "benchmark": "end_to_end", "model": model, "img_dim": img_dim, "txt_dim": txt_dim,
-        "eval_every": eval_every, "backlog": backlog,
+        "benchmark": "end_to_end",
+        "model": model,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "eval_every": eval_every,
+        "backlog": backlog,
         "learned_pairs_per_s": round(learned, 1),
         "in_process_pairs_per_s": round(reference, 1),
         "ratio_to_in_process": round(learned / reference, 3),
-        "push_rate": push_rate, "push_seconds": seconds,
+        "push_rate": push_rate,
+        "push_seconds": seconds,
         "lag_p50": percentile([float(x) for x in lags], 50),
-        "lag_p99": percentile([float(x) for x in lags], 99), "lag_max": max(lags),
+        "lag_p99": percentile([float(x) for x in lags], 99),
+        "lag_max": max(lags),
         "lag_seconds_p99": round(percentile([float(x) for x in lags], 99) / push_rate, 3),
         "drain_seconds_after_push": round(drain, 3),
         "note": "lag = pairs ingested - pairs in the newest checkpoint (the service's "
-                "checkpoint schedule: every 2 s or 2000 pairs, at most 10% of the worker's time)",
+        "checkpoint schedule: every 2 s or 2000 pairs, at most 10% of the worker's time)",
     }

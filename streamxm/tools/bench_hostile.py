@@ -44,8 +44,9 @@ def _labels_bomb(mib: float) -> bytes:
     return encode_frame(fields)
 
 
-def _under_junk(url: str, api_pid: int, path: str, body: bytes, content_type: str,
-                repeats: int) -> dict[str, Any]:
+def _under_junk(
+    url: str, api_pid: int, path: str, body: bytes, content_type: str, repeats: int
+) -> dict[str, Any]:
     """``repeats`` posts of ``body`` to ``path`` while a thread probes ``/healthz`` and samples
     the API's resident memory every 10 ms: statuses, answer size and time, probe latency."""
     during: list[float] = []
@@ -67,25 +68,35 @@ def _under_junk(url: str, api_pid: int, path: str, body: bytes, content_type: st
     try:
         for _ in range(repeats):
             start = time.perf_counter()
-            answer = httpx.post(f"{url}{path}", content=body, timeout=120,
-                                headers={"content-type": content_type})
+            answer = httpx.post(
+                f"{url}{path}", content=body, timeout=120, headers={"content-type": content_type}
+            )
             seconds.append(time.perf_counter() - start)
             sizes_out.append(len(answer.content))
             statuses.add(answer.status_code)
     finally:
         done.set()
         watcher.join()
-    return {"status": sorted(statuses), "answer_bytes_max": max(sizes_out),
-            "answer_seconds_p50": round(statistics.median(seconds), 4),
-            "healthz_during_p50_ms": round(percentile(during, 50), 2),
-            "healthz_during_max_ms": round(max(during), 2) if during else None,
-            "api_rss_peak_mb": round(max(peak), 1), "api_rss_after_mb": round(
-                rss_mb(api_pid), 1)}
+    return {
+        "status": sorted(statuses),
+        "answer_bytes_max": max(sizes_out),
+        "answer_seconds_p50": round(statistics.median(seconds), 4),
+        "healthz_during_p50_ms": round(percentile(during, 50), 2),
+        "healthz_during_max_ms": round(max(during), 2) if during else None,
+        "api_rss_peak_mb": round(max(peak), 1),
+        "api_rss_after_mb": round(rss_mb(api_pid), 1),
+    }
 
 
-def hostile(sizes: str = "1,4,24,64", repeats: int = 3, probes: int = 200,
-            seed: int = 0, labels_mib: float = 11.5, part: str = "all",
-            client_gib: float = 1.0) -> dict[str, Any]:
+def hostile(
+    sizes: str = "1,4,24,64",
+    repeats: int = 3,
+    probes: int = 200,
+    seed: int = 0,
+    labels_mib: float = 11.5,
+    part: str = "all",
+    client_gib: float = 1.0,
+) -> dict[str, Any]:
     """Junk bodies of each size (MiB) to ``POST /v1/similarity`` of a serving API, ``repeats``
     times each, while one thread probes ``/healthz``; beside the probe latency at rest in the
     same run. Then the labels bomb: one frame whose ``labels`` field is ``labels_mib`` MiB to
@@ -104,8 +115,9 @@ def hostile(sizes: str = "1,4,24,64", repeats: int = 3, probes: int = 200,
     return result
 
 
-def _server_side(sizes: str, repeats: int, probes: int, seed: int, labels_mib: float
-                 ) -> dict[str, Any]:
+def _server_side(
+    sizes: str, repeats: int, probes: int, seed: int, labels_mib: float
+) -> dict[str, Any]:
     mibs = [float(x) for x in sizes.split(",") if x.strip()]
     data = synthetic_pairs(500, 64, 32, seed=seed)
     with stack(checkpoint_every_seconds=0.5) as st, httpx.Client(timeout=120) as http:
@@ -122,16 +134,26 @@ def _server_side(sizes: str, repeats: int, probes: int, seed: int, labels_mib: f
 
         rest = [probe_ms() for _ in range(probes)]
         rss_rest = rss_mb(api_pid)
-        results = [{"body_mib": mib, **_under_junk(url, api_pid, "/v1/similarity",
-                                                   _junk_body(mib), "application/json",
-                                                   repeats)}
-                   for mib in tqdm(mibs, desc="junk bodies", file=sys.stderr)]
+        results = [
+            {
+                "body_mib": mib,
+                **_under_junk(
+                    url, api_pid, "/v1/similarity", _junk_body(mib), "application/json", repeats
+                ),
+            }
+            for mib in tqdm(mibs, desc="junk bodies", file=sys.stderr)
+        ]
         bomb = _labels_bomb(labels_mib)
-        labels = {"labels_mib": labels_mib, "body_bytes": len(bomb),
-                  **_under_junk(url, api_pid, "/v1/pairs/frames", bomb, FRAMES_MEDIA_TYPE,
-                                repeats)}
-        return {"max_body_bytes": st.settings.max_body_bytes,
-                "healthz_rest_p50_ms": round(percentile(rest, 50), 2),
-                "healthz_rest_p99_ms": round(percentile(rest, 99), 2),
-                "api_rss_rest_mb": round(rss_rest, 1), "bodies": results,
-                "labels_bomb": labels}
+        labels = {
+            "labels_mib": labels_mib,
+            "body_bytes": len(bomb),
+            **_under_junk(url, api_pid, "/v1/pairs/frames", bomb, FRAMES_MEDIA_TYPE, repeats),
+        }
+        return {
+            "max_body_bytes": st.settings.max_body_bytes,
+            "healthz_rest_p50_ms": round(percentile(rest, 50), 2),
+            "healthz_rest_p99_ms": round(percentile(rest, 99), 2),
+            "api_rss_rest_mb": round(rss_rest, 1),
+            "bodies": results,
+            "labels_bomb": labels,
+        }

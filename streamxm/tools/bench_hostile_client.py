@@ -37,13 +37,19 @@ def _cases(gib: float) -> dict[str, tuple[str, dict[str, Handler]]]:
     return {
         "chunked_body": ("models", {"/v1/models": chunked_flood(size)}),
         "gzip_bomb": ("models", {"/v1/models": gzip_bomb(size)}),
-        "html_on_push": ("push", {"/v1/limits": _LIMITS, "/v1/pairs/frames": plain(
-            202, b"<html><body>accepted</body></html>", "text/html")}),
-        "too_few_entry_ids": ("push", {"/v1/limits": _LIMITS, "/v1/pairs/frames": plain(
-            202, b'{"entry_ids": ["1-0"]}')}),
+        "html_on_push": (
+            "push",
+            {
+                "/v1/limits": _LIMITS,
+                "/v1/pairs/frames": plain(202, b"<html><body>accepted</body></html>", "text/html"),
+            },
+        ),
+        "too_few_entry_ids": (
+            "push",
+            {"/v1/limits": _LIMITS, "/v1/pairs/frames": plain(202, b'{"entry_ids": ["1-0"]}')},
+        ),
         "deep_json": ("models", {"/v1/models": plain(200, deep_json(100_000))}),
-        "limits_of_wrong_type": ("push", {"/v1/limits": plain(200, limits_json(
-            max_batch="x"))}),
+        "limits_of_wrong_type": ("push", {"/v1/limits": plain(200, limits_json(max_batch="x"))}),
     }
 
 
@@ -67,12 +73,19 @@ def _run_case(call: str, url: str) -> dict[str, Any]:
                 client.push([(f"p{i}", rng.random(8), rng.random(4), [0]) for i in range(5)])
         out["raised"] = None
     except StreamxmError as exc:
-        out.update(raised=type(exc).__name__, message=str(exc)[:200],
-                   written=getattr(exc, "written", None), unconfirmed=exc.unconfirmed)
+        out.update(
+            raised=type(exc).__name__,
+            message=str(exc)[:200],
+            written=getattr(exc, "written", None),
+            unconfirmed=exc.unconfirmed,
+        )
     except Exception as exc:  # anything else is the finding this benchmark looks for
         out.update(raised=type(exc).__name__, message=str(exc)[:200], escaped=True)
-    out.update(seconds=round(time.perf_counter() - started, 3),
-               client_rss_before_mb=round(before, 1), client_rss_peak_mb=round(_rss_mb(), 1))
+    out.update(
+        seconds=round(time.perf_counter() - started, 3),
+        client_rss_before_mb=round(before, 1),
+        client_rss_peak_mb=round(_rss_mb(), 1),
+    )
     return out
 
 
@@ -84,8 +97,7 @@ def client_cases(gib: float = 1.0) -> dict[str, Any]:
     """Every case of :func:`_cases` with bodies of ``gib`` GiB, each in a fresh process."""
     spawn = multiprocessing.get_context("spawn")
     results: dict[str, Any] = {}
-    for name, (call, answers) in tqdm(_cases(gib).items(), desc="hostile server",
-                                      file=sys.stderr):
+    for name, (call, answers) in tqdm(_cases(gib).items(), desc="hostile server", file=sys.stderr):
         with HostileServer(answers) as server:
             queue = spawn.Queue()
             child = spawn.Process(target=_child, args=(call, server.url, queue))
@@ -93,6 +105,9 @@ def client_cases(gib: float = 1.0) -> dict[str, Any]:
             results[name] = queue.get(timeout=300)
             child.join(timeout=30)
     escaped = [name for name, r in results.items() if r.get("escaped") or not r["raised"]]
-    return {"body_gib": gib, "cases": results,
-            "client_rss_peak_mb_max": max(r["client_rss_peak_mb"] for r in results.values()),
-            "not_streamxm_errors": escaped}
+    return {
+        "body_gib": gib,
+        "cases": results,
+        "client_rss_peak_mb_max": max(r["client_rss_peak_mb"] for r in results.values()),
+        "not_streamxm_errors": escaped,
+    }

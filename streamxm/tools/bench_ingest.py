@@ -41,19 +41,48 @@ def _redis_benchmark(st: Stack, img_dim: int, txt_dim: int, n: int, pipeline: in
     if binary is None:
         return None
     # Entries of the same shape and size as message v1 (bytes as printable filler).
-    args = [binary, "-s", str(st.redis_server.socket), "-n", str(n), "-c", "1",
-            "-P", str(pipeline), "-q", "XADD", "sxm:bench:redis-benchmark", "*", "v", "1",
-            "id", "rb-__rand_int__", "img", "x" * (4 * img_dim), "txt", "x" * (4 * txt_dim),
-            "labels", "1"]
+    args = [
+        binary,
+        "-s",
+        str(st.redis_server.socket),
+        "-n",
+        str(n),
+        "-c",
+        "1",
+        "-P",
+        str(pipeline),
+        "-q",
+        "XADD",
+        "sxm:bench:redis-benchmark",
+        "*",
+        "v",
+        "1",
+        "id",
+        "rb-__rand_int__",
+        "img",
+        "x" * (4 * img_dim),
+        "txt",
+        "x" * (4 * txt_dim),
+        "labels",
+        "1",
+    ]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     st.r.delete("sxm:bench:redis-benchmark")
     rates = re.findall(r"([\d.]+) requests per second", out)
     return float(rates[-1]) if rates else None
 
 
-def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_batch: int = 64,
-           chunk: int = 500, repeats: int = 5, seed: int = 0, cluster: bool = False,
-           http_clients: int = 4) -> dict[str, Any]:
+def ingest(
+    img_dim: int = 4096,
+    txt_dim: int = 1000,
+    pairs: int = 6000,
+    http_batch: int = 64,
+    chunk: int = 500,
+    repeats: int = 5,
+    seed: int = 0,
+    cluster: bool = False,
+    http_clients: int = 4,
+) -> dict[str, Any]:
     """Median pairs/s of the client, of HTTP with JSON numbers, with base64 float32 vectors in
     JSON and with binary bodies of message v1 frames, and of ``redis-benchmark`` XADD, and
     their ratios; all in the same run. The HTTP figures are of an ingest replica
@@ -67,10 +96,16 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_bat
     # Bodies encoded up front: the figure is the API's rate, not this process's encoder.
     json_type, frames_type = "application/json", FRAMES_MEDIA_TYPE
     paths: dict[str, tuple[str, str, list[bytes]]] = {
-        "json": ("/v1/pairs", json_type, [json.dumps({"pairs": [
-            pair_json(p) for p in b]}).encode() for b in batches]),
-        "base64": ("/v1/pairs", json_type, [json.dumps({"pairs": [
-            pair_json(p, True) for p in b]}).encode() for b in batches]),
+        "json": (
+            "/v1/pairs",
+            json_type,
+            [json.dumps({"pairs": [pair_json(p) for p in b]}).encode() for b in batches],
+        ),
+        "base64": (
+            "/v1/pairs",
+            json_type,
+            [json.dumps({"pairs": [pair_json(p, True) for p in b]}).encode() for b in batches],
+        ),
         "frames": ("/v1/pairs/frames", frames_type, [encode_frames(b) for b in batches]),
     }
     client_rates, rb_rates, replica_rates = [], [], []
@@ -78,8 +113,9 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_bat
 
     def post_all(url: str, name: str) -> float:
         path, media, bodies = paths[name]
-        seconds = asyncio.run(post_each(url, [raw_request(url, path, media, body)
-                                               for body in bodies], http_clients))
+        seconds = asyncio.run(
+            post_each(url, [raw_request(url, path, media, body) for body in bodies], http_clients)
+        )
         st.r.delete(st.keys.pairs)
         return pairs / seconds
 
@@ -112,9 +148,15 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_bat
     client_rate = statistics.median(client_rates)
     median = {name: statistics.median(rates) for name, rates in http_rates.items()}
     result: dict[str, Any] = {
-        "benchmark": "ingest", "img_dim": img_dim, "txt_dim": txt_dim, "pairs": pairs,
-        "entry_bytes": 4 * (img_dim + txt_dim), "client_pipeline": chunk,
-        "http_batch": http_batch, "http_clients": http_clients, "repeats": repeats,
+        "benchmark": "ingest",
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "pairs": pairs,
+        "entry_bytes": 4 * (img_dim + txt_dim),
+        "client_pipeline": chunk,
+        "http_batch": http_batch,
+        "http_clients": http_clients,
+        "repeats": repeats,
         "client_pairs_per_s": round(client_rate, 1),
         "http_pairs_per_s": round(median["json"], 1),
         "http_base64_pairs_per_s": round(median["base64"], 1),
@@ -122,8 +164,7 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_bat
         "http_binary_to_client": round(median["frames"] / client_rate, 3),
         "api_role": "ingest",
         "search_replica_binary_pairs_per_s": round(statistics.median(replica_rates), 1),
-        "search_replica_binary_to_client": round(
-            statistics.median(replica_rates) / client_rate, 3),
+        "search_replica_binary_to_client": round(statistics.median(replica_rates) / client_rate, 3),
         "client_runs": [round(x, 1) for x in client_rates],
         "http_runs": [round(x, 1) for x in http_rates["json"]],
         "http_base64_runs": [round(x, 1) for x in http_rates["base64"]],
@@ -134,28 +175,49 @@ def ingest(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 6000, http_bat
     return result
 
 
-def _beside_redis_benchmark(rb_rates: list[float], client_rate: float,
-                            http: dict[str, float]) -> dict[str, Any]:
+def _beside_redis_benchmark(
+    rb_rates: list[float], client_rate: float, http: dict[str, float]
+) -> dict[str, Any]:
     """The reference: ``redis-benchmark``'s XADD rate for the same entries, and each path's
     ratio to it."""
     if not rb_rates:
-        return {"redis_benchmark_xadd_per_s": None,
-                "note": "redis-benchmark not found (Debian: apt-get install redis-tools)"}
+        return {
+            "redis_benchmark_xadd_per_s": None,
+            "note": "redis-benchmark not found (Debian: apt-get install redis-tools)",
+        }
     rb = statistics.median(rb_rates)
-    return {"redis_benchmark_xadd_per_s": round(rb, 1),
-            "redis_benchmark_runs": [round(x, 1) for x in rb_rates],
-            "client_ratio": round(round(client_rate, 1) / rb, 3),
-            "http_ratio": round(http["json"] / rb, 3),
-            "http_binary_ratio": round(http["frames"] / rb, 3)}
+    return {
+        "redis_benchmark_xadd_per_s": round(rb, 1),
+        "redis_benchmark_runs": [round(x, 1) for x in rb_rates],
+        "client_ratio": round(round(client_rate, 1) / rb, 3),
+        "http_ratio": round(http["json"] / rb, 3),
+        "http_binary_ratio": round(http["frames"] / rb, 3),
+    }
 
 
-def _push_timed(url: str, namespace: str, img_dim: int, txt_dim: int, pairs: int, chunk: int,
-                seed: int, start_at: float) -> tuple[float, float]:
+def _push_timed(
+    url: str,
+    namespace: str,
+    img_dim: int,
+    txt_dim: int,
+    pairs: int,
+    chunk: int,
+    seed: int,
+    start_at: float,
+) -> tuple[float, float]:
     """In a producer process: make the pairs, wait for ``start_at`` (wall clock, so that the
     producers of one round start together), push them; returns (start, end)."""
     data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
-    client = StreamClient(connect(Settings(_env_file=None, redis_url=url,  # type: ignore[call-arg]
-                                           namespace=namespace)), namespace)
+    client = StreamClient(
+        connect(
+            Settings(
+                _env_file=None,
+                redis_url=url,  # type: ignore[call-arg]
+                namespace=namespace,
+            )
+        ),
+        namespace,
+    )
     client.push_pairs(data[:1])  # the connections and the namespace's schema, untimed
     time.sleep(max(0.0, start_at - time.time()))
     start = time.time()
@@ -163,8 +225,14 @@ def _push_timed(url: str, namespace: str, img_dim: int, txt_dim: int, pairs: int
     return start, time.time()
 
 
-def ingest_cluster(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000,
-                   chunk: int = 500, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+def ingest_cluster(
+    img_dim: int = 4096,
+    txt_dim: int = 1000,
+    pairs: int = 2000,
+    chunk: int = 500,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Pairs/s the client pushes into a local Redis Cluster (3 masters, 3 replicas, AOF
     ``everysec``, asynchronous replication): one namespace (one master) by one producer
     process, then three namespaces on three different masters by three producer processes at
@@ -177,17 +245,20 @@ def ingest_cluster(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000,
     root = Path(tempfile.mkdtemp(prefix="sxm-cluster-"))
     rates: dict[str, list[float]] = {"one": [], "three": []}
     try:
-        with LocalCluster(root) as local, \
-                multiprocessing.get_context("spawn").Pool(3) as pool:
+        with LocalCluster(root) as local, multiprocessing.get_context("spawn").Pool(3) as pool:
             names = namespace_on_each_master(local, 3, prefix="bench")
             masters = [local.master_for_key(Keys(ns).pairs) for ns in names]
             client = local.client()
             for _ in tqdm(range(repeats), desc="cluster ingest repeats", file=sys.stderr):
                 for label, spaces in (("one", names[:1]), ("three", names)):
                     start_at = time.time() + 3.0  # after every producer made its pairs
-                    spans = pool.starmap(_push_timed, [
-                        (local.url, ns, img_dim, txt_dim, pairs + 1, chunk, seed + j, start_at)
-                        for j, ns in enumerate(spaces)])
+                    spans = pool.starmap(
+                        _push_timed,
+                        [
+                            (local.url, ns, img_dim, txt_dim, pairs + 1, chunk, seed + j, start_at)
+                            for j, ns in enumerate(spaces)
+                        ],
+                    )
                     elapsed = max(e for _, e in spans) - min(s for s, _ in spans)
                     rates[label].append(pairs * len(spaces) / elapsed)
                     for ns in spaces:
@@ -197,9 +268,16 @@ def ingest_cluster(img_dim: int = 4096, txt_dim: int = 1000, pairs: int = 2000,
         shutil.rmtree(root, ignore_errors=True)
     one, three = statistics.median(rates["one"]), statistics.median(rates["three"])
     return {
-        "benchmark": "ingest", "cluster": True, "img_dim": img_dim, "txt_dim": txt_dim,
-        "pairs_per_namespace": pairs, "client_pipeline": chunk, "repeats": repeats,
-        "masters": 3, "replicas_per_master": 1, "namespaces": names,
+        "benchmark": "ingest",
+        "cluster": True,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "pairs_per_namespace": pairs,
+        "client_pipeline": chunk,
+        "repeats": repeats,
+        "masters": 3,
+        "replicas_per_master": 1,
+        "namespaces": names,
         "namespace_masters": masters,
         "one_namespace_pairs_per_s": round(one, 1),
         "three_namespaces_pairs_per_s": round(three, 1),

@@ -59,9 +59,17 @@ def metric_value(text: str, name: str) -> float | None:
     return None
 
 
-def _recall(st: Stack, model: str, answers: list[Answer], queries: list[tuple[str, Any]],
-            imgs: NDArray[np.float32], txts: NDArray[np.float32], k: int, sample: int,
-            seed: int) -> float | None:
+def _recall(
+    st: Stack,
+    model: str,
+    answers: list[Answer],
+    queries: list[tuple[str, Any]],
+    imgs: NDArray[np.float32],
+    txts: NDArray[np.float32],
+    k: int,
+    sample: int,
+    seed: int,
+) -> float | None:
     """Mean recall@k of sampled answers against the exact ranking (ties in row order) by the
     version that served each (an ensemble: its members' versions, fused over the API's
     reference sample), loaded from the store, which the benchmark tells to keep every
@@ -71,8 +79,9 @@ def _recall(st: Stack, model: str, answers: list[Answer], queries: list[tuple[st
         return None
     store = open_store(st.settings, st.r)
     rng = np.random.default_rng(seed)
-    picked = [answers[i] for i in rng.choice(len(answers), min(sample, len(answers)),
-                                             replace=False)]
+    picked = [
+        answers[i] for i in rng.choice(len(answers), min(sample, len(answers)), replace=False)
+    ]
     picked.sort(key=lambda a: a.versions)
     recalls: list[float] = []
     versions: tuple[tuple[str, int], ...] = ()
@@ -92,8 +101,9 @@ def _recall(st: Stack, model: str, answers: list[Answer], queries: list[tuple[st
     return round(float(np.mean(recalls)), 4) if recalls else None
 
 
-def _load_versions(store: CheckpointStore, versions: tuple[tuple[str, int], ...]
-                   ) -> dict[str, CrossModalModel] | None:
+def _load_versions(
+    store: CheckpointStore, versions: tuple[tuple[str, int], ...]
+) -> dict[str, CrossModalModel] | None:
     models = {}
     for name, version in versions:
         ckpt = store.load(name, version)
@@ -108,8 +118,13 @@ class _ExactScores:
     ensemble: its members' versions), from each member's embeddings of the gallery, made once
     per target modality (the models' contract: the similarity is their inner product)."""
 
-    def __init__(self, model: str, models: dict[str, CrossModalModel],
-                 imgs: NDArray[np.float32], txts: NDArray[np.float32]) -> None:
+    def __init__(
+        self,
+        model: str,
+        models: dict[str, CrossModalModel],
+        imgs: NDArray[np.float32],
+        txts: NDArray[np.float32],
+    ) -> None:
         self.model, self.models = model, models
         self.items = {"image": imgs, "text": txts}
         self._embedded: dict[tuple[str, str], NDArray[np.float64]] = {}
@@ -119,12 +134,16 @@ class _ExactScores:
             model, rows = self.models[member], self.items[target]
             embed = model.embed_images if target == "image" else model.embed_texts
             self._embedded[(member, target)] = np.concatenate(
-                [embed(rows[i : i + 50_000]).astype(np.float64)
-                 for i in range(0, len(rows), 50_000)])
+                [
+                    embed(rows[i : i + 50_000]).astype(np.float64)
+                    for i in range(0, len(rows), 50_000)
+                ]
+            )
         return self._embedded[(member, target)]
 
-    def _member(self, member: str, modality: str, vector: NDArray[np.float32]
-                ) -> NDArray[np.float64]:
+    def _member(
+        self, member: str, modality: str, vector: NDArray[np.float32]
+    ) -> NDArray[np.float64]:
         model = self.models[member]
         embed = model.embed_images if modality == "image" else model.embed_texts
         target = "text" if modality == "image" else "image"
@@ -146,10 +165,19 @@ class _ExactScores:
         return total
 
 
-def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, clients: int = 32,
-          seconds: float = 30.0, k: int = 10, model: str = "cmos", recall_sample: int = 200,
-          candidates: int = 100, seed: int = 0, wait_for_index: bool = True
-          ) -> dict[str, Any]:
+def query(
+    gallery: int = 100_000,
+    img_dim: int = 512,
+    txt_dim: int = 128,
+    clients: int = 32,
+    seconds: float = 30.0,
+    k: int = 10,
+    model: str = "cmos",
+    recall_sample: int = 200,
+    candidates: int = 100,
+    seed: int = 0,
+    wait_for_index: bool = True,
+) -> dict[str, Any]:
     """``/v1/search`` under ``clients`` concurrent connections for ``seconds`` while a worker
     learns from the stream and checkpoints every 2 s; image and text queries alternate.
 
@@ -168,16 +196,27 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
     for j in range(64):
         row = int(rng.integers(gallery))
         queries.append(("image", imgs[row]) if j % 2 else ("text", txts[row]))
-    bodies = [json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
-              for m, v in queries]
+    bodies = [
+        json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
+        for m, v in queries
+    ]
     # Checkpoints and segments on disk (the directory store): Redis then holds only the stream.
-    with stack(gallery_max=gallery, checkpoint_every_seconds=2.0, checkpoint_keep=1000,
-               checkpoint_store="dir", search_candidates=candidates,
-               wait_for_index=wait_for_index) as st:
+    with stack(
+        gallery_max=gallery,
+        checkpoint_every_seconds=2.0,
+        checkpoint_keep=1000,
+        checkpoint_store="dir",
+        search_candidates=candidates,
+        wait_for_index=wait_for_index,
+    ) as st:
         client = StreamClient(st.r, NAMESPACE)
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
-            client.push_pairs([make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
-                               for j in range(i, min(gallery, i + 5000))])
+            client.push_pairs(
+                [
+                    make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
+                    for j in range(i, min(gallery, i + 5000))
+                ]
+            )
         members = parse_ensemble(model).members if is_ensemble(model) else (model,)
         workers = [st.spawn("worker", "--model", member) for member in members]
         indexer = st.spawn("indexer")
@@ -185,18 +224,25 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
         api = st.procs[-1]
         served = _steady_state(st, url, members, gallery)
         before = sum(st.processed(m) for m in members)
-        pids = {**{f"worker {m}": w.pid for m, w in zip(members, workers, strict=True)},
-                "indexer": indexer.pid, "api": api.pid, "load_generator": None}
+        pids = {
+            **{f"worker {m}": w.pid for m, w in zip(members, workers, strict=True)},
+            "indexer": indexer.pid,
+            "api": api.pid,
+            "load_generator": None,
+        }
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         latencies, statuses, answers = asyncio.run(run_clients(url, bodies, clients, seconds))
         elapsed = time.perf_counter() - start
-        cpu = {name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
-               for name, pid in pids.items()}
+        cpu = {
+            name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
+            for name, pid in pids.items()
+        }
         learned = sum(st.processed(m) for m in members) - before
         api_rss = rss_mb(api.pid)
-        exact_scans = metric_value(httpx.get(f"{url}/metrics", timeout=30).text,
-                                    "streamxm_search_exact_scans_total")
+        exact_scans = metric_value(
+            httpx.get(f"{url}/metrics", timeout=30).text, "streamxm_search_exact_scans_total"
+        )
         ready_start = time.perf_counter()
         replica = st.api()
         wait_for(lambda: served(replica), 900, "a second API to load the whole gallery")
@@ -206,39 +252,57 @@ def query(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128, client
     lags = [a.lag_s for a in answers]
     errors = sum(n for code, n in statuses.items() if code != "200")
     return {
-        "benchmark": "query", "gallery": gallery, "img_dim": img_dim, "txt_dim": txt_dim,
-        "model": model, "k": k, "clients": clients, "candidates": candidates,
+        "benchmark": "query",
+        "gallery": gallery,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "model": model,
+        "k": k,
+        "clients": clients,
+        "candidates": candidates,
         "wait_for_index": wait_for_index,
         "seconds": round(elapsed, 2),
-        "requests": len(ms), "requests_per_s": round(len(ms) / elapsed, 1),
-        "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
-        "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2) if ms else None,
-        "errors": errors, "statuses": statuses, "recall_at_10": recall,
+        "requests": len(ms),
+        "requests_per_s": round(len(ms) / elapsed, 1),
+        "p50_ms": round(percentile(ms, 50), 2),
+        "p90_ms": round(percentile(ms, 90), 2),
+        "p99_ms": round(percentile(ms, 99), 2),
+        "max_ms": round(max(ms), 2) if ms else None,
+        "errors": errors,
+        "statuses": statuses,
+        "recall_at_10": recall,
         "served_version_lag_p99_s": round(percentile(lags, 99), 3) if lags else None,
         "model_versions_served": len({a.versions for a in answers}),
-        "pairs_learned_meanwhile": learned, "api_rss_mb": round(api_rss, 1),
+        "pairs_learned_meanwhile": learned,
+        "api_rss_mb": round(api_rss, 1),
         "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
         "replica_ready_s": round(replica_ready, 2),
         # Cores each process used during the load (the machine has os.cpu_count() of them).
-        "cores_used": cpu, "cores": os.cpu_count(),
+        "cores_used": cpu,
+        "cores": os.cpu_count(),
         "api_cpu_ms_per_request": round(1000 * cpu["api"] * elapsed / max(1, len(ms)), 2),
         # Searches whose int8/bfloat16 candidates were not proven complete: a float32 scan answered.
         "exact_scans": exact_scans,
     }
 
 
-def _steady_state(st: Stack, url: str, members: tuple[str, ...], gallery: int
-                  ) -> Callable[[str], bool]:
+def _steady_state(
+    st: Stack, url: str, members: tuple[str, ...], gallery: int
+) -> Callable[[str], bool]:
     """Wait until the API at ``url`` serves every model of ``members`` over the whole gallery
     and the indexer
     has written every pushed pair into segments (the API can serve the whole gallery earlier,
     from the stream tail, while the indexer catches up); the check of the first, for replicas."""
+
     def served(at: str) -> bool:
         response = httpx.get(f"{at}/v1/models", timeout=10)
         if response.status_code != 200:  # 503 while Redis is busy with the gallery load
             return False
-        loaded = {m["name"] for m in response.json()["models"]
-                  if m["loaded"] and m["gallery_items"] >= gallery}
+        loaded = {
+            m["name"]
+            for m in response.json()["models"]
+            if m["loaded"] and m["gallery_items"] >= gallery
+        }
         return loaded.issuperset(members)
 
     wait_for(lambda: served(url), 900, "the API to load a model and the whole gallery")
@@ -252,9 +316,16 @@ def _steady_state(st: Stack, url: str, members: tuple[str, ...], gallery: int
     return served
 
 
-def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,
-                    img_dim: int = 128, txt_dim: int = 32, queries: int = 100, k: int = 10,
-                    candidates: int = 100, seed: int = 0) -> dict[str, Any]:
+def ensemble_recall(
+    model: str = "ensemble:cmos+sdsrl",
+    gallery: int = 20_000,
+    img_dim: int = 128,
+    txt_dim: int = 32,
+    queries: int = 100,
+    k: int = 10,
+    candidates: int = 100,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Recall@k of an ensemble's search against the exact fused ranking of the whole gallery.
 
     Every member learns the gallery's pairs (:func:`~streamxm.tools.datasets.synthetic_pairs`,
@@ -270,14 +341,18 @@ def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,
 
     spec = parse_ensemble(model)
     pairs = synthetic_pairs(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
-    vectors = {"image": np.stack([p.img for p in pairs]),
-               "text": np.stack([p.txt for p in pairs])}
+    vectors = {"image": np.stack([p.img for p in pairs]), "text": np.stack([p.txt for p in pairs])}
     with stack(gallery_max=gallery) as st:
         StreamClient(st.r, NAMESPACE).push_pairs(pairs)
         for member in tqdm(spec.members, desc="members learning", file=sys.stderr):
             build_worker(st.settings, st.r, member).run(until_idle=True)
-        server = ModelServer(st.r, open_store(st.settings, st.r), NAMESPACE,
-                             gallery_max=gallery, candidates=candidates)
+        server = ModelServer(
+            st.r,
+            open_store(st.settings, st.r),
+            NAMESPACE,
+            gallery_max=gallery,
+            candidates=candidates,
+        )
         while len(server.gallery) < gallery or len(server.served) < len(spec.members):
             server.refresh()
         fused = server.ensemble(model)
@@ -288,12 +363,23 @@ def ensemble_recall(model: str = "ensemble:cmos+sdsrl", gallery: int = 20_000,
             query = vectors[modality][int(rng.integers(gallery))]
             found = {i for i, _ in server.search(model, modality, query, k).hits}
             target = other_modality(modality)
-            exact = fused.fused.scores(direction_of(modality), query[None, :], vectors[target],
-                                       server.gallery.reference(target, REFERENCE_ITEMS))[0]
+            exact = fused.fused.scores(
+                direction_of(modality),
+                query[None, :],
+                vectors[target],
+                server.gallery.reference(target, REFERENCE_ITEMS),
+            )[0]
             best = {pairs[i].id for i in np.argsort(-exact, kind="stable")[:k]}
             recalls.append(len(found & best) / k)
-    return {"benchmark": "ensemble-recall", "model": model, "gallery": gallery,
-            "img_dim": img_dim, "txt_dim": txt_dim, "queries": queries, "k": k,
-            "candidates_per_member": max(candidates, 4 * k),
-            "recall_at_k": round(float(np.mean(recalls)), 4),
-            "min_recall_at_k": round(float(np.min(recalls)), 2)}
+    return {
+        "benchmark": "ensemble-recall",
+        "model": model,
+        "gallery": gallery,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "queries": queries,
+        "k": k,
+        "candidates_per_member": max(candidates, 4 * k),
+        "recall_at_k": round(float(np.mean(recalls)), 4),
+        "min_recall_at_k": round(float(np.min(recalls)), 2),
+    }

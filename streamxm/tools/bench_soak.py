@@ -30,8 +30,9 @@ def _gallery_bytes(st: Stack) -> int:
     manifest = read_manifest(st.r, st.keys)
     if manifest is None:
         return 0
-    return sum(int(st.r.strlen(st.keys.checkpoint_blob(SEGMENTS, ref.seq)))
-               for ref in manifest.segments)
+    return sum(
+        int(st.r.strlen(st.keys.checkpoint_blob(SEGMENTS, ref.seq))) for ref in manifest.segments
+    )
 
 
 def _slope(samples: list[dict[str, float]], key: str) -> float:
@@ -39,9 +40,17 @@ def _slope(samples: list[dict[str, float]], key: str) -> float:
     return float(np.polyfit(x, np.array([s[key] for s in samples]), 1)[0])
 
 
-def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim: int = 512,
-         txt_dim: int = 128, gallery_max: int = 20_000, sample_seconds: float = 60.0,
-         warmup_minutes: float = 5.0, seed: int = 0) -> dict[str, Any]:
+def soak(
+    minutes: float = 20.0,
+    rate: float = 100.0,
+    qps: float = 20.0,
+    img_dim: int = 512,
+    txt_dim: int = 128,
+    gallery_max: int = 20_000,
+    sample_seconds: float = 60.0,
+    warmup_minutes: float = 5.0,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Push at ``rate``, query at ``qps``, learn and index; memory sampled every minute.
 
     Per sample: resident memory of the worker, the indexer and the API, Redis ``used_memory``,
@@ -67,8 +76,10 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
             step, i = max(1, int(rate / 10)), 0
             start = time.perf_counter()
             while not stop.is_set():
-                part = [Pair(f"s{i + j}", p.img, p.txt, p.labels) for j, p in
-                        enumerate(pool[i % len(pool) : i % len(pool) + step])]
+                part = [
+                    Pair(f"s{i + j}", p.img, p.txt, p.labels)
+                    for j, p in enumerate(pool[i % len(pool) : i % len(pool) + step])
+                ]
                 client.push_pairs(part)
                 i += len(part)
                 counts["pushed"] = i
@@ -79,8 +90,9 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
                 j = 0
                 while not stop.is_set():
                     p = pool[j % len(pool)]
-                    response = http.post("/v1/search", json={
-                        "modality": "image", "vector": p.img.tolist(), "k": 10})
+                    response = http.post(
+                        "/v1/search", json={"modality": "image", "vector": p.img.tolist(), "k": 10}
+                    )
                     counts["queries"] += 1
                     counts["query_errors"] += response.status_code != 200
                     j += 1
@@ -88,8 +100,9 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
 
         def watch_stream() -> None:
             while not stop.wait(2.0):
-                counts["stream_length_max"] = max(counts["stream_length_max"],
-                                                  int(st.r.xlen(st.keys.pairs)))
+                counts["stream_length_max"] = max(
+                    counts["stream_length_max"], int(st.r.xlen(st.keys.pairs))
+                )
 
         threads = [threading.Thread(target=f, daemon=True) for f in (produce, ask, watch_stream)]
         for t in threads:
@@ -104,9 +117,17 @@ def soak(minutes: float = 20.0, rate: float = 100.0, qps: float = 20.0, img_dim:
             t.join(timeout=30)
         alive = {"worker": worker.alive(), "indexer": indexer.alive(), "api": api.alive()}
     result: dict[str, Any] = {
-        "benchmark": "soak", "minutes": minutes, "push_rate": rate, "qps": qps,
-        "img_dim": img_dim, "txt_dim": txt_dim, "gallery_max": gallery_max,
-        "warmup_minutes": warmup_minutes, **counts, "alive_at_end": alive, "samples": samples,
+        "benchmark": "soak",
+        "minutes": minutes,
+        "push_rate": rate,
+        "qps": qps,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "gallery_max": gallery_max,
+        "warmup_minutes": warmup_minutes,
+        **counts,
+        "alive_at_end": alive,
+        "samples": samples,
     }
     result.update(_slopes([s for s in samples if s["minute"] >= warmup_minutes]))
     return result
@@ -117,15 +138,17 @@ def _sample(st: Stack, start: float, worker: int, indexer: int, api: int) -> dic
     stream's length, the pairs learned."""
     used = int(st.r.info("memory")["used_memory"])
     gallery_bytes = _gallery_bytes(st)
-    return {"minute": round((time.perf_counter() - start) / 60, 2),
-            "worker_rss_mb": round(rss_mb(worker), 1),
-            "indexer_rss_mb": round(rss_mb(indexer), 1),
-            "api_rss_mb": round(rss_mb(api), 1),
-            "redis_used_mb": round(used / 2**20, 1),
-            "gallery_segments_mb": round(gallery_bytes / 2**20, 1),
-            "redis_less_gallery_mb": round((used - gallery_bytes) / 2**20, 1),
-            "stream_length": int(st.r.xlen(st.keys.pairs)),
-            "pairs_learned": st.processed("cmos")}
+    return {
+        "minute": round((time.perf_counter() - start) / 60, 2),
+        "worker_rss_mb": round(rss_mb(worker), 1),
+        "indexer_rss_mb": round(rss_mb(indexer), 1),
+        "api_rss_mb": round(rss_mb(api), 1),
+        "redis_used_mb": round(used / 2**20, 1),
+        "gallery_segments_mb": round(gallery_bytes / 2**20, 1),
+        "redis_less_gallery_mb": round((used - gallery_bytes) / 2**20, 1),
+        "stream_length": int(st.r.xlen(st.keys.pairs)),
+        "pairs_learned": st.processed("cmos"),
+    }
 
 
 def _slopes(late: list[dict[str, float]]) -> dict[str, float]:
@@ -134,8 +157,13 @@ def _slopes(late: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     if len(late) < 2:
         return out
-    for key in ("worker_rss_mb", "indexer_rss_mb", "api_rss_mb", "redis_used_mb",
-                "redis_less_gallery_mb"):
+    for key in (
+        "worker_rss_mb",
+        "indexer_rss_mb",
+        "api_rss_mb",
+        "redis_used_mb",
+        "redis_less_gallery_mb",
+    ):
         slope = _slope(late, key)
         mean = float(np.mean([s[key] for s in late]))
         name = key.removesuffix("_mb")

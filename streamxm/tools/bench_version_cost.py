@@ -38,7 +38,8 @@ def _nbytes(index: EmbeddedGallery) -> int:
     total = 0
     for modality in ("image", "text"):
         width = index.model.index_rows(
-            modality, index.gallery.vectors_at(np.zeros(1, np.int64), modality)).shape[1]
+            modality, index.gallery.vectors_at(np.zeros(1, np.int64), modality)
+        ).shape[1]
         for block in index.blocks(modality):
             total += int(block.nbytes) if isinstance(block, np.ndarray) else len(block) * width
     return total
@@ -56,9 +57,16 @@ def _embedding_pass(model: CrossModalModel, rows: Gallery) -> float:
     return time.perf_counter() - started
 
 
-def version_cost(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128,
-                 models: str = ",".join(MODEL_NAMES), pairs: int = 1500, versions: int = 3,
-                 pairs_between: int = 20, seed: int = 0) -> dict[str, Any]:
+def version_cost(
+    gallery: int = 100_000,
+    img_dim: int = 512,
+    txt_dim: int = 128,
+    models: str = ",".join(MODEL_NAMES),
+    pairs: int = 1500,
+    versions: int = 3,
+    pairs_between: int = 20,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Per model: learn ``pairs`` synthetic pairs, then time embedding a ``gallery``-item
     gallery with ``versions`` versions of the model, ``pairs_between`` more pairs learned
     before each later one, each built from the one before as the API does: the first build
@@ -69,8 +77,9 @@ def version_cost(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128,
     ``embed_s``, for such a model: one pass of its embeddings over the gallery, what a
     version cost when the index kept them (the reference)."""
     rows = _gallery(gallery, img_dim, txt_dim, seed)
-    stream = synthetic_pairs(pairs + pairs_between * versions, img_dim, txt_dim,
-                             n_classes=100, seed=seed + 1)
+    stream = synthetic_pairs(
+        pairs + pairs_between * versions, img_dim, txt_dim, n_classes=100, seed=seed + 1
+    )
     results: dict[str, Any] = {}
     for name in tqdm(models.split(","), desc="models", file=sys.stderr):
         learner = StreamLearner(name, img_dim, txt_dim, eval_every=len(stream) + 1, seed=seed)
@@ -78,8 +87,12 @@ def version_cost(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128,
         learner.flush()
         model = learner.model
         if model.fixed_space:
-            results[name] = {"fixed_space": True, "per_version_s": 0.0, "features_mb": 0.0,
-                             "embeddings_mb": 0.0}
+            results[name] = {
+                "fixed_space": True,
+                "per_version_s": 0.0,
+                "features_mb": 0.0,
+                "embeddings_mb": 0.0,
+            }
             continue
         rows.keep_features(set())
         times = []
@@ -96,15 +109,24 @@ def version_cost(gallery: int = 100_000, img_dim: int = 512, txt_dim: int = 128,
         assert index is not None
         features = rows.feature_bytes()
         results[name] = {
-            "fixed_space": False, "linear_head": model.linear_head("image") is not None,
+            "fixed_space": False,
+            "linear_head": model.linear_head("image") is not None,
             "first_build_s": round(times[0], 3),
             "per_version_s": round(float(np.median(times[1:] or times)), 3),
             "features_mb": round(features / 2**20, 1),
-            "embeddings_mb": round(_nbytes(index) / 2**20, 1)}
+            "embeddings_mb": round(_nbytes(index) / 2**20, 1),
+        }
         if model.index_update(model, "image") is not None:
             results[name]["embed_s"] = round(_embedding_pass(model, rows), 3)
-    return {"benchmark": "version-cost", "gallery": gallery, "img_dim": img_dim,
-            "txt_dim": txt_dim, "pairs_learned": pairs, "versions": versions,
-            "pairs_between": pairs_between,
-            "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
-            "rss_mb": round(rss_mb(os.getpid()), 1), "models": results}
+    return {
+        "benchmark": "version-cost",
+        "gallery": gallery,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "pairs_learned": pairs,
+        "versions": versions,
+        "pairs_between": pairs_between,
+        "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
+        "rss_mb": round(rss_mb(os.getpid()), 1),
+        "models": results,
+    }

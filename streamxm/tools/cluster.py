@@ -37,8 +37,14 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
-__all__ = ["SLOTS", "LocalCluster", "free_cluster_ports", "namespace_on_each_master",
-           "redis_binaries", "server_version"]
+__all__ = [
+    "SLOTS",
+    "LocalCluster",
+    "free_cluster_ports",
+    "namespace_on_each_master",
+    "redis_binaries",
+    "server_version",
+]
 
 SLOTS = 16384
 HOST = "127.0.0.1"
@@ -68,8 +74,9 @@ def redis_binaries() -> tuple[str, str]:
 
 def server_version(binary: str) -> tuple[int, ...]:
     """``redis-server --version`` as a tuple, e.g. ``(6, 2, 14)``."""
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10,
-                         check=True).stdout
+    out = subprocess.run(
+        [binary, "--version"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
     match = re.search(r"v=(\d+(?:\.\d+)*)", out)
     if match is None:
         raise RuntimeError(f"cannot read the version of {binary}: {out!r}")
@@ -97,9 +104,12 @@ def free_cluster_ports(count: int) -> list[int]:
             s.bind((HOST, 0))
             port = int(s.getsockname()[1])
             held.append(s)  # held open so the next bind(0) cannot return it again
-            if port + BUS_OFFSET <= 65535 and port + BUS_OFFSET not in ports \
-                    and all(port != p + BUS_OFFSET for p in ports) \
-                    and _port_free(port + BUS_OFFSET):
+            if (
+                port + BUS_OFFSET <= 65535
+                and port + BUS_OFFSET not in ports
+                and all(port != p + BUS_OFFSET for p in ports)
+                and _port_free(port + BUS_OFFSET)
+            ):
                 ports.append(port)
     finally:
         for s in held:
@@ -109,8 +119,13 @@ def free_cluster_ports(count: int) -> list[int]:
     return ports
 
 
-def _wait(predicate: Callable[[], T | None], timeout: float, what: str,
-          on_timeout: Callable[[], str], interval: float = 0.05) -> T:
+def _wait(
+    predicate: Callable[[], T | None],
+    timeout: float,
+    what: str,
+    on_timeout: Callable[[], str],
+    interval: float = 0.05,
+) -> T:
     """Poll until ``predicate`` returns something truthy; Redis errors count as "not yet"."""
     deadline = time.monotonic() + timeout
     while True:
@@ -132,8 +147,14 @@ class LocalCluster:
     the AOF and ``redis.log``). Use it as a context manager; ``start()``/``stop()`` also work.
     """
 
-    def __init__(self, root: Path, masters: int = 3, replicas_per_master: int = 1,
-                 node_timeout_ms: int = 1000, start_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        masters: int = 3,
+        replicas_per_master: int = 1,
+        node_timeout_ms: int = 1000,
+        start_timeout: float = 30.0,
+    ) -> None:
         self.root = Path(root).resolve()
         self.n_masters = masters
         self.replicas_per_master = replicas_per_master
@@ -151,8 +172,12 @@ class LocalCluster:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
     def start(self, attempts: int = 3) -> LocalCluster:
@@ -166,8 +191,12 @@ class LocalCluster:
                     for port in self.ports:
                         self._spawn(port)
                     for port in self.ports:
-                        _wait(functools.partial(self._answers, port), self.start_timeout,
-                              f"redis-server on port {port}", self.log_tails)
+                        _wait(
+                            functools.partial(self._answers, port),
+                            self.start_timeout,
+                            f"redis-server on port {port}",
+                            self.log_tails,
+                        )
                     break
                 except RuntimeError:
                     self.stop()
@@ -185,49 +214,74 @@ class LocalCluster:
         node_dir.mkdir(parents=True, exist_ok=True)
         conf = node_dir / "redis.conf"
         if not conf.exists():
-            conf.write_text("\n".join([
-                f"port {port}",
-                f"bind {HOST}",
-                "cluster-enabled yes",
-                "cluster-config-file nodes.conf",
-                f"cluster-node-timeout {self.node_timeout_ms}",
-                "appendonly yes",
-                "appendfsync everysec",
-                f"dir {node_dir}",
-                "daemonize no",
-                'save ""',
-                "protected-mode no",
-                f"logfile {node_dir / 'redis.log'}",
-                # The process title names the config file (under root), so a check for servers
-                # left running under a directory sees the nodes (Redis >= 6.2).
-                *(['proc-title-template "{title} {listen-addr} {server-mode} {config-file}"']
-                  if self.server_version >= (6, 2) else []),
-                "",
-            ]))
+            conf.write_text(
+                "\n".join(
+                    [
+                        f"port {port}",
+                        f"bind {HOST}",
+                        "cluster-enabled yes",
+                        "cluster-config-file nodes.conf",
+                        f"cluster-node-timeout {self.node_timeout_ms}",
+                        "appendonly yes",
+                        "appendfsync everysec",
+                        f"dir {node_dir}",
+                        "daemonize no",
+                        'save ""',
+                        "protected-mode no",
+                        f"logfile {node_dir / 'redis.log'}",
+                        # The process title names the config file (under root), so a check for
+                        # servers left running under a directory sees the nodes (Redis >= 6.2).
+                        *(
+                            [
+                                'proc-title-template "{title} {listen-addr} {server-mode} '
+                                '{config-file}"'
+                            ]
+                            if self.server_version >= (6, 2)
+                            else []
+                        ),
+                        "",
+                    ]
+                )
+            )
         self._procs[port] = subprocess.Popen(
-            [self.server_binary, str(conf)], cwd=node_dir, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [self.server_binary, str(conf)],
+            cwd=node_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
     def _answers(self, port: int) -> bool:
         proc = self._procs[port]
         if proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}\n"
-                               f"{self.log_tail(port)}")
+            raise RuntimeError(
+                f"redis-server on port {port} exited with {proc.returncode}\n{self.log_tail(port)}"
+            )
         return bool(self.node(port).ping())
 
     def _create(self) -> None:
-        args = [self.cli_binary, "--cluster", "create", *(f"{HOST}:{p}" for p in self.ports),
-                "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"]
+        args = [
+            self.cli_binary,
+            "--cluster",
+            "create",
+            *(f"{HOST}:{p}" for p in self.ports),
+            "--cluster-replicas",
+            str(self.replicas_per_master),
+            "--cluster-yes",
+        ]
         try:
-            done = subprocess.run(args, capture_output=True, text=True,
-                                  timeout=self.start_timeout, check=False)
+            done = subprocess.run(
+                args, capture_output=True, text=True, timeout=self.start_timeout, check=False
+            )
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"redis-cli --cluster create timed out\n{self.log_tails()}") from e
         if done.returncode != 0 or "[OK] All 16384 slots covered" not in done.stdout:
-            raise RuntimeError(f"redis-cli --cluster create failed ({done.returncode}):\n"
-                               f"{done.stdout[-3000:]}\n{done.stderr[-2000:]}\n"
-                               f"{self.log_tails()}")
+            raise RuntimeError(
+                f"redis-cli --cluster create failed ({done.returncode}):\n"
+                f"{done.stdout[-3000:]}\n{done.stderr[-2000:]}\n"
+                f"{self.log_tails()}"
+            )
 
     def restart(self, port: int, timeout: float = 30.0, wait: bool = True) -> None:
         """Start a killed node again with its config and data. It rejoins the cluster (a former
@@ -279,8 +333,13 @@ class LocalCluster:
     def node(self, port: int) -> redis.Redis:
         """A plain client on one node (str replies), e.g. for ``INFO`` or ``CLUSTER INFO``."""
         if port not in self._nodes:
-            self._nodes[port] = redis.Redis(host=HOST, port=port, decode_responses=True,
-                                            socket_timeout=2.0, socket_connect_timeout=1.0)
+            self._nodes[port] = redis.Redis(
+                host=HOST,
+                port=port,
+                decode_responses=True,
+                socket_timeout=2.0,
+                socket_connect_timeout=1.0,
+            )
         return self._nodes[port]
 
     def _drop_client(self, port: int) -> None:
@@ -376,8 +435,9 @@ class LocalCluster:
         """Wait until a replica of the killed master reports ``role:master`` and every live
         node says ``cluster_state:ok`` with all 16384 slots on live masters; return the new
         master's port."""
-        candidates = (self._replicas_at_kill.get(dead_master_port)
-                      or self.replicas_of(dead_master_port))
+        candidates = self._replicas_at_kill.get(dead_master_port) or self.replicas_of(
+            dead_master_port
+        )
         if not candidates:
             raise RuntimeError(f"{dead_master_port} had no replica to take over")
 
@@ -387,13 +447,15 @@ class LocalCluster:
                 return promoted[0]
             return None
 
-        return _wait(done, timeout, f"failover of {dead_master_port} to one of {candidates}",
-                     self.log_tails)
+        return _wait(
+            done, timeout, f"failover of {dead_master_port} to one of {candidates}", self.log_tails
+        )
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Wait until every live node says ``cluster_state:ok`` with all slots on live masters,
         every replica's link to its master is up and no node is loading or rewriting its
         AOF."""
+
         def done() -> bool:
             live = self.live_ports()
             for port in live:
@@ -404,8 +466,10 @@ class LocalCluster:
                     return False
                 # A replica rewrites its AOF after each full sync: wait for it to finish.
                 persistence = self.node(port).info("persistence")
-                if any(int(persistence.get(f, 0)) for f in
-                       ("loading", "aof_rewrite_in_progress", "aof_rewrite_scheduled")):
+                if any(
+                    int(persistence.get(f, 0))
+                    for f in ("loading", "aof_rewrite_in_progress", "aof_rewrite_scheduled")
+                ):
                     return False
             return True
 
@@ -433,8 +497,9 @@ class LocalCluster:
         return "\n".join(self.log_tail(p, lines) for p in self.ports)
 
 
-def namespace_on_each_master(cluster: LocalCluster, count: int = 3,
-                             prefix: str = "ns") -> list[str]:
+def namespace_on_each_master(
+    cluster: LocalCluster, count: int = 3, prefix: str = "ns"
+) -> list[str]:
     """``count`` namespace names (``prefix0``, ``prefix1``, ...) whose keys ``sxm:{<ns>}:...``
     hash to slots on ``count`` different masters."""
     ranges = cluster.slot_map()
@@ -449,4 +514,3 @@ def namespace_on_each_master(cluster: LocalCluster, count: int = 3,
         if len(chosen) == count:
             return list(chosen.values())
     raise AssertionError("unreachable")
-

@@ -13,8 +13,18 @@ from numpy.typing import NDArray
 
 from streamxm.stream.messages import Pair, make_pair
 
-__all__ = ["ORDERS", "PUBLISHED_WIKI", "Dataset", "bundled_wiki_path", "iter_pairs",
-           "load_dataset", "noisy_labels", "stream_order", "synthetic_arrays", "synthetic_pairs"]
+__all__ = [
+    "ORDERS",
+    "PUBLISHED_WIKI",
+    "Dataset",
+    "bundled_wiki_path",
+    "iter_pairs",
+    "load_dataset",
+    "noisy_labels",
+    "stream_order",
+    "synthetic_arrays",
+    "synthetic_pairs",
+]
 
 #: Orders a benchmark can stream the training rows in (``stream_order``).
 ORDERS = ("file", "class", "shuffled")
@@ -105,8 +115,7 @@ def stream_order(y: NDArray[Any], order: str = "file", seed: int = 0) -> NDArray
     if order == "file":
         return np.arange(n)
     if order == "class":
-        first = np.array([min(row_labels(y, i), default=np.iinfo(np.int64).max)
-                          for i in range(n)])
+        first = np.array([min(row_labels(y, i), default=np.iinfo(np.int64).max) for i in range(n)])
         return np.argsort(first, kind="stable")
     if order == "shuffled":
         return np.random.default_rng(seed).permutation(n)
@@ -132,14 +141,18 @@ def noisy_labels(y: NDArray[Any], fraction: float, seed: int = 0) -> list[list[i
         return labels
     rng = np.random.default_rng([seed, 1])
     for i in rng.choice(n, size=round(fraction * n), replace=False):
-        labels[i] = sorted({int(rng.choice([c for c in classes if c != old]))
-                            for old in labels[i]})
+        labels[i] = sorted({int(rng.choice([c for c in classes if c != old])) for old in labels[i]})
     return labels
 
 
 def iter_pairs(
-    ds: Dataset, limit: int | None = None, unlabelled: bool = False, prefix: str = "train",
-    order: str = "file", label_noise: float = 0.0, seed: int = 0,
+    ds: Dataset,
+    limit: int | None = None,
+    unlabelled: bool = False,
+    prefix: str = "train",
+    order: str = "file",
+    label_noise: float = 0.0,
+    seed: int = 0,
 ) -> Iterator[Pair]:
     """Training rows as validated pairs (ids ``<prefix>-<row>``), in ``order``
     (:func:`stream_order`), with a fraction ``label_noise`` of the labels wrong
@@ -148,14 +161,16 @@ def iter_pairs(
     labels = noisy_labels(ds.y_train, label_noise, seed)
     for i in rows[:limit]:
         yield make_pair(
-            f"{prefix}-{i}", ds.img_train[i], ds.txt_train[i],
+            f"{prefix}-{i}",
+            ds.img_train[i],
+            ds.txt_train[i],
             labels=None if unlabelled else labels[i],
         )
 
 
-def synthetic_arrays(n: int, img_dim: int, txt_dim: int, n_classes: int = 10, seed: int = 0,
-                     spread: float = 1.0
-                     ) -> tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]:
+def synthetic_arrays(
+    n: int, img_dim: int, txt_dim: int, n_classes: int = 10, seed: int = 0, spread: float = 1.0
+) -> tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]:
     """Images, texts and classes of :func:`synthetic_pairs`, as three arrays."""
     rng = np.random.default_rng(seed)
     centers_v = rng.random((n_classes, img_dim), dtype=np.float32)
@@ -166,8 +181,9 @@ def synthetic_arrays(n: int, img_dim: int, txt_dim: int, n_classes: int = 10, se
     return imgs, txts, classes
 
 
-def synthetic_pairs(n: int, img_dim: int, txt_dim: int, n_classes: int = 10, seed: int = 0,
-                    spread: float = 1.0) -> list[Pair]:
+def synthetic_pairs(
+    n: int, img_dim: int, txt_dim: int, n_classes: int = 10, seed: int = 0, spread: float = 1.0
+) -> list[Pair]:
     """Labelled pairs whose image and text lean towards a per-class centre: non-negative, like
     histogram features. Centres and noise are uniform in [0, 1); ``spread`` scales the noise.
     The pairs' vectors are views of :func:`synthetic_arrays`' arrays, ids ``s<row>``.

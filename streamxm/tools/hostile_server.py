@@ -21,13 +21,16 @@ __all__ = ["HostileServer", "chunked_flood", "gzip_bomb", "plain"]
 Handler = Callable[[socket.socket], None]
 
 
-def plain(status: int, body: bytes, content_type: str = "application/json",
-          extra: str = "") -> Handler:
+def plain(
+    status: int, body: bytes, content_type: str = "application/json", extra: str = ""
+) -> Handler:
     """A whole answer with its length."""
 
     def send(conn: socket.socket) -> None:
-        head = (f"HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\n"
-                f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n")
+        head = (
+            f"HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\n"
+            f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n"
+        )
         conn.sendall(head.encode() + body)
 
     return send
@@ -39,8 +42,10 @@ def chunked_flood(total: int, status: int = 200) -> Handler:
     frame = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
 
     def send(conn: socket.socket) -> None:
-        conn.sendall(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
-                     "transfer-encoding: chunked\r\n\r\n".encode())
+        conn.sendall(
+            f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+            "transfer-encoding: chunked\r\n\r\n".encode()
+        )
         for _ in range(total // len(chunk)):
             conn.sendall(frame)
         conn.sendall(b"0\r\n\r\n")

@@ -73,11 +73,18 @@ def _ranges(cpus: set[int]) -> str:
 def _blas() -> list[dict[str, Any]]:
     """The BLAS libraries loaded in this process, as threadpoolctl finds them (numpy's is loaded
     by the import above): their kernel architecture and thread pool size now."""
-    return [{"internal_api": info.get("internal_api"), "prefix": info.get("prefix"),
-             "version": info.get("version"), "architecture": info.get("architecture"),
-             "threading_layer": info.get("threading_layer"),
-             "num_threads": info.get("num_threads")}
-            for info in threadpool_info() if info.get("user_api") == "blas"]
+    return [
+        {
+            "internal_api": info.get("internal_api"),
+            "prefix": info.get("prefix"),
+            "version": info.get("version"),
+            "architecture": info.get("architecture"),
+            "threading_layer": info.get("threading_layer"),
+            "num_threads": info.get("num_threads"),
+        }
+        for info in threadpool_info()
+        if info.get("user_api") == "blas"
+    ]
 
 
 def _torch() -> tuple[str | None, str | None]:

@@ -43,8 +43,14 @@ class Child:
     0
     """
 
-    def __init__(self, *args: str, env: dict[str, str], log: Path | None = None,
-                 watch: bool = False, die_with_parent: bool = False) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str],
+        log: Path | None = None,
+        watch: bool = False,
+        die_with_parent: bool = False,
+    ) -> None:
         self.args = args
         self.lines: list[str] = []
         command = [sys.executable, "-m", "streamxm", *args]
@@ -52,16 +58,26 @@ class Child:
         # SIGKILL (Linux; the starting *thread* must outlive the child: the main thread).
         preexec = _terminate_with_parent if die_with_parent else None
         if watch:
-            self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         preexec_fn=preexec)
+            self.proc = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                preexec_fn=preexec,
+            )
             self._reader = threading.Thread(target=self._read, daemon=True)
             self._reader.start()
         else:
             with open(log or "/dev/null", "ab") as out:
-                self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                             stdout=out, stderr=subprocess.STDOUT,
-                                             preexec_fn=preexec)
+                self.proc = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=preexec,
+                )
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -100,7 +116,8 @@ class Child:
     def __enter__(self) -> Child:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.alive():
             self.stop(timeout=30)

@@ -41,9 +41,12 @@ class PushReport:
 
     def summary(self) -> str:
         last = f", last entry id {self.last_entry_id}" if self.last_entry_id else ""
-        return (f"pushed pairs {self.start}..{self.landed - 1} of {self.total} "
-                f"({self.landed - self.start} pairs{last})" if self.landed > self.start else
-                f"pushed no pairs (from pair {self.start} of {self.total})")
+        return (
+            f"pushed pairs {self.start}..{self.landed - 1} of {self.total} "
+            f"({self.landed - self.start} pairs{last})"
+            if self.landed > self.start
+            else f"pushed no pairs (from pair {self.start} of {self.total})"
+        )
 
 
 class PushStopped(Exception):
@@ -54,10 +57,16 @@ class PushStopped(Exception):
         self.cause = cause
         # The service was unreachable (try again later), not the push refused.
         self.transient = isinstance(cause, (Unavailable, RedisError, RedisClusterException))
-        uncertain = (f"; the {report.uncertain} pairs after them got no answer and may have "
-                     f"landed too (resuming pushes them again)" if report.uncertain else "")
-        super().__init__(f"{cause}\n{report.summary()}{uncertain}.\n"
-                         f"Resume with the same command and --start {report.landed}")
+        uncertain = (
+            f"; the {report.uncertain} pairs after them got no answer and may have "
+            f"landed too (resuming pushes them again)"
+            if report.uncertain
+            else ""
+        )
+        super().__init__(
+            f"{cause}\n{report.summary()}{uncertain}.\n"
+            f"Resume with the same command and --start {report.landed}"
+        )
 
 
 def _landed_in(error: Exception, sent: int) -> tuple[int, str | None, int]:
@@ -75,8 +84,12 @@ def _landed_in(error: Exception, sent: int) -> tuple[int, str | None, int]:
     return 0, None, sent
 
 
-def push_pairs(pairs: Sequence[Pair], send: Callable[[Sequence[Pair]], list[str]],
-               start: int = 0, rate: float | None = None) -> PushReport:
+def push_pairs(
+    pairs: Sequence[Pair],
+    send: Callable[[Sequence[Pair]], list[str]],
+    start: int = 0,
+    rate: float | None = None,
+) -> PushReport:
     """Send ``pairs[start:]`` in chunks (at most ``rate`` per second on average) with a
     progress bar; :class:`PushStopped` when a send fails."""
     if not 0 <= start <= len(pairs):
@@ -91,8 +104,13 @@ def push_pairs(pairs: Sequence[Pair], send: Callable[[Sequence[Pair]], list[str]
                 ids = send(part)
             except (StreamxmError, RedisError, RedisClusterException, PairRefused) as exc:
                 certain, newest, uncertain = _landed_in(exc, len(part))
-                report = PushReport(start, at + certain, len(pairs),
-                                    last if newest is None else newest or None, uncertain)
+                report = PushReport(
+                    start,
+                    at + certain,
+                    len(pairs),
+                    last if newest is None else newest or None,
+                    uncertain,
+                )
                 raise PushStopped(report, exc) from exc
             at, last = at + len(part), ids[-1] if ids else last
             bar.update(len(part))

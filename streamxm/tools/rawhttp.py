@@ -25,8 +25,9 @@ class Answer:
     ids: list[str]
 
 
-async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
-                ) -> tuple[int, bytes]:
+async def _post(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> tuple[int, bytes]:
     """One keep-alive HTTP/1.1 exchange: status and body (the API always sends a length)."""
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
@@ -45,8 +46,10 @@ def host_port(url: str) -> tuple[str, int]:
 def raw_request(url: str, path: str, content_type: str, body: bytes) -> bytes:
     """One POST as bytes on the wire, encoded once before the clock starts."""
     host, port = host_port(url)
-    return (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: {content_type}"
-            f"\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: {content_type}"
+        f"\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 async def post_each(url: str, requests: list[bytes], clients: int) -> float:
@@ -72,8 +75,9 @@ async def post_each(url: str, requests: list[bytes], clients: int) -> float:
             writer.close()
 
 
-async def run_clients(url: str, bodies: list[bytes], clients: int, seconds: float
-                ) -> tuple[list[float], dict[str, int], list[Answer]]:
+async def run_clients(
+    url: str, bodies: list[bytes], clients: int, seconds: float
+) -> tuple[list[float], dict[str, int], list[Answer]]:
     """``clients`` keep-alive connections posting ``bodies`` to ``/v1/search`` in turn.
 
     Written on raw asyncio streams with the requests encoded once, like ``wrk``: the load
@@ -106,9 +110,14 @@ async def run_clients(url: str, bodies: list[bytes], clients: int, seconds: floa
                         latencies.append(time.perf_counter() - start)
                         found = json.loads(body)
                         named = found["members"] or {found["model"]: found["version"]}
-                        answers.append(Answer(i % len(bodies), tuple(sorted(named.items())),
-                                               float(found["version_lag_s"]),
-                                               [hit["id"] for hit in found["results"]]))
+                        answers.append(
+                            Answer(
+                                i % len(bodies),
+                                tuple(sorted(named.items())),
+                                float(found["version_lag_s"]),
+                                [hit["id"] for hit in found["results"]],
+                            )
+                        )
                 statuses[key] = statuses.get(key, 0) + 1
                 i += clients
         finally:

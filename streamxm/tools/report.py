@@ -32,8 +32,9 @@ PUBLISHED_FOR_MODEL: dict[str, tuple[float, float, str]] = {
 RECALL_LEVELS = np.linspace(0.0, 1.0, 11)
 
 
-def interpolated_pr(scores: NDArray[np.floating], relevant: NDArray[np.bool_]) -> NDArray[
-        np.float64]:
+def interpolated_pr(
+    scores: NDArray[np.floating], relevant: NDArray[np.bool_]
+) -> NDArray[np.float64]:
     """11-point interpolated precision (at recall 0, 0.1, ..., 1), averaged over the queries
     that have a relevant item; ties keep gallery order, as the mAP does.
 
@@ -56,8 +57,9 @@ def interpolated_pr(scores: NDArray[np.floating], relevant: NDArray[np.bool_]) -
     return np.asarray(out.mean(axis=0))
 
 
-def _curves(model: str, ds: Dataset, seed: int, every: int, params: dict[str, Any] | None,
-            progress: bool) -> dict[str, Any]:
+def _curves(
+    model: str, ds: Dataset, seed: int, every: int, params: dict[str, Any] | None, progress: bool
+) -> dict[str, Any]:
     learner = StreamLearner(model, ds.img_train.shape[1], ds.txt_train.shape[1], params, seed=seed)
     pairs = list(iter_pairs(ds))
     points: list[dict[str, float]] = []
@@ -67,8 +69,10 @@ def _curves(model: str, ds: Dataset, seed: int, every: int, params: dict[str, An
             learner.learn(chunk)
             bar.update(len(chunk))
             maps = evaluate_model(learner, ds)
-            point = {"pairs": float(learner.pairs_seen), **{k: maps[f"map_{k}"]
-                                                           for k in DIRECTIONS}}
+            point = {
+                "pairs": float(learner.pairs_seen),
+                **{k: maps[f"map_{k}"] for k in DIRECTIONS},
+            }
             for d in DIRECTIONS:
                 t = learner.stats.triplets[d]
                 point[f"mistake_ratio_{d}"] = learner.stats.mistakes[d] / t if t else 0.0
@@ -77,18 +81,27 @@ def _curves(model: str, ds: Dataset, seed: int, every: int, params: dict[str, An
     rel = label_relevance(ds.y_test, ds.y_test)
     zi = model_.embed_images(ds.img_test).astype(np.float64)
     zt = model_.embed_texts(ds.txt_test).astype(np.float64)
-    pr = {"i2t": interpolated_pr(zi @ zt.T, rel).tolist(),
-          "t2i": interpolated_pr(zt @ zi.T, rel).tolist()}
-    return {"model": model, "points": points, "pr": pr,
-            "final": {d: points[-1][d] for d in DIRECTIONS}, "params": model_.params()}
+    pr = {
+        "i2t": interpolated_pr(zi @ zt.T, rel).tolist(),
+        "t2i": interpolated_pr(zt @ zi.T, rel).tolist(),
+    }
+    return {
+        "model": model,
+        "points": points,
+        "pr": pr,
+        "final": {d: points[-1][d] for d in DIRECTIONS},
+        "params": model_.params(),
+    }
 
 
 def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
     try:
         import matplotlib
     except ModuleNotFoundError as exc:
-        raise ImportError("streamxm report draws with matplotlib, which is not installed: "
-                          "pip install 'streamxm[report]'") from exc
+        raise ImportError(
+            "streamxm report draws with matplotlib, which is not installed: "
+            "pip install 'streamxm[report]'"
+        ) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -105,15 +118,25 @@ def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
         written.append(name)
 
     for key, ylabel, title, name in (
-            ("", "test mAP", "Test mAP while the stream is learned", "map_vs_pairs.png"),
-            ("mistake_ratio_", "cumulative mistake ratio (mistakes / triplets)",
-             "Mistakes before each update", "mistake_ratio.png")):
+        ("", "test mAP", "Test mAP while the stream is learned", "map_vs_pairs.png"),
+        (
+            "mistake_ratio_",
+            "cumulative mistake ratio (mistakes / triplets)",
+            "Mistakes before each update",
+            "mistake_ratio.png",
+        ),
+    ):
         fig, ax = plt.subplots(figsize=(8, 5))
         for i, run in enumerate(runs):
             x = [p["pairs"] for p in run["points"]]
             for d in DIRECTIONS:
-                ax.plot(x, [p[key + d] for p in run["points"]], styles[d],
-                        color=colours[i % len(colours)], label=f"{run['model']} {names[d]}")
+                ax.plot(
+                    x,
+                    [p[key + d] for p in run["points"]],
+                    styles[d],
+                    color=colours[i % len(colours)],
+                    label=f"{run['model']} {names[d]}",
+                )
         ax.set_xlabel("pairs seen (stream, file order)")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
@@ -124,8 +147,14 @@ def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     for ax, d in zip(axes, DIRECTIONS, strict=True):
         for i, run in enumerate(runs):
-            ax.plot(RECALL_LEVELS, run["pr"][d], "-o", markersize=3,
-                    color=colours[i % len(colours)], label=run["model"])
+            ax.plot(
+                RECALL_LEVELS,
+                run["pr"][d],
+                "-o",
+                markersize=3,
+                color=colours[i % len(colours)],
+                label=run["model"],
+            )
         ax.set_title(f"{names[d]}, after the stream")
         ax.set_xlabel("recall")
         ax.grid(alpha=0.3)
@@ -136,23 +165,38 @@ def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
 
 
 def _summary(runs: list[dict[str, Any]], dataset: str) -> str:
-    lines = [f"# streamxm report: {dataset}", "",
-             "Stream protocol (each training pair once, in file order); test-split mAP.", "",
-             "| model | image->text | text->image | published image->text | published "
-             "text->image | source |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# streamxm report: {dataset}",
+        "",
+        "Stream protocol (each training pair once, in file order); test-split mAP.",
+        "",
+        "| model | image->text | text->image | published image->text | published "
+        "text->image | source |",
+        "|---|---|---|---|---|---|",
+    ]
     for run in runs:
         pub = PUBLISHED_FOR_MODEL.get(run["model"])
-        cells = (f"{pub[0]:.4f} | {pub[1]:.4f} | {pub[2]}" if pub
-                 else "- | - | no comparable published figure on these features")
-        lines.append(f"| {run['model']} | {run['final']['i2t']:.4f} | "
-                     f"{run['final']['t2i']:.4f} | {cells} |")
+        cells = (
+            f"{pub[0]:.4f} | {pub[1]:.4f} | {pub[2]}"
+            if pub
+            else "- | - | no comparable published figure on these features"
+        )
+        lines.append(
+            f"| {run['model']} | {run['final']['i2t']:.4f} | {run['final']['t2i']:.4f} | {cells} |"
+        )
     lines += ["", "Plots: `map_vs_pairs.png`, `mistake_ratio.png`, `pr_curves.png`."]
     return "\n".join(lines) + "\n"
 
 
-def report(dataset: str | Path, models: list[str], out: str | Path, seed: int = 0,
-           every: int = 256, params: dict[str, Any] | None = None,
-           progress: bool = False) -> dict[str, Any]:
+def report(
+    dataset: str | Path,
+    models: list[str],
+    out: str | Path,
+    seed: int = 0,
+    every: int = 256,
+    params: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Run the stream protocol for each model (``params`` go to every model), evaluate the test
     split every ``every`` pairs, and write the plots, ``summary.md`` and ``report.json`` to
     ``out``. Returns what ``report.json`` holds."""
@@ -166,7 +210,12 @@ def report(dataset: str | Path, models: list[str], out: str | Path, seed: int = 
     runs = [_curves(m, ds, seed, every, params, progress) for m in models]
     files = _plot(runs, out)
     (out / "summary.md").write_text(_summary(runs, str(dataset)))
-    result = {"dataset": str(dataset), "seed": seed, "every": every, "runs": runs,
-              "files": [*files, "summary.md", "report.json"]}
+    result = {
+        "dataset": str(dataset),
+        "seed": seed,
+        "every": every,
+        "runs": runs,
+        "files": [*files, "summary.md", "report.json"],
+    }
     (out / "report.json").write_text(json.dumps(result, indent=1))
     return result

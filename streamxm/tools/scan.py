@@ -30,8 +30,7 @@ Search = Callable[[NDArray[np.float32]], NDArray[np.int64]]
 
 
 def _backends(rows: NDArray[np.float32], candidates: int) -> dict[str, Search]:
-    found: dict[str, Search] = {
-        "float32": lambda q: top_k(q, [rows], candidates)[1]}
+    found: dict[str, Search] = {"float32": lambda q: top_k(q, [rows], candidates)[1]}
     if torch is not None:
         block = index_block(rows, "bfloat16")
         found["bfloat16"] = lambda q: top_k(q, [block], candidates)[1]
@@ -46,22 +45,35 @@ def _backends(rows: NDArray[np.float32], candidates: int) -> dict[str, Search]:
     flat = faiss.IndexFlatIP(rows.shape[1])
     flat.add(rows)
     found["faiss_flat"] = lambda q: flat.search(q, candidates)[1]
-    sq8 = faiss.IndexScalarQuantizer(rows.shape[1], faiss.ScalarQuantizer.QT_8bit,
-                                     faiss.METRIC_INNER_PRODUCT)
+    sq8 = faiss.IndexScalarQuantizer(
+        rows.shape[1], faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT
+    )
     sq8.train(rows[: min(len(rows), 100_000)])
     sq8.add(rows)
     found["faiss_sq8"] = lambda q: sq8.search(q, candidates)[1]
     return found
 
 
-def scan(rows: int = 1_000_000, dims: str = "128,512", queries: int = 32,
-         candidates: int = 100, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+def scan(
+    rows: int = 1_000_000,
+    dims: str = "128,512",
+    queries: int = 32,
+    candidates: int = 100,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Seconds per scan of ``queries`` queries and candidate recall, per backend and dimension."""
     wanted = [int(d) for d in dims.split(",")]
     imgs, txts, _ = synthetic_arrays(rows, max(wanted), min(wanted), n_classes=100, seed=seed)
-    result: dict[str, Any] = {"benchmark": "scan", "rows": rows, "queries": queries,
-                              "candidates": candidates, "repeats": repeats, "threads": 1,
-                              "dims": {}}
+    result: dict[str, Any] = {
+        "benchmark": "scan",
+        "rows": rows,
+        "queries": queries,
+        "candidates": candidates,
+        "repeats": repeats,
+        "threads": 1,
+        "dims": {},
+    }
     rng = np.random.default_rng(seed + 1)
     if torch is not None:
         torch.set_num_threads(1)
@@ -78,10 +90,13 @@ def scan(rows: int = 1_000_000, dims: str = "128,512", queries: int = 32,
                     start = time.perf_counter()
                     search(q)
                     times.append(time.perf_counter() - start)
-                recall = np.mean([len(t & set(g.tolist())) / 10 for t, g in zip(truth, got,
-                                                                                 strict=True)])
-                out[name] = {"seconds": round(statistics.median(times), 4),
-                             "recall_at_10": round(float(recall), 4)}
+                recall = np.mean(
+                    [len(t & set(g.tolist())) / 10 for t, g in zip(truth, got, strict=True)]
+                )
+                out[name] = {
+                    "seconds": round(statistics.median(times), 4),
+                    "recall_at_10": round(float(recall), 4),
+                }
             result["dims"][str(unit.shape[1])] = out
             del unit
     return result

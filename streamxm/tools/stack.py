@@ -29,8 +29,16 @@ from streamxm.stream.redis_conn import EmbeddedRedis, connect, str_hash
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import free_port, wait_for
 
-__all__ = ["NAMESPACE", "Stack", "b64_float32", "cpu_seconds", "pair_json", "percentile", "rss_mb",
-           "stack"]
+__all__ = [
+    "NAMESPACE",
+    "Stack",
+    "b64_float32",
+    "cpu_seconds",
+    "pair_json",
+    "percentile",
+    "rss_mb",
+    "stack",
+]
 
 
 NAMESPACE = "load"
@@ -66,8 +74,12 @@ class Stack:
         return Keys(self.settings.namespace)
 
     def spawn(self, *args: str, **env: str) -> Child:
-        child = Child(*args, env={**self.env, **env},
-                      log=self.root / f"{args[0]}-{len(self.procs)}.log", die_with_parent=True)
+        child = Child(
+            *args,
+            env={**self.env, **env},
+            log=self.root / f"{args[0]}-{len(self.procs)}.log",
+            die_with_parent=True,
+        )
         self.procs.append(child)
         return child
 
@@ -75,8 +87,12 @@ class Stack:
         port = free_port()
         self.spawn("api", STREAMXM_API_PORT=str(port), **env)
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 60,
-                 f"the API to start (its log is in {self.root})", tolerate=(httpx.TransportError,))
+        wait_for(
+            lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200,
+            60,
+            f"the API to start (its log is in {self.root})",
+            tolerate=(httpx.TransportError,),
+        )
         return url
 
     def stats(self, model: str = "cmos") -> dict[str, str]:
@@ -93,13 +109,16 @@ def stack(**settings: Any) -> Iterator[Stack]:
     root = Path(tempfile.mkdtemp(prefix="sxm-load-"))
     server = EmbeddedRedis(root / "redis")
     url = server.start()
-    values: dict[str, Any] = {"redis_url": url, "namespace": NAMESPACE,
-                              "data_dir": root / "data",
-                              "checkpoint_dir": root / "checkpoints", **settings}
+    values: dict[str, Any] = {
+        "redis_url": url,
+        "namespace": NAMESPACE,
+        "data_dir": root / "data",
+        "checkpoint_dir": root / "checkpoints",
+        **settings,
+    }
     cfg = Settings(_env_file=None, **values)  # type: ignore[call-arg]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMXM_")}
-    env.update({f"STREAMXM_{k.upper()}": str(v) for k, v in values.items()},
-               STREAMXM_THREADS="1")
+    env.update({f"STREAMXM_{k.upper()}": str(v) for k, v in values.items()}, STREAMXM_THREADS="1")
     st = Stack(root, server, cfg, connect(cfg), env, [])
     terminated = _exit_on_sigterm()
     try:
@@ -132,11 +151,16 @@ def _exit_on_sigterm() -> Any:
 def pair_json(pair: Pair, binary: bool = False) -> dict[str, Any]:
     """A pair as ``POST /v1/pairs`` takes it: vectors as JSON numbers, or as base64 strings of
     little-endian float32 bytes (``binary``)."""
+
     def vector(x: Any) -> Any:
         return b64_float32(x) if binary else x.tolist()
 
-    return {"id": pair.id, "img": vector(pair.img), "txt": vector(pair.txt),
-            "labels": list(pair.labels)}
+    return {
+        "id": pair.id,
+        "img": vector(pair.img),
+        "txt": vector(pair.txt),
+        "labels": list(pair.labels),
+    }
 
 
 def b64_float32(vector: Any) -> str:

@@ -59,13 +59,20 @@ class _Timed(NamedTuple):
     evaluation_seconds: float  # per timed pair, spent scoring them
 
 
-def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str, Any],
-                   seed: int, eval_every: EvalEvery | None = None) -> _Timed:
+def _time_learning(
+    model: str,
+    pairs: list[Pair],
+    warmup: int,
+    params: dict[str, Any],
+    seed: int,
+    eval_every: EvalEvery | None = None,
+) -> _Timed:
     """Time ``pairs[warmup:]`` (the buffer fills during the warm-up); ``eval_every``: the
     rolling evaluation's schedule (None: off)."""
     img_dim, txt_dim = pairs[0].img.shape[0], pairs[0].txt.shape[0]
-    learner = StreamLearner(model, img_dim, txt_dim, params, seed=seed,
-                            eval_every=eval_every or len(pairs) + 1)
+    learner = StreamLearner(
+        model, img_dim, txt_dim, params, seed=seed, eval_every=eval_every or len(pairs) + 1
+    )
     learner.learn(pairs[:warmup])
     learner.flush()
     in_burst, evaluated = learner.pairs_in_burst, learner.pairs_evaluated
@@ -76,9 +83,13 @@ def _time_learning(model: str, pairs: list[Pair], warmup: int, params: dict[str,
     learner.flush()
     timed = len(pairs) - warmup
     seconds = (time.perf_counter() - start) / timed
-    return _Timed(seconds, learner, learner.pairs_in_burst - in_burst,
-                  learner.pairs_evaluated - evaluated,
-                  (learner.evaluation_seconds - scoring) / timed)
+    return _Timed(
+        seconds,
+        learner,
+        learner.pairs_in_burst - in_burst,
+        learner.pairs_evaluated - evaluated,
+        (learner.evaluation_seconds - scoring) / timed,
+    )
 
 
 def _matvec_seconds(W: np.ndarray[Any, Any], calls: int, seed: int) -> float:
@@ -129,11 +140,14 @@ def _machine_rates(seed: int, repeats: int, state_bytes: int) -> tuple[Rates, fl
             start = time.perf_counter()
             a @ b
             return time.perf_counter() - start
+
         return 2.0 * 512 * 1024 * 1024 / _median_seconds(once, repeats * 3)
 
-    rates = Rates(flops_per_s=gemm_rate(np.float64),
-                  bytes_per_s=_read_rate(state_bytes, seed, repeats),
-                  flops32_per_s=gemm_rate(np.float32))
+    rates = Rates(
+        flops_per_s=gemm_rate(np.float64),
+        bytes_per_s=_read_rate(state_bytes, seed, repeats),
+        flops32_per_s=gemm_rate(np.float32),
+    )
     return rates, _read_rate(_READ_BYTES[0], seed, repeats)
 
 
@@ -158,10 +172,12 @@ def _roofline(timed: _Timed, pairs: int, rates: Rates) -> dict[str, Any]:
     per_pair = timed.seconds
     roof = work.seconds(rates)
     arithmetic = work.seconds(Rates(rates.flops_per_s, float("inf"), rates.flops32_per_s))
-    return {"work_per_pair": work.as_dict(),
-            "roofline_pairs_per_s": round(1 / roof, 1),
-            "roofline_bound": "arithmetic" if arithmetic >= roof else "memory",
-            "ratio_to_roofline": round(roof / per_pair, 3)}
+    return {
+        "work_per_pair": work.as_dict(),
+        "roofline_pairs_per_s": round(1 / roof, 1),
+        "roofline_bound": "arithmetic" if arithmetic >= roof else "memory",
+        "ratio_to_roofline": round(roof / per_pair, 3),
+    }
 
 
 def throughput(
@@ -212,23 +228,31 @@ def throughput(
     probe = create_model(model, img_dim, txt_dim, params)
     start, period = probe.periodic_work()
     if eval_every is not None:  # at least two evaluations timed: their share is measured
-        interval = (evaluation_interval(probe, _EVAL_GALLERY) if eval_every == "auto"
-                    else eval_every)
+        interval = evaluation_interval(probe, _EVAL_GALLERY) if eval_every == "auto" else eval_every
         pairs = max(pairs, 2 * interval)
     pairs = -(-pairs // period) * period  # whole periods: each periodic solve timed once
     if warmup is None:
         warmup = 100 if order == "file" else 500
         if base == "cmomks":
             settings = probe.params()
-            warmup += settings["landmarks"] + -(-settings["budget"]
-                                                // settings["triplets_per_pair"])
+            warmup += settings["landmarks"] + -(
+                -settings["budget"] // settings["triplets_per_pair"]
+            )
         if start > warmup:  # steady: the doubling solves and the model's own fill are past
             warmup = start
     data = synthetic_pairs(warmup + pairs, img_dim, txt_dim, seed=seed)
     ordered = [data[i] for i in stream_order(np.array([p.labels[0] for p in data]), order, seed)]
-    result: dict[str, Any] = {"model": model, "img_dim": img_dim, "txt_dim": txt_dim,
-                              "pairs": pairs, "warmup_pairs": warmup, "repeats": repeats,
-                              "threads": 1, "order": order, "eval_every": eval_every}
+    result: dict[str, Any] = {
+        "model": model,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "pairs": pairs,
+        "warmup_pairs": warmup,
+        "repeats": repeats,
+        "threads": 1,
+        "order": order,
+        "eval_every": eval_every,
+    }
     with threadpool_limits(limits=1):
         learned: list[_Timed] = []
         file_order: list[float] = []
@@ -236,8 +260,7 @@ def throughput(
 
         def run_learner() -> float:
             if order != "file":  # the reference, in the same repeat
-                file_order.append(_time_learning(model, data, warmup, params, seed,
-                                                 eval_every)[0])
+                file_order.append(_time_learning(model, data, warmup, params, seed, eval_every)[0])
             if eval_every:
                 learning_only.append(_time_learning(model, ordered, warmup, params, seed)[0])
             timed = _time_learning(model, ordered, warmup, params, seed, eval_every)
@@ -249,25 +272,33 @@ def throughput(
         learner = last.learner
         state_bytes = _state_bytes(learner.model)
         rates, cached_read = _machine_rates(seed, repeats, state_bytes)
-        result.update(params=learner.model.params(), pairs_per_s=round(1 / per_pair, 1),
-                      seconds_per_pair=per_pair, timed_pairs_in_burst=last.in_burst,
-                      evaluated_every=(round(pairs / last.evaluated, 1) if last.evaluated
-                                       else None),
-                      machine={"gemm_float64_flops_per_s": round(rates.flops_per_s),
-                               "gemm_float32_flops_per_s": round(rates.flops32_per_s or 0),
-                               "read_bytes_per_s": round(rates.bytes_per_s),
-                               "read_bytes_per_s_16mb": round(cached_read),
-                               "state_bytes": state_bytes},
-                      **_roofline(last._replace(seconds=per_pair), pairs, rates))
+        result.update(
+            params=learner.model.params(),
+            pairs_per_s=round(1 / per_pair, 1),
+            seconds_per_pair=per_pair,
+            timed_pairs_in_burst=last.in_burst,
+            evaluated_every=(round(pairs / last.evaluated, 1) if last.evaluated else None),
+            machine={
+                "gemm_float64_flops_per_s": round(rates.flops_per_s),
+                "gemm_float32_flops_per_s": round(rates.flops32_per_s or 0),
+                "read_bytes_per_s": round(rates.bytes_per_s),
+                "read_bytes_per_s_16mb": round(cached_read),
+                "state_bytes": state_bytes,
+            },
+            **_roofline(last._replace(seconds=per_pair), pairs, rates),
+        )
         if learning_only:
             alone = statistics.median(learning_only)
             share = statistics.median(t.evaluation_seconds / t.seconds for t in learned)
-            result.update(learning_only_pairs_per_s=round(1 / alone, 1),
-                          evaluation_share=round(share, 3))
+            result.update(
+                learning_only_pairs_per_s=round(1 / alone, 1), evaluation_share=round(share, 3)
+            )
         if file_order:
             reference = statistics.median(file_order)
-            result.update(file_order_pairs_per_s=round(1 / reference, 1),
-                          slowdown=round(per_pair / reference, 2))
+            result.update(
+                file_order_pairs_per_s=round(1 / reference, 1),
+                slowdown=round(per_pair / reference, 2),
+            )
         if base == "cmos":
             triplets = sum(learner.stats.triplets.values()) / learner.pairs_seen
             W = learner.model.W  # type: ignore[attr-defined]
@@ -277,7 +308,8 @@ def throughput(
             paper_params = {**params, "solver": "paper"}
             base_data = ordered[: warmup + baseline_pairs]  # the same stream, paper loop
             baseline = _median_seconds(
-                lambda: _time_learning(model, base_data, warmup, paper_params, seed)[0], repeats)
+                lambda: _time_learning(model, base_data, warmup, paper_params, seed)[0], repeats
+            )
             result.update(
                 triplets_per_pair=round(triplets, 3),
                 limit_pairs_per_s=round(1 / limit_per_pair, 1),

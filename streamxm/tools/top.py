@@ -29,11 +29,18 @@ class ModelHealth:
 
 
 #: The samples a learner's statistics give (an ensemble or a query metric makes no row).
-_LEARNER_SAMPLES = frozenset({
-    "streamxm_pairs_processed_total", "streamxm_stream_lag", "streamxm_mistakes_total",
-    "streamxm_triplets_total", "streamxm_rolling_map", "streamxm_checkpoint_age_seconds",
-    "streamxm_drift_detected_total", "streamxm_dead_letters_total",
-})
+_LEARNER_SAMPLES = frozenset(
+    {
+        "streamxm_pairs_processed_total",
+        "streamxm_stream_lag",
+        "streamxm_mistakes_total",
+        "streamxm_triplets_total",
+        "streamxm_rolling_map",
+        "streamxm_checkpoint_age_seconds",
+        "streamxm_drift_detected_total",
+        "streamxm_dead_letters_total",
+    }
+)
 
 
 def parse(metrics_text: str) -> tuple[float, dict[str, ModelHealth]]:
@@ -80,12 +87,18 @@ def _pair(values: dict[str, float], fmt: str) -> str:
     return " / ".join(format(values[d], fmt) if d in values else "-" for d in ("i2t", "t2i"))
 
 
-def render(ingested: float, models: dict[str, ModelHealth],
-           previous: dict[str, ModelHealth] | None = None, seconds: float = 0.0) -> str:
+def render(
+    ingested: float,
+    models: dict[str, ModelHealth],
+    previous: dict[str, ModelHealth] | None = None,
+    seconds: float = 0.0,
+) -> str:
     """A table: one row per model. With the previous scrape and the time between, the learn
     rate and the mistake ratio of the triplets learned in between."""
-    header = (f"{'model':<20} {'pairs':>9} {'pairs/s':>8} {'lag':>7} {'mistake ratio':>15} "
-              f"{'rolling mAP':>15} {'ckpt age':>8} {'drift':>5} {'dead':>5}")
+    header = (
+        f"{'model':<20} {'pairs':>9} {'pairs/s':>8} {'lag':>7} {'mistake ratio':>15} "
+        f"{'rolling mAP':>15} {'ckpt age':>8} {'drift':>5} {'dead':>5}"
+    )
     lines = [f"streamxm top  ingested {ingested:,.0f}", header, "-" * len(header)]
     for name in sorted(models):
         m = models[name]
@@ -100,16 +113,23 @@ def render(ingested: float, models: dict[str, ModelHealth],
         if not ratio:  # first frame, or nothing learned since: the ratio over the whole run
             ratio = {d: m.mistakes[d] / m.triplets[d] for d in m.mistakes if m.triplets.get(d)}
         age = "-" if m.checkpoint_age is None else f"{m.checkpoint_age:.0f}s"
-        lines.append(f"{name:<20} {m.processed:>9,.0f} {rate:>8} {m.lag:>7,.0f} "
-                     f"{_pair(ratio, '.3f'):>15} {_pair(m.rolling_map, '.3f'):>15} {age:>8} "
-                     f"{m.drift:>5.0f} {m.dead_letters:>5.0f}")
+        lines.append(
+            f"{name:<20} {m.processed:>9,.0f} {rate:>8} {m.lag:>7,.0f} "
+            f"{_pair(ratio, '.3f'):>15} {_pair(m.rolling_map, '.3f'):>15} {age:>8} "
+            f"{m.drift:>5.0f} {m.dead_letters:>5.0f}"
+        )
     if not models:
         lines.append("(no model has learned yet)")
     return "\n".join(lines)
 
 
-def watch(url: str, interval: float = 2.0, token: str | None = None, frames: int | None = None,
-          out: Callable[[str], None] = print) -> None:
+def watch(
+    url: str,
+    interval: float = 2.0,
+    token: str | None = None,
+    frames: int | None = None,
+    out: Callable[[str], None] = print,
+) -> None:
     """Redraw every ``interval`` seconds (``frames`` times, or until interrupted)."""
     previous: dict[str, ModelHealth] | None = None
     last = time.monotonic()

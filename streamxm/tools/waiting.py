@@ -10,9 +10,13 @@ from typing import Any
 __all__ = ["free_port", "wait_for"]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
-             interval: float = 0.05,
-             tolerate: tuple[type[BaseException], ...] = ()) -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float = 30.0,
+    what: str = "condition",
+    interval: float = 0.05,
+    tolerate: tuple[type[BaseException], ...] = (),
+) -> Any:
     """Poll ``predicate`` until it returns something truthy and return that; exceptions of the
     ``tolerate`` types count as "not yet". :class:`TimeoutError` after ``timeout`` seconds.
 

@@ -35,8 +35,9 @@ class EntryDecoder:
         Input bounds every field is checked against.
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, model: str, consumer: str,
-                 limits: Limits) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, model: str, consumer: str, limits: Limits
+    ) -> None:
         self.r, self.keys = client, keys
         self.model, self.consumer, self.limits = model, consumer, limits
         self._schema: tuple[int, int] | None = None
@@ -57,14 +58,19 @@ class EntryDecoder:
             return pair
         return decode_pair(fields, self._schema[0], self._schema[1], self.limits)
 
-    def dead_letter(self, entry_id: str, fields: dict[bytes, bytes],
-                    exc: InvalidPair) -> dict[str, str | bytes]:
+    def dead_letter(
+        self, entry_id: str, fields: dict[bytes, bytes], exc: InvalidPair
+    ) -> dict[str, str | bytes]:
         """The dead letter of an entry refused for ``exc``, with its original fields (at most
         :data:`DEAD_MAX_FIELDS` of at most :data:`DEAD_MAX_VALUE` bytes each)."""
         log.warning("dead letter %s (%s): %s", entry_id, exc.reason, exc)
         letter: dict[str, str | bytes] = {
-            "entry_id": entry_id, "model": self.model, "reason": exc.reason,
-            "field": exc.field, "detail": exc.detail, "consumer": self.consumer,
+            "entry_id": entry_id,
+            "model": self.model,
+            "reason": exc.reason,
+            "field": exc.field,
+            "detail": exc.detail,
+            "consumer": self.consumer,
         }
         for i, (name, value) in enumerate(fields.items()):
             if i == DEAD_MAX_FIELDS:

@@ -51,8 +51,12 @@ __all__ = ["GalleryIndexer"]
 log = logging.getLogger(__name__)
 
 # What makes the indexer drop its buffer and start over from the committed segments.
-_STARTS_OVER: tuple[type[Exception], ...] = (*UNAVAILABLE, LeaseLost, NotReplicated,
-                                              redis.WatchError)
+_STARTS_OVER: tuple[type[Exception], ...] = (
+    *UNAVAILABLE,
+    LeaseLost,
+    NotReplicated,
+    redis.WatchError,
+)
 
 
 class GalleryIndexer:
@@ -72,13 +76,21 @@ class GalleryIndexer:
         Largest segment the tier merge makes.
     """
 
-    def __init__(self, client: redis.Redis, store: CheckpointStore, namespace: str = "default",
-                 consumer: str | None = None, max_items: int = D.GALLERY_MAX,
-                 flush_seconds: float = D.INDEXER_FLUSH_SECONDS,
-                 segment_rows: int = D.INDEXER_SEGMENT_ROWS,
-                 max_segment_rows: int = CHUNK_MAX, read_batch: int = D.INDEXER_READ_BATCH,
-                 block_ms: int = D.BLOCK_MS, lease_ttl_ms: int = D.LEASE_TTL_MS,
-                 limits: Limits = Limits()) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        store: CheckpointStore,
+        namespace: str = "default",
+        consumer: str | None = None,
+        max_items: int = D.GALLERY_MAX,
+        flush_seconds: float = D.INDEXER_FLUSH_SECONDS,
+        segment_rows: int = D.INDEXER_SEGMENT_ROWS,
+        max_segment_rows: int = CHUNK_MAX,
+        read_batch: int = D.INDEXER_READ_BATCH,
+        block_ms: int = D.BLOCK_MS,
+        lease_ttl_ms: int = D.LEASE_TTL_MS,
+        limits: Limits = Limits(),
+    ) -> None:
         self.r = client
         self.store = store
         self.keys = Keys(namespace)
@@ -117,8 +129,7 @@ class GalleryIndexer:
                         continue
                     read = self.step()
                 except _STARTS_OVER as exc:
-                    log.warning("indexer %s: %s; buffer dropped, starting over", self.consumer,
-                                exc)
+                    log.warning("indexer %s: %s; buffer dropped, starting over", self.consumer, exc)
                     leader, self._buffer = False, []
                     stop.wait(0.5)
                     continue
@@ -137,13 +148,19 @@ class GalleryIndexer:
         self.manifest = read_manifest(self.r, self.keys) or Manifest()
         self.position = self.manifest.last_id
         self._buffer, self._since = [], time.monotonic()
-        log.info("indexer %s leads the gallery of %s from %s (%d rows)", self.consumer,
-                 self.keys.namespace, self.position, self.manifest.rows)
+        log.info(
+            "indexer %s leads the gallery of %s from %s (%d rows)",
+            self.consumer,
+            self.keys.namespace,
+            self.position,
+            self.manifest.rows,
+        )
 
     def step(self) -> int:
         """Read one batch after the position; commit when the buffer is due. Entries read."""
-        reply = self.r.xread({self.keys.pairs: self.position}, count=self.read_batch,
-                             block=self.block_ms)
+        reply = self.r.xread(
+            {self.keys.pairs: self.position}, count=self.read_batch, block=self.block_ms
+        )
         entries = stream_entries(reply)
         if entries:
             pairs, skipped = decode_entries(self.r, self.keys, entries, self.limits)
@@ -151,8 +168,9 @@ class GalleryIndexer:
             self._buffer.extend((pair.id, pair.img, pair.txt) for _, pair in pairs)
             self.position = entries[-1][0]
         due = time.monotonic() - self._since >= self.flush_seconds
-        if len(self._buffer) >= self.segment_rows or (due and self.position !=
-                                                      self.manifest.last_id):
+        if len(self._buffer) >= self.segment_rows or (
+            due and self.position != self.manifest.last_id
+        ):
             self.commit()
         return len(entries)
 
@@ -189,8 +207,9 @@ class GalleryIndexer:
             dropped.append(segments.pop(0))
             skip = 0
         skip += max(0, total - self.max_items)
-        manifest = Manifest(tuple(segments), skip, self.position, old.revision + 1,
-                            seq + (blob is not None))
+        manifest = Manifest(
+            tuple(segments), skip, self.position, old.revision + 1, seq + (blob is not None)
+        )
 
         def move(pipe: redis.client.Pipeline) -> None:
             pipe.delete(self.keys.gallery)
@@ -198,15 +217,26 @@ class GalleryIndexer:
             for ref, rows_lost in found:  # fenced with the manifest: only while we lead
                 self.corrupt.add(pipe, ref, rows_lost)
 
-        self.store.commit_blob(SEGMENTS, seq, blob, [(s.seq, s.sha) for s in segments],
-                               [(s.seq, s.sha) for s in dropped], move,
-                               (self.lease.key, self.consumer))
+        self.store.commit_blob(
+            SEGMENTS,
+            seq,
+            blob,
+            [(s.seq, s.sha) for s in segments],
+            [(s.seq, s.sha) for s in dropped],
+            move,
+            (self.lease.key, self.consumer),
+        )
         for ref, rows_lost in found:
             CorruptSegments.report(ref, rows_lost)
         self.manifest, self._buffer = manifest, []
-        log.debug("gallery %s: revision %d, %d rows in %d segments, at %s",
-                  self.keys.namespace, manifest.revision, manifest.rows, len(segments),
-                  self.position)
+        log.debug(
+            "gallery %s: revision %d, %d rows in %d segments, at %s",
+            self.keys.namespace,
+            manifest.revision,
+            manifest.rows,
+            len(segments),
+            self.position,
+        )
 
     def _quarantined(self, manifest: Manifest) -> tuple[list[SegmentRef], int, list[SegmentRef]]:
         """The manifest's segments less those recorded corrupt, the first one's retired rows,
@@ -221,8 +251,9 @@ class GalleryIndexer:
                 segments.append(ref)
         return segments, skip, dropped
 
-    def _segment(self, ref: SegmentRef, skip: int,
-                 found: list[tuple[SegmentRef, int]]) -> GalleryRows | None:
+    def _segment(
+        self, ref: SegmentRef, skip: int, found: list[tuple[SegmentRef, int]]
+    ) -> GalleryRows | None:
         """A segment's rows to merge; ``None`` when it is missing or corrupt, noted in
         ``found`` with its rows past ``skip`` for the commit to record. Not recorded here: our
         lease may have lapsed, and the segment be missing because our successor merged it."""

@@ -245,8 +245,9 @@ class LearnerWorker:
                 break
             except UNAVAILABLE as exc:
                 backoff = _back_off(stop, backoff, self.consumer, exc)
-        log.info("worker %s: model %s, namespace %s", self.consumer, self.model,
-                 self.keys.namespace)
+        log.info(
+            "worker %s: model %s, namespace %s", self.consumer, self.model, self.keys.namespace
+        )
         try:
             while not stop.is_set():
                 try:
@@ -272,22 +273,38 @@ class LearnerWorker:
                     self.commit()
                     self.lease.release()
                 except redis.RedisError as exc:
-                    log.error("worker %s: final checkpoint failed (%s); the next learner "
-                              "replays from the previous one", self.consumer, exc)
+                    log.error(
+                        "worker %s: final checkpoint failed (%s); the next learner "
+                        "replays from the previous one",
+                        self.consumer,
+                        exc,
+                    )
                 self.leader = False
-            log.info("worker %s stopped at entry %s, version %d", self.consumer, self.last_id,
-                     self.version)
+            log.info(
+                "worker %s stopped at entry %s, version %d",
+                self.consumer,
+                self.last_id,
+                self.version,
+            )
 
     def _learn_failed(self, stop: threading.Event, previous: float, exc: EntryFailed) -> float:
         """Count the failure against its entry, back off; the next lease reloads and replays."""
         count = self._failures.get(exc.entry_id, (0, ""))[0] + 1
         self._failures[exc.entry_id] = (count, exc.detail)
         delay = _next_delay(previous)
-        then = ("dead-lettering it" if count >= self.max_learn_attempts
-                else "reloading the checkpoint")
-        log.error("worker %s: learning entry %s failed (attempt %d of %d); state dropped, %s in "
-                  "%.1f s", self.consumer, exc.entry_id, count, self.max_learn_attempts, then,
-                  delay, exc_info=exc.__cause__)
+        then = (
+            "dead-lettering it" if count >= self.max_learn_attempts else "reloading the checkpoint"
+        )
+        log.error(
+            "worker %s: learning entry %s failed (attempt %d of %d); state dropped, %s in %.1f s",
+            self.consumer,
+            exc.entry_id,
+            count,
+            self.max_learn_attempts,
+            then,
+            delay,
+            exc_info=exc.__cause__,
+        )
         stop.wait(delay)
         return delay
 
@@ -333,8 +350,14 @@ class LearnerWorker:
         self._ack_applied()
         self._recovering, self._recovery_cursor = True, self.last_id
         self._recovery_end = self._last_delivered()
-        log.info("worker %s leads %s from version %d (entry %s), replaying to %s", self.consumer,
-                 self.model, self.version, self.last_id, self._recovery_end)
+        log.info(
+            "worker %s leads %s from version %d (entry %s), replaying to %s",
+            self.consumer,
+            self.model,
+            self.version,
+            self.last_id,
+            self._recovery_end,
+        )
         self.progress.restart(self._progress_stats())
 
     def _claim_orphans(self) -> None:
@@ -343,8 +366,14 @@ class LearnerWorker:
         cursor = "0-0"
         while True:
             # Not JUSTID: redis-py drops the cursor from a JUSTID reply.
-            reply = self.r.xautoclaim(self.keys.pairs, self.group, self.consumer,
-                                      min_idle_time=0, start_id=cursor, count=500)
+            reply = self.r.xautoclaim(
+                self.keys.pairs,
+                self.group,
+                self.consumer,
+                min_idle_time=0,
+                start_id=cursor,
+                count=500,
+            )
             cursor = text(reply[0])
             if cursor == "0-0":
                 break
@@ -354,8 +383,9 @@ class LearnerWorker:
         if self.last_id == "0-0":
             return
         while True:
-            rows = self.r.xpending_range(self.keys.pairs, self.group, min="-", max=self.last_id,
-                                         count=1000)
+            rows = self.r.xpending_range(
+                self.keys.pairs, self.group, min="-", max=self.last_id, count=1000
+            )
             if not rows:
                 return
             self.r.xack(self.keys.pairs, self.group, *[row["message_id"] for row in rows])
@@ -375,12 +405,21 @@ class LearnerWorker:
         entries: list[StreamEntry]
         if self._recovering:
             # Everything after the checkpoint that the group has delivered: replayed in order.
-            rows: Any = self.r.xrange(self.keys.pairs, min=f"({self._recovery_cursor}",
-                                      max=self._recovery_end, count=self.read_batch)
+            rows: Any = self.r.xrange(
+                self.keys.pairs,
+                min=f"({self._recovery_cursor}",
+                max=self._recovery_end,
+                count=self.read_batch,
+            )
             entries = [(text(entry_id), fields) for entry_id, fields in rows]
         else:
-            reply = self.r.xreadgroup(self.group, self.consumer, {self.keys.pairs: ">"},
-                                      count=self.read_batch, block=self.block_ms)
+            reply = self.r.xreadgroup(
+                self.group,
+                self.consumer,
+                {self.keys.pairs: ">"},
+                count=self.read_batch,
+                block=self.block_ms,
+            )
             entries = stream_entries(reply)
         if self._recovering:
             if not entries:
@@ -429,8 +468,9 @@ class LearnerWorker:
             count, error = self._failures.get(entry_id, (0, ""))
             try:
                 if count >= self.max_learn_attempts:
-                    raise InvalidPair("", "learn_error",
-                                      f"learning failed {count} times: {error}"[:1000])
+                    raise InvalidPair(
+                        "", "learn_error", f"learning failed {count} times: {error}"[:1000]
+                    )
                 pairs.append(self.entries.decode(fields))
                 pair_entries.append(entry_id)
             except InvalidPair as exc:
@@ -448,8 +488,14 @@ class LearnerWorker:
             self._learned_time = time.time()
 
     def _new_learner(self, first: Pair) -> StreamLearner:
-        return StreamLearner(self.model, first.img.shape[0], first.txt.shape[0], self.params,
-                             seed=self.seed, **self.learner_options)
+        return StreamLearner(
+            self.model,
+            first.img.shape[0],
+            first.txt.shape[0],
+            self.params,
+            seed=self.seed,
+            **self.learner_options,
+        )
 
     def _learn(self, pairs: list[Pair], pair_entries: list[str]) -> bool:
         """Learn decoded pairs (``pair_entries``: their entry ids); ``False`` if the state was
@@ -469,8 +515,7 @@ class LearnerWorker:
             self._drop_state()  # e.g. KeyboardInterrupt: nothing half-learned is committed
             raise
         if lost.is_set():
-            log.warning("worker %s lost the lease of %s while learning", self.consumer,
-                        self.model)
+            log.warning("worker %s lost the lease of %s while learning", self.consumer, self.model)
             self._drop_state()
             return False
         return True
@@ -492,8 +537,9 @@ class LearnerWorker:
         job = self._snapshot(copied=True)
         if job is None:
             return
-        job.thread = threading.Thread(target=self._write_caught, args=(job,), daemon=True,
-                                      name=f"checkpoint-{self.model}")
+        job.thread = threading.Thread(
+            target=self._write_caught, args=(job,), daemon=True, name=f"checkpoint-{self.model}"
+        )
         self._writing = job
         job.thread.start()
 
@@ -525,8 +571,7 @@ class LearnerWorker:
             meta["worker"] = {"dead_letters": self.dead_letters}
             ckpt = Checkpoint(self.version, arrays, meta, last_id=self.last_id)
             extra = {"pairs_seen": self.learner.pairs_seen}
-        return _Commit(pending, ckpt, extra, self._stats_fields(), self.last_id,
-                       time.monotonic())
+        return _Commit(pending, ckpt, extra, self._stats_fields(), self.last_id, time.monotonic())
 
     def _write_caught(self, job: _Commit) -> None:
         """:meth:`_write`, with what it raised kept on ``job`` for :meth:`_finish`."""
@@ -555,39 +600,53 @@ class LearnerWorker:
                 pipe.execute()
             wait_replicated(self.r, self.keys.replicated, self.store.replication)
         else:
-            self.store.commit(self.model, job.ckpt, job.head_extra, hook=hook,
-                              lease=(self.keys.lease(self.model), self.consumer),
-                              fence=self.lease.fence)
+            self.store.commit(
+                self.model,
+                job.ckpt,
+                job.head_extra,
+                hook=hook,
+                lease=(self.keys.lease(self.model), self.consumer),
+                fence=self.lease.fence,
+            )
 
     def _finish(self, job: _Commit) -> bool:
         """After a write: on success the schedule and the failure counts move on; a lost lease
         or a commit not replicated drops the state (``False``); anything else is raised."""
         if isinstance(job.error, (LeaseLost, redis.WatchError)):
-            log.error("worker %s lost the lease during a commit; dropping its state",
-                      self.consumer)
+            log.error("worker %s lost the lease during a commit; dropping its state", self.consumer)
             self._drop_state()
             return False
         if isinstance(job.error, NotReplicated):
             # Committed on the master, maybe not on its replicas: a failover now could lose the
             # commit while this process went on from it. Reload what the store holds instead.
-            log.error("worker %s: commit not replicated (%s); reloading its checkpoint",
-                      self.consumer, job.error)
+            log.error(
+                "worker %s: commit not replicated (%s); reloading its checkpoint",
+                self.consumer,
+                job.error,
+            )
             self._drop_state()
             return False
         if job.error is not None:
             # Not committed: its entries go with the next commit, unless the caller drops
             # the state (as the loop does when Redis is unreachable).
             later = self._pending
-            self._pending = _Pending(job.pending.ack + later.ack, job.pending.dead + later.dead,
-                                     job.pending.pairs + later.pairs)
+            self._pending = _Pending(
+                job.pending.ack + later.ack,
+                job.pending.dead + later.dead,
+                job.pending.pairs + later.pairs,
+            )
             self.dead_letters -= len(job.pending.dead)
             raise job.error
         self._last_commit = job.ended  # the schedule counts from the write, not from now
         self._commit_seconds = job.ended - job.started
         done = entry_id_key(job.last_id)
         self._failures = {k: v for k, v in self._failures.items() if entry_id_key(k) > done}
-        log.debug("checkpoint %s v%d at %s", self.model,
-                  job.ckpt.version if job.ckpt is not None else self.version, job.last_id)
+        log.debug(
+            "checkpoint %s v%d at %s",
+            self.model,
+            job.ckpt.version if job.ckpt is not None else self.version,
+            job.last_id,
+        )
         self._trim()
         return True
 
@@ -610,8 +669,12 @@ class LearnerWorker:
     def _progress_stats(self) -> WorkerStats:
         """The counters a checkpoint would write now (dead letters not yet committed too)."""
         return WorkerStats.of_learner(
-            self.learner, version=self.version, last_id=self.last_id,
-            dead_letters=self.dead_letters + len(self._pending.dead), consumer=self.consumer)
+            self.learner,
+            version=self.version,
+            last_id=self.last_id,
+            dead_letters=self.dead_letters + len(self._pending.dead),
+            consumer=self.consumer,
+        )
 
     def _stream_lag(self, stats: WorkerStats) -> int | None:
         """Entries not yet applied, in one round trip per progress line; ``None`` when it
@@ -630,9 +693,14 @@ class LearnerWorker:
 
     def _stats_fields(self) -> dict[str, str]:
         return WorkerStats.of_learner(
-            self.learner, version=self.version, last_id=self.last_id,
-            checkpoint_time=time.time(), learned_time=self._learned_time,
-            dead_letters=self.dead_letters, consumer=self.consumer).to_hash()
+            self.learner,
+            version=self.version,
+            last_id=self.last_id,
+            checkpoint_time=time.time(),
+            learned_time=self._learned_time,
+            dead_letters=self.dead_letters,
+            consumer=self.consumer,
+        ).to_hash()
 
 
 def _next_delay(previous: float) -> float:
@@ -643,7 +711,8 @@ def _next_delay(previous: float) -> float:
 def _back_off(stop: threading.Event, previous: float, consumer: str, exc: Exception) -> float:
     """Wait out a lost Redis (the state was dropped); the delay waited."""
     delay = _next_delay(previous)
-    log.warning("worker %s: Redis unavailable (%s); state dropped, retrying in %.1f s",
-                consumer, exc, delay)
+    log.warning(
+        "worker %s: Redis unavailable (%s); state dropped, retrying in %.1f s", consumer, exc, delay
+    )
     stop.wait(delay)
     return delay

@@ -39,8 +39,13 @@ class ProgressLine:
     read (a clock read) and only then builds a reading and calls :meth:`report`.
     """
 
-    def __init__(self, consumer: str, model: str, every_seconds: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        consumer: str,
+        model: str,
+        every_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.consumer = consumer
         self.model = model
         self.every_seconds = every_seconds
@@ -70,24 +75,28 @@ class ProgressLine:
             log.info(self.line(stats, new, now - self._since, lag(), idle))
         self._last, self._since, self._idle_said = stats, now, idle
 
-    def line(self, stats: WorkerStats, new: int, seconds: float, lag: int | None,
-             idle: bool) -> str:
+    def line(
+        self, stats: WorkerStats, new: int, seconds: float, lag: int | None, idle: bool
+    ) -> str:
         rate = new / seconds if seconds > 0 else 0.0
         mistakes = {d: stats.mistakes[d] - self._last.mistakes[d] for d in DIRECTIONS}
         maps = {d: "-" if v is None else f"{v:.3f}" for d, v in stats.rolling_map.items()}
-        return (f"worker {self.consumer}: {self.model} {stats.pairs_processed} pairs learned "
-                f"(+{new} in {seconds:.1f} s: {rate:.1f}/s), version {stats.version or 0}, "
-                f"mistakes since the last line {_per_direction(mistakes)}, "
-                f"rolling mAP {_per_direction(maps)}, lag {'?' if lag is None else lag}"
-                + (", idle" if idle else ""))
+        return (
+            f"worker {self.consumer}: {self.model} {stats.pairs_processed} pairs learned "
+            f"(+{new} in {seconds:.1f} s: {rate:.1f}/s), version {stats.version or 0}, "
+            f"mistakes since the last line {_per_direction(mistakes)}, "
+            f"rolling mAP {_per_direction(maps)}, lag {'?' if lag is None else lag}"
+            + (", idle" if idle else "")
+        )
 
 
 def _per_direction(values: Mapping[str, object]) -> str:
     return " ".join(f"{d} {values[d]}" for d in DIRECTIONS)
 
 
-def unapplied_entries(groups: Iterable[Mapping[str, Any]], group: str, length: int,
-                      trimmed: int, stats: WorkerStats) -> int:
+def unapplied_entries(
+    groups: Iterable[Mapping[str, Any]], group: str, length: int, trimmed: int, stats: WorkerStats
+) -> int:
     """Entries of the stream the model's learner has not applied yet, from one read of
     ``XINFO GROUPS``, the stream's length and the entries retention ``trimmed`` so far.
 

@@ -76,8 +76,14 @@ class RankZeroWorker(LearnerWorker):
     """Rank 0 of ``world`` ranks (see the module docstring); the other arguments are
     :class:`LearnerWorker`'s, ``read_batch`` per rank."""
 
-    def __init__(self, *args: Any, world: int, host: str = "127.0.0.1",
-                 timeout_s: float = 60.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        world: int,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
         if world < 2:
             raise ValueError("a distributed learner needs world >= 2")
         super().__init__(*args, **kwargs)
@@ -110,8 +116,13 @@ class RankZeroWorker(LearnerWorker):
         gen = self.rendezvous.publish(self.world)
         store = self.rendezvous.store(gen, self.timeout_s)
         store.add("claim/0", 1)
-        log.info("rank 0 of %s: forming generation %d of %d ranks on %s", self.model, gen,
-                 self.world, self.host)
+        log.info(
+            "rank 0 of %s: forming generation %d of %d ranks on %s",
+            self.model,
+            gen,
+            self.world,
+            self.host,
+        )
         try:
             with self.lease.heartbeat() as lost:
                 group = RankGroup(store, 0, self.world, self.timeout_s, self.host)
@@ -134,8 +145,9 @@ class RankZeroWorker(LearnerWorker):
                 group.broadcast_ints(self._header(_STOP), self.world + 2)
         group.close()
 
-    def _header(self, kind: int, sync: bool = False, split: bool = False,
-                sizes: list[int] | None = None) -> list[int]:
+    def _header(
+        self, kind: int, sync: bool = False, split: bool = False, sizes: list[int] | None = None
+    ) -> list[int]:
         """A round's header: kind, whether rank 0's state follows, whether shares follow, and
         each other rank's share size in bytes."""
         return [kind, int(sync), int(split), *(sizes or [0] * (self.world - 1))]
@@ -176,8 +188,9 @@ class RankZeroWorker(LearnerWorker):
         for at in range(0, len(pairs), step):
             # Only the first round of a read may commit: the state after a later one holds
             # pairs of this read that the commit's acknowledgements and position do not cover.
-            if not self._round(pairs[at : at + step], pair_entries[at : at + step],
-                               may_commit=at == 0):
+            if not self._round(
+                pairs[at : at + step], pair_entries[at : at + step], may_commit=at == 0
+            ):
                 return False
         return True
 
@@ -213,8 +226,9 @@ class RankZeroWorker(LearnerWorker):
         except EntryFailed:
             raise
         except RuntimeError as exc:  # a collective failed: a rank died or hung
-            log.warning("rank 0 of %s: round failed (%s); state dropped, reloading", self.model,
-                        exc)
+            log.warning(
+                "rank 0 of %s: round failed (%s); state dropped, reloading", self.model, exc
+            )
             self._drop_state()
             return False
         except BaseException:
@@ -236,25 +250,30 @@ class RankZeroWorker(LearnerWorker):
         split = self.learner.model.merge_parts() is not None
         commit_now = may_commit and self._checkpoint_due()
         extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
-        first = balanced_first(len(pairs), self.world, self._pair_seconds,
-                               self._peer_pair_seconds, extra)
-        shares = (split_share(len(pairs), self.world, first) if split
-                  else [(0, len(pairs))] + [(len(pairs), len(pairs))] * (self.world - 1))
+        first = balanced_first(
+            len(pairs), self.world, self._pair_seconds, self._peer_pair_seconds, extra
+        )
+        shares = (
+            split_share(len(pairs), self.world, first)
+            if split
+            else [(0, len(pairs))] + [(len(pairs), len(pairs))] * (self.world - 1)
+        )
         labels = [p.labels for p in pairs]
-        payloads = [encode_share(pairs[a:b], labels) if split else b""
-                    for a, b in shares[1:]]
-        return _RoundPlan(pairs, labels, shares, payloads, split, commit_now,
-                          sync=split and not self._synced)
+        payloads = [encode_share(pairs[a:b], labels) if split else b"" for a, b in shares[1:]]
+        return _RoundPlan(
+            pairs, labels, shares, payloads, split, commit_now, sync=split and not self._synced
+        )
 
     def _send(self, plan: _RoundPlan) -> None:
         """The round's header, rank 0's whole state when the others need it, their shares."""
         assert self._group is not None and self._merge is not None and self.learner is not None
         start = time.perf_counter()
-        self._group.broadcast_ints(self._header(_ROUND, plan.sync, plan.split,
-                                                [len(p) for p in plan.payloads]), self.world + 2)
+        self._group.broadcast_ints(
+            self._header(_ROUND, plan.sync, plan.split, [len(p) for p in plan.payloads]),
+            self.world + 2,
+        )
         if plan.sync:
-            self._group.broadcast_bytes(encode_learner(self.learner, self.version,
-                                                       self.last_id))
+            self._group.broadcast_bytes(encode_learner(self.learner, self.version, self.last_id))
             self._merge.reset(self.learner)
             self._synced = True
         for rank, payload in enumerate(plan.payloads, start=1):
@@ -293,8 +312,9 @@ class RankZeroWorker(LearnerWorker):
             self._pair_seconds = _ema(self._pair_seconds, learn_ms / 1000 / (b - a))
         return failed, learn_ms
 
-    def _merge_split(self, plan: _RoundPlan, pair_entries: list[str],
-                     failed: LearnFailed | None, learn_ms: int) -> None:
+    def _merge_split(
+        self, plan: _RoundPlan, pair_entries: list[str], failed: LearnFailed | None, learn_ms: int
+    ) -> None:
         """Every rank's outcome and time, then the merge; a pair that failed on any rank is
         raised as :class:`EntryFailed` (every rank drops its state)."""
         assert self._group is not None and self._merge is not None and self.learner is not None
@@ -307,17 +327,25 @@ class RankZeroWorker(LearnerWorker):
         self.learn_seconds += learn_ms / 1000
         self.peer_learn_seconds += max(status[2 * self.world + 1 :]) / 1000
         shares = plan.shares
-        peer = max((status[2 * self.world + r] / 1000 / (shares[r][1] - shares[r][0])
-                    for r in range(1, self.world) if shares[r][1] > shares[r][0]),
-                   default=0.0)
+        peer = max(
+            (
+                status[2 * self.world + r] / 1000 / (shares[r][1] - shares[r][0])
+                for r in range(1, self.world)
+                if shares[r][1] > shares[r][0]
+            ),
+            default=0.0,
+        )
         if peer:
             self._peer_pair_seconds = _ema(self._peer_pair_seconds, peer)
         bad = [r for r in range(self.world) if status[r]]
         if bad:
             rank = bad[0]
             index = shares[rank][0] + status[self.world + rank] - 1
-            detail = (str(failed.__cause__) if rank == 0 and failed is not None
-                      else f"learning raised on rank {rank}")
+            detail = (
+                str(failed.__cause__)
+                if rank == 0 and failed is not None
+                else f"learning raised on rank {rank}"
+            )
             self._drop_state()
             raise EntryFailed(pair_entries[index], detail)
         a, b = shares[0]
@@ -332,15 +360,20 @@ class RankZeroWorker(LearnerWorker):
 
     def _stats_fields(self) -> dict[str, str]:
         fields = super()._stats_fields()
-        fields.update({"dist_world": str(self.world), "dist_rounds": str(self.rounds),
-                       "dist_split_rounds": str(self.split_rounds),
-                       "dist_collective_seconds": repr(self.collective_seconds),
-                       "dist_scatter_seconds": repr(self.scatter_seconds),
-                       "dist_merge_bytes": str(self.merge_bytes),
-                       "dist_learn_seconds": repr(self.learn_seconds),
-                       "dist_peer_learn_seconds": repr(self.peer_learn_seconds),
-                       "dist_between_seconds": repr(self.between_seconds),
-                       "dist_commit_seconds": repr(self.commit_seconds)})
+        fields.update(
+            {
+                "dist_world": str(self.world),
+                "dist_rounds": str(self.rounds),
+                "dist_split_rounds": str(self.split_rounds),
+                "dist_collective_seconds": repr(self.collective_seconds),
+                "dist_scatter_seconds": repr(self.scatter_seconds),
+                "dist_merge_bytes": str(self.merge_bytes),
+                "dist_learn_seconds": repr(self.learn_seconds),
+                "dist_peer_learn_seconds": repr(self.peer_learn_seconds),
+                "dist_between_seconds": repr(self.between_seconds),
+                "dist_commit_seconds": repr(self.commit_seconds),
+            }
+        )
         return fields
 
 
@@ -371,9 +404,16 @@ class RankFollower:
     """Rank ``rank`` > 0 of a distributed learner of ``model``: joins rank 0's process group
     through Redis and learns the shares it is sent, until ``stop``."""
 
-    def __init__(self, client: redis.Redis, model: str, rank: int, world: int,
-                 namespace: str = "default", timeout_s: float = 60.0,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        model: str,
+        rank: int,
+        world: int,
+        namespace: str = "default",
+        timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+    ) -> None:
         if not 0 < rank < world:
             raise ValueError(f"a following rank is in 1..{world - 1}, got {rank}")
         self.model, self.rank, self.world = model, rank, world
@@ -391,8 +431,13 @@ class RankFollower:
                 continue
             gen, world = current
             if world != self.world:
-                log.error("rank %d of %s: rank 0 runs %d ranks, this one was started for %d",
-                          self.rank, self.model, world, self.world)
+                log.error(
+                    "rank %d of %s: rank 0 runs %d ranks, this one was started for %d",
+                    self.rank,
+                    self.model,
+                    world,
+                    self.world,
+                )
                 stop.wait(1.0)
                 continue
             try:
@@ -402,8 +447,13 @@ class RankFollower:
                     continue
                 group = RankGroup(store, self.rank, self.world, self.timeout_s, self.host)
             except (RuntimeError, ValueError, OSError) as exc:
-                log.warning("rank %d of %s: joining generation %d failed (%s)", self.rank,
-                            self.model, gen, exc)
+                log.warning(
+                    "rank %d of %s: joining generation %d failed (%s)",
+                    self.rank,
+                    self.model,
+                    gen,
+                    exc,
+                )
                 after = gen
                 continue
             log.info("rank %d of %s joined generation %d", self.rank, self.model, gen)
@@ -426,8 +476,13 @@ class RankFollower:
             try:
                 self._follow(group, stop)
             except (_Reform, RuntimeError) as exc:
-                log.warning("rank %d of %s: generation %d ended (%s); state dropped", self.rank,
-                            self.model, after, exc or "rank 0 stopped")
+                log.warning(
+                    "rank %d of %s: generation %d ended (%s); state dropped",
+                    self.rank,
+                    self.model,
+                    after,
+                    exc or "rank 0 stopped",
+                )
             finally:
                 self.learner = None
                 group.close()
@@ -445,7 +500,8 @@ class RankFollower:
                 if self.learner is not None:
                     # Rank 0's RNG state came along: draw this rank's triplets apart from it.
                     self.learner.rng = np.random.default_rng(
-                        [self.learner.seed, self.rank, self.learner.pairs_seen])
+                        [self.learner.seed, self.rank, self.learner.pairs_seen]
+                    )
                     merge.reset(self.learner)
             if not split:
                 continue

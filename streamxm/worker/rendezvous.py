@@ -36,8 +36,9 @@ class RedisStore(dist.Store):  # type: ignore[misc,name-defined]
     rank, so polling costs nothing that matters and needs no Redis feature beyond strings.
     """
 
-    def __init__(self, client: redis.Redis, prefix: str, timeout_s: float,
-                 ttl_s: int = 3600) -> None:
+    def __init__(
+        self, client: redis.Redis, prefix: str, timeout_s: float, ttl_s: int = 3600
+    ) -> None:
         super().__init__()
         self.r, self.prefix, self.ttl_s = client, prefix, ttl_s
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -67,10 +68,12 @@ class RedisStore(dist.Store):  # type: ignore[misc,name-defined]
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         # Lua keeps the compare and the set one step; gloo's rendezvous does not use it, but a
         # store that answered wrongly would break whatever does.
-        script = ("local v = redis.call('GET', KEYS[1]) "
-                  "if (v == false and ARGV[1] == '') or v == ARGV[1] then "
-                  "redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) return ARGV[2] end "
-                  "if v == false then return ARGV[1] end return v")
+        script = (
+            "local v = redis.call('GET', KEYS[1]) "
+            "if (v == false and ARGV[1] == '') or v == ARGV[1] then "
+            "redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) return ARGV[2] end "
+            "if v == false then return ARGV[1] end return v"
+        )
         out = self.r.eval(script, 1, self._key(key), expected, desired, self.ttl_s)
         return out if isinstance(out, bytes) else text(out).encode()
 
@@ -125,5 +128,6 @@ class Rendezvous:
 
     def store(self, generation: int, timeout_s: float) -> RedisStore:
         """The rendezvous store of ``generation``; its keys outlive any formation's wait."""
-        return RedisStore(self.r, f"{self.key}:g{generation}:", timeout_s,
-                          ttl_s=max(600, int(10 * timeout_s)))
+        return RedisStore(
+            self.r, f"{self.key}:g{generation}:", timeout_s, ttl_s=max(600, int(10 * timeout_s))
+        )

@@ -51,8 +51,14 @@ class Rollback:
     time: float
 
 
-def rollback(client: redis.Redis, store: CheckpointStore, keys: Keys, model: str,
-             to_version: int, lease_ms: int = 30_000) -> Rollback:
+def rollback(
+    client: redis.Redis,
+    store: CheckpointStore,
+    keys: Keys,
+    model: str,
+    to_version: int,
+    lease_ms: int = 30_000,
+) -> Rollback:
     """Make kept version ``to_version`` of ``model`` the newest (see the module docstring);
     :class:`~streamxm.storage.checkpoint.VersionNotKept` when the store does not keep it."""
     ckpt = store.load_kept(model, to_version)
@@ -63,19 +69,29 @@ def rollback(client: redis.Redis, store: CheckpointStore, keys: Keys, model: str
         head = store.head(model)
         assert head is not None  # it named to_version a moment ago; heads are never deleted
         learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
-        done = Rollback(model=model, to_version=to_version, from_version=int(head["version"]),
-                        new_version=int(head["version"]) + 1, replay_from=ckpt.last_id,
-                        time=time.time())
-        again = Checkpoint(version=done.new_version, arrays=ckpt.arrays, meta=ckpt.meta,
-                           last_id=ckpt.last_id)
+        done = Rollback(
+            model=model,
+            to_version=to_version,
+            from_version=int(head["version"]),
+            new_version=int(head["version"]) + 1,
+            replay_from=ckpt.last_id,
+            time=time.time(),
+        )
+        again = Checkpoint(
+            version=done.new_version, arrays=ckpt.arrays, meta=ckpt.meta, last_id=ckpt.last_id
+        )
 
         def record(pipe: redis.client.Pipeline) -> None:
             pipe.lpush(keys.history(model), json.dumps({"event": "rollback", **asdict(done)}))
             pipe.ltrim(keys.history(model), 0, HISTORY_MAX - 1)
 
-        store.commit(model, again, {"pairs_seen": learner.pairs_seen,
-                                    "rolled_back_to": to_version},
-                     hook=record, lease=(lease_key, owner))
+        store.commit(
+            model,
+            again,
+            {"pairs_seen": learner.pairs_seen, "rolled_back_to": to_version},
+            hook=record,
+            lease=(lease_key, owner),
+        )
     finally:
         client.eval(RELEASE_LEASE, 1, lease_key, owner)
     return done
