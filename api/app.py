@@ -24,8 +24,8 @@ from streamxm.serving.champion import ChampionRule
 from streamxm.serving.httpserver import freeze_startup_objects
 from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import ModelServer
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import UNAVAILABLE, Replication, connect, resolve_url
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,9 @@ def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
         limits=limits,
         server=server,
         metrics=metrics,
-        producer=StreamClient(r, settings.namespace, limits, replication=Replication.of(settings)),
+        producer=StreamProducer(
+            r, settings.namespace, limits, replication=Replication.of(settings)
+        ),
         query_threads=anyio.CapacityLimiter(settings.query_threads),
         scrape_threads=anyio.CapacityLimiter(2),
         write_threads=anyio.CapacityLimiter(1),

@@ -16,9 +16,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from streamxm.config import Settings
 from streamxm.serving.metrics import ApiMetrics
 from streamxm.serving.server import ModelServer
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
+from streamxm.stream.producer import StreamProducer
 
 Out = TypeVar("Out")
 
@@ -33,7 +33,7 @@ class ApiContext:
     limits: Limits
     server: ModelServer
     metrics: ApiMetrics
-    producer: StreamClient
+    producer: StreamProducer
     # Queries and scrapes run on threads of their own: routes waiting on a stalled Redis
     # (ingest, models) hold the default pool's threads and must not hold up a search, which
     # reads only memory, or a scrape, which waits at most metrics_timeout_seconds.

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.scsm import SCSM
 from streamxm.tools.bench import evaluate_model
 from streamxm.tools.datasets import iter_pairs, load_dataset

@@ -235,11 +235,11 @@ def _cmd_push(args: argparse.Namespace) -> int:
         send = Client(args.url, token=token).push
     else:
         from streamxm.service import limits_from
-        from streamxm.stream.client import StreamClient
+        from streamxm.stream.producer import StreamProducer
         from streamxm.stream.redis_conn import Replication, connect
 
         settings = get_settings()
-        send = StreamClient(
+        send = StreamProducer(
             connect(settings),
             settings.namespace,
             limits_from(settings),

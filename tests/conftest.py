@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import CrossModalModel
 from streamxm.service import open_store
 from streamxm.serving.httpserver import server_options

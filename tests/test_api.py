@@ -10,8 +10,8 @@ from pydantic import SecretStr
 
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.datasets import bundled_wiki_path, iter_pairs, load_dataset
 from tests.conftest import ApiServer, metric, wait_for
 
@@ -32,7 +32,7 @@ def test_end_to_end_search_and_metrics(
 ) -> None:
     ds = load_dataset(bundled_wiki_path())
     pairs = list(iter_pairs(ds, limit=600))
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
         assert http.get("/healthz").json() == {"status": "ok"}
         assert http.get("/readyz").status_code == 503  # no model yet
@@ -156,7 +156,7 @@ def test_api_swaps_to_a_new_checkpoint_within_a_second(
     r: redis.Redis, settings: Settings, running_worker: object
 ) -> None:
     rng = np.random.default_rng(0)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
         client.push_many((str(i), rng.random(5), rng.random(3), [i % 3]) for i in range(50))
         wait_for(lambda: http.get("/readyz").status_code == 200, 30, "a model")

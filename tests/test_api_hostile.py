@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import encode_pair, make_pair
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
 from tests.conftest import ApiServer, class_stream, metric, wait_for
 
@@ -32,7 +32,7 @@ KB = 1024
 
 
 def _serving(r: redis.Redis, settings: Settings, n: int = 200) -> None:
-    StreamClient(r, settings.namespace).push_pairs(class_stream(n, 8, 4, seed=1))
+    StreamProducer(r, settings.namespace).push_pairs(class_stream(n, 8, 4, seed=1))
     build_worker(settings, r, "cmos").run(until_idle=True)
 
 

@@ -10,7 +10,7 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.serving.champion import ChampionRule, Evidence
-from streamxm.stream.client import StreamClient
+from streamxm.stream.producer import StreamProducer
 from tests.conftest import ApiServer, WorkerProcess, class_stream, metric, wait_for, worker_env
 
 
@@ -69,7 +69,7 @@ def test_auto_switches_once_to_the_model_whose_rolling_map_leads(
     """cmos learns the stream first and is champion; sdsrl then learns it with a rolling mAP
     ~0.05 higher in both directions (measured in-process on this stream) and takes over."""
     pairs = class_stream(1500, 8, 4, seed=3)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     env = worker_env(settings)
     first = WorkerProcess(env, "cmos")
     second = None

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.service import build_worker
 from streamxm.stream.keys import Keys
 from streamxm.tools.throughput import throughput

@@ -17,12 +17,12 @@ import redis
 from redis.crc import key_slot
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.service import build_indexer, build_worker
 from streamxm.storage.segments import read_manifest
-from streamxm.stream.client import StreamClient, decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits, Pair
+from streamxm.stream.producer import StreamProducer, decode_entries
 from streamxm.stream.redis_conn import UNAVAILABLE, NotReplicated, Replication, connect, text
 from streamxm.tools.cluster import LocalCluster, namespace_on_each_master
 from streamxm.tools.datasets import iter_pairs, load_dataset
@@ -95,7 +95,7 @@ def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
             )
         else:
             pairs = class_stream(200, 8, 4, seed=i)
-            StreamClient(r, ns).push_pairs(pairs)
+            StreamProducer(r, ns).push_pairs(pairs)
         build_worker(settings, r, "cmos").run(until_idle=True)
         build_indexer(settings, r).run(until_idle=True)
         # Every key of the namespace is in its one slot, on its master.
@@ -144,7 +144,7 @@ def test_cluster_sigkilled_workers_end_bit_identical(cluster: LocalCluster, tmp_
     keys = Keys(ns)
     n = 1500
     pairs = class_stream(n, IMG, TXT, seed=5)
-    StreamClient(r, ns).push_pairs(pairs)
+    StreamProducer(r, ns).push_pairs(pairs)
     env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40")
     rng = np.random.default_rng(7)
     for threshold in sorted(int(t) for t in rng.choice(np.arange(100, n - 200), 3, replace=False)):
@@ -181,7 +181,7 @@ def test_cluster_master_killed_under_push_and_learn_loses_no_acknowledged_pair(
     stop = threading.Event()
 
     def produce() -> None:
-        client = StreamClient(connect(settings), ns, replication=Replication.of(settings))
+        client = StreamProducer(connect(settings), ns, replication=Replication.of(settings))
         for start in range(0, len(pairs), 25):
             batch: list[Pair] = pairs[start : start + 25]
             while not stop.is_set():

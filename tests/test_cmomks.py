@@ -7,13 +7,13 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmomks import CMOMKS
 from streamxm.service import build_worker, open_store
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import make_pair
+from streamxm.stream.producer import StreamProducer
 from tests.conftest import class_stream, two_versions
 
 KERNELS = [{"img_gamma": 0.5, "txt_gamma": 0.5}, {"img_gamma": 4.0, "txt_gamma": 2.0}]
@@ -191,7 +191,7 @@ def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
 ) -> None:
     pairs = class_stream(300, 6, 4, seed=7)
     params = {"kernels": KERNELS, "landmarks": 200, "budget": 60}
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:150])
     build_worker(settings, r, "cmomks", params).run(until_idle=True)  # stops before the pool fills
     client.push_pairs(pairs[150:])

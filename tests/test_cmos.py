@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmos import CMOS
 from streamxm.stream.messages import make_pair

@@ -21,9 +21,9 @@ from streamxm.service import build_worker
 from streamxm.serving.metrics import ApiMetrics
 from streamxm.serving.server import ModelServer
 from streamxm.storage.checkpoint import RedisCheckpointStore
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import make_pair
+from streamxm.stream.producer import StreamProducer
 from tests.conftest import PY, ApiServer, class_stream, free_port, wait_for
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -421,7 +421,7 @@ def test_prometheus_scrapes_learning_metrics_from_the_api(
             stderr=subprocess.DEVNULL,
         )
         try:
-            client = StreamClient(r, settings.namespace)
+            client = StreamProducer(r, settings.namespace)
             client.push_pairs(pairs[:1500])
 
             def query(expr: str) -> list[dict]:  # type: ignore[type-arg]

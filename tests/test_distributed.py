@@ -10,11 +10,11 @@ import redis
 from threadpoolctl import threadpool_limits
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.service import open_store
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import text
 from streamxm.tools.bench_ranks import distributed
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
@@ -94,7 +94,7 @@ def test_sum_models_two_ranks_equal_one_learner(
 ) -> None:
     ds = load_dataset("wiki")
     pairs = list(iter_pairs(ds))
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     children = _ranks(settings, model, 2, *[f"{k}={v}" for k, v in params.items()])
     try:
         _learned(r, Keys(settings.namespace), model, len(pairs), children)
@@ -151,7 +151,7 @@ def test_unsplit_models_learn_on_rank_zero_exactly_as_one_learner(
     """CMOMKS and SCSM cannot be split: rank 0 learns every round alone, and the result is one
     learner's on the same stream, bit for bit (apart from timing)."""
     pairs = synthetic_pairs(700, 24, 12, seed=7)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     # A small CMOMKS (the default support is most of the test's time); its pool still fills
     # and its budget still projects.
     params = {"budget": 60, "landmarks": 40, "triplets_per_pair": 2} if model == "cmomks" else {}
@@ -177,7 +177,7 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings, r: re
     checkpoint counts every pair of the stream once, and nothing is left pending."""
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(4000, 64, 32, seed=3)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     env = worker_env(
         settings,
         STREAMXM_DIST_HOST="127.0.0.1",
@@ -240,7 +240,7 @@ def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
     one counts every pair once."""
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(2600, 32, 16, seed=9)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     ids = [text(entry_id) for entry_id, _ in r.xrange(keys.pairs)]
     # Reads of 1,280 pairs (ten rounds), a checkpoint due every 0.5 s: most fall due mid-read.
     # Rolling evaluation every tenth pair: SAM's towers scoring every pair would be most of the
@@ -293,7 +293,7 @@ def test_poison_pair_on_any_rank_is_dead_lettered_once(settings: Settings, r: re
     ``learn_error``; every other pair is learned once."""
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(1500, 32, 16, seed=5)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     children = _ranks(
         settings, "cmos", 2, STREAMXM_READ_BATCH="64", STREAMXM_FAULT_RAISE="learn:s900"
     )
@@ -385,7 +385,7 @@ def test_process_without_redis_credentials_cannot_join_the_ranks(
 
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(1500, 32, 16, seed=11)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     env = worker_env(
         settings,
         STREAMXM_DIST_HOST="127.0.0.1",

@@ -5,7 +5,7 @@ survive a checkpoint."""
 import numpy as np
 import pytest
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import MODEL_NAMES
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, make_pair

@@ -19,7 +19,7 @@ from streamxm.serving.served import (
     UnknownModel,
 )
 from streamxm.serving.server import ModelServer
-from streamxm.stream.client import StreamClient
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import quality
 from tests.conftest import ApiServer, class_stream, metric, wait_for
 
@@ -34,7 +34,7 @@ def _z(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def learned(r: redis.Redis, settings: Settings) -> tuple[Settings, list]:
     pairs = class_stream(300, 12, 6, seed=3)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     for model in ("cmos", "sdsrl"):
         build_worker(settings, r, model).run(until_idle=True)
     return settings, pairs

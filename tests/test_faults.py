@@ -21,9 +21,9 @@ import redis
 from streamxm.config import Settings
 from streamxm.service import build_worker
 from streamxm.storage.checkpoint import RedisCheckpointStore
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair, decode_pair
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
 from tests.conftest import (
     IMG,
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
 
 
 def push_slowly(
-    client: StreamClient, pairs: list[Pair], chunk: int = 100, pause: float = 0.02
+    client: StreamProducer, pairs: list[Pair], chunk: int = 100, pause: float = 0.02
 ) -> threading.Thread:
     def run() -> None:
         for start in range(0, len(pairs), chunk):
@@ -82,7 +82,7 @@ def test_sigkill_at_random_points_applies_every_pair_exactly_once(
         STREAMXM_CHECKPOINT_STORE=kind,
         STREAMXM_CHECKPOINT_DIR=str(ckpt_dir),
     )
-    producer = push_slowly(StreamClient(r, settings.namespace), pairs)
+    producer = push_slowly(StreamProducer(r, settings.namespace), pairs)
     rng = np.random.default_rng(11)
     thresholds = sorted(int(t) for t in rng.choice(np.arange(200, n - 400), 4, replace=False))
     # Kills at random stream positions (plus a random delay, so mid-batch) with the two
@@ -136,7 +136,7 @@ def test_survivor_reclaims_the_pending_entries_of_a_killed_worker(
         STREAMXM_CHECKPOINT_EVERY_SECONDS="2",
         STREAMXM_READ_BATCH="40",
     )
-    producer = push_slowly(StreamClient(r, settings.namespace), pairs)
+    producer = push_slowly(StreamProducer(r, settings.namespace), pairs)
     workers = {name: WorkerProcess({**env, "STREAMXM_CONSUMER": name}) for name in ("a", "b")}
     try:
         leader = wait_for(lambda: r.get(keys.lease("cmos")), 60, "a leader").decode()
@@ -198,7 +198,7 @@ def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
     errors: list[BaseException] = []
 
     def produce() -> None:
-        client = StreamClient(connect(settings), namespace)  # retries with backoff
+        client = StreamProducer(connect(settings), namespace)  # retries with backoff
         try:
             for start in range(0, n, 50):
                 part = pairs[start : start + 50]
@@ -258,7 +258,7 @@ def test_api_restarted_under_query_load_is_ready_only_with_a_model(
 ) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(600, IMG, TXT, seed=6)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     r.sadd(keys.models, "cmos")  # a worker registered, no checkpoint yet
     port = free_port()
     env = worker_env(settings, STREAMXM_API_PORT=str(port))
@@ -340,7 +340,7 @@ def test_corrupt_checkpoint_falls_back_replays_and_counts(
 ) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(900, IMG, TXT, seed=7)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:600])
     every = settings.model_copy(
         update={

@@ -23,8 +23,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import FRAMES_MEDIA_TYPE
+from streamxm.stream.producer import StreamProducer
 from tests.conftest import ApiServer, class_stream, wait_for
 
 # The frames route takes raw bytes: schemathesis sends what it generates for a binary body.
@@ -37,7 +37,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture
 def api(r: redis.Redis, settings: Settings) -> Iterator[ApiServer]:
     """An API serving a CMOS model over a 300-pair gallery; writes need the token."""
-    StreamClient(r, settings.namespace).push_pairs(class_stream(300, 8, 4, seed=1))
+    StreamProducer(r, settings.namespace).push_pairs(class_stream(300, 8, 4, seed=1))
     build_worker(settings, r, "cmos").run(until_idle=True)
     secured = settings.model_copy(
         update={"api_token": SecretStr(TOKEN), "max_k": 50, "max_batch": 64}

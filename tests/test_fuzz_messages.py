@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import (
     KNOWN_FIELDS,
@@ -25,6 +24,7 @@ from streamxm.stream.messages import (
     field_name,
     make_pair,
 )
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import str_hash
 
 IMG, TXT = 8, 4
@@ -204,7 +204,7 @@ def test_a_forged_log_line_in_a_field_name_stays_on_its_line(
     r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
     keys = Keys(settings.namespace)
-    StreamClient(r, settings.namespace).push_pairs([_good(0)])
+    StreamProducer(r, settings.namespace).push_pairs([_good(0)])
     r.xadd(keys.pairs, {**valid(1), b"x\nCRITICAL forged line": b"1"})  # type: ignore[arg-type]
     caplog.set_level(logging.DEBUG)
     build_worker(settings, r, "cmos").run(until_idle=True)
@@ -230,7 +230,7 @@ def test_worker_dead_letters_each_bad_entry_and_learns_the_good_ones(
 ) -> None:
     ns = "f" + uuid.uuid4().hex[:10]
     keys = Keys(ns)
-    client = StreamClient(r, ns)
+    client = StreamProducer(r, ns)
     client.push_pairs([_good(0)])  # fixes the namespace's dimensions
     for i, (fields, _, _) in enumerate(cases, start=1):
         r.xadd(keys.pairs, fields)  # type: ignore[arg-type]

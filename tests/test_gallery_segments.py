@@ -15,9 +15,9 @@ import redis
 from streamxm.config import Settings
 from streamxm.service import build_indexer, build_worker, open_store
 from streamxm.storage.segments import SEGMENTS, decode_segment, read_manifest
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
+from streamxm.stream.producer import StreamProducer
 from tests import conftest as fx
 
 
@@ -37,7 +37,7 @@ def _indexed_ids(settings: Settings, r: redis.Redis) -> list[str]:
 
 
 def _push(settings: Settings, r: redis.Redis, pairs: list[Pair]) -> None:
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
 
 
 @pytest.mark.parametrize("kind", ["redis", "dir"])
@@ -114,7 +114,7 @@ def test_sigkill_mid_commit_leaves_every_entry_in_exactly_one_segment(
     ckpt = tmp_path / "ckpt"
     pairs = fx.class_stream(n, fx.IMG, fx.TXT, seed=3)
     env = fx.worker_env(settings, STREAMXM_CHECKPOINT_STORE=kind, STREAMXM_CHECKPOINT_DIR=str(ckpt))
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     keys = Keys(settings.namespace)
     rng = np.random.default_rng(4)
 

@@ -13,8 +13,8 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import open_store
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import str_hash
 from tests.conftest import (
     IMG,
@@ -48,7 +48,7 @@ def test_a_transient_learning_failure_mid_batch_loses_nothing(
     bit-identical to an uninterrupted run."""
     keys = Keys(settings.namespace)
     pairs = class_stream(300, IMG, TXT, seed=21)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     env = worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100*1")
     worker = WorkerProcess(env)
     try:
@@ -71,7 +71,7 @@ def test_an_entry_that_always_fails_is_dead_lettered_after_three_attempts(
 ) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(300, IMG, TXT, seed=22)
-    ids = StreamClient(r, settings.namespace).push_pairs(pairs)
+    ids = StreamProducer(r, settings.namespace).push_pairs(pairs)
     env = worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100")
     worker = WorkerProcess(env)
     try:
@@ -100,7 +100,7 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
     keys = Keys(settings.namespace)
     ckpt_dir = tmp_path / "ckpt"
     pairs = class_stream(1500, IMG, TXT, seed=23)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:500])
     # The whole process freezes: with its checkpoint written on the learning path, the pause
     # in the write stops the loop that refreshes the lease too.

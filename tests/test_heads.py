@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from streamxm.buffer.replay import ReplayBuffer
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.heads import RbfFeatures, SlotFeatures, power_features
 from streamxm.serving.gallery import GalleryChunk
 from streamxm.serving.search import scan_margin

@@ -20,9 +20,9 @@ from streamxm.service import build_indexer, open_store
 from streamxm.serving.following import GalleryFollower
 from streamxm.storage.checkpoint import LeaseLost
 from streamxm.storage.segments import SEGMENTS, CorruptSegments, Manifest, SegmentRef, read_manifest
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.waiting import wait_for
 from streamxm.worker.indexer import GalleryIndexer
 from tests import conftest as fx
@@ -79,7 +79,7 @@ def test_a_stale_indexer_cannot_record_a_segment_its_successor_merged(
 ) -> None:
     cfg = _config(settings, kind, tmp_path)
     keys = Keys(cfg.namespace)
-    client = StreamClient(r, cfg.namespace)
+    client = StreamProducer(r, cfg.namespace)
     pairs = fx.class_stream(300, fx.IMG, fx.TXT, seed=58)
     client.push_pairs(pairs[:100])
     _indexer(cfg, r, "first").run(until_idle=True)  # segment 1: 100 rows
@@ -131,7 +131,7 @@ def test_a_reader_without_the_lease_records_only_a_listed_segment(
     is."""
     cfg = _config(settings, "redis", tmp_path)
     keys = Keys(cfg.namespace)
-    client = StreamClient(r, cfg.namespace)
+    client = StreamProducer(r, cfg.namespace)
     pairs = fx.class_stream(200, fx.IMG, fx.TXT, seed=59)
     indexer = _indexer(cfg, r, "indexer")
     client.push_pairs(pairs[:100])

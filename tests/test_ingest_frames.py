@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient, decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import (
     FRAMES_MEDIA_TYPE,
@@ -27,6 +26,7 @@ from streamxm.stream.messages import (
     encode_pair,
     make_pair,
 )
+from streamxm.stream.producer import StreamProducer, decode_entries
 from tests.conftest import ApiServer, class_stream, latest, wait_for
 
 FRAMES = {"content-type": FRAMES_MEDIA_TYPE}
@@ -130,7 +130,7 @@ def test_frames_over_http_reach_the_worker_like_any_pair(
     decoded, skipped = decode_entries(r, keys, everything, Limits())
     assert skipped == 0 and [p.id for _, p in decoded] == [p.id for p in pairs]
     other = settings.model_copy(update={"namespace": settings.namespace + "-client"})
-    StreamClient(r, other.namespace).push_pairs(pairs)
+    StreamProducer(r, other.namespace).push_pairs(pairs)
     build_worker(other, r, "cmos").run(until_idle=True)
     np.testing.assert_array_equal(
         latest(other, r).model.state()[0]["W"], framed.model.state()[0]["W"]

@@ -11,9 +11,9 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import build_indexer, build_worker
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.migrate import LegacyKeys, MigrationConflict, migrate_keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import text
 from tests.conftest import PY, assert_same_learner, class_stream, latest, reference, worker_env
 
@@ -31,7 +31,7 @@ def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
 ) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(300, 12, 6, seed=8)
-    StreamClient(r, settings.namespace).push_pairs(pairs[:150])
+    StreamProducer(r, settings.namespace).push_pairs(pairs[:150])
     build_worker(settings, r, "cmos").run(until_idle=True)
     tagged = _to_legacy(r, keys)
     assert "sxm:{" + settings.namespace + "}:pairs" in tagged
@@ -42,7 +42,7 @@ def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
     with pytest.raises(LegacyKeys):
         build_indexer(settings, r).run(until_idle=True)
     with pytest.raises(LegacyKeys):  # a producer too: it would start the namespace afresh
-        StreamClient(r, settings.namespace).push_pairs(pairs[150:])
+        StreamProducer(r, settings.namespace).push_pairs(pairs[150:])
     assert not r.exists(keys.models) and not r.exists(keys.schema)  # nothing written
     env = worker_env(settings)
     refused = subprocess.run(
@@ -67,7 +67,7 @@ def test_legacy_keys_are_refused_then_migrated_and_learning_goes_on(
     assert not list(r.scan_iter(match=f"{keys.legacy_prefix}:*"))
 
     # The stream kept its consumer group and position: the rest is learned once, exactly.
-    StreamClient(r, settings.namespace).push_pairs(pairs[150:])
+    StreamProducer(r, settings.namespace).push_pairs(pairs[150:])
     build_worker(settings, r, "cmos").run(until_idle=True)
     assert_same_learner(latest(settings, r), reference(pairs))
 
@@ -76,7 +76,7 @@ def test_a_migration_never_overwrites_a_key_under_the_new_name(
     r: redis.Redis, settings: Settings
 ) -> None:
     keys = Keys(settings.namespace)
-    StreamClient(r, settings.namespace).push_pairs(class_stream(5, 4, 2, seed=1))
+    StreamProducer(r, settings.namespace).push_pairs(class_stream(5, 4, 2, seed=1))
     _to_legacy(r, keys)
     r.set(keys.schema, "taken")
     with pytest.raises(MigrationConflict, match="nothing was renamed"):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from streamxm import Learner
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import MODEL_NAMES, model_class
 from streamxm.models.heads import SlotFeatures
 from streamxm.stream.messages import make_pair
@@ -199,7 +199,7 @@ def test_a_served_model_from_a_checkpoint_scores_as_the_learner_does(model: str)
     """The server obtains a model from a checkpoint without building a learner around it
     (``model_from_state``): its scores are the restored learner's, bit for bit, even with
     learning deferred in the checkpoint (CMOS's and the moments' pending blocks)."""
-    from streamxm.learning.learner import StreamLearner, model_from_state
+    from streamxm.learning.stream_learner import StreamLearner, model_from_state
 
     imgs, txts, labels = _stream(170)  # not a multiple of any flush or solve period
     learner = _learner(model)

@@ -8,7 +8,7 @@ import redis
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import create_model
 from streamxm.models.cca import CCA
 from streamxm.models.heads import SlotFeatures
@@ -17,8 +17,8 @@ from streamxm.models.moments import RunningMoments
 from streamxm.models.optim import adagrad_step
 from streamxm.models.pairwise import PairwiseLogistic
 from streamxm.service import build_worker, open_store
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import make_pair
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import quality
 from streamxm.tools.datasets import PUBLISHED_WIKI
 from tests.conftest import SHARED_WIKI, class_stream
@@ -254,7 +254,7 @@ def test_the_worker_learns_a_variant_and_resumes_from_its_checkpoint(
     name: str, r: redis.Redis, settings: Settings
 ) -> None:
     pairs = class_stream(240, 6, 4, seed=9)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:100])
     build_worker(settings, r, name).run(until_idle=True)
     client.push_pairs(pairs[100:])

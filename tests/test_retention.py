@@ -14,8 +14,8 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import str_hash
 from streamxm.stream.retention import BEFORE_TRIM, entry_id_key, retention_bound, trim_stream
 from tests import conftest as fx
@@ -39,7 +39,7 @@ def test_the_stream_is_trimmed_to_what_learners_and_gallery_need(
         }
     )
     pairs = fx.class_stream(2000, fx.IMG, fx.TXT, seed=5)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     _learn_all(cfg, r)
     head = str_hash(r.hgetall(keys.checkpoint_head("cmos")))
     length = r.xlen(keys.pairs)
@@ -66,7 +66,7 @@ def test_nothing_is_trimmed_while_a_registered_learner_has_no_checkpoint(
 ) -> None:
     keys = Keys(settings.namespace)
     cfg = settings.model_copy(update={"gallery_max": 100, "checkpoint_every_pairs": 50})
-    StreamClient(r, settings.namespace).push_pairs(fx.class_stream(600, fx.IMG, fx.TXT, seed=6))
+    StreamProducer(r, settings.namespace).push_pairs(fx.class_stream(600, fx.IMG, fx.TXT, seed=6))
     r.sadd(keys.models, "pairwise")  # a second learner that has not started: it needs all
     _learn_all(cfg, r)
     assert r.xlen(keys.pairs) == 600
@@ -79,7 +79,7 @@ def test_nothing_is_trimmed_while_a_registered_learner_has_no_checkpoint(
 def test_a_pending_entry_bounds_the_trim(r: redis.Redis, settings: Settings) -> None:
     keys = Keys(settings.namespace)
     cfg = settings.model_copy(update={"gallery_max": 10, "checkpoint_every_pairs": 20})
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     client.push_pairs(fx.class_stream(200, fx.IMG, fx.TXT, seed=7))
     _learn_all(cfg, r)
     # A read that is never acknowledged (a consumer that died holding it).
@@ -108,7 +108,7 @@ def test_sigkill_while_learning_and_while_trimming_loses_nothing(
         STREAMXM_CHECKPOINT_KEEP="2",
         STREAMXM_CHECKPOINT_MAX_SHARE="1",
     )
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
 
     def produce() -> None:
         for start in range(0, n, 100):

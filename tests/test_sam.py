@@ -13,7 +13,7 @@ import redis
 import torch
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import LearnStats, create_model
 from streamxm.models.optim import nesterov_step
 from streamxm.models.sam import (
@@ -28,8 +28,8 @@ from streamxm.models.sam import (
 from streamxm.models.sam_tower import Tower, dropout_multipliers
 from streamxm.service import build_worker
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair, make_pair
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import quality
 from streamxm.tools.datasets import synthetic_pairs
 from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
@@ -516,7 +516,7 @@ def test_api_serves_sam_and_reembeds_its_gallery_on_swap(
     worker = build_worker(settings, r, "sam", SMALL)
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     try:
         with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
             client.push_pairs(pairs[:120])

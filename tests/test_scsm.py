@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import sparse
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.scsm import SCSM
 from streamxm.models.scsm_solver import NormalEquations, Problem, ProblemWork, knn_graph
 from streamxm.stream.messages import Pair, make_pair

@@ -9,15 +9,15 @@ import redis
 from scipy.optimize import minimize
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import create_model
 from streamxm.models.base import LearnStats
 from streamxm.models.moments import power_normalize
 from streamxm.models.projections import dense_targets, mpl_cd, projection_loss
 from streamxm.models.sdsrl import SDSRL, NystroemMap, rbf_kernel
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair, make_pair
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import quality
 from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
 
@@ -262,7 +262,7 @@ def test_one_pass_on_wikipedia_is_within_two_percent_of_offline() -> None:
 # -- the API -----------------------------------------------------------------------------------
 def test_same_modality_search_needs_a_shared_space(r: redis.Redis, settings: Settings) -> None:
     pairs = class_stream(300, 8, 5, seed=10)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     for name, params in (("sdsrl", {"m_img": 100, "landmark_pool": 100, "q": 4}), ("cmos", {})):
         worker = build_worker(settings, r, name, params=params)
         worker.run(threading.Event(), until_idle=True)  # commits a checkpoint when it stops

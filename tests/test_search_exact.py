@@ -13,13 +13,13 @@ import numpy as np
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import MODEL_NAMES
 from streamxm.service import open_store
 from streamxm.storage.checkpoint import Checkpoint
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
+from streamxm.stream.producer import StreamProducer
 from tests.conftest import IMG, TXT, ApiServer, class_stream, wait_for
 from tests.test_model_contract import SMALL
 
@@ -50,7 +50,7 @@ def test_search_returns_the_similarity_ranking_of_the_served_version(
     r: redis.Redis, settings: Settings
 ) -> None:
     pairs = _gallery()
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     _serve_every_model(settings, r, pairs)
     ids = np.array([p.id for p in pairs])
     vectors = {"image": [p.img.tolist() for p in pairs], "text": [p.txt.tolist() for p in pairs]}
@@ -140,7 +140,7 @@ def test_every_version_answers_with_its_own_exact_ranking_as_the_gallery_grows(
         name: StreamLearner(name, IMG, TXT, SMALL.get(name.split(":")[0], {}), seed=0)
         for name in MODEL_NAMES
     }
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=60) as http:
         for version, upto in ((1, 120), (2, 180), (3, 240)):
             client.push_pairs(pairs[upto - 60 if version > 1 else 0 : upto])

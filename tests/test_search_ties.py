@@ -10,11 +10,11 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.service import open_store
 from streamxm.storage.checkpoint import Checkpoint
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from tests.conftest import IMG, TXT, ApiServer, class_stream, wait_for
 
 
@@ -23,7 +23,7 @@ def test_tied_scores_are_listed_in_gallery_order_at_every_k(
     r: redis.Redis, settings: Settings, name: str
 ) -> None:
     pairs = class_stream(300, IMG, TXT, seed=4)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     learner = StreamLearner(name, IMG, TXT, {}, seed=0)  # nothing learned: every score ties
     learner.flush()
     arrays, meta = learner.state()

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.heads import PowerFeatures, RbfFeatures
 from streamxm.service import build_indexer, build_worker, open_store
 from streamxm.serving.following import GalleryFollower
@@ -20,9 +20,9 @@ from streamxm.serving.server import ModelServer
 from streamxm.serving.versions import ServedVersions
 from streamxm.storage.checkpoint import Checkpoint, VersionUnreadable
 from streamxm.storage.segments import read_manifest
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits, Pair, make_pair
+from streamxm.stream.producer import StreamProducer
 from tests.conftest import class_stream, latest, two_versions
 from tests.test_model_contract import SMALL
 
@@ -31,7 +31,7 @@ def _learned(settings: Settings, r: redis.Redis, pairs: int, keep: int = 10) -> 
     cfg = settings.model_copy(update={"checkpoint_keep": keep})
     data = class_stream(pairs, 8, 4, seed=3)
     for start in range(0, pairs, 100):  # a version per 100 pairs
-        StreamClient(r, cfg.namespace).push_pairs(data[start : start + 100])
+        StreamProducer(r, cfg.namespace).push_pairs(data[start : start + 100])
         build_worker(cfg, r, "cmos").run(until_idle=True)
     return cfg
 
@@ -63,12 +63,12 @@ def test_the_gallery_follower_reads_the_stream_then_the_segments(
     settings: Settings, r: redis.Redis
 ) -> None:
     pairs = class_stream(300, 8, 4, seed=4)
-    StreamClient(r, settings.namespace).push_pairs(pairs[:200])
+    StreamProducer(r, settings.namespace).push_pairs(pairs[:200])
     store = open_store(settings, r)
     follower = GalleryFollower(r, store, Keys(settings.namespace), 1000, Limits(), 64)
     assert follower.read() and len(follower.gallery) == 200  # no indexer: the stream itself
     build_indexer(settings, r).run(until_idle=True)
-    StreamClient(r, settings.namespace).push_pairs(pairs[200:])
+    StreamProducer(r, settings.namespace).push_pairs(pairs[200:])
     assert follower.read()
     assert len(follower.gallery) == 300  # the segments, then the stream after them
     ids = follower.gallery.ids_at(np.arange(300, dtype=np.int64))
@@ -95,7 +95,7 @@ def test_rows_moving_into_segments_keep_their_features(settings: Settings, r: re
     the indexer's segments and through merges; only rows the snapshot did not hold, or held
     with other vectors under the same id, are computed."""
     pairs = class_stream(300, 8, 4, seed=5)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     store = open_store(settings, r)
     follower = GalleryFollower(r, store, Keys(settings.namespace), 1000, Limits(), 64)
     fmap = _CountedPower(0.5)
@@ -128,7 +128,7 @@ def test_a_segment_merged_away_meanwhile_is_not_taken_for_corrupt(
     (and deleted it) finds the segment gone: it opens the newer manifest instead of recording
     the segment corrupt and dropping its rows."""
     pairs = class_stream(300, 8, 4, seed=7)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     keys = Keys(settings.namespace)
     indexer = build_indexer(settings, r)
     client.push_pairs(pairs[:100])
@@ -273,7 +273,7 @@ def test_a_raw_vector_model_embeds_a_new_version_on_the_index_thread(
     version answers at once from the earlier version's index (the answer names it), scored by
     the new version. Either way it ends as the new version's exact ranking."""
     pairs = class_stream(300, 8, 4, seed=8)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     learner = StreamLearner("sam", 8, 4, SMALL["sam"], seed=0)
     learner.learn(pairs[:100])
     _commit(settings, r, learner, 1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streamxm.buffer.replay import BURST_THRESHOLD, MAX_GROUPS, ReplayBuffer
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.sam import SAM
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, make_pair

@@ -8,7 +8,7 @@ import redis
 from streamxm.cli import main
 from streamxm.config import Settings
 from streamxm.service import build_worker
-from streamxm.stream.client import StreamClient
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.top import parse, render
 from tests.conftest import ApiServer, class_stream, free_port, wait_for
 
@@ -25,7 +25,7 @@ def test_top_shows_each_models_health(
         thread.start()
     try:
         with ApiServer(settings) as api:
-            StreamClient(r, settings.namespace).push_pairs(class_stream(400, 6, 4, seed=2))
+            StreamProducer(r, settings.namespace).push_pairs(class_stream(400, 6, 4, seed=2))
             import httpx
 
             def learned() -> bool:

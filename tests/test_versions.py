@@ -17,8 +17,8 @@ import redis
 from streamxm.config import Settings
 from streamxm.service import build_worker, open_store
 from streamxm.storage.checkpoint import VersionNotKept
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.retention import entry_id_key
 from streamxm.worker.rollback import history, rollback
 from tests.conftest import (
@@ -54,7 +54,7 @@ def test_a_query_names_a_kept_version_and_gets_its_scores(
 ) -> None:
     settings = settings.model_copy(update={"checkpoint_keep": 10})
     pairs = class_stream(400, 8, 4, seed=5)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     store = open_store(settings, r)
     client.push_pairs(pairs[:200])
     build_worker(settings, r, "cmos").run(until_idle=True)
@@ -65,7 +65,7 @@ def test_a_query_names_a_kept_version_and_gets_its_scores(
     assert newest > first
     old = store.load("cmos", first)
     assert old is not None
-    from streamxm.learning.learner import StreamLearner
+    from streamxm.learning.stream_learner import StreamLearner
 
     old_model = StreamLearner.from_state(old.arrays, old.meta).model
     q = pairs[0]
@@ -101,7 +101,7 @@ def test_vectors_travel_as_base64_float32_with_the_same_validation(
 ) -> None:
     keys = Keys(settings.namespace)
     pairs = class_stream(50, 8, 4, seed=6)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     build_worker(settings, r, "cmos").run(until_idle=True)
     with ApiServer(settings) as api, httpx.Client(base_url=api.url, timeout=30) as http:
         wait_for(lambda: http.get("/readyz").status_code == 200, 30, "ready")
@@ -157,7 +157,7 @@ def test_rollback_under_a_live_worker_replays_the_stream_after_the_kept_version(
     pairs = class_stream(n, 8, 4, seed=7)
     env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="100", STREAMXM_CHECKPOINT_KEEP="20")
     settings = settings.model_copy(update={"checkpoint_keep": 20})
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:800])
     worker = WorkerProcess(env)
     try:
@@ -215,7 +215,7 @@ def test_a_kept_but_corrupt_version_is_named_unreadable_counted_and_listed(
 
     settings = settings.model_copy(update={"checkpoint_keep": 10})
     pairs = class_stream(400, 8, 4, seed=6)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     keys = Keys(settings.namespace)
     for half in (pairs[:200], pairs[200:]):
         client.push_pairs(half)

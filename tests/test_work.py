@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamxm.learning.learner import StreamLearner
 from streamxm.learning.schedule import REFERENCE_RATES, evaluation_interval
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import MODEL_NAMES, create_model
 from streamxm.models.cmos import CMOS
 from streamxm.models.work import Rates, Work, gemm, matvec, rank_update

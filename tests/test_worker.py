@@ -9,10 +9,10 @@ import numpy as np
 import redis
 
 from streamxm.config import Settings
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.service import build_worker, open_store
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.datasets import bundled_wiki_path, iter_pairs, load_dataset
 from tests.conftest import (
     IMG,
@@ -37,7 +37,7 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_going(
     r: redis.Redis, settings: Settings
 ) -> None:
     keys = Keys(settings.namespace)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     rng = np.random.default_rng(0)
     client.push("good-0", rng.random(4), rng.random(3), labels=[1])
     good = np.ones(4, "<f4").tobytes()
@@ -79,7 +79,7 @@ def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
     keys = Keys(settings.namespace)
     ds = load_dataset(bundled_wiki_path())
     pairs = list(iter_pairs(ds, limit=1500))
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40")
     kills = 0
     for threshold in (200, 600, 1000):
@@ -136,7 +136,7 @@ def test_standby_takes_over_and_reclaims_pending(r: redis.Redis, settings: Setti
     keys = Keys(settings.namespace)
     ds = load_dataset(bundled_wiki_path())
     pairs = list(iter_pairs(ds, limit=300))
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     # A consumer that read entries and died before acknowledging them.
     r.xgroup_create(keys.pairs, "cmos", id="0", mkstream=True)
     r.xreadgroup("cmos", "dead-consumer", {keys.pairs: ">"}, count=120)
@@ -159,7 +159,7 @@ def test_directory_checkpoints_resume_too(r: redis.Redis, settings: Settings) ->
     keys = Keys(settings.namespace)
     ds = load_dataset(bundled_wiki_path())
     pairs = list(iter_pairs(ds, limit=400))
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:250])
     build_worker(dir_settings, r, "cmos").run(until_idle=True)
     client.push_pairs(pairs[250:])
@@ -181,7 +181,7 @@ def test_every_dead_letter_series_exists_at_zero_before_the_first(
     from tests.conftest import ApiServer, metric
 
     keys = Keys(settings.namespace)
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     rng = np.random.default_rng(1)
     client.push("good-0", rng.random(4), rng.random(3), labels=[1])
     build_worker(settings, r, "cmos").run(until_idle=True)
@@ -223,7 +223,7 @@ def test_checkpoints_wait_until_they_are_within_their_share_of_the_time(
                 "checkpoint_max_share": share,
             }
         )
-        StreamClient(r, namespace).push_pairs(pairs)
+        StreamProducer(r, namespace).push_pairs(pairs)
         worker = build_worker(s, r, "cmos")
         worker.run(until_idle=True)
         assert (
@@ -246,7 +246,7 @@ def test_learning_goes_on_while_a_checkpoint_is_written(r: redis.Redis, settings
     learner's, bit for bit."""
     keys = Keys(settings.namespace)
     pairs = class_stream(400, IMG, TXT, seed=31)
-    StreamClient(r, settings.namespace).push_pairs(pairs)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
     env = worker_env(
         settings,
         STREAMXM_READ_BATCH="50",

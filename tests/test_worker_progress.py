@@ -12,8 +12,8 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.learning.stats import WorkerStats
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import wait_for
 from streamxm.worker.progress import ProgressLine, unapplied_entries
@@ -47,7 +47,7 @@ def test_progress_lines_count_every_pair_once_and_show_version_mistakes_and_lag(
         STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2",
         STREAMXM_READ_BATCH="50",
     )
-    client = StreamClient(r, settings.namespace)
+    client = StreamProducer(r, settings.namespace)
     with WorkerProcess(env) as worker:
         wait_for(lambda: worker.saw("leads cmos"), 30, "the worker to lead")
         # Three bursts with idle stretches between them: lines while learning, one idle line
@@ -87,7 +87,7 @@ def test_no_progress_line_when_the_setting_is_zero(r: redis.Redis, settings: Set
     env = worker_env(settings, STREAMXM_PROGRESS_EVERY_SECONDS="0")
     with WorkerProcess(env) as worker:
         wait_for(lambda: worker.saw("leads cmos"), 30, "the worker to lead")
-        StreamClient(r, settings.namespace).push_pairs(class_stream(200, IMG, TXT, seed=12))
+        StreamProducer(r, settings.namespace).push_pairs(class_stream(200, IMG, TXT, seed=12))
         _wait_processed(r, keys, 200)
         time.sleep(1.0)
         assert worker.alive(), worker.tail()
@@ -100,7 +100,7 @@ def test_the_lag_counts_the_entries_the_group_has_not_applied(
     """Against the server's real replies (Redis 6.2 has no group lag: the count from the
     stream's length; Redis >= 7 its own)."""
     keys = Keys(settings.namespace)
-    StreamClient(r, settings.namespace).push_pairs(class_stream(300, IMG, TXT, seed=3))
+    StreamProducer(r, settings.namespace).push_pairs(class_stream(300, IMG, TXT, seed=3))
     r.xgroup_create(keys.pairs, "cmos", id="0")
     r.xreadgroup("cmos", "c1", {keys.pairs: ">"}, count=50)
     groups = r.xinfo_groups(keys.pairs)

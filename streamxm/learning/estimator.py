@@ -2,7 +2,7 @@
 
 :class:`Learner` is shaped like river's estimators (``learn_one`` on one example at a time) and
 scikit-learn's (``get_params``), and runs exactly the code the worker runs
-(:class:`~streamxm.learning.learner.StreamLearner`: replay buffer, triplet sampling, rolling
+(:class:`~streamxm.learning.stream_learner.StreamLearner`: replay buffer, triplet sampling, rolling
 test-then-train mAP, drift). ``save`` writes the same checkpoint format the worker writes, so a
 model learned here can be served, and a worker's checkpoint file can be loaded here.
 """
@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import DIRECTIONS, split_name
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, make_pair
@@ -74,7 +74,7 @@ class Learner:
     buffer_capacity, buffer_memory
         Replay buffer of recent pairs, and the class-balanced memory of the whole history
         beside it, drawn from during bursts of few classes (``None``: the model's default,
-        :class:`~streamxm.learning.learner.StreamLearner`).
+        :class:`~streamxm.learning.stream_learner.StreamLearner`).
     **params
         The model's constructor parameters (its docstring lists them).
 

@@ -1,7 +1,7 @@
 """The rolling evaluation's schedule, sized from its cost.
 
 An evaluated pair is scored against the newest ``gallery`` stored pairs in both directions
-before the model learns it (:class:`~streamxm.learning.learner.StreamLearner`). For a model
+before the model learns it (:class:`~streamxm.learning.stream_learner.StreamLearner`). For a model
 that learns fast, scoring every pair would cost more than learning it (CMOS: two products with
 the whole ``W`` against a share of one per pair). ``eval_every="auto"`` scores every ``N``-th
 pair with

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamxm.learning.learner import UPDATE_BUCKETS, StreamLearner
+from streamxm.learning.stream_learner import UPDATE_BUCKETS, StreamLearner
 from streamxm.models import DIRECTIONS
 
 __all__ = ["WorkerStats"]

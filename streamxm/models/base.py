@@ -37,7 +37,7 @@ Arrays = dict[str, NDArray[Any]]
 IndexUpdate = Callable[[NDArray[np.float32], NDArray[np.floating]], NDArray[np.float32]]
 
 #: What the ranks of a distributed learner combine after a round, by name: ``(operation,
-#: array)``. Operations (:mod:`streamxm.learning.ranks`): ``"sum"`` adds every rank's change
+#: array)``. Operations (:mod:`streamxm.learning.rounds`): ``"sum"`` adds every rank's change
 #: since the last merge (sufficient statistics and counters: exact), ``"mix"`` adds them scaled
 #: by ``1/sqrt(N)`` for N ranks (corrections learned from one start on disjoint data: between
 #: their sum, right for independent corrections, and their mean, right for identical ones),
@@ -344,7 +344,7 @@ class CrossModalModel(ABC):
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned (on a model built with the same params)."""
 
-    # -- several ranks learning one model (streamxm/learning/ranks.py) --------------------
+    # -- several ranks learning one model (streamxm/learning/rounds.py) --------------------
     #: Most pairs a rank learns between two merges (``None``: a whole read of
     #: ``STREAMXM_READ_BATCH`` pairs a rank), for models whose ranks drift apart too far in a
     #: longer round.

@@ -361,7 +361,7 @@ class CMOMKS(CrossModalModel, name="cmomks"):
     Examples
     --------
     >>> import numpy as np
-    >>> from streamxm.learning.learner import StreamLearner
+    >>> from streamxm.learning.stream_learner import StreamLearner
     >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> learner = StreamLearner("cmomks", 6, 4, {"budget": 50, "landmarks": 20})

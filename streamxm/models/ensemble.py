@@ -26,7 +26,7 @@ The score depends on which side is the query, so an ensemble's similarity has a 
 ``i2t`` (the image is the query, the default) or ``t2i``.
 
 >>> import numpy as np
->>> from streamxm.learning.learner import StreamLearner
+>>> from streamxm.learning.stream_learner import StreamLearner
 >>> from streamxm.learning.evaluation import label_relevance, mean_average_precision, split_of
 >>> from streamxm.tools.datasets import synthetic_pairs
 >>> pairs = synthetic_pairs(400, img_dim=16, txt_dim=12, n_classes=4, seed=0, spread=3.0)

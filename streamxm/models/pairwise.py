@@ -145,7 +145,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
 
     Examples
     --------
-    >>> from streamxm.learning.learner import StreamLearner
+    >>> from streamxm.learning.stream_learner import StreamLearner
     >>> from streamxm.stream.messages import make_pair
     >>> rng = np.random.default_rng(0)
     >>> z = rng.normal(size=(300, 3))
@@ -526,7 +526,7 @@ class PairwiseLogistic(CrossModalModel, name="pairwise"):
 
 
 #: Slots of the replay buffer's ring of recent pairs in the counted steady state: the learner's
-#: default ``buffer_capacity`` (:class:`~streamxm.learning.learner.StreamLearner`).
+#: default ``buffer_capacity`` (:class:`~streamxm.learning.stream_learner.StreamLearner`).
 _RING = 500
 
 

@@ -15,9 +15,9 @@ import redis
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
 from streamxm.storage.checkpoint import CheckpointStore
 from streamxm.storage.segments import CorruptSegments, Manifest, open_segment, read_manifest
-from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
+from streamxm.stream.producer import decode_entries
 from streamxm.stream.redis_conn import stream_entries, text
 from streamxm.stream.retention import entry_id_key
 

@@ -29,8 +29,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisClusterException
 
-from streamxm.learning.learner import UPDATE_BUCKETS
 from streamxm.learning.stats import WorkerStats
+from streamxm.learning.stream_learner import UPDATE_BUCKETS
 from streamxm.models import DIRECTIONS
 from streamxm.serving.server import ModelServer
 from streamxm.storage.segments import CorruptSegments

@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from dataclasses import replace
 
-from streamxm.learning.learner import model_from_state
+from streamxm.learning.stream_learner import model_from_state
 from streamxm.serving.served import EmbeddedGallery, ServedModel
 from streamxm.storage.checkpoint import CheckpointStore
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from streamxm import defaults as D
-from streamxm.learning.learner import model_from_state
+from streamxm.learning.stream_learner import model_from_state
 from streamxm.models import CrossModalModel
 from streamxm.serving.gallery import Gallery
 from streamxm.serving.served import (

@@ -16,8 +16,8 @@ from streamxm.learning.evaluation import (
     mean_average_precision,
     retrieval_maps,
 )
-from streamxm.learning.learner import StreamLearner
 from streamxm.learning.schedule import EvalEvery
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import model_class
 from streamxm.models.ensemble import Ensemble, is_ensemble, parse_ensemble
 from streamxm.stream.messages import Pair, make_pair

@@ -13,12 +13,12 @@ import redis
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from streamxm.learning.learner import StreamLearner
 from streamxm.learning.schedule import EvalEvery
-from streamxm.stream.client import StreamClient
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.stream.messages import (
     Pair,
 )
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.datasets import synthetic_pairs
 from streamxm.tools.stack import NAMESPACE, Stack, percentile, stack
 from streamxm.tools.waiting import wait_for
@@ -95,7 +95,7 @@ def end_to_end(
     data = synthetic_pairs(backlog, img_dim, txt_dim, seed=seed)
     reference = in_process_rate(model, data, eval_every, seed)
     with stack(eval_every=eval_every) as st:  # the service's checkpoint schedule
-        client = StreamClient(st.r, NAMESPACE)
+        client = StreamProducer(st.r, NAMESPACE)
         client.push_pairs(data)
         st.spawn("worker", "--model", model)
         learned = _drain_rate(st, model, backlog)

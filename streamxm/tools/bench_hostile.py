@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import (
     FRAMES_MEDIA_TYPE,
     encode_frame,
     encode_pair,
     make_pair,
 )
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench_hostile_client import client_cases
 from streamxm.tools.datasets import synthetic_pairs
 from streamxm.tools.stack import NAMESPACE, percentile, rss_mb, stack
@@ -121,7 +121,7 @@ def _server_side(
     mibs = [float(x) for x in sizes.split(",") if x.strip()]
     data = synthetic_pairs(500, 64, 32, seed=seed)
     with stack(checkpoint_every_seconds=0.5) as st, httpx.Client(timeout=120) as http:
-        StreamClient(st.r, NAMESPACE).push_pairs(data)
+        StreamProducer(st.r, NAMESPACE).push_pairs(data)
         st.spawn("worker", "--model", "cmos")
         url = st.api()
         wait_for(lambda: http.get(f"{url}/readyz").status_code == 200, 120, "a model")

@@ -21,12 +21,12 @@ from typing import Any
 from tqdm import tqdm
 
 from streamxm.config import Settings
-from streamxm.stream.client import StreamClient
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import (
     FRAMES_MEDIA_TYPE,
     encode_frames,
 )
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import connect
 from streamxm.tools.datasets import synthetic_pairs
 from streamxm.tools.rawhttp import post_each, raw_request
@@ -122,7 +122,7 @@ def ingest(
     with stack() as st:
         # An ingest replica: no search gallery reading every pair back during any of these.
         url = st.api(STREAMXM_API_ROLE="ingest")
-        client = StreamClient(st.r, NAMESPACE)
+        client = StreamProducer(st.r, NAMESPACE)
         # One untimed round first: Redis's first round of entries (page faults, allocator
         # growth) would otherwise land on whichever path runs first, the client.
         client.push_pairs(data, chunk=chunk)
@@ -208,7 +208,7 @@ def _push_timed(
     """In a producer process: make the pairs, wait for ``start_at`` (wall clock, so that the
     producers of one round start together), push them; returns (start, end)."""
     data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
-    client = StreamClient(
+    client = StreamProducer(
         connect(
             Settings(
                 _env_file=None,

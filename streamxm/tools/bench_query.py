@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from streamxm.learning.learner import model_from_state
+from streamxm.learning.stream_learner import model_from_state
 from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import (
     REFERENCE_ITEMS,
@@ -30,10 +30,10 @@ from streamxm.service import open_store
 from streamxm.serving.gallery import reference_rows
 from streamxm.storage.checkpoint import CheckpointStore
 from streamxm.storage.segments import read_manifest
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import (
     make_pair,
 )
+from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import text
 from streamxm.stream.retention import entry_id_key
 from streamxm.tools.datasets import synthetic_arrays, synthetic_pairs
@@ -209,7 +209,7 @@ def query(
         search_candidates=candidates,
         wait_for_index=wait_for_index,
     ) as st:
-        client = StreamClient(st.r, NAMESPACE)
+        client = StreamProducer(st.r, NAMESPACE)
         for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
             client.push_pairs(
                 [
@@ -343,7 +343,7 @@ def ensemble_recall(
     pairs = synthetic_pairs(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
     vectors = {"image": np.stack([p.img for p in pairs]), "text": np.stack([p.txt for p in pairs])}
     with stack(gallery_max=gallery) as st:
-        StreamClient(st.r, NAMESPACE).push_pairs(pairs)
+        StreamProducer(st.r, NAMESPACE).push_pairs(pairs)
         for member in tqdm(spec.members, desc="members learning", file=sys.stderr):
             build_worker(st.settings, st.r, member).run(until_idle=True)
         server = ModelServer(

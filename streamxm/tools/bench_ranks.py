@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from streamxm.learning.learner import StreamLearner
 from streamxm.learning.schedule import EvalEvery
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.service import open_store
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import Pair
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import evaluate_model
 from streamxm.tools.bench_end_to_end import in_process_rate
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
@@ -102,7 +102,7 @@ def _run(
         dist_host="127.0.0.1",
         lease_ttl_ms=5000,
     ) as st:
-        StreamClient(st.r, NAMESPACE).push_pairs(pairs)
+        StreamProducer(st.r, NAMESPACE).push_pairs(pairs)
         threads_env = {"STREAMXM_THREADS": str(threads)}
         extra = [
             arg

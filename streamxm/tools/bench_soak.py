@@ -13,10 +13,10 @@ import numpy as np
 from tqdm import tqdm
 
 from streamxm.storage.segments import SEGMENTS, read_manifest
-from streamxm.stream.client import StreamClient
 from streamxm.stream.messages import (
     Pair,
 )
+from streamxm.stream.producer import StreamProducer
 from streamxm.tools.datasets import synthetic_pairs
 from streamxm.tools.stack import NAMESPACE, Stack, rss_mb, stack
 from streamxm.tools.waiting import wait_for
@@ -66,7 +66,7 @@ def soak(
     with stack(gallery_max=gallery_max, checkpoint_every_seconds=2.0) as st:
         worker = st.spawn("worker", "--model", "cmos")
         indexer = st.spawn("indexer")
-        client = StreamClient(st.r, NAMESPACE)
+        client = StreamProducer(st.r, NAMESPACE)
         client.push_pairs(pool[:200])
         url = st.api()
         api = st.procs[-1]

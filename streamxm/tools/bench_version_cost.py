@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import MODEL_NAMES, CrossModalModel
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk
 from streamxm.serving.served import EmbeddedGallery

@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from tqdm import tqdm
 
 from streamxm.learning.evaluation import label_relevance
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import DIRECTIONS
 from streamxm.tools.bench import evaluate_model
 from streamxm.tools.datasets import PUBLISHED_WIKI, Dataset, iter_pairs, load_dataset

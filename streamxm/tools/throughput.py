@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from streamxm.learning.learner import StreamLearner
 from streamxm.learning.schedule import EvalEvery, evaluation_interval
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import create_model, split_name
 from streamxm.models.work import Rates
 from streamxm.stream.messages import Pair

@@ -7,9 +7,9 @@ import logging
 
 import redis
 
-from streamxm.stream.client import check_dims, ensure_schema, read_schema
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, field_name
+from streamxm.stream.producer import check_dims, ensure_schema, read_schema
 
 __all__ = ["DEAD_MAX_FIELDS", "DEAD_MAX_VALUE", "EntryDecoder"]
 

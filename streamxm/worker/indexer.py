@@ -39,10 +39,10 @@ from streamxm.storage.segments import (
     open_segment,
     read_manifest,
 )
-from streamxm.stream.client import decode_entries
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 from streamxm.stream.migrate import require_migrated
+from streamxm.stream.producer import decode_entries
 from streamxm.stream.redis_conn import UNAVAILABLE, NotReplicated, stream_entries
 from streamxm.worker.lease import Lease
 

@@ -52,8 +52,8 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from streamxm import defaults as D
-from streamxm.learning.learner import LearnFailed, StreamLearner
 from streamxm.learning.stats import WorkerStats
+from streamxm.learning.stream_learner import LearnFailed, StreamLearner
 from streamxm.models import split_name
 from streamxm.storage.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.stream.keys import Keys
@@ -135,8 +135,8 @@ class LearnerWorker:
     params
         Model parameters, used when no checkpoint exists yet.
     learner_options
-        Extra :class:`~streamxm.learning.learner.StreamLearner` options (buffer size, rolling-mAP
-        schedule).
+        Extra :class:`~streamxm.learning.stream_learner.StreamLearner` options (buffer size,
+        rolling-mAP schedule).
     checkpoint_every_pairs, checkpoint_every_seconds
         Checkpoint after this many pairs or this long, whichever comes first.
     checkpoint_max_share

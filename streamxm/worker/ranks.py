@@ -4,7 +4,7 @@ Rank 0 is a :class:`~streamxm.worker.loop.LearnerWorker` that holds the model's 
 reads the stream, validates, dead-letters, checkpoints and acknowledges, exactly as a single
 learner does. What changes is how a batch is learned (:class:`RankZeroWorker`): rank 0 reads
 ``N x read_batch`` entries, sends every other rank (:class:`RankFollower`) a contiguous share,
-learns its own, and one merge (:mod:`streamxm.learning.ranks`) makes all ranks' models
+learns its own, and one merge (:mod:`streamxm.learning.rounds`) makes all ranks' models
 equal again. Only then does the round count as applied, so a checkpoint always covers a stream
 prefix that every rank has learned and merged, and its transaction acknowledges every rank's
 entries (they were all read by rank 0).
@@ -47,8 +47,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from streamxm.learning.learner import LearnFailed, StreamLearner
-from streamxm.learning.ranks import (
+from streamxm.learning.rounds import (
     RankGroup,
     RankMerge,
     balanced_first,
@@ -58,6 +57,7 @@ from streamxm.learning.ranks import (
     encode_share,
     split_share,
 )
+from streamxm.learning.stream_learner import LearnFailed, StreamLearner
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.worker.loop import EntryFailed, LearnerWorker

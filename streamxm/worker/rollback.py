@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.storage.checkpoint import Checkpoint, CheckpointStore
 from streamxm.stream.keys import Keys
 from streamxm.worker.lease import RELEASE_LEASE

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from numpy.typing import NDArray
 from torch.distributed import Store  # type: ignore[attr-defined]
 
-from streamxm.learning.learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import DIRECTIONS
 from streamxm.models.base import MergeParts
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob

@@ -6,7 +6,7 @@ Examples
 >>> import tempfile, redis
 >>> tmp = tempfile.TemporaryDirectory()
 >>> server = EmbeddedRedis(tmp.name); url = server.start()
->>> client = StreamClient(redis.Redis.from_url(url), namespace="doc")
+>>> client = StreamProducer(redis.Redis.from_url(url), namespace="doc")
 >>> entry_id = client.push("p1", [0.1, 0.2, 0.3], [1.0, 0.0], labels=[2])
 >>> client.push("p2", [0.1, 0.2], [1.0, 0.0])
 Traceback (most recent call last):
@@ -28,7 +28,7 @@ from streamxm.stream.messages import InvalidPair, Limits, Pair, decode_pair, enc
 from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import Replication, StreamEntry, text, wait_replicated
 
-__all__ = ["StreamClient", "decode_entries", "ensure_schema", "read_schema"]
+__all__ = ["StreamProducer", "decode_entries", "ensure_schema", "read_schema"]
 
 
 def read_schema(r: redis.Redis, keys: Keys) -> tuple[int, int] | None:
@@ -74,7 +74,7 @@ def check_dims(pair: Pair, schema: tuple[int, int]) -> None:
             )
 
 
-class StreamClient:
+class StreamProducer:
     """Push image-text pairs to ``sxm:{<ns>}:pairs``.
 
     Parameters
