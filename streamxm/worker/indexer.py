@@ -45,6 +45,7 @@ from streamxm.stream.migrate import require_migrated
 from streamxm.stream.producer import decode_entries
 from streamxm.stream.redis_conn import UNAVAILABLE, NotReplicated, stream_entries
 from streamxm.worker.lease import Lease
+from streamxm.worker.leased import LeasedConsumer
 
 __all__ = ["GalleryIndexer"]
 
@@ -59,8 +60,9 @@ _STARTS_OVER: tuple[type[Exception], ...] = (
 )
 
 
-class GalleryIndexer:
-    """Keep the namespace's gallery segments current with its stream.
+class GalleryIndexer(LeasedConsumer):
+    """Keep the namespace's gallery segments current with its stream: a leased consumer
+    (:class:`~streamxm.worker.leased.LeasedConsumer`) whose work is :meth:`step`.
 
     Parameters
     ----------
@@ -75,6 +77,8 @@ class GalleryIndexer:
     max_segment_rows
         Largest segment the tier merge makes.
     """
+
+    recoverable = _STARTS_OVER
 
     def __init__(
         self,
@@ -104,44 +108,46 @@ class GalleryIndexer:
         self.limits = limits
         self.lease = Lease(client, self.keys.lease(SEGMENTS), self.consumer, lease_ttl_ms)
         self.corrupt = CorruptSegments(client, self.keys)
+        self.leader = False
         self.manifest = Manifest()
         self.position = "0-0"
         self.skipped = 0
         self._buffer: list[tuple[str, np.ndarray, np.ndarray]] = []
         self._since = time.monotonic()
 
-    def run(self, stop: threading.Event | None = None, until_idle: bool = False) -> None:
-        """Index until ``stop`` is set (or, with ``until_idle``, until the stream is read)."""
-        stop = stop or threading.Event()
-        leader = False
-        try:
-            while not stop.is_set():
-                try:
-                    if not leader:
-                        leader = self.lease.acquire()
-                        if not leader:
-                            stop.wait(self.lease.ttl_ms / 4000)
-                            continue
-                        self._load()
-                    elif not self.lease.extend():
-                        log.warning("indexer %s lost the gallery lease", self.consumer)
-                        leader, self._buffer = False, []
-                        continue
-                    read = self.step()
-                except _STARTS_OVER as exc:
-                    log.warning("indexer %s: %s; buffer dropped, starting over", self.consumer, exc)
-                    leader, self._buffer = False, []
-                    stop.wait(0.5)
-                    continue
-                if until_idle and read == 0:
-                    break
-        finally:
-            if leader:
-                try:
-                    self.commit()
-                    self.lease.release()
-                except redis.RedisError as exc:
-                    log.error("indexer %s: final commit failed (%s)", self.consumer, exc)
+    # -- the leased consumer's steps (streamxm/worker/leased.py) --------------------------
+    def hold_lease(self) -> bool:
+        """Extend the gallery lease, or take it (and read the manifest); a lease lost drops
+        the buffer, which the successor reads again from the manifest's position."""
+        if self.leader:
+            if self.lease.extend():
+                return True
+            log.warning("indexer %s lost the gallery lease", self.consumer)
+            self.leader, self._buffer = False, []
+        self.leader = self.lease.acquire()
+        if self.leader:
+            self._load()
+        return self.leader
+
+    def work(self) -> bool:
+        """One :meth:`step`; idle when it read nothing."""
+        return self.step() == 0
+
+    def recover(self, stop: threading.Event, exc: Exception) -> None:
+        """Drop the buffer and start over from the committed segments."""
+        log.warning("indexer %s: %s; buffer dropped, starting over", self.consumer, exc)
+        self.leader, self._buffer = False, []
+        stop.wait(0.5)
+
+    def finish(self) -> None:
+        """The leader's final commit, then the lease released."""
+        if self.leader:
+            try:
+                self.commit()
+                self.lease.release()
+            except redis.RedisError as exc:
+                log.error("indexer %s: final commit failed (%s)", self.consumer, exc)
+            self.leader = False
 
     def _load(self) -> None:
         require_migrated(self.r, self.keys)  # data under the old key names: refuse, say how

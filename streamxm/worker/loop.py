@@ -70,6 +70,7 @@ from streamxm.stream.redis_conn import (
 from streamxm.stream.retention import entry_id_key, trim_stream
 from streamxm.worker.entries import EntryDecoder
 from streamxm.worker.lease import Lease
+from streamxm.worker.leased import LeasedConsumer
 from streamxm.worker.progress import ProgressLine, unapplied_entries
 
 __all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
@@ -117,8 +118,9 @@ class _Commit:
     error: BaseException | None = None
 
 
-class LearnerWorker:
-    """Learn one model from the namespace's stream.
+class LearnerWorker(LeasedConsumer):
+    """Learn one model from the namespace's stream: a leased consumer
+    (:class:`~streamxm.worker.leased.LeasedConsumer`) whose work is :meth:`step`.
 
     Parameters
     ----------
@@ -161,6 +163,8 @@ class LearnerWorker:
         While it leads, log a progress line this often (:mod:`streamxm.worker.progress`);
         0 never does.
     """
+
+    recoverable = (*UNAVAILABLE, EntryFailed)
 
     def __init__(
         self,
@@ -216,6 +220,7 @@ class LearnerWorker:
         self._commit_seconds = 0.0  # what the last checkpoint took
         self._writing: _Commit | None = None  # the checkpoint being written in the background
         self._learned_time: float | None = None
+        self._backoff = 0.0  # the last back-off, doubled while failures go on
         self.entries = EntryDecoder(self.r, self.keys, self.model, self.consumer, limits)
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
         # committed; bounded by the entries between two checkpoints.
@@ -235,57 +240,57 @@ class LearnerWorker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def run(self, stop: threading.Event | None = None, until_idle: bool = False) -> None:
-        """Loop until ``stop`` is set (or, with ``until_idle``, until nothing is left to read)."""
-        stop = stop or threading.Event()
-        backoff = 0.0
+    # -- the leased consumer's steps (streamxm/worker/leased.py) --------------------------
+    def prepare(self, stop: threading.Event) -> None:
+        """:meth:`setup`, again after a back-off while Redis cannot be reached."""
         while not stop.is_set():
             try:
                 self.setup()
                 break
             except UNAVAILABLE as exc:
-                backoff = _back_off(stop, backoff, self.consumer, exc)
+                self._backoff = _back_off(stop, self._backoff, self.consumer, exc)
         log.info(
             "worker %s: model %s, namespace %s", self.consumer, self.model, self.keys.namespace
         )
-        try:
-            while not stop.is_set():
-                try:
-                    if not self._hold_lease():
-                        stop.wait(self.lease_ttl_ms / 4000)
-                        continue
-                    was_recovering = self._recovering
-                    read = self.step()
-                    self._report_progress()
-                    backoff = 0.0
-                except UNAVAILABLE as exc:
-                    self._drop_state()
-                    backoff = _back_off(stop, backoff, self.consumer, exc)
-                    continue
-                except EntryFailed as exc:
-                    backoff = self._learn_failed(stop, backoff, exc)
-                    continue
-                if until_idle and read == 0 and not was_recovering:
-                    break
-        finally:
-            if self.leader:
-                try:
-                    self.commit()
-                    self.lease.release()
-                except redis.RedisError as exc:
-                    log.error(
-                        "worker %s: final checkpoint failed (%s); the next learner "
-                        "replays from the previous one",
-                        self.consumer,
-                        exc,
-                    )
-                self.leader = False
-            log.info(
-                "worker %s stopped at entry %s, version %d",
-                self.consumer,
-                self.last_id,
-                self.version,
-            )
+
+    def work(self) -> bool:
+        """One :meth:`step` and the progress line; idle when it read nothing and was not
+        replaying its own pending entries."""
+        was_recovering = self._recovering
+        read = self.step()
+        self._report_progress()
+        self._backoff = 0.0
+        return read == 0 and not was_recovering
+
+    def recover(self, stop: threading.Event, exc: Exception) -> None:
+        """A lost connection drops the state (the next lease reloads and replays); an entry
+        that failed to learn is counted against it (dead-lettered after the last attempt)."""
+        if isinstance(exc, EntryFailed):
+            self._backoff = self._learn_failed(stop, self._backoff, exc)
+            return
+        self._drop_state()
+        self._backoff = _back_off(stop, self._backoff, self.consumer, exc)
+
+    def finish(self) -> None:
+        """The leader's final checkpoint, then the lease released."""
+        if self.leader:
+            try:
+                self.commit()
+                self.lease.release()
+            except redis.RedisError as exc:
+                log.error(
+                    "worker %s: final checkpoint failed (%s); the next learner "
+                    "replays from the previous one",
+                    self.consumer,
+                    exc,
+                )
+            self.leader = False
+        log.info(
+            "worker %s stopped at entry %s, version %d",
+            self.consumer,
+            self.last_id,
+            self.version,
+        )
 
     def _learn_failed(self, stop: threading.Event, previous: float, exc: EntryFailed) -> float:
         """Count the failure against its entry, back off; the next lease reloads and replays."""
@@ -326,7 +331,7 @@ class LearnerWorker:
         self._drop_state()
         return False
 
-    def _hold_lease(self) -> bool:
+    def hold_lease(self) -> bool:
         if self.leader and self._refresh_lease():
             return True
         # Our own name in the key: a lease we held before a lost connection, still valid.
@@ -427,18 +432,14 @@ class LearnerWorker:
             else:
                 self._recovery_cursor = entries[-1][0]
         self._apply(entries)
-        if self._commit_due():
+        if self._checkpoint_due():
             if not self.in_background:
                 self.commit()
             # The last checkpoint must have ended (only a write longer than the interval makes
             # this wait) and its time decides whether the next is due yet.
-            elif self._reap(wait=True) and self._commit_due():
+            elif self._reap(wait=True) and self._checkpoint_due():
                 self._commit_in_background()
         return len(entries)
-
-    def _commit_due(self) -> bool:
-        """Whether this step ends with a checkpoint (a subclass may defer it)."""
-        return self._checkpoint_due()
 
     def _checkpoint_due(self) -> bool:
         """Pairs are pending, the checkpoint interval (pairs or seconds) has passed and so has

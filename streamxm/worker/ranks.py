@@ -248,7 +248,7 @@ class RankZeroWorker(LearnerWorker):
         assert self.learner is not None
         # No flush here: a round rank 0 learns alone must be the single learner's exact work.
         split = self.learner.model.merge_parts() is not None
-        commit_now = may_commit and self._checkpoint_due()
+        commit_now = may_commit and super()._checkpoint_due()  # the single learner's rule
         extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
         first = balanced_first(
             len(pairs), self.world, self._pair_seconds, self._peer_pair_seconds, extra
@@ -354,9 +354,9 @@ class RankZeroWorker(LearnerWorker):
         self.merge_bytes = report.bytes
         self.split_rounds += 1
 
-    def _commit_due(self) -> bool:
+    def _checkpoint_due(self) -> bool:
         # After a round the next round commits (inside it); an idle step commits here.
-        return not self._sent and self._checkpoint_due()
+        return not self._sent and super()._checkpoint_due()
 
     def _stats_fields(self) -> dict[str, str]:
         fields = super()._stats_fields()
