@@ -17,7 +17,7 @@ from streamxm.stream.messages import Limits
 from streamxm.stream.migrate import require_migrated
 from streamxm.stream.redis_conn import Replication
 from streamxm.worker.indexer import GalleryIndexer
-from streamxm.worker.loop import LearnerWorker
+from streamxm.worker.loop import CheckpointPolicy, LearnerWorker, StreamReading
 
 __all__ = ["build_indexer", "build_worker", "limits_from", "open_namespace", "open_store"]
 
@@ -88,13 +88,17 @@ def build_worker(
         params=params,
         learner_options=learner_options,
         seed=settings.seed,
-        checkpoint_every_pairs=settings.checkpoint_every_pairs,
-        checkpoint_every_seconds=settings.checkpoint_every_seconds,
-        checkpoint_max_share=settings.checkpoint_max_share,
-        checkpoint_in_background=settings.checkpoint_in_background,
-        read_batch=settings.read_batch,
-        block_ms=settings.block_ms,
-        lease_ttl_ms=settings.lease_ttl_ms,
+        checkpoints=CheckpointPolicy(
+            every_pairs=settings.checkpoint_every_pairs,
+            every_seconds=settings.checkpoint_every_seconds,
+            max_share=settings.checkpoint_max_share,
+            in_background=settings.checkpoint_in_background,
+        ),
+        reading=StreamReading(
+            read_batch=settings.read_batch,
+            block_ms=settings.block_ms,
+            lease_ttl_ms=settings.lease_ttl_ms,
+        ),
         limits=limits_from(settings),
         retain_entries=settings.gallery_max if settings.stream_retention else None,
         progress_every_seconds=settings.progress_every_seconds,

@@ -73,7 +73,7 @@ from streamxm.worker.lease import Lease
 from streamxm.worker.leased import LeasedConsumer
 from streamxm.worker.progress import ProgressLine, unapplied_entries
 
-__all__ = ["EntryFailed", "LearnerWorker", "entry_id_key"]
+__all__ = ["CheckpointPolicy", "EntryFailed", "LearnerWorker", "StreamReading", "entry_id_key"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,44 @@ class _Commit:
     error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a learner worker checkpoints (``STREAMXM_CHECKPOINT_*``).
+
+    Parameters
+    ----------
+    every_pairs, every_seconds
+        Checkpoint after this many pairs or this long, whichever comes first.
+    max_share
+        Most of the worker's time its checkpoints may take: a checkpoint that took ``c``
+        seconds (encoding, hashing and writing the state, the commit transaction) holds the
+        next one back for at least ``c (1 - share) / share`` seconds, so a model whose state
+        is large checkpoints less often instead of learning less. Checkpoints are points of
+        the stream at which everything before them is durable; when they come does not change
+        what is learned.
+    in_background
+        Write scheduled checkpoints from a thread while learning goes on (the state is copied
+        first: the checkpoint's bytes are what they would be at that point); ``False`` writes
+        them on the learning path. Explicit commits and the final checkpoint are always
+        written before they return.
+    """
+
+    every_pairs: int = D.CHECKPOINT_EVERY_PAIRS
+    every_seconds: float = D.CHECKPOINT_EVERY_SECONDS
+    max_share: float = D.CHECKPOINT_MAX_SHARE
+    in_background: bool = D.CHECKPOINT_IN_BACKGROUND
+
+
+@dataclass(frozen=True)
+class StreamReading:
+    """How a learner worker reads the stream and holds its lease: entries per read
+    (``XREADGROUP COUNT``), how long a read blocks, the lease's time to live."""
+
+    read_batch: int = D.READ_BATCH
+    block_ms: int = D.BLOCK_MS
+    lease_ttl_ms: int = D.LEASE_TTL_MS
+
+
 class LearnerWorker(LeasedConsumer):
     """Learn one model from the namespace's stream: a leased consumer
     (:class:`~streamxm.worker.leased.LeasedConsumer`) whose work is :meth:`step`.
@@ -139,20 +177,12 @@ class LearnerWorker(LeasedConsumer):
     learner_options
         Extra :class:`~streamxm.learning.stream_learner.StreamLearner` options (buffer size,
         rolling-mAP schedule).
-    checkpoint_every_pairs, checkpoint_every_seconds
-        Checkpoint after this many pairs or this long, whichever comes first.
-    checkpoint_max_share
-        Most of the worker's time its checkpoints may take: a checkpoint that took ``c``
-        seconds (encoding, hashing and writing the state, the commit transaction) holds the
-        next one back for at least ``c (1 - share) / share`` seconds, so a model whose state
-        is large checkpoints less often instead of learning less. Checkpoints are points of
-        the stream at which everything before them is durable; when they come does not change
-        what is learned.
-    checkpoint_in_background
-        Write scheduled checkpoints from a thread while learning goes on (the state is copied
-        first: the checkpoint's bytes are what they would be at that point); ``False`` writes
-        them on the learning path. Explicit :meth:`commit` calls and the final checkpoint are
-        always written before they return.
+    checkpoints
+        When to checkpoint (:class:`CheckpointPolicy`).
+    reading
+        How the stream is read and the lease held (:class:`StreamReading`).
+    limits
+        What a pair may hold (the stream's validator).
     max_learn_attempts
         Failures of learning one entry before it is dead-lettered as ``learn_error``.
     retain_entries
@@ -176,13 +206,8 @@ class LearnerWorker(LeasedConsumer):
         params: dict[str, Any] | None = None,
         learner_options: dict[str, Any] | None = None,
         seed: int = 0,
-        checkpoint_every_pairs: int = D.CHECKPOINT_EVERY_PAIRS,
-        checkpoint_every_seconds: float = D.CHECKPOINT_EVERY_SECONDS,
-        checkpoint_max_share: float = D.CHECKPOINT_MAX_SHARE,
-        checkpoint_in_background: bool = D.CHECKPOINT_IN_BACKGROUND,
-        read_batch: int = D.READ_BATCH,
-        block_ms: int = D.BLOCK_MS,
-        lease_ttl_ms: int = D.LEASE_TTL_MS,
+        checkpoints: CheckpointPolicy = CheckpointPolicy(),
+        reading: StreamReading = StreamReading(),
         limits: Limits = Limits(),
         max_learn_attempts: int = 3,
         retain_entries: int | None = None,
@@ -198,13 +223,13 @@ class LearnerWorker(LeasedConsumer):
         self.params = params
         self.learner_options = learner_options or {}
         self.seed = seed
-        self.every_pairs = checkpoint_every_pairs
-        self.every_seconds = checkpoint_every_seconds
-        self.max_share = checkpoint_max_share
-        self.in_background = checkpoint_in_background
-        self.read_batch = read_batch
-        self.block_ms = block_ms
-        self.lease_ttl_ms = lease_ttl_ms
+        self.every_pairs = checkpoints.every_pairs
+        self.every_seconds = checkpoints.every_seconds
+        self.max_share = checkpoints.max_share
+        self.in_background = checkpoints.in_background
+        self.read_batch = reading.read_batch
+        self.block_ms = reading.block_ms
+        self.lease_ttl_ms = reading.lease_ttl_ms
         self.max_learn_attempts = max_learn_attempts
         self.retain_entries = retain_entries
         self.learner: StreamLearner | None = None
@@ -225,7 +250,7 @@ class LearnerWorker(LeasedConsumer):
         # entry id -> (failures so far, last error): entries whose learning raised, not yet
         # committed; bounded by the entries between two checkpoints.
         self._failures: dict[str, tuple[int, str]] = {}
-        self.lease = Lease(self.r, self.keys.lease(self.model), self.consumer, lease_ttl_ms)
+        self.lease = Lease(self.r, self.keys.lease(self.model), self.consumer, self.lease_ttl_ms)
         self.progress = ProgressLine(self.consumer, self.model, progress_every_seconds)
 
     # -- lifecycle -------------------------------------------------------------------------
