@@ -4,11 +4,21 @@ SAM is imported when first built: it needs PyTorch, whose import costs every oth
 (workers of other models, the CLI) over a second, and which is an extra (``streamxm[sam]``) so
 that a service without SAM does not install a deep-learning stack; building SAM without it says
 which extra to install.
+
+A model of your own joins by its class (:func:`register_model`) in the process that learns or
+serves it, or, for every process at once, as an entry point of the group ``streamxm.models``
+in its package's metadata (``[project.entry-points."streamxm.models"] mine =
+"mypkg.models:Mine"``), loaded the first time its name is asked for. Serving needs nothing
+more: a model that embeds images and texts (``embed_images``, ``embed_texts``) is searched
+exactly through its embeddings of the gallery.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
+import re
 from typing import Any
 
 from streamxm.models.base import DIRECTIONS, CrossModalModel, LearnStats
@@ -29,7 +39,9 @@ __all__ = [
     "check_params",
     "create_model",
     "model_class",
+    "register_model",
     "split_name",
+    "unregister_model",
 ]
 
 MODELS: dict[str, type[CrossModalModel]] = {
@@ -62,6 +74,49 @@ MODEL_NAMES = (
 VARIANTS: dict[str, tuple[str, ...]] = {"pairwise": ("logistic", "bipartite", "marginal")}
 
 
+#: The entry-point group through which installed packages add models.
+ENTRY_POINT_GROUP = "streamxm.models"
+#: What a registered model may be called: it names keys, metrics labels and checkpoints.
+_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def register_model(cls: type[CrossModalModel]) -> type[CrossModalModel]:
+    """Make ``cls`` known by its ``name`` (``class Mine(CrossModalModel, name="mine")``) to
+    every part of this process: workers, the API, benchmarks. Returns ``cls`` (a decorator).
+    A name already taken by another class is refused."""
+    name = getattr(cls, "name", "")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"a model's name is 1-32 of a-z, 0-9, '_' and '-', starting with a "
+            f"letter; {cls.__name__} has {name!r}"
+        )
+    if name in LAZY_MODELS or MODELS.get(name, cls) is not cls:
+        raise ValueError(f"model name {name!r} is taken by {model_class(name).__name__}")
+    MODELS[name] = cls
+    return cls
+
+
+def unregister_model(name: str) -> None:
+    """Forget a model :func:`register_model` added (the built-in ones stay)."""
+    if name in MODEL_NAMES:
+        raise ValueError(f"{name!r} is a built-in model")
+    MODELS.pop(name, None)
+
+
+@functools.cache
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """The installed ``streamxm.models`` entry points, read once (an unknown name in a request
+    must not cost a scan of every installed package)."""
+    return {e.name: e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _from_entry_points(name: str) -> None:
+    """Register the installed entry point called ``name``, if there is one."""
+    entry = _entry_points().get(name)
+    if entry is not None:
+        register_model(entry.load())
+
+
 def split_name(name: str) -> tuple[str, str | None]:
     """``"pairwise:bipartite"`` -> ``("pairwise", "bipartite")``; unknown names raise.
 
@@ -72,10 +127,13 @@ def split_name(name: str) -> tuple[str, str | None]:
 pairwise:marginal, cca, sdsrl, scsm, sam
     """
     base, sep, variant = name.partition(":")
+    if base not in MODELS and base not in LAZY_MODELS and _NAME.fullmatch(base):
+        _from_entry_points(base)
     if (base not in MODELS and base not in LAZY_MODELS) or (
         sep and variant not in VARIANTS.get(base, ())
     ):
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+        known = [*MODEL_NAMES, *(m for m in MODELS if m not in MODEL_NAMES)]
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(known)}")
     return base, variant or None
 
 
