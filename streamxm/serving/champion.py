@@ -37,15 +37,15 @@ class ChampionRule:
     """The champion per direction, updated by :meth:`update` with fresh evidence.
 
     >>> rule = ChampionRule(min_pairs=100, margin=0.01, confirmations=2)
-    >>> rule.update({"cmos": {"i2t": Evidence(0.30, 500), "t2i": Evidence(0.20, 500)},
-    ...              "sam": {"i2t": Evidence(0.305, 500), "t2i": Evidence(0.25, 500)}})
+    >>> rule.update({"fast": {"i2t": Evidence(0.30, 500), "t2i": Evidence(0.20, 500)},
+    ...              "deep": {"i2t": Evidence(0.305, 500), "t2i": Evidence(0.25, 500)}})
     >>> rule.champions
-    {'i2t': 'sam', 't2i': 'sam'}
-    >>> for _ in range(2):  # cmos ahead by more than the margin, twice in a row: it takes over
-    ...     rule.update({"cmos": {"i2t": Evidence(0.33, 900), "t2i": Evidence(0.20, 900)},
-    ...                  "sam": {"i2t": Evidence(0.31, 900), "t2i": Evidence(0.25, 900)}})
+    {'i2t': 'deep', 't2i': 'deep'}
+    >>> for _ in range(2):  # fast ahead by more than the margin, twice in a row: it takes over
+    ...     rule.update({"fast": {"i2t": Evidence(0.33, 900), "t2i": Evidence(0.20, 900)},
+    ...                  "deep": {"i2t": Evidence(0.31, 900), "t2i": Evidence(0.25, 900)}})
     >>> rule.champions["i2t"], rule.changes
-    ('cmos', 1)
+    ('fast', 1)
     """
 
     min_pairs: int = 200

@@ -2,7 +2,7 @@
 score of every item is one inner product and an ensemble searches as exactly as one model.
 
 Each member ``m`` scores an item ``x`` as ``s_m(q, x) = row_m(x) . query_m(q) + c_m(q)``: its
-unit row against the query moved into the fixed space (cmos, pairwise, pairwise:bipartite), or
+unit row against the query moved into the fixed space (a model with ``fixed_space``), or
 its embedding by the served version against the query's (``c_m = 0``). The fused score
 ``sum_m (s_m - offset_m) / scale_m`` (:meth:`~streamxm.models.ensemble.Ensemble.standardisers`)
 is then ``[row_1(x), row_2(x), ...] . [query_1 / scale_1, query_2 / scale_2, ...]`` plus a

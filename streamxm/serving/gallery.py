@@ -68,8 +68,8 @@ class GalleryChunk(GalleryRows):
         rows), computed once and kept (two threads computing the same one at once both get
         equal arrays): float32, or with ``compact`` as the map keeps them
         (:meth:`~streamxm.models.heads.FeatureMap.keep`; float32 ones kept before are
-        converted). The maps below ``fmap`` in its chain are computed for it and not kept: at
-        1,000,000 items sdsrl's power-normalised images alone would take 2 GB."""
+        converted). The maps below ``fmap`` in its chain are computed for it and not kept:
+        only the head's own features are read again by later versions."""
         if fmap is None:
             return self.unit(modality)
         cache: dict[tuple[object, ...], NDArray[np.floating]] = self._features  # type: ignore

@@ -89,7 +89,7 @@ def index_block(rows: NDArray[np.float32], precision: str = "auto") -> Block:
     if precision == "float32":
         return rows
     if torch is None:
-        raise ImportError(f"{precision} search needs PyTorch: pip install 'streamxm[sam]'")
+        raise ImportError(f"{precision} search needs PyTorch: pip install 'streamxm[torch]'")
     if precision == "int8":
         if not int8_available():
             raise RuntimeError("this CPU's int8 product (oneDNN) is not exact: use bfloat16")

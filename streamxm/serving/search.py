@@ -1,8 +1,8 @@
 """Top-k search of the gallery, exact for the served version: candidates from a version-independent
 index, re-ranked by the served version's own scores.
 
-A model whose score is bilinear in the gallery's unit rows (``fixed_space``: cmos, pairwise,
-pairwise:bipartite) moves the *query* into the target modality's unit rows with the served
+A model whose score is bilinear in the gallery's unit rows (``fixed_space``) moves the
+*query* into the target modality's unit rows with the served
 version, O(model), and the rows are the index; a reduced-precision scan of them is proven
 complete or redone in float32. The other models search an index of embeddings
 (:class:`~streamxm.serving.served.EmbeddedGallery`): the served version's own, whose float32
@@ -63,21 +63,19 @@ class Catalogue(Protocol):
 
 
 #: A reduced-precision (int8 or bfloat16) scan of a fixed space proposes at least one candidate
-#: per this many gallery rows (400 at 1,000,000). The rows whose scores the error bound cannot
-#: tell from the k-th best lie in a band of fixed width, so their number grows with the
-#: gallery; with 100 candidates at 1M, a sizeable share of the searches in ``bench query``
-#: could not be proven complete and paid a float32 pass, far slower than the scan. With chunks
-#: offering half the re-ranked count and the grouped selection of
-#: :func:`~streamxm.serving.index.top_k_bounded`, 400 cost no more per bfloat16 pass than a
-#: plain top 100.
+#: per this many gallery rows. The rows whose scores the error bound cannot tell from the k-th
+#: best lie in a band of fixed width, so their number grows with the gallery, and a fixed
+#: count of candidates leaves more searches unproven (a float32 pass) as it grows
+#: (docs/benchmarks.md). With chunks offering half the re-ranked count and the grouped
+#: selection of :func:`~streamxm.serving.index.top_k_bounded`, the larger count costs no more
+#: per scan.
 _ROWS_PER_PROOF_CANDIDATE = 2_500
 
 
 def proof_candidates(gallery_rows: int, wanted: int, int8: bool = False) -> int:
     """Candidates a reduced-precision scan of a fixed space proposes for ``wanted`` re-ranked
     ones; at least twice ``wanted`` from an int8 scan, whose error bound is wider than
-    bfloat16's (at 100,000 rows, ``bench query`` with 100 int8 candidates sent a large share of
-    the searches to the float32 pass, with 200 none).
+    bfloat16's.
 
     >>> proof_candidates(100_000, 100), proof_candidates(1_000_000, 100), proof_candidates(50, 100)
     (100, 400, 50)
@@ -316,10 +314,10 @@ class Searcher:
         bound = raised(float(ceiling), reach=float(np.linalg.norm(query)) * index.norm(target))
         error = index.scan_error(target, query)
         if error > 0.0:
-            # Embeddings made from rounded features (sdsrl's float16 kernel rows in a large
-            # gallery, COMPACT_FEATURES_ROWS): each row's exact score is within ``error`` of
-            # its scan score, so the bound moves up by it and the candidates are scored from
-            # their raw vectors.
+            # Embeddings made from rounded features (a feature map that keeps float16 rows, in
+            # a gallery of COMPACT_FEATURES_ROWS or more): each row's exact score is within
+            # ``error`` of its scan score, so the bound moves up by it and the candidates are
+            # scored from their raw vectors.
             return _Candidates.of(gallery, rows, model, modality, target, vector, bound + error)
         # The version's own embeddings of the candidates are in the index: scoring them again
         # would cost a tower or kernel pass per candidate for the same numbers (to float32

@@ -78,12 +78,12 @@ class EnsembleUnsupported(ValueError):
         self.field = field
 
 
-#: Widest embedding whose index is scanned in float32 (exactly); wider ones (cmomks's kernel
+#: Widest embedding whose index is scanned in float32 (exactly); wider ones (a model's kernel
 #: terms) are scanned in the backend's reduced precision and re-ranked, without a proof.
 EXACT_SCAN_DIMS = 256
 #: Galleries of at least this many rows keep their chunks' features as the feature maps keep
-#: them (:meth:`~streamxm.models.heads.FeatureMap.keep`: sdsrl's kernel rows in float16, half
-#: the bytes, 2.4 GB instead of 4.8 GB at 1,000,000 items); smaller ones keep float32, whose
+#: them (:meth:`~streamxm.models.heads.FeatureMap.keep`: kernel rows in float16, half the
+#: bytes; docs/benchmarks.md has the sizes); smaller ones keep float32, whose
 #: embeddings are the version's own scores, so a search needs no pass over its candidates'
 #: raw vectors and an ensemble scans its members side by side.
 COMPACT_FEATURES_ROWS = 250_000
@@ -210,7 +210,7 @@ class EmbeddedGallery:
         """A new chunk's embeddings, those of the rows this index holds already taken from it
         (:meth:`~streamxm.serving.gallery.GalleryChunk.rows_in`) when the model embeds raw
         vectors into float32 rows: rows moving from the stream tail into a segment would
-        otherwise pass through sam's towers again, as costly as a new version. (A linear
+        otherwise pass through the model's towers again, as costly as a new version. (A linear
         head embeds from the features its chunk carries: one product.)"""
         if (
             not self.embedded
@@ -265,8 +265,8 @@ def _heads(model: CrossModalModel) -> dict[str, LinearHead | None]:
 
 
 def embeds_raw_vectors(model: CrossModalModel) -> bool:
-    """Whether a version of ``model`` embeds the gallery's raw vectors (sam, cmomks, sdsrl
-    before its landmarks freeze): a pass as costly as the model's forward pass over every
+    """Whether a version of ``model`` embeds the gallery's raw vectors (no fixed space, no
+    linear head on some side): a pass as costly as the model's forward pass over every
     item, where a linear head needs one product and a fixed space nothing."""
     return not model.fixed_space and any(h is None for h in _heads(model).values())
 
@@ -320,8 +320,8 @@ def _embedded_since(
     return chunk, blocks[0], blocks[1]
 
 
-#: Rows a model without a linear head embeds at once: bounds its temporaries (cmomks keeps
-#: float64 kernel terms, 3 x rows x 1,500 numbers, before it flattens them).
+#: Rows a model without a linear head embeds at once: bounds its temporaries (a kernel model
+#: keeps float64 kernel terms, several per row and landmark, before it flattens them).
 _EMBED_ROWS = 8192
 
 

@@ -1,6 +1,6 @@
 """The newest checkpoint version of every model, hot-swapped. A model with a linear head is
 swapped once its new version has embedded the whole gallery (one product), so its answers are
-the exact ranking of the version they name; a model that embeds raw vectors (sam, cmomks) has
+the exact ranking of the version they name; a model that embeds raw vectors (towers, kernels) has
 its new version embed the gallery on the index thread and is swapped in then (or at once,
 ``wait_for_index`` off, ranking candidates from the earlier version's index meanwhile)."""
 
@@ -42,8 +42,8 @@ class ServedVersions:
     A new version of a model with a linear head embeds the gallery from the features the
     gallery keeps for it (one product) before it is swapped in; until then the previous
     version answers, and the lag (:meth:`lag`) says for how long a newer one has existed.
-    A model that embeds raw vectors pays a forward pass over every item per version (sam's
-    towers: seconds at 100,000 items), longer than a worker takes to write the next version:
+    A model that embeds raw vectors pays a forward pass over every item per version (seconds
+    at 100,000 items for towers), longer than a worker takes to write the next version:
     :meth:`embed_behind` (the index thread) embeds the gallery with its newest version and
     swaps both in, so the version thread goes on loading the other models meanwhile. With
     ``wait_for_index`` off the new version is swapped in at once and searches the newest index
