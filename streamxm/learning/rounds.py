@@ -3,7 +3,7 @@
 A distributed learner (``streamxm worker --world-size N``, :mod:`streamxm.worker.ranks`)
 runs in synchronous rounds. Rank 0 reads a batch from the stream and sends each rank a share;
 every rank learns its share from the same model; then one merge makes the ranks equal again.
-What each model merges, and how, it says itself (:meth:`~streamxm.models.base.CrossModalModel.
+What each model merges, and how, it says itself (:meth:`~streamxm.models.opt_in.MergesRanks.
 merge_parts`): sufficient statistics are **summed** (each rank's change since the last merge, so
 the merged statistics are one learner's on the same pairs), parameters are **averaged** weighted
 by the pairs each rank learned (iterative parameter mixing). The learner's own counters (pairs,
@@ -34,6 +34,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import DIRECTIONS
 from streamxm.models.base import MergeParts
+from streamxm.models.opt_in import mergeable
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, decode_frames, decode_pair, encode_frames
 
@@ -264,7 +265,8 @@ class RankMerge:
 
     def _parts(self, learner: StreamLearner) -> MergeParts:
         learner.flush()
-        parts = learner.model.merge_parts()
+        model = mergeable(learner.model)
+        parts = model.merge_parts() if model is not None else None
         if parts is None:
             raise RuntimeError(f"{learner.model_name} cannot be split now but the round was")
         return {**{f"model.{k}": v for k, v in parts.items()}, **_learner_parts(learner)}
@@ -322,8 +324,10 @@ class RankMerge:
             if np.asarray(arr).dtype.kind in "iub":
                 merged[name] = np.rint(merged[name]).astype(np.asarray(arr).dtype)
         _set_learner_parts(learner, merged)
-        learner.model.set_merged({k[6:]: v for k, v in merged.items() if k.startswith("model.")})
-        learner.model.after_merge(self.pairs_before, learner.pairs_seen, learner.rng)
+        model = mergeable(learner.model)
+        assert model is not None  # _parts split it
+        model.set_merged({k[6:]: v for k, v in merged.items() if k.startswith("model.")})
+        model.after_merge(self.pairs_before, learner.pairs_seen, learner.rng)
         # The next round's base is what every rank now holds (not a second read of the parts).
         self.base = {
             name: np.array(merged[name], copy=True)

@@ -22,6 +22,7 @@ from typing import Literal
 
 from streamxm import defaults
 from streamxm.models import CrossModalModel
+from streamxm.models.opt_in import counted
 from streamxm.models.work import Rates
 
 __all__ = ["REFERENCE_RATES", "EvalEvery", "EvaluationSchedule", "evaluation_interval"]
@@ -39,9 +40,9 @@ def evaluation_interval(
     1 for a model that does not count its work.
 
     An evaluation every ``N`` pairs costs ``E + F(min(N, g))``: the scoring ``E``
-    (:meth:`~streamxm.models.base.CrossModalModel.evaluation_work`) and the kept features of
+    (:meth:`~streamxm.models.opt_in.CountsWork.evaluation_work`) and the kept features of
     the gallery's pairs stored since the last one, at most the whole gallery ``g``
-    (:meth:`~streamxm.models.base.CrossModalModel.kept_feature_work`). The interval is the
+    (:meth:`~streamxm.models.opt_in.CountsWork.kept_feature_work`). The interval is the
     least ``N`` with ``(E + F(min(N, g))) / N <= share * L``, ``L`` the learning work per
     pair; the left side falls as ``N`` grows, so a doubling and a bisection find it.
 
@@ -49,14 +50,17 @@ def evaluation_interval(
     >>> evaluation_interval(create_model("cmos", 4096, 1000), 200) > 1
     True
     """
-    learning, evaluation = model.learning_work(), model.evaluation_work(gallery)
+    counting = counted(model)
+    if counting is None:
+        return 1
+    learning, evaluation = counting.learning_work(), counting.evaluation_work(gallery)
     if learning is None or evaluation is None:
         return 1
     budget = share * learning.seconds(REFERENCE_RATES)
     scoring = evaluation.seconds(REFERENCE_RATES)
 
     def affordable(n: int) -> bool:
-        kept = model.kept_feature_work(min(n, gallery)).seconds(REFERENCE_RATES)
+        kept = counting.kept_feature_work(min(n, gallery)).seconds(REFERENCE_RATES)
         return scoring + kept <= n * budget
 
     high = 1

@@ -14,8 +14,6 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.heads import LinearHead, SlotFeatures, unit_features
-from streamxm.models.moments import ResolveSchedule
-from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = [
@@ -86,6 +84,10 @@ class CrossModalModel(ABC):
 
     Online models (``online = True``) learn pair by pair through :meth:`update`; the learner
     stores the pair in the replay buffer first, so the model can draw triplets from it.
+
+    Counting its work and merging the ranks of a distributed learner are opt-ins
+    (:mod:`streamxm.models.opt_in`: :class:`~streamxm.models.opt_in.CountsWork`,
+    :class:`~streamxm.models.opt_in.MergesRanks`), not part of this contract.
     """
 
     name: ClassVar[str]
@@ -222,71 +224,6 @@ class CrossModalModel(ABC):
             np.concatenate([[image @ text], images @ text]),
         )
 
-    # -- the work the algorithm does (streamxm/models/work.py) --------------------------------
-    def learning_work(self) -> Work | None:
-        """The work of :meth:`update` per arriving pair at this model's settings, in the steady
-        state (buffer, budgets and landmark sets full, outside bursts), periodic work (a solve
-        every ``n`` pairs) spread over its period; ``None``: not counted."""
-        return None
-
-    def periodic_work(self) -> tuple[int, int]:
-        """``(start, period)``: once ``start`` pairs are learned, the periodic work that
-        :meth:`learning_work` spreads over its period (a re-solve, a refresh) falls once in
-        every ``period`` pairs, so timing ``k period`` pairs from there times it exactly ``k``
-        times. The default reads a :class:`~streamxm.models.moments.ResolveSchedule` named
-        ``schedule``; ``(0, 1)`` for a model with none."""
-        schedule = getattr(self, "schedule", None)
-        if isinstance(schedule, ResolveSchedule):
-            return schedule.steady_start(), schedule.every
-        return 0, 1
-
-    def embedding_work(self, rows: int, modality: str) -> Work | None:
-        """The work of embedding ``rows`` raw vectors of ``modality`` (``"image"`` or
-        ``"text"``) through the model in the steady state; ``None``: not counted."""
-        return None
-
-    def evaluation_work(self, gallery: int) -> Work | None:
-        """The work of :meth:`evaluation_scores` against ``gallery`` stored pairs whose kept
-        features are current (those gone stale since the last evaluation are
-        :meth:`kept_feature_work`); ``None``: not counted."""
-        total = Work()
-        for modality, dim in (("image", self.img_dim), ("text", self.txt_dim)):
-            head = self.linear_head(modality)
-            if head is not None:
-                width, k = head.weight.shape
-                query = head.features.work(1, dim) if head.features is not None else Work()
-                # Read in place when the rows are a run of slots (the ring's newest pairs),
-                # gathered otherwise; charged the gather either way, an upper bound.
-                kept = elementwise(gallery * width, 4, flops_per_item=0.0)
-                total += (
-                    query
-                    + gemm(1, k, width)
-                    + kept
-                    + gemm(gallery, k, width, 4)
-                    + gemm(1, gallery + 1, k)
-                )
-                continue
-            embedding = self.embedding_work(gallery + 2, modality)
-            if embedding is None:
-                return None
-            total += embedding
-        return total
-
-    def kept_feature_work(self, rows: int) -> Work:
-        """The work of computing ``rows`` stored pairs' kept features (both sides, one batch:
-        :class:`~streamxm.models.heads.SlotFeatures`) for :meth:`evaluation_scores`: their unit
-        rows (3 passes) and the heads' feature maps. Nothing for a model that scores without
-        kept features."""
-        total = Work()
-        for modality, dim in (("image", self.img_dim), ("text", self.txt_dim)):
-            head = self.linear_head(modality)
-            if head is None:
-                return Work()
-            total += elementwise(rows * dim, 4, flops_per_item=3.0, passes=3.0)
-            if head.features is not None:
-                total += head.features.work(rows, dim)
-        return total
-
     # -- search without re-embedding the gallery ------------------------------------------------
     #: Whether the score is bilinear in the L2-normalised inputs: then :meth:`queries_for_texts`
     #: and :meth:`queries_for_images` move a query into the other modality's *fixed* space (the
@@ -343,38 +280,6 @@ class CrossModalModel(ABC):
     @abstractmethod
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned (on a model built with the same params)."""
-
-    # -- several ranks learning one model (streamxm/learning/rounds.py) --------------------
-    #: Most pairs a rank learns between two merges (``None``: a whole read of
-    #: ``STREAMXM_READ_BATCH`` pairs a rank), for models whose ranks drift apart too far in a
-    #: longer round.
-    merge_every: ClassVar[int | None] = None
-
-    def merge_parts(self) -> MergeParts | None:
-        """What the ranks of a distributed learner combine after each round (see
-        :data:`MergeParts`), or ``None`` while the model cannot be split: then rank 0 learns
-        the whole round alone and sends its state to the others before they split again.
-
-        Called after :meth:`flush`. The default is ``None``: a model learns on one rank only
-        until it says how its ranks merge.
-        """
-        return None
-
-    def set_merged(self, merged: Arrays) -> None:
-        """Take the merged arrays (same names as :meth:`merge_parts`)."""
-        raise NotImplementedError(f"{self.name} has no distributed merge")
-
-    def after_merge(self, pairs_before: int, pairs_after: int, rng: np.random.Generator) -> None:
-        """Work due once the merged model has seen ``pairs_after`` pairs (it had seen
-        ``pairs_before`` at the previous merge): e.g. a re-solve whose schedule point the round
-        crossed. The default has nothing to do."""
-        return None
-
-    def register_labels(self, labels: list[tuple[int, ...]]) -> None:
-        """Give the labels of a whole round in stream order before a rank learns its share, so
-        per-class columns are numbered alike on every rank (and as one learner would number
-        them). The default keeps no per-class state."""
-        return None
 
     #: Whether the model has a batch :meth:`fit` (the ``offline`` benchmark protocol uses it).
     batch_fit: ClassVar[bool] = False

@@ -15,7 +15,6 @@ from scipy.linalg.blas import dtrsm
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import (
     Arrays,
-    CrossModalModel,
     LearnStats,
     MergeParts,
     observe_triplet,
@@ -33,13 +32,14 @@ from streamxm.models.moments import (
     ridge_cholesky_work,
     top_singular,
 )
+from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
 
 
-class CCA(CrossModalModel, name="cca", online=False, shared_space=True):
+class CCA(CountsWork, MergesRanks, name="cca", online=False, shared_space=True):
     """Regularised CCA, re-solved from running moments; cosine similarity in ``k`` dimensions.
 
     Each arriving pair adds its (normalised) vectors to running sums of ``x``, ``y``, ``x x^T``,

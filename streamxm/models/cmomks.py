@@ -14,6 +14,7 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import Arrays, CrossModalModel, IndexUpdate, LearnStats, require
+from streamxm.models.opt_in import CountsWork
 from streamxm.models.work import Work, elementwise, gemm, matvec
 from streamxm.stream.messages import Pair
 
@@ -268,7 +269,7 @@ class _Side:
         )
 
 
-class CMOMKS(CrossModalModel, name="cmomks"):
+class CMOMKS(CountsWork, name="cmomks"):
     """Cross-modal online multiple kernel similarity.
 
     For kernel pair ``j`` the similarity is the kernelised CMOS score

@@ -12,15 +12,16 @@ from numpy.typing import NDArray
 from scipy.linalg.blas import get_blas_funcs
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
+from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.heads import SlotFeatures
+from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.work import Work, elementwise, gemm, matvec, rank_update
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOS"]
 
 
-class CMOS(CrossModalModel, name="cmos"):
+class CMOS(CountsWork, MergesRanks, name="cmos"):
     """Bilinear similarity ``s(v, t) = phi(v)^T W psi(t)`` learned online by PA-I updates.
 
     From the paper, exactly: ``W0 = 0``. For an image triplet ``(v, t+, t-)`` the loss is

@@ -13,10 +13,11 @@ from numpy.typing import NDArray
 from scipy.special import softmax
 
 from streamxm.buffer.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
+from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import append_constant, power_normalize, power_normalize_work
+from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.optim import adagrad_step, adagrad_work
 from streamxm.models.slots import SlotRows
 from streamxm.models.work import Work, elementwise, gemm
@@ -25,7 +26,7 @@ from streamxm.stream.messages import Pair
 __all__ = ["MarginalMatching"]
 
 
-class MarginalMatching(CrossModalModel, name="pairwise", shared_space=True):
+class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=True):
     """``s(a, b) = eta_A(a)^T eta_B(b)``, with ``eta`` the class posteriors of one multinomial
     logistic model per modality.
 

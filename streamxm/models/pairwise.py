@@ -14,7 +14,7 @@ from scipy.linalg.blas import dtrmv as _trmv
 from scipy.special import expit
 
 from streamxm.buffer.replay import ReplayBuffer, skip_past
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
+from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.heads import SlotFeatures
 from streamxm.models.moments import (
     ResolveSchedule,
@@ -27,6 +27,7 @@ from streamxm.models.moments import (
     ridge_cholesky_work,
     ridge_whitener,
 )
+from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.optim import adagrad_outer_step, adagrad_outer_work
 from streamxm.models.slots import SlotRows
 from streamxm.models.work import (
@@ -47,7 +48,7 @@ def _log1pexp(x: NDArray[np.float64]) -> NDArray[np.float64]:
     return np.asarray(np.logaddexp(0.0, x))
 
 
-class PairwiseLogistic(CrossModalModel, name="pairwise"):
+class PairwiseLogistic(CountsWork, MergesRanks, name="pairwise"):
     """``s(a, b) = <a, W b>``: a linear classifier over the cross-product features ``a b^T``.
 
     From the paper: the score is linear in ``Phi(a, b) = vec(a b^T)``, learned with an

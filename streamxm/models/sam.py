@@ -18,9 +18,10 @@ from numpy.typing import NDArray
 from torch import Tensor, nn
 
 from streamxm.buffer.replay import ReplayBuffer, label_tuples
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, MergeParts, require
+from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler, power_normalize
+from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.optim import nesterov_step, nesterov_work
 from streamxm.models.sam_tower import (
     Tower,
@@ -209,7 +210,7 @@ def _distance_work(rows: int, dim: int) -> Work:
     )
 
 
-class SAM(CrossModalModel, name="sam", shared_space=True, batch_fit=True):
+class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True):
     """Two towers into a shared ``dim``-space, trained with the scheduled adaptive margin.
 
     From the paper: towers ``in -> 1024 -> dim`` with tanh after each layer, dropout on the

@@ -14,9 +14,10 @@ from numpy.typing import NDArray
 from scipy.optimize import linear_sum_assignment
 
 from streamxm.buffer.replay import ReplayBuffer
-from streamxm.models.base import Arrays, CrossModalModel, LearnStats, observe_triplet, require
+from streamxm.models.base import Arrays, LearnStats, observe_triplet, require
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
+from streamxm.models.opt_in import CountsWork
 from streamxm.models.scsm_solver import Problem, ProblemWork
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
@@ -26,7 +27,7 @@ __all__ = ["SCSM"]
 F64 = NDArray[np.float64]
 
 
-class SCSM(CrossModalModel, name="scsm", shared_space=True, batch_fit=True):
+class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
     """Projections ``U_a``, ``U_b`` into ``c`` latent groups, learned without labels.
 
     From the paper: Eq. 14 minimised by Algorithm 1 (self-paced ``v``, ``U`` from Eq. 16,

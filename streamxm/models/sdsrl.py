@@ -14,7 +14,6 @@ from numpy.typing import NDArray
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import (
     Arrays,
-    CrossModalModel,
     LearnStats,
     MergeParts,
     observe_triplet,
@@ -29,6 +28,7 @@ from streamxm.models.heads import (
     squared_norms,
 )
 from streamxm.models.moments import ResolveSchedule, power_normalize, power_normalize_work
+from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.projections import mpl_cd, mpl_cd_work
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
@@ -81,7 +81,7 @@ class NystroemMap:
         return self.kernel(x) @ self.proj
 
 
-class SDSRL(CrossModalModel, name="sdsrl", shared_space=True, batch_fit=True):
+class SDSRL(CountsWork, MergesRanks, name="sdsrl", shared_space=True, batch_fit=True):
     """Semantic projections of Nystroem features: ``s(x, y) = phi(x)' A B' psi(y)``.
 
     From the paper: ``phi`` and ``psi`` are Nystroem maps of RBF kernels ``exp(-sigma||x-y||^2)``

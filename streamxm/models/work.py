@@ -2,8 +2,8 @@
 of memory traffic.
 
 Each model counts what its update does per arriving pair
-(:meth:`~streamxm.models.base.CrossModalModel.learning_work`) and what embedding rows through it
-costs (:meth:`~streamxm.models.base.CrossModalModel.embedding_work`). Two things read the counts:
+(:meth:`~streamxm.models.opt_in.CountsWork.learning_work`) and what embedding rows through it
+costs (:meth:`~streamxm.models.opt_in.CountsWork.embedding_work`). Two things read the counts:
 ``streamxm bench throughput`` sets the measured time beside the *roofline* (the time the counted
 work needs at the machine's measured rates), and the learner sizes its rolling evaluation's
 schedule from the ratio of evaluation work to learning work

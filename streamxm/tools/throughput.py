@@ -5,13 +5,13 @@ The learner is timed on synthetic pairs of the requested sizes through
 updates), with the rolling evaluation off.
 
 Beside every model's figure stands its *roofline*: the work the model counts per pair
-(:meth:`~streamxm.models.base.CrossModalModel.learning_work`: floating-point operations, the
+(:meth:`~streamxm.models.opt_in.CountsWork.learning_work`: floating-point operations, the
 float32 share of them, bytes of state moved; periodic solves spread over their period), the
 time that work needs at this thread's rates measured in the same run (float64 and float32
 GEMM, a streaming read of a matrix the size of the model's state), and the measured time's
 ratio to it. The timed
 pairs start once the model's periodic work is periodic (past its doubling re-solves, its
-window or landmark pool: :meth:`~streamxm.models.base.CrossModalModel.periodic_work`) and
+window or landmark pool: :meth:`~streamxm.models.opt_in.CountsWork.periodic_work`) and
 span whole periods, so each re-solve is timed as often as the count spreads it.
 
 For CMOS, the work per triplet that no implementation can avoid is one
@@ -40,6 +40,7 @@ from threadpoolctl import threadpool_limits
 from streamxm.learning.schedule import EvalEvery, evaluation_interval
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import create_model, split_name
+from streamxm.models.opt_in import counted
 from streamxm.models.work import Rates
 from streamxm.stream.messages import Pair
 from streamxm.tools.datasets import stream_order, synthetic_pairs
@@ -161,13 +162,16 @@ def _roofline(timed: _Timed, pairs: int, rates: Rates) -> dict[str, Any]:
     """The model's counted work per pair (its evaluation's share over the ``pairs`` timed
     included, with the kept features of the pairs stored between two evaluations), the time
     it needs at ``rates`` and the measured time's ratio to it."""
-    work = timed.learner.model.learning_work()
-    evaluation = timed.learner.model.evaluation_work(timed.learner.eval_gallery)
+    counting = counted(timed.learner.model)
+    if counting is None:
+        return {}
+    work = counting.learning_work()
+    evaluation = counting.evaluation_work(timed.learner.eval_gallery)
     if work is None or evaluation is None:
         return {}
     if timed.evaluated:  # each evaluation also computes the kept features of the new pairs
         stale = min(round(pairs / timed.evaluated), timed.learner.eval_gallery)
-        evaluation = evaluation + timed.learner.model.kept_feature_work(stale)
+        evaluation = evaluation + counting.kept_feature_work(stale)
     work = work + evaluation * (timed.evaluated / pairs)
     per_pair = timed.seconds
     roof = work.seconds(rates)
@@ -226,7 +230,8 @@ def throughput(
         if order == "file":  # no burst: replay=0 is the default's work; in bursts it is not
             params.setdefault("replay", 0)
     probe = create_model(model, img_dim, txt_dim, params)
-    start, period = probe.periodic_work()
+    counting = counted(probe)
+    start, period = counting.periodic_work() if counting is not None else (0, 1)
     if eval_every is not None:  # at least two evaluations timed: their share is measured
         interval = evaluation_interval(probe, _EVAL_GALLERY) if eval_every == "auto" else eval_every
         pairs = max(pairs, 2 * interval)

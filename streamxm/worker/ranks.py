@@ -58,6 +58,7 @@ from streamxm.learning.rounds import (
     split_share,
 )
 from streamxm.learning.stream_learner import LearnFailed, StreamLearner
+from streamxm.models.opt_in import mergeable
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.worker.loop import EntryFailed, LearnerWorker
@@ -184,7 +185,8 @@ class RankZeroWorker(LearnerWorker):
         read counts as applied only once every one of its rounds was merged."""
         if self.learner is None:
             self.learner = self._new_learner(pairs[0])
-        step = (self.learner.model.merge_every or len(pairs)) * self.world
+        model = mergeable(self.learner.model)
+        step = ((model.merge_every if model is not None else None) or len(pairs)) * self.world
         for at in range(0, len(pairs), step):
             # Only the first round of a read may commit: the state after a later one holds
             # pairs of this read that the commit's acknowledgements and position do not cover.
@@ -247,7 +249,8 @@ class RankZeroWorker(LearnerWorker):
         ranks' measured speeds."""
         assert self.learner is not None
         # No flush here: a round rank 0 learns alone must be the single learner's exact work.
-        split = self.learner.model.merge_parts() is not None
+        model = mergeable(self.learner.model)
+        split = model is not None and model.merge_parts() is not None
         commit_now = may_commit and super()._checkpoint_due()  # the single learner's rule
         extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
         first = balanced_first(
@@ -298,8 +301,9 @@ class RankZeroWorker(LearnerWorker):
     def _learn_share(self, plan: _RoundPlan) -> tuple[LearnFailed | None, int]:
         """Rank 0 learns its share; what failed (if anything) and the milliseconds it took."""
         assert self.learner is not None
-        if plan.split:
-            self.learner.model.register_labels(plan.labels)
+        model = mergeable(self.learner.model)
+        if plan.split and model is not None:
+            model.register_labels(plan.labels)
         a, b = plan.shares[0]
         failed: LearnFailed | None = None
         start = time.perf_counter()
@@ -509,7 +513,9 @@ class RankFollower:
             if self.learner is None:
                 raise RuntimeError("a split round before rank 0's state")
             pairs, labels = decode_share(body, self.learner.img_dim, self.learner.txt_dim)
-            self.learner.model.register_labels(labels)
+            model = mergeable(self.learner.model)
+            if model is not None:  # a split round: rank 0 split it, so the model merges
+                model.register_labels(labels)
             status = [0] * (3 * self.world)
             start = time.perf_counter()
             try:
