@@ -44,7 +44,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,9 +65,9 @@ from streamxm.stream.redis_conn import (
     StreamEntry,
     stream_entries,
     text,
-    wait_replicated,
 )
 from streamxm.stream.retention import entry_id_key, trim_stream
+from streamxm.worker.checkpoints import CheckpointWriter, Commit, Pending
 from streamxm.worker.entries import EntryDecoder
 from streamxm.worker.lease import Lease
 from streamxm.worker.leased import LeasedConsumer
@@ -85,37 +85,6 @@ class EntryFailed(RuntimeError):
         super().__init__(f"entry {entry_id}: {detail}")
         self.entry_id = entry_id
         self.detail = detail
-
-
-@dataclass
-class _Pending:
-    """What was applied since the last checkpoint and awaits the commit."""
-
-    ack: list[str] = field(default_factory=list)
-    dead: list[dict[str, str | bytes]] = field(default_factory=list)
-    pairs: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.ack or self.dead)
-
-
-@dataclass
-class _Commit:
-    """One checkpoint's commit: what it makes durable, taken when it was started."""
-
-    pending: _Pending
-    #: ``None``: only dead letters so far, nothing to checkpoint.
-    ckpt: Checkpoint | None
-    head_extra: dict[str, Any]
-    stats: dict[str, str]
-    #: The last entry it applies.
-    last_id: str
-    started: float
-    #: When the write ended (set by the thread that wrote it).
-    ended: float = 0.0
-    thread: threading.Thread | None = None
-    #: What the write raised (set by the thread that wrote it).
-    error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -240,10 +209,9 @@ class LearnerWorker(LeasedConsumer):
         self._recovering = False
         self._recovery_cursor = "0-0"
         self._recovery_end = "0-0"
-        self._pending = _Pending()
+        self._pending = Pending()
         self._last_commit = time.monotonic()
         self._commit_seconds = 0.0  # what the last checkpoint took
-        self._writing: _Commit | None = None  # the checkpoint being written in the background
         self._learned_time: float | None = None
         self._backoff = 0.0  # the last back-off, doubled while failures go on
         self.entries = EntryDecoder(self.r, self.keys, self.model, self.consumer, limits)
@@ -251,6 +219,9 @@ class LearnerWorker(LeasedConsumer):
         # committed; bounded by the entries between two checkpoints.
         self._failures: dict[str, tuple[int, str]] = {}
         self.lease = Lease(self.r, self.keys.lease(self.model), self.consumer, self.lease_ttl_ms)
+        self.writer = CheckpointWriter(
+            self.r, store, self.keys, self.model, self.group, self.consumer, self.lease
+        )
         self.progress = ProgressLine(self.consumer, self.model, progress_every_seconds)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -342,10 +313,8 @@ class LearnerWorker(LeasedConsumer):
         """Forget everything not in a checkpoint; the next lease reloads and replays (after the
         checkpoint being written has ended, whatever its outcome: the store then holds what
         the reload reads)."""
-        writing, self._writing = self._writing, None
-        if writing is not None and writing.thread is not None:
-            writing.thread.join()
-        self.leader, self.learner, self._pending = False, None, _Pending()
+        self.writer.abandon()
+        self.leader, self.learner, self._pending = False, None, Pending()
         self.entries.forget()
 
     def _refresh_lease(self) -> bool:
@@ -374,7 +343,7 @@ class LearnerWorker(LeasedConsumer):
             self.learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
             self.version, self.last_id = ckpt.version, ckpt.last_id
             self.dead_letters = int(ckpt.meta.get("worker", {}).get("dead_letters", 0))
-        self._pending = _Pending()
+        self._pending = Pending()
         self._last_commit = time.monotonic()
         self._claim_orphans()
         self._ack_applied()
@@ -554,38 +523,29 @@ class LearnerWorker(LeasedConsumer):
             return
         job = self._snapshot(copied=False)
         if job is not None:
-            self._write_caught(job)
+            self.writer.write(job)
             self._finish(job)
 
     def _commit_in_background(self) -> None:
         """Start the commit of everything since the last one on a thread (:meth:`_reap` ends
         it); learning goes on from a copy of the state."""
         job = self._snapshot(copied=True)
-        if job is None:
-            return
-        job.thread = threading.Thread(
-            target=self._write_caught, args=(job,), daemon=True, name=f"checkpoint-{self.model}"
-        )
-        self._writing = job
-        job.thread.start()
+        if job is not None:
+            self.writer.start(job)
 
     def _reap(self, wait: bool) -> bool:
         """End the background checkpoint if it is done (or ``wait`` for it): its outcome as a
         synchronous commit's. ``False`` if it lost the lease, so the state is dropped."""
-        job = self._writing
-        if job is None or job.thread is None or (not wait and job.thread.is_alive()):
-            return True
-        job.thread.join()
-        self._writing = None
-        return self._finish(job)
+        job = self.writer.ended(wait)
+        return True if job is None else self._finish(job)
 
-    def _snapshot(self, copied: bool) -> _Commit | None:
+    def _snapshot(self, copied: bool) -> Commit | None:
         """What the next commit makes durable, taken now; the state's arrays ``copied`` when
         learning goes on while it is written."""
         pending = self._pending
         if not pending:
             return None
-        self._pending = _Pending()
+        self._pending = Pending()
         self.dead_letters += len(pending.dead)
         ckpt, extra = None, {}
         if self.learner is not None:
@@ -597,45 +557,9 @@ class LearnerWorker(LeasedConsumer):
             meta["worker"] = {"dead_letters": self.dead_letters}
             ckpt = Checkpoint(self.version, arrays, meta, last_id=self.last_id)
             extra = {"pairs_seen": self.learner.pairs_seen}
-        return _Commit(pending, ckpt, extra, self._stats_fields(), self.last_id, time.monotonic())
+        return Commit(pending, ckpt, extra, self._stats_fields(), self.last_id, time.monotonic())
 
-    def _write_caught(self, job: _Commit) -> None:
-        """:meth:`_write`, with what it raised kept on ``job`` for :meth:`_finish`."""
-        try:
-            self._write(job)
-        except Exception as exc:  # handed to _finish, which raises what it does not handle
-            job.error = exc
-        finally:
-            job.ended = time.monotonic()
-
-    def _write(self, job: _Commit) -> None:
-        """The checkpoint, its dead letters, acknowledgements and stats in one transaction."""
-        pending = job.pending
-
-        def hook(pipe: redis.client.Pipeline) -> None:
-            if pending.ack:
-                pipe.xack(self.keys.pairs, self.group, *pending.ack)
-            for letter in pending.dead:
-                pipe.xadd(self.keys.dead, letter)  # type: ignore[arg-type]
-                pipe.hincrby(self.keys.dead_counts, f"{self.model}|{letter['reason']!s}", 1)
-            pipe.hset(self.keys.stats(self.model), mapping=job.stats)  # type: ignore[arg-type]
-
-        if job.ckpt is None:
-            with self.r.pipeline(transaction=True) as pipe:
-                hook(pipe)
-                pipe.execute()
-            wait_replicated(self.r, self.keys.replicated, self.store.replication)
-        else:
-            self.store.commit(
-                self.model,
-                job.ckpt,
-                job.head_extra,
-                hook=hook,
-                lease=(self.keys.lease(self.model), self.consumer),
-                fence=self.lease.fence,
-            )
-
-    def _finish(self, job: _Commit) -> bool:
+    def _finish(self, job: Commit) -> bool:
         """After a write: on success the schedule and the failure counts move on; a lost lease
         or a commit not replicated drops the state (``False``); anything else is raised."""
         if isinstance(job.error, (LeaseLost, redis.WatchError)):
@@ -656,7 +580,7 @@ class LearnerWorker(LeasedConsumer):
             # Not committed: its entries go with the next commit, unless the caller drops
             # the state (as the loop does when Redis is unreachable).
             later = self._pending
-            self._pending = _Pending(
+            self._pending = Pending(
                 job.pending.ack + later.ack,
                 job.pending.dead + later.dead,
                 job.pending.pairs + later.pairs,
