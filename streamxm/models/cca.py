@@ -42,45 +42,47 @@ __all__ = ["CCA"]
 class CCA(CountsWork, MergesRanks, name="cca", online=False, shared_space=True):
     """Regularised CCA, re-solved from running moments; cosine similarity in ``k`` dimensions.
 
-    Each arriving pair adds its (normalised) vectors to running sums of ``x``, ``y``, ``x x^T``,
-    ``y y^T`` and ``x y^T`` (:class:`~streamxm.models.moments.RunningMoments`); nothing else of
-    the pair is kept, so memory is ``O(d^2)`` however long the stream. The canonical directions
-    are re-solved on a :class:`~streamxm.models.moments.ResolveSchedule` (after 32, 64, 128, ...
-    pairs, then every ``solve_every``): with ``K_x (C_xx + r_x I) K_x^T = I`` (likewise ``K_y``),
-    the SVD ``K_x C_xy K_y^T = U S V^T`` gives the projections ``P_x = K_x^T U_k`` and
-    ``P_y = K_y^T V_k``. One streaming pass ends with the same statistics as the offline fit, so
-    after a solve on the last pair the two are the same model; several passes over the same data
-    leave the covariances unchanged.
+    The stream adds to running sums of ``x``, ``y``, ``x x^T``, ``y y^T`` and ``x y^T``; with
+    ``K_x (C_xx + r_x I) K_x^T = I`` (likewise ``K_y``), the SVD ``K_x C_xy K_y^T = U S V^T``
+    gives the projections ``P_x = K_x^T U_k`` and ``P_y = K_y^T V_k``, re-solved on a schedule.
 
-    Choices where the paper is silent (each a parameter, tuned on the Wikipedia features in
-    ``docs/benchmarks.md``):
-
-    - inputs L2-normalised (``power=1``; ``0.5`` is the Hellinger map) before the moments;
-    - ridge ``r = ridge * trace(C) / d`` on each modality's covariance (``ridge=0.3``): the
-      unregularised solution over-fits the 128-d visual words and ranks images to texts worse;
-    - each canonical coordinate is scaled by its correlation before the cosine
-      (``scale_by_correlation``), so weakly correlated directions count less; unscaled, every
-      direction counts alike and image->text ranks clearly worse.
-
-    Several ranks (``streamxm worker --world-size N``) **sum** their moments after each round:
-    the statistics are sums over pairs, so the merged ones are exactly one learner's on the same
-    pairs (up to float rounding), and the directions are re-solved from them when the round
-    crossed a point of the schedule.
+    See ``docs/design.md``, section "cca", for the method and the streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    k
-        Canonical components kept (capped at the smaller input size).
-    ridge
-        Relative ridge on each covariance.
-    power
-        Input power map before L2 normalisation.
-    scale_by_correlation
-        Weight coordinates by their canonical correlation.
-    solve_first, solve_every
-        Re-solve schedule (pairs).
+    k : int, default=10
+        Canonical components kept, ``>= 1`` (capped at the smaller input size).
+    ridge : float, default=0.3
+        Ridge on each covariance relative to its mean eigenvalue, ``r = ridge * trace(C) / d``,
+        ``>= 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
+    power : float, default=1.0
+        Input power map before L2 normalisation, ``> 0`` (0.5: the Hellinger map).
+    scale_by_correlation : bool, default=True
+        Weight coordinates by their canonical correlation before the cosine.
+    solve_first : int, default=32
+        First re-solve (pairs); the gaps double from it up to ``solve_every``, ``>= 1``.
+    solve_every : int, default=256
+        Pairs between re-solves once the doubling ends, ``>= 1``.
+
+    Attributes
+    ----------
+    proj_x, proj_y : ndarray of shape (img_dim, k) and (txt_dim, k)
+        The canonical projections ``P_x`` and ``P_y``.
+    mean_x, mean_y : ndarray of shape (img_dim,) and (txt_dim,)
+        The inputs' means at the last solve.
+    correlations : ndarray of shape (k,)
+        The canonical correlations.
+    moments : RunningMoments
+        The running sums.
+    solves : int
+        Solves so far.
+
+    References
+    ----------
+    .. [1] Menon, Surian and Chawla, "Cross-Modal Retrieval: A Pairwise Classification
+       Approach", SDM 2015, Table 1 (the CCA baseline).
 
     Examples
     --------

@@ -115,12 +115,12 @@ class _Side:
     ) -> F64:
         """(M, n, p): raw kernel values between prepared rows and prepared points (whose squared
         norms may be given, to spare a pass over large stored arrays), in ``dtype`` (learning:
-        float64; a server's index rows: float32, whose exponentials cost a fifth)."""
+        float64; a server's index rows: float32, whose exponentials cost less)."""
         dists = []
         for b, (part, pts) in enumerate(zip(parts, points, strict=True)):
             pts_sq = np.einsum("ij,ij->i", pts, pts) if points_sq is None else points_sq[b]
             # The stored points on the left: BLAS streams them once (a few rows against many
-            # points); with the rows on the left it packs the points first, twice the time.
+            # points); with the rows on the left it packs the points first, which is slower.
             d = np.einsum("ij,ij->i", part, part)[:, None] + pts_sq[None, :] - 2 * (pts @ part.T).T
             dists.append(np.maximum(d, 0.0, dtype=dtype))
         out = np.empty((len(self.block_of), *dists[0].shape), dtype=dtype)
@@ -270,94 +270,62 @@ class _Side:
 
 
 class CMOMKS(CountsWork, name="cmomks"):
-    """Cross-modal online multiple kernel similarity.
+    """Cross-modal online multiple kernel similarity: Hedge-weighted kernelised CMOS scores.
 
-    For kernel pair ``j`` the similarity is the kernelised CMOS score
-    ``s_j(v, t) = sum_k tau_jk <phi_j(v), a_k> <b_k, psi_j(t)>`` over the support triplets ``k``,
-    where an image triplet ``(v, t+, t-)`` contributes ``a = phi(v)``, ``b = psi(t+) - psi(t-)``
-    and a text triplet ``(t, v+, v-)`` contributes ``a = phi(v+) - phi(v-)``, ``b = psi(t)``
-    (Sec. 3.4). Each kernel pair has its own PA dual coefficient for every triplet, from Eq. 6/7
-    through kernel evaluations: ``l_j = max(0, 1 - s_j(q, p) + s_j(q, n))``,
-    ``||V||^2 = k^v(v, v) [k^t(t+, t+) - 2 k^t(t+, t-) + k^t(t-, t-)]`` (and its mirror),
-    ``tau_jk = min(C, l_j / ||V||^2)``. Hedge: ``theta_j`` starts at 1 and is multiplied by
-    ``beta`` whenever pair ``j`` ranks the triplet wrongly (``s_j(q, p) - s_j(q, n) <= 0``); the
-    model is ``f = sum_j theta_j s_j / sum_j theta_j``.
+    Kernel pair ``j`` scores ``s_j(v, t) = sum_k tau_jk <phi_j(v), a_k> <b_k, psi_j(t)>`` over
+    the support triplets ``k``, each ``tau_jk`` a PA-I step (Eq. 6/7 through kernel
+    evaluations); the model is ``f = sum_j theta_j s_j / sum_j theta_j``, with ``theta_j``
+    multiplied by ``beta`` at each of pair ``j``'s mistakes (Hedge). The kernels are centred on
+    a landmark pool, and triplets beyond the budget are projected onto it.
 
-    Choices where the paper is silent (each a parameter):
-
-    - **Kernels**: Gaussian ``exp(-gamma ||x - y||^2)`` on vectors (or blocks of them, for image
-      vectors that concatenate several representations) mapped by ``sign(x)|x|^power`` and
-      L2-normalised. Default: three pairs, image ``gamma`` 2, 4, 8 with text ``gamma`` 2, 4, 4
-      (squared distances of normalised vectors lie in [0, 4]; the median on the Wikipedia
-      features is about 1.2), and ``power = 0.5`` (the Hellinger map, suited to histogram
-      features such as bags of words and topic proportions; ``docs/benchmarks.md`` measures it
-      against ``power = 1``).
-    - **Centring**: like CMOS's mean-centred inputs, the kernels are centred in feature space on
-      a *landmark pool*, the first ``landmarks`` pairs of the stream (frozen once full). Centring
-      needs the pool, so the model starts learning when the pool is full; the triplets of the
-      pairs that arrived meanwhile are kept and learned then, in order, so nothing is lost.
-    - **Budget**: at most ``budget`` support triplets are kept exactly. When the support is
-      full, the oldest triplet leaves it and is *projected* onto the span of the landmark pool
-      (the Projectron-style budget: ``a_k ~ Phi_P K~_PP^+ k~_P(a_k)``) and merged into one
-      ``P x P`` matrix per kernel pair, so old triplets keep (approximately) their effect while
-      memory and per-pair time stay constant. A triplet that no kernel pair updates on (every
-      ``tau_jk = 0``) never enters the support.
-    - **Mistakes** reported for the model are those of the combination ``f``; each kernel pair's
-      own mistakes are in ``kernel_mistakes``, and those of the Hedge-weighted vote (at least
-      half the weight ranks the triplet wrongly) in ``vote_mistakes``: that is the quantity
-      Hedge's analysis (Theorem 2) bounds, ``vote <= (ln(1/beta) min_j M_j + ln m) /
-      ln(2 / (1 + beta))``, which implies the paper's form
-      ``2 (ln(1/beta) min_j M_j + ln m) / (1 - beta)``. Hedge weights are kept as logarithms so they
-      cannot underflow on long streams.
-    - **Triplets** come from the replay buffer as for CMOS, ``triplets_per_pair`` per pair,
-      directions alternating. During a burst of few classes
-      (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) they are drawn from the whole
-      buffer, its class-balanced memory included, and ``rehearse`` more triplets per pair take
-      a remembered pair as the query (as CMOS's ``replay``), so the exact support is not all of
-      the arriving class. The landmark pool is still the stream's first pairs: in class order
-      it holds the first classes only, which is what keeps CMOMKS further below its
-      file-order figure there than the other online models, though well above where it stays
-      without the memory (``docs/benchmarks.md``, "Stream order").
-    - **Embeddings**: an image becomes, per kernel pair, ``theta_j / sum(theta)`` times
-      ``[A_j^T k~_P(v), tau_jk <phi_j(v), a_k>]`` and a text ``[k~_P(t), <b_k, psi_j(t)>]``
-      (``len(kernels) * (landmarks + budget)`` numbers), so ``f`` is their inner product and the
-      shared inner-product search serves it.
-    - **Search index**: a server keeps, per kernel pair, the centred kernels of each gallery
-      item to the pool and to every support triplet (:meth:`index_rows`) and moves ``A``,
-      ``tau`` and ``theta`` into the query (:meth:`index_query`): a new version recomputes the
-      columns of the support slots written since the version whose rows the server holds, and
-      the pool's kernels never (:meth:`index_update`).
-    - **Several ranks** (``streamxm worker --world-size N``): rank 0 learns alone and the others
-      wait. Parameter mixing needs the ranks' parameters to be coordinates in one basis, and
-      CMOMKS's are not: each rank's support triplets (the budget ring) are the triplets it drew
-      itself, so averaging ``tau`` or the support coefficients would add numbers that weigh
-      different vectors. (Merging would mean exchanging the support sets, which is the model's
-      whole state every round.)
+    See ``docs/design.md``, section "cmomks", for the method and the streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    kernels
-        Kernel pairs as JSON dicts (:class:`KernelPair` fields).
-    C
-        PA-I aggressiveness (0.5: centred kernel features are shorter than CMOS's unit vectors,
-        so steps need a larger cap; 0.3-0.5 measured best, ``docs/benchmarks.md``).
-    margin
-        Hinge margin.
-    beta
-        Hedge discount (paper default 0.998).
-    budget
-        Support triplets kept exactly.
-    landmarks
-        Size of the landmark pool (centring and projection of what leaves the support).
-    triplets_per_pair
-        Triplets drawn per arriving pair.
-    rehearse
+    kernels : list of dict or None, default=None
+        Kernel pairs as JSON dicts (:class:`KernelPair` fields), at least one, gammas ``> 0``;
+        ``None``: :func:`default_kernels`.
+    C : float, default=0.5
+        PA-I aggressiveness, ``> 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
+    margin : float, default=1.0
+        Hinge margin, ``> 0``.
+    beta : float, default=0.998
+        Hedge discount, in ``(0, 1)`` (the paper's default).
+    budget : int, default=1000
+        Support triplets kept exactly, ``>= 1``.
+    landmarks : int, default=500
+        Size of the landmark pool (centring and projection of what leaves the support), ``>= 2``.
+    triplets_per_pair : int, default=10
+        Triplets drawn per arriving pair, ``>= 1``.
+    power : float, default=0.5
+        Elementwise power applied before normalising, ``> 0`` (0.5: Hellinger; 1: none).
+    rehearse : int, default=10
         During a burst of few classes, triplets whose query is a remembered pair, per arriving
-        pair.
-    power
-        Elementwise power applied before normalising (0.5: Hellinger; 1: none).
+        pair, ``>= 0``.
+
+    Attributes
+    ----------
+    tau : ndarray of shape (n_kernels, budget)
+        The support triplets' PA coefficients, per kernel pair.
+    A : ndarray of shape (n_kernels, landmarks, landmarks)
+        The triplets that left the support, projected onto the landmark pool, per kernel pair.
+    theta : ndarray of shape (n_kernels,)
+        Hedge weights, normalised to sum to 1 (kept as ``log_theta``).
+    kernel_mistakes : ndarray of shape (n_kernels,)
+        Each kernel pair's own mistakes.
+    vote_mistakes : int
+        Mistakes of the Hedge-weighted vote, the quantity Hedge's analysis bounds.
+    support_size : int
+        Support triplets held, at most ``budget``.
+    projected : int
+        Triplets projected into ``A`` so far.
+
+    References
+    ----------
+    .. [1] Wu, Wang and Huang, "Online Asymmetric Similarity Learning for Cross-Modal
+       Retrieval", CVPR 2017, Sec. 3.4.
 
     Examples
     --------

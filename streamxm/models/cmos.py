@@ -24,88 +24,55 @@ __all__ = ["CMOS"]
 class CMOS(CountsWork, MergesRanks, name="cmos"):
     """Bilinear similarity ``s(v, t) = phi(v)^T W psi(t)`` learned online by PA-I updates.
 
-    From the paper, exactly: ``W0 = 0``. For an image triplet ``(v, t+, t-)`` the loss is
-    ``l = max(0, 1 - s(v, t+) + s(v, t-))``, ``V = v (t+ - t-)^T``,
-    ``tau = min(C, l / ||V||_F^2)`` and ``W += tau V`` (Eq. 6); for a text triplet
-    ``(t, v+, v-)``, ``V = (v+ - v-) t^T`` with the same ``tau`` (Eq. 7). Directions alternate
-    (Algorithm 1), one triplet at a time.
+    An image triplet ``(v, t+, t-)`` with loss ``l = max(0, margin - s(v, t+) + s(v, t-))``
+    takes the step ``W += tau V``, ``V = v (t+ - t-)^T``, ``tau = min(C, l / ||V||_F^2)``
+    (Eq. 6); a text triplet ``(t, v+, v-)`` the mirror, ``V = (v+ - v-) t^T`` (Eq. 7). ``phi``
+    and ``psi`` L2-normalise and centre the inputs. Queued triplets are solved in blocks, with
+    the same steps as the sequential loop.
 
-    **Speed, with the sequential semantics kept.** Every update is rank one, ``V = a b^T``, and
-    the margin a triplet needs is ``a^T W b``. Triplets are queued; at a flush the queue of ``K``
-    triplets is solved at once: ``a_k^T W0 b_k`` for all ``k`` is one matrix product, the effect
-    of the earlier queued updates on triplet ``k`` is ``sum_{j<k} tau_j (a_k . a_j)(b_j . b_k)``
-    (two ``K x K`` Gram matrices), the ``tau_k`` follow one after another exactly as in the
-    sequential loop, and ``W0 += A^T diag(tau) B`` is merged as one matrix product. A flush
-    happens when ``flush_every`` triplets are queued and before every read of the model, both at
-    fixed points of the stream, so the result never depends on how the stream is cut into
-    batches; queued triplets are part of the state.
-
-    Choices where the paper is silent (each a parameter):
-
-    - **Input map** ``phi``/``psi``: each vector is L2-normalised (``normalize="l2"``) and then
-      centred by the running mean of the normalised vectors seen so far (``center=True``,
-      the mean includes the arriving pair). Centring only moves the query vector: the
-      difference ``t+ - t-`` is unchanged by it. The means are part of the state.
-    - **Triplets per pair**: each arriving pair yields ``triplets_per_pair`` triplets (default 10),
-      drawn from the replay buffer by :func:`streamxm.buffer.replay.sample_triplet_slots` (uniform
-      candidates from the learner's ring of the last 500 pairs), the arriving pair being the
-      query; directions alternate across all triplets.
-    - **Bursts** (not in the paper; ``replay = 2`` by default): the paper learns only from
-      triplets whose query is the arriving pair, drawn from the recent pairs, so on a stream that
-      arrives one topic at a time the classes that stopped arriving are neither queries nor
-      candidates any more and slip. CMOS asks its learner for a class-balanced memory of the
-      whole history beside the ring (``memory_share = 1``: 500 slots beside 500). While the
-      buffer says the stream is in a burst of few classes
-      (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`), the triplets' candidates come from
-      the ring and the memory together, and each pair adds ``replay`` triplets whose query is a
-      remembered pair (uniform over the memory), drawn and solved like the others. Outside a
-      burst CMOS learns exactly by the paper's rule, so in file order its figure is the paper
-      rule's to the bit; streamed one class at a time it keeps nearly all of its file-order
-      figure, where the paper's rule loses clearly more (``docs/benchmarks.md``, "Stream
-      order"). ``buffer_memory = 0`` gives the paper's rule in bursts too.
-    - A triplet whose ``||V||_F^2`` is 0 (identical positive and negative) is counted but never
-      updates ``W``: PA's step is undefined there.
-    - ``W`` is float32 by default (``dtype``): the two products per triplet are memory-bound, and
-      float32 halves the bytes. The ``K x K`` solve runs in float64. A test checks 2,000 updates
-      against the plain float32 transcription of the equations to 1e-5; ``dtype="float64"``
-      matches the float64 transcription to 1e-12.
-    - **Several ranks** (``streamxm worker --world-size N``): parameter mixing. Each rank learns
-      its share of a round from the same ``W``; after the round the ranks' changes of ``W`` are
-      added and scaled by ``1/sqrt(N)`` (merge ``"mix"``), while the input sums and counters are
-      summed (exact). PA updates are additive corrections: one learner would apply all of them
-      (their sum), but corrections learned from one start on disjoint data of the same classes
-      repeat each other in part (their mean is the other extreme, iterative parameter mixing's
-      average). The scaled sum lies between the two, and on the Wikipedia features it kept two
-      ranks' mAP closest to one rank's, closer than the mean or the sum
-      (``docs/benchmarks.md``). The mix costs one all-reduce of ``W`` per round (16 MB at
-      4096 x 1000, float32).
+    See ``docs/design.md``, section "cmos", for the method and the streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    C
-        PA-I aggressiveness (default 0.1: a plateau from 0.07 to 0.15 in one pass over the
-        Wikipedia features, ``docs/benchmarks.md``).
-    margin
-        Hinge margin (paper: 1).
-    triplets_per_pair
-        Triplets drawn per arriving pair.
-    normalize
-        ``"l2"`` or ``"none"``.
-    center
-        Centre inputs by their running means.
-    dtype
-        ``"float32"`` or ``"float64"`` for ``W``.
-    flush_every
-        Queued triplets that trigger a flush (larger: fewer, bigger matrix products).
-    solver
-        ``"blocked"`` (the above) or ``"paper"``: Eq. 6/7 transcribed literally, one triplet at a
-        time with ``V`` formed explicitly; the baseline of ``streamxm bench throughput`` and the
-        oracle of the tests.
-    replay
-        Extra triplets per pair, during a burst, whose query is a pair of the buffer's memory
-        (0: the paper's rule; nothing is replayed outside a burst or without a memory).
+    C : float, default=0.1
+        PA-I aggressiveness, ``> 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
+    margin : float, default=1.0
+        Hinge margin, ``> 0`` (paper: 1).
+    triplets_per_pair : int, default=10
+        Triplets drawn per arriving pair, ``>= 1``.
+    normalize : {"l2", "none"}, default="l2"
+        Input normalisation, before the centring.
+    center : bool, default=True
+        Centre inputs by the running means of the (normalised) vectors seen.
+    dtype : {"float32", "float64"}, default="float32"
+        Dtype of ``W`` (the block solve runs in float64).
+    flush_every : int, default=128
+        Queued triplets that trigger a flush, ``>= 1`` (larger: fewer, bigger matrix products).
+    solver : {"blocked", "paper"}, default="blocked"
+        ``"blocked"`` solves the queue at once; ``"paper"`` is Eq. 6/7 transcribed literally,
+        one triplet at a time with ``V`` formed explicitly (the baseline of
+        ``streamxm bench throughput`` and the oracle of the tests).
+    replay : int, default=2
+        Extra triplets per pair, during a burst, whose query is a pair of the buffer's memory,
+        ``>= 0`` (0: the paper's rule; nothing is replayed outside a burst or without a memory).
+
+    Attributes
+    ----------
+    W : ndarray of shape (img_dim, txt_dim)
+        The bilinear map, in ``dtype``.
+    img_sum, txt_sum : ndarray of shape (img_dim,) and (txt_dim,)
+        Sums of the normalised inputs seen; divided by ``n_seen``, the centring means.
+    n_seen : int
+        Pairs learned.
+    n_triplets : int
+        Triplets drawn so far; its parity picks the direction of the next one.
+
+    References
+    ----------
+    .. [1] Wu, Wang and Huang, "Online Asymmetric Similarity Learning for Cross-Modal
+       Retrieval", CVPR 2017.
 
     Examples
     --------

@@ -30,64 +30,49 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
     """``s(a, b) = eta_A(a)^T eta_B(b)``, with ``eta`` the class posteriors of one multinomial
     logistic model per modality.
 
-    From the paper: with labels, the pair label is ``z = +1`` exactly when the labels agree, so
-    ``P(z = 1 | a, b) = sum_c eta_A,c(a) eta_B,c(b)`` when the modalities are conditionally
-    independent given the class: the score is the inner product of the two posterior vectors (not
-    their cosine). Each model is learned online from the labelled pairs; pairs without labels are
-    skipped (counted in ``skipped_unlabelled``). The embeddings are the posteriors themselves, so
-    every query direction, same-modality ones included, is an inner product in class space.
+    Each softmax model is learned online by AdaGrad from the labelled pairs (unlabelled pairs
+    are skipped), on mini-batches of the arriving pair and ``replay`` buffered labelled pairs.
+    The embeddings are the posteriors themselves, so every query direction, same-modality ones
+    included, is an inner product in class space.
 
-    Choices where the paper is silent (each a parameter):
-
-    - **Classes** are the label values seen so far, in order of first appearance, up to
-      ``max_classes``; a new class starts with zero weights and enters both softmaxes from then
-      on (classes not yet seen have posterior 0). Labels beyond ``max_classes`` are ignored and
-      counted. A multi-label pair's target is uniform over its labels.
-    - **Features**: ``power=0.5`` (the Hellinger map, ``sqrt`` of the histograms) then L2
-      normalisation, plus a constant 1 for the bias; on the Wikipedia features the Hellinger map
-      beats plain L2 normalisation for image->text, offline and in one pass.
-    - **Optimiser**: one AdaGrad step per arriving labelled pair on each softmax model's mean
-      cross-entropy over a mini-batch of that pair and ``replay`` labelled pairs drawn uniformly
-      from the replay buffer, plus ``lam / 2 ||W||^2`` (the bias row included); AdaGrad as in
-      :class:`~streamxm.models.pairwise.PairwiseLogistic`. Replay lets one pass over a stream
-      do the work of several epochs (each pair is revisited about ``replay`` times while it is
-      buffered) without any pair arriving twice. Defaults (``replay = 64``, ``lr = 0.1``,
-      ``lam = 1e-4``) from the sweep in ``docs/benchmarks.md``: in one pass image->text rises
-      with the replay, from none through 4 to 64.
-    - **Bursts**: the model asks its learner for a class-balanced memory of the whole history
-      twice the size of the ring (``memory_share = 2``: 1,000 slots beside 500; in class order a
-      memory of 1,000 keeps more of the file-order figure than one of 500, text->image most of
-      all, ``docs/benchmarks.md``). While the buffer says the stream is in a burst of few
-      classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the ring
-      holds the class arriving now, so the replayed pairs are drawn from the ring and the
-      memory together with each class as likely as its share of the whole stream
-      (:meth:`~streamxm.buffer.replay.ReplayBuffer.stream_mix`): replaying the ring would
-      deepen the bias towards the arriving class, and the memory's even mix of classes scores
-      text->image lower than the stream's own mix. Outside a burst the replays come
-      from the ring, exactly as without a memory.
-    - Learning curves: each labelled pair counts one "triplet" per direction in the metrics, a
-      mistake when the model's most probable class is not among the pair's labels (before the
-      step), with the cross-entropy as the loss; the image model is ``i2t``, the text model
-      ``t2i``.
-    - **Several ranks** (``streamxm worker --world-size N``): every rank first numbers the
-      round's classes in stream order (:meth:`register_labels`), then the weights and AdaGrad
-      sums are averaged after each round, weighted by the pairs each rank learned (iterative
-      parameter mixing of convex softmax regressions), and the counters summed.
+    See ``docs/design.md``, section "pairwise:marginal", for the method and streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    lam
-        l2 regularisation of each softmax model.
-    lr
-        AdaGrad base step.
-    power
-        Input power map before L2 normalisation.
-    max_classes
-        Most classes tracked.
-    replay
-        Buffered labelled pairs added to each mini-batch.
+    variant : {"marginal"}, default="marginal"
+        The ``pairwise`` variant this class implements; any other is refused.
+    lam : float, default=1e-4
+        l2 regularisation of each softmax model, ``>= 0``; chosen on the Wikipedia stream
+        (``docs/benchmarks.md``).
+    lr : float, default=0.1
+        AdaGrad base step, ``> 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
+    power : float, default=0.5
+        Input power map before L2 normalisation, ``> 0`` (0.5: the Hellinger map).
+    max_classes : int, default=1000
+        Most classes tracked, ``>= 1`` (labels beyond are ignored and counted).
+    replay : int, default=64
+        Buffered labelled pairs added to each mini-batch, ``>= 0``; chosen on the Wikipedia
+        stream (``docs/benchmarks.md``).
+
+    Attributes
+    ----------
+    Wx, Wy : ndarray of shape (img_dim + 1, n_classes) and (txt_dim + 1, n_classes)
+        Each modality's softmax weights, the last row the bias.
+    Gx, Gy : ndarray
+        AdaGrad's sums of squared gradients, shaped as ``Wx`` and ``Wy``.
+    classes : list of int
+        Label values in column order.
+    skipped_unlabelled : int
+        Pairs skipped for having no label.
+    ignored_labels : int
+        Labels ignored beyond ``max_classes``.
+
+    References
+    ----------
+    .. [1] Menon, Surian and Chawla, "Cross-Modal Retrieval: A Pairwise Classification
+       Approach", SDM 2015, Sec. 5.2 (Eq. 5.9-5.10).
 
     Examples
     --------

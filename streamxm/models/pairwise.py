@@ -51,98 +51,63 @@ def _log1pexp(x: NDArray[np.float64]) -> NDArray[np.float64]:
 class PairwiseLogistic(CountsWork, MergesRanks, name="pairwise"):
     """``s(a, b) = <a, W b>``: a linear classifier over the cross-product features ``a b^T``.
 
-    From the paper: the score is linear in ``Phi(a, b) = vec(a b^T)``, learned with an
-    l2-regularised logistic loss.
+    ``W`` is learned online by AdaGrad on an l2-regularised logistic loss: each arriving pair is
+    a positive and ``negatives`` pairs formed with buffered items are taken as negatives
+    (``variant="logistic"``, Eq. 4.6), or the positive is ranked above each formed pair
+    (``variant="bipartite"``, Eq. 4.7). The inputs are L2-normalised, centred and whitened by
+    their running covariance, with a constant 1 appended.
 
-    - ``variant="logistic"`` (Eq. 4.6): each arriving pair ``(a_i, b_i)`` is a positive
-      (``z = +1``), and ``negatives`` (S = 10) pairs formed with other buffered items are
-      unlabelled, taken as ``z = -1``: the positive-unlabelled reduction. With labels on both
-      sides, a formed pair is ``z = +1`` exactly when the labels agree (Sec. 5.1).
-    - ``variant="bipartite"`` (Eq. 4.7): the logistic loss on the difference
-      ``Phi(a_i, b_i) - Phi(a_i, b_j)``, so the positive is ranked above each unlabelled pair.
-      With labels, formed pairs whose labels agree give no ranking constraint.
-
-    Choices where the paper is silent (each a parameter):
-
-    - **Formed pairs.** The S partners are drawn uniformly (with replacement) from the replay
-      buffer, the arriving pair excluded; they alternate between ``(a_i, b_j)`` (an image->text
-      negative) and ``(a_j, b_i)`` (text->image), so both query directions are trained. Each
-      counts as a triplet for the metrics: a mistake is ``s(pos) - s(formed) <= 0`` before the
-      step.
-    - **Features.** Each vector is L2-normalised (``power=1``), centred and whitened by the ridge
-      whitener of its running covariance (:func:`~streamxm.models.moments.ridge_whitener`,
-      ``ridge=3`` relative to the mean eigenvalue), then a constant 1 is appended, so ``W`` also
-      holds the linear and bias terms of the cross-product expansion. Whitening is what lets the
-      logistic model reach the paper's figure on the Wikipedia features in one pass; without it
-      (``whiten=False``) image->text stays well below (``docs/benchmarks.md``). The whitener is
-      refreshed on a doubling schedule (after 64, 128, ... pairs, then every ``whiten_every``);
-      ``W`` stays in whitened coordinates, so the served similarity shifts a little at a
-      refresh, less and less as the statistics settle.
-    - **Restart at the first whitener** (``restart``): the steps before it (the first
-      ``whiten_first`` pairs) were taken on unwhitened rows, which the whitened ``W`` would
-      read as noise. At the first refresh ``W`` and the AdaGrad sums start again from zero and
-      take one step with each stored pair as the positive (as the rehearsal below), then the
-      arriving pair's, so the first pairs are learned in the coordinates every later step uses.
-      On a stream that arrives one topic at a time they are the first topic's only pairs
-      outside the memory. ``restart=False`` keeps the steps as they were (``docs/benchmarks.md``,
-      "Stream order").
-    - **Optimiser.** One AdaGrad step per arriving pair on the mean loss of its ``1 + S`` examples
-      (the mini-batch) plus ``lam / 2 ||W||^2``: ``G += g^2``, ``W -= lr g / (sqrt(G) + 1e-8)``.
-      AdaGrad's per-coordinate ``1 / sqrt(t)`` decay needs no schedule tuned to the stream
-      length, which a stream does not have. The positive's loss is weighted by ``pos_weight``
-      (10: one positive against S = 10 formed pairs, so positives and formed pairs weigh the
-      same; with weight 1 the model learns much more slowly: after one pass it is well below
-      weight 10's figure, after five still a little below). Defaults ``lr = 0.01``,
-      ``lam = 0.02`` come from the sweep in ``docs/benchmarks.md``; they serve both variants.
-    - **Bursts**: each arriving pair is the only positive of its step, so on a stream that
-      arrives one topic at a time every positive is of the arriving class, and the others fade.
-      The model asks its learner for a class-balanced memory of the whole history beside the
-      ring (``memory_share = 1``: 500 slots beside 500). While the buffer says the stream is in
-      a burst of few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`) the
-      partners come from the ring and the memory together, and ``rehearse`` more steps per
-      pair take a stored pair, drawn uniformly from both, as the positive; they are not
-      counted in the metrics. Streamed one class at a time, both variants keep more of their
-      file-order figure with the rehearsal than without it (``docs/benchmarks.md``, "Stream
-      order"), at the cost of ``1 + rehearse`` steps instead of one per pair during a burst:
-      the fewest that keep the class-order figure, 2 for the logistic variant (which the
-      restart above already helps most) and 8 for the bipartite one. Outside a burst nothing
-      changes.
-    - ``W`` and the AdaGrad sums are float32 (``(d_img + 1) x (d_txt + 1)``); the moments float64,
-      folded in blocks of rows (:class:`~streamxm.models.moments.RunningMoments`). Each stored
-      pair is whitened once per whitener and cached per buffer slot
-      (:class:`~streamxm.models.slots.SlotRows`): at 4096-d a whitening reads a 134 MB
-      matrix, and a step draws 10 stored partners.
-    - **Several ranks** (``streamxm worker --world-size N``): the moments are summed (exact) and
-      ``W`` and the AdaGrad sums averaged after each round, weighted by the pairs each rank
-      learned (iterative parameter mixing: SGD steps from one start on disjoint data); the
-      whitener is refreshed from the summed moments when the round crossed its schedule.
+    See ``docs/design.md``, section "pairwise", for the method and the streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    variant
-        ``"logistic"`` or ``"bipartite"``.
-    negatives
-        Unlabelled pairs formed per arriving pair (S).
-    lam
-        l2 regularisation.
-    lr
-        AdaGrad base step.
-    pos_weight
-        Weight of the positive example in the logistic variant.
-    ridge
-        Relative ridge of the whitener; ``whiten=False`` turns whitening off (centring stays).
-    power
-        Input power map before L2 normalisation.
-    whiten_first, whiten_every
-        Whitener refresh schedule (pairs).
-    rehearse
-        Extra steps per pair during a burst, each with a stored pair as the positive (``None``:
-        2 for the logistic variant, 8 for the bipartite one, whose loss learns only from formed
-        pairs of other classes and needs more).
-    restart
+    variant : {"logistic", "bipartite"}, default="logistic"
+        The loss: positive-unlabelled logistic (Eq. 4.6) or bipartite ranking (Eq. 4.7).
+    negatives : int, default=10
+        Unlabelled pairs formed per arriving pair (S), ``>= 1``.
+    lam : float, default=0.02
+        l2 regularisation, ``>= 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
+    lr : float, default=0.01
+        AdaGrad base step, ``> 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
+    pos_weight : float, default=10.0
+        Weight of the positive example in the logistic variant, ``> 0`` (10: the positive weighs
+        as much as the ``S = 10`` formed pairs).
+    ridge : float, default=3.0
+        Ridge of the whitener, relative to the covariance's mean eigenvalue, ``>= 0``.
+    whiten : bool, default=True
+        Whiten the inputs; ``False`` turns whitening off (centring stays).
+    power : float, default=1.0
+        Input power map before L2 normalisation, ``> 0``.
+    whiten_first : int, default=64
+        First whitener refresh (pairs); the gaps double from it up to ``whiten_every``, ``>= 1``.
+    whiten_every : int, default=1024
+        Pairs between whitener refreshes once the doubling ends, ``>= 1``.
+    rehearse : int or None, default=None
+        Extra steps per pair during a burst, each with a stored pair as the positive, ``>= 0``
+        (``None``: 2 for the logistic variant, 8 for the bipartite one, whose loss learns only
+        from formed pairs of other classes and needs more).
+    restart : bool, default=True
         Restart ``W`` at the first whitener and learn the stored pairs again.
+
+    Attributes
+    ----------
+    W : ndarray of shape (img_dim + 1, txt_dim + 1)
+        The weights over the cross-product features, in whitened coordinates (float32).
+    G : ndarray of shape (img_dim + 1, txt_dim + 1)
+        AdaGrad's sums of squared gradients (float32).
+    mean_x, mean_y : ndarray of shape (img_dim,) and (txt_dim,)
+        The inputs' means at the last whitener refresh.
+    white_x, white_y : ndarray of shape (img_dim, img_dim) and (txt_dim, txt_dim)
+        The whiteners (the identity until the first refresh, or with ``whiten=False``).
+    moments : RunningMoments
+        The inputs' running moments.
+
+    References
+    ----------
+    .. [1] Menon, Surian and Chawla, "Cross-Modal Retrieval: A Pairwise Classification
+       Approach", SDM 2015, Sec. 4 (Eq. 4.6 and 4.7) and Sec. 5.1.
 
     Examples
     --------
@@ -226,7 +191,7 @@ class PairwiseLogistic(CountsWork, MergesRanks, name="pairwise"):
             z = centred  # the whitener is the identity
         elif len(centred) == 1:
             # One row (the arriving pair, a stale slot): a triangular product reads the half of
-            # the lower-triangular whitener that is not zero (67 of 134 MB at 4096-d).
+            # the lower-triangular whitener that is not zero.
             z = _triangular_product(white, centred[0])[None, :]
         else:
             z = centred @ white.T
@@ -372,7 +337,7 @@ class PairwiseLogistic(CountsWork, MergesRanks, name="pairwise"):
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """The stored pairs' features from the cache the steps whiten them into, and ``W``
         multiplied into the query's side: two passes over ``W`` instead of whitening and
-        projecting every stored pair again (at 4096-d, 200 whitenings are 3.4 GFLOP)."""
+        projecting every stored pair again."""
         fx, fy = self.buffer_features(buffer, rows)  # its own cache: ``kept`` is for heads
         qx, qy = self.image_features(pair.img), self.text_features(pair.txt)
         query_image = (qx @ self.W).astype(np.float64)  # embed_images of the query, as served
@@ -533,7 +498,7 @@ _RING = 500
 
 def _triangular_product(lower: NDArray[np.float64], v: NDArray[np.float64]) -> NDArray[np.float64]:
     """``lower @ v`` for a lower-triangular matrix, BLAS ``trmv`` on its own layout (a copy of
-    a 134 MB whitener into the other order would cost more than the product saves)."""
+    the whitener into the other order would cost more than the product saves)."""
     if lower.flags.f_contiguous:
         return np.asarray(_trmv(lower, v, lower=1))
     return np.asarray(_trmv(lower.T, v, lower=0, trans=1))  # C order: the transpose is F

@@ -154,9 +154,9 @@ def _subnormals_flushed() -> Iterator[None]:
 
     Where the hinges go quiet (every margin met, as on well-separated classes), gradients are
     exactly zero and the momentum decays geometrically into subnormal numbers, whose arithmetic
-    runs about a hundred times slower on x86. Values that small move no weight. The mode is
-    per thread, so other threads (the API's embedding) keep IEEE arithmetic; a caller that had
-    it on finds it off afterwards.
+    runs much slower on x86. Values that small move no weight. The mode is per thread, so other
+    threads (the API's embedding) keep IEEE arithmetic; a caller that had it on finds it off
+    afterwards.
     """
     flushing = torch.set_flush_denormal(True)  # False where the CPU has no such mode
     try:
@@ -213,148 +213,99 @@ def _distance_work(rows: int, dim: int) -> Work:
 class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True):
     """Two towers into a shared ``dim``-space, trained with the scheduled adaptive margin.
 
-    From the paper: towers ``in -> 1024 -> dim`` with tanh after each layer, dropout on the
-    hidden layer, L2-normalised outputs and cosine similarity; Eq. 5's bi-directional triplet
-    hinge where an anchor's positive is only its own partner and its negatives are the other
-    mini-batch items of a different category; the margin ``f_m = alpha(t) f_am +
-    (1 - alpha(t)) m`` with ``f_am = lam f_ms + (1 - lam) f_mc`` (:func:`schedule_alpha`,
-    :func:`semantic_margin`, :func:`centroid_margin`); SGD with Nesterov momentum 0.9, learning
-    rate 5e-3, decay 1e-6, mini-batches of 200; ``lam = 0.25``, ``f_a = 0.4``, ``k = 0.1``,
-    ``n_e = 100``, ``m = 1``.
+    Each tower is ``in -> hidden -> dim`` with tanh after each layer and L2-normalised outputs;
+    the score is the cosine. SGD with Nesterov momentum minimises Eq. 5's bi-directional
+    triplet hinge with the margin ``f_m = alpha(t) f_am + (1 - alpha(t)) m``,
+    ``f_am = lam f_ms + (1 - lam) f_mc`` (:func:`schedule_alpha`, :func:`semantic_margin`,
+    :func:`centroid_margin`). On a stream each step takes the newly arrived pairs, filled up to
+    a mini-batch from a reservoir sample of the stream.
 
-    Two defaults differ from the paper, measured on the Wikipedia features (3 seeds each,
-    ``docs/benchmarks.md``): **dropout 0.3** instead of 0.1 (at 0.1 the towers overfit the 2,173
-    training pairs: test text->image mAP is lower after 100 epochs than after 10) and **images
-    Hellinger-mapped and L2-normalised** (``power_img=0.5``) before standardisation. The
-    paper's setting, ``dropout=0.1, power_img=None``, scores lower than the defaults in both
-    directions.
-
-    Where the paper is silent (each a parameter, tested):
-
-    - **Loss scale**: the per-anchor sums averaged over the batch's anchors
-      (:func:`batch_loss`); the plain sum of a mini-batch's hinge terms, whose steps are
-      ``batch_size`` times the mean's, diverges or collapses at lr 5e-3.
-    - **Decay**: Keras's ``decay`` (the paper's framework): ``lr_t = lr / (1 + decay * step)``.
-    - **Inputs**: optionally power-mapped and L2-normalised per row (``power_img``,
-      ``power_txt``; ``None`` leaves the vector as sent), then each feature standardised by the
-      running mean and variance of the pairs seen
-      (:class:`~streamxm.models.moments.FeatureScaler`; offline: of the training set), which
-      beat L2 normalisation alone and raw histograms on the Wikipedia features.
-    - **f_ms**: Euclidean distances between the raw input vectors (the "original space"; raw so
-      the normaliser does not move with the standardisation), each modality divided by the
-      largest distance seen (offline: over the training set, from up to 4,096 sampled rows;
-      stream: the running maximum over mini-batches), clipped to [0, 1].
-    - **Centroids**: per class and modality, an exponentially weighted mean (rate
-      ``centroid_rate``) of the projections the training forward passes produce, updated from
-      each mini-batch before its margins are computed (so every labelled item has one). A
-      multi-label item's centroid is the mean of its labels' centroids.
-    - **Negatives**: a labelled anchor's negatives are the labelled items sharing none of its
-      labels (an unlabelled item's relevance to it is unknown, as in the triplet sampler); an
-      unlabelled anchor's are all other items. A triplet with an unlabelled side has no
-      category, so its ``f_am`` is ``f_ms`` alone.
-    - **Clock** (``t`` of Eq. 7, in epochs): it advances by ``rows / epoch`` per mini-batch, where
-      ``epoch`` is the training-set size offline (so ``t`` is the epoch count, continuous within
-      an epoch) and ``epoch_pairs`` on a stream (an epoch-equivalent is ``epoch_pairs`` rows of
-      gradient work); ``n_e`` is in the same unit. The clock is part of the checkpoint.
-    - **Stream**: each arriving pair waits in ``pending``; every ``step_every`` pairs one step is
-      taken on a mini-batch of the pending pairs filled up to ``batch_size`` from a reservoir
-      sample (``replay`` pairs, uniform over the whole stream so far), into which the pending
-      pairs then go. Pairs still pending are in the checkpoint. ``flush`` does not force a step,
-      so when steps happen depends on the pair count only.
-    - **Bursts** (``balance=True``): while the learner's buffer says the stream is in a burst of
-      few classes (:meth:`~streamxm.buffer.replay.ReplayBuffer.bursty`), the fill is drawn
-      with every class equally likely (:meth:`~streamxm.buffer.replay.ReplayBuffer.
-      balanced_mix`) instead of uniformly. One pass over a reservoir draws a pair less the later
-      it arrives, so in class order the last classes are learned least; a class-balanced fill
-      gives the arriving class its share from the start of its burst. On Wikipedia in class
-      order the balanced fill scores higher than the uniform one image->text and the same
-      text->image (``docs/benchmarks.md``). A well-mixed stream is never in a burst and is
-      learned exactly as with ``balance=False``.
-    - **Standardisation** (``scale_pairs``): the paper standardises inputs with the training
-      set's statistics, fixed while the towers train. A stream's running statistics would keep
-      moving under towers trained on the earlier ones, most when classes arrive one at a time
-      (each moves them). They learn from the first ``scale_pairs`` pairs (300: enough for a
-      feature's mean to within a tenth of its deviation, before the towers have learned much)
-      and stay fixed after; ``None`` follows the whole stream. On Wikipedia this keeps the
-      file-order figure and lifts class order most (``docs/benchmarks.md``, "Stream order").
-      Offline the statistics are the whole training set's, as the paper's.
-    - **Offline** (:meth:`fit`): ``epochs`` passes over the training set in a fresh random order
-      each time, the same step as the stream.
-    - **Weights**: Glorot-uniform, zero biases, drawn when learning starts from a seed taken
-      from the learner's RNG; dropout masks come from the model's own torch generator (15
-      random bits a unit, :func:`~streamxm.models.sam_tower.dropout_multipliers`), whose state
-      is checkpointed (with weights, momentum buffers, clock, centroids and scaler), so a
-      restored model continues exactly as the original would have.
-    - **Training pass**: the gradients are the chain rule written out
-      (:func:`score_gradient`, :meth:`~streamxm.models.sam_tower.Tower.set_gradients`), equal
-      to autograd's over the same forward pass up to rounding; on the CPU the Nesterov step is
-      one compiled pass over each parameter (:func:`~streamxm.models.optim.nesterov_step`);
-      inputs are prepared in float32 (:meth:`_prepare`). This learns by the same rule as
-      autograd with ``torch.rand`` dropout masks, faster; the dropout draws and the rounding
-      differ, so a given seed's figures differ from such a pass's by about the spread between
-      seeds, and the mean over seeds is not lower.
-    - **Metrics**: each step scores the triplets whose anchor is a newly arrived pair with the
-      training forward pass before the update: a mistake is ``s(a, p) - s(a, n) <= 0``, the loss
-      the hinge with the step's margin, ``updates`` the triplets with a positive hinge. Offline,
-      every anchor counts.
-    - float32 throughout the network; the scaler's sums are float64.
-    - **Several ranks** (``streamxm worker --world-size N``): the weights and momentum buffers
-      are averaged after each round, weighted by the pairs each rank learned (local SGD with
-      periodic averaging), not the gradients of every step as DDP does. A step here is taken
-      every ``step_every`` arriving pairs on a batch filled from the rank's own reservoir, so
-      ranks do not step in lockstep (their shares differ by dead letters and the round's
-      remainder), and one all-reduce of the towers per round instead of per step is what lets
-      two CPU ranks learn faster than one (the towers are ~20 MB at 4096/1000). The scalers'
-      sums, step count and clock are summed (exact), the ``f_ms`` normalisers take the
-      maximum, class centroids the mean of the ranks that hold one (classes numbered in
-      stream order on every rank first). The reservoir stays per rank. Until the first step
-      rank 0 learns alone. Rounds are at most 64 pairs a rank (``merge_every``): on Wikipedia,
-      rounds of 256 pairs a rank left two ranks' mAP below one rank's in both directions,
-      rounds of 64 within the spread between seeds; at 4096/1000 a round of 64 pairs still
-      takes several times longer to learn than to merge.
+    See ``docs/design.md``, section "sam", for the method and the streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    dim, hidden, dropout
-        Output size (the shared space), hidden width, dropout rate on the hidden layer.
-    lr, momentum, decay, batch_size
-        Optimiser settings.
-    lam, f_a, k, n_e, margin
-        Margin schedule: Eq. 6-8's ``lambda``, ``f_a``, ``k``, ``n_e``, ``m``.
-    alpha
-        A fixed ``alpha`` instead of the schedule (the paper's ablations: 0 = static margin).
-    epochs
-        Offline passes.
-    epoch_pairs, step_every, replay
-        Streaming: the clock's unit, new pairs per step, reservoir size.
-    centroid_rate
-        Weight of a mini-batch's class means in the centroids.
-    max_classes
+    dim : int, default=200
+        Output size (the shared space), ``>= 1``.
+    hidden : int, default=1024
+        Hidden width, ``>= 1``.
+    dropout : float, default=0.3
+        Dropout rate on the hidden layer, in ``[0, 1)`` (the paper: 0.1); chosen on the
+        Wikipedia data (``docs/benchmarks.md``).
+    lr : float, default=5e-3
+        SGD learning rate, ``> 0``.
+    momentum : float, default=0.9
+        Nesterov momentum, in ``[0, 1)``.
+    decay : float, default=1e-6
+        Learning-rate decay, ``lr_t = lr / (1 + decay * step)``, ``>= 0``.
+    batch_size : int, default=200
+        Mini-batch size, ``>= 2``.
+    lam : float, default=0.25
+        Weight of ``f_ms`` in ``f_am``, in ``[0, 1]``.
+    f_a : float, default=0.4
+        Eq. 7's ``f_a``: ``alpha(t)`` is one half at ``t = f_a n_e``.
+    k : float, default=0.1
+        Eq. 7's slope ``k``.
+    n_e : float, default=100.0
+        Eq. 7's ``n_e``, in the clock's unit (epochs, or epoch-equivalents on a stream).
+    margin : float, default=1.0
+        The static margin ``m``.
+    alpha : float or None, default=None
+        A fixed ``alpha`` in ``[0, 1]`` instead of the schedule (the paper's ablations: 0 =
+        static margin).
+    epochs : int, default=100
+        Offline passes, ``>= 0``.
+    epoch_pairs : int, default=2000
+        The clock's unit on a stream: rows of gradient work per epoch-equivalent, ``>= 1``.
+    step_every : int, default=2
+        New pairs per step on a stream, from 1 to ``batch_size``.
+    replay : int, default=5000
+        Size of the reservoir the mini-batches are filled from, ``>= batch_size``.
+    centroid_rate : float, default=0.1
+        Weight of a mini-batch's class means in the centroids, in ``(0, 1]``.
+    max_classes : int, default=1000
         Classes with a centroid (labels beyond are ignored).
-    power_img, power_txt
-        Row power map before L2 normalisation and standardisation (``None``: none).
-    balance
+    power_img : float or None, default=0.5
+        Image row power map before L2 normalisation and standardisation (``None``: none, the
+        paper's setting); chosen on the Wikipedia data (``docs/benchmarks.md``).
+    power_txt : float or None, default=None
+        Text row power map before L2 normalisation and standardisation (``None``: none).
+    balance : bool, default=True
         During a burst of few classes, fill mini-batches class-balanced from the reservoir.
-    scale_pairs
-        Pairs the input standardisation learns from on a stream (``None``: every pair).
-    device
+    scale_pairs : int or None, default=300
+        Pairs the input standardisation learns from on a stream, ``>= 1`` (``None``: every pair).
+    device : {"auto", "cpu", "cuda"}, default="auto"
         Where the towers, the optimiser state, the centroids and every tensor of a step live:
         ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU), ``"cpu"`` or
-        ``"cuda"`` (a ``ValueError`` on a machine without CUDA). The resolved device is
-        ``device_``; the numpy interfaces (embeddings, similarity, :meth:`state`,
-        :meth:`load_state`) take and return CPU arrays whatever it is, and a checkpoint's arrays
-        are the same names, shapes and dtypes on every device. **Checkpoint rule**: the device
-        is resolved again on the machine that restores: :meth:`params` records ``"cuda"`` as
-        ``"auto"`` (so a CUDA checkpoint restores on a CPU-only machine, and on the GPU of a
-        machine that has one) and ``"cpu"`` and ``"auto"`` as given; a checkpoint written before
-        this parameter has none and restores with the default ``"auto"``. The dropout masks come
-        from the model's CPU generator on the CPU and, on CUDA, from a CUDA generator re-seeded
-        each step from it, so the checkpointed RNG state is the CPU generator's either way
-        (a CUDA checkpoint continues on the CPU, and a CPU one on CUDA); CPU and CUDA draw
-        different masks (and round differently), so their results differ; ``"cpu"`` and
-        ``"auto"`` on a machine without CUDA learn bit for bit alike.
+        ``"cuda"`` (a ``ValueError`` on a machine without CUDA). The numpy interfaces
+        (embeddings, similarity, :meth:`state`, :meth:`load_state`) take and return CPU arrays
+        whatever it is; :meth:`params` records ``"cuda"`` as ``"auto"``, so a checkpoint
+        resolves its device again on the machine that restores it.
+
+    Attributes
+    ----------
+    device_ : torch.device
+        The resolved device.
+    img_tower, txt_tower : Tower
+        The two towers.
+    img_scaler, txt_scaler : FeatureScaler
+        The inputs' standardisation statistics.
+    cent_img, cent_txt : Tensor of shape (n_classes, dim)
+        Per class, the exponentially weighted mean projection of each modality.
+    reservoir : ReplayBuffer
+        The uniform reservoir sample of the stream that fills the mini-batches.
+    pending : list of Pair
+        Arrived pairs waiting for the next step.
+    steps : int
+        SGD steps taken.
+    clock : float
+        ``t`` of Eq. 7: epochs (offline) or epoch-equivalents (stream) learned.
+
+    References
+    ----------
+    .. [1] Semedo and Magalhaes, "Cross-Modal Subspace Learning with Scheduled Adaptive Margin
+       Constraints", ACM MM 2019.
 
     Examples
     --------
@@ -650,7 +601,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
             found = self.classes.columns(item, arriving=False)
             rows += [i] * len(found)
             cols += found
-        y[rows, cols] = 1.0  # one assignment: a tensor indexed per item costs microseconds each
+        y[rows, cols] = 1.0  # one assignment: indexing a tensor per item is slow
         return torch.from_numpy(y).to(self.device_)
 
     def _update_centroids(self, y: Tensor, zi: Tensor, zt: Tensor) -> None:

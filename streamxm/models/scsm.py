@@ -30,76 +30,60 @@ F64 = NDArray[np.float64]
 class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
     """Projections ``U_a``, ``U_b`` into ``c`` latent groups, learned without labels.
 
-    From the paper: Eq. 14 minimised by Algorithm 1 (self-paced ``v``, ``U`` from Eq. 16,
-    ``Y`` column by column, ``Y`` initialised by k-means on the texts), the joint graph of Eq. 10
-    (``gamma`` times r-nearest-neighbour Gaussian graphs within each modality, ``Y'Y`` between
-    them), retrieval by cosine in the ``c``-dimensional space, same-modality queries included.
-    The model never reads a label: :meth:`update` ignores ``pair.labels``.
+    Self-paced subspace matching (Eq. 14, Algorithm 1): the projections, the pairs' group
+    assignment ``Y`` and the self-paced selection ``v`` alternate over a sliding working set of
+    recent pairs, re-solved on a schedule. The similarity is the cosine of the centred
+    projections, same-modality queries included. Labels are never read.
 
-    Streaming and the choices where the paper is silent (each a parameter; the sweep is in
-    ``docs/benchmarks.md``):
-
-    - **Working set**: the most recent ``window`` pairs (a sliding window, so memory is bounded
-      and the model follows drift). Every ``solve_every`` pairs (after 64, 128, 256, ... first)
-      the alternation re-runs on it, warm-started: pairs still in the window keep their
-      groups, new pairs join the group whose text centroid is nearest (the assignment step of
-      the k-means that initialises ``Y``; only the first solve runs k-means, best of 3
-      k-means++ starts: on the Wikipedia texts, more starts found tighter clusters that match
-      the classes less). Placing new pairs by their projections instead let one group absorb
-      most arrivals, and re-running k-means at each solve made pairs flip between the k-means
-      and the SCSM partitions (both tried while building this; neither is kept as an
-      option). After each solve the groups are matched to the previous ones (Hungarian
-      assignment on the pairs both solves placed) and ``U``'s columns permuted, so a group
-      keeps its identity and the served space does not jump.
-    - **Scales**: the cross-modal term grows with the square of the pairs per group and the fit
-      with the pairs, so the weights are given per pair: Eq. 14's ``alpha = alpha / n``,
-      ``gamma = gamma * n`` (so ``alpha * gamma``, the weight of the within-modality graphs, does
-      not depend on ``n``) and ``beta = beta * n``. ``r = 5`` neighbours; the Gaussian width is
-      the mean squared distance to the ``r``-th neighbour.
-    - **Age schedule**: after the initial ``U`` (every pair in), the threshold ``lam = 1/k``
-      starts at the median pair loss (half the pairs in) and grows by ``growth`` after each
-      outer iteration; ``iterations`` outer iterations per solve (each: ``v``, ``U_a``, ``U_b``,
-      two sweeps of ``Y``). Raising ``lam`` only lowers Eq. 14, so the objective decreases over
-      the whole run (docs: the curve), except where the empty-group guard refills a group.
-    - **Y update**: derived from the full Eq. 14 with the Laplacian's degree terms (the literal
-      Eq. 21-22, the argmin with ``+alpha`` on the cross terms, moves pairs toward the group
-      they match worst; with the degree terms the objective decreases); each column takes
-      the exact argmin over the ``c`` groups. A group left empty takes the worst-fitting pair of
-      a larger group (otherwise its column of ``U`` regresses to zero and it never recovers).
-    - **Inputs**: images ``power_img = 0.5`` (Hellinger) then L2-normalised, texts L2-normalised;
-      a constant feature appended to both (an intercept).
-    - **Retrieval**: cosine of the projections after subtracting their mean over the working set
-      (``center=True``): uncentred, every projection leans towards the mean group profile and
-      cosines mostly measure that (centred, image->text ranks clearly better offline: the
-      sweep of ``scripts/scsm_analysis.py`` in ``docs/benchmarks.md``).
-    - Metrics: one triplet per arriving pair (its own partner against a buffered pair) scored
-      before learning (:func:`~streamxm.models.base.observe_triplet`) once the model serves.
-    - **Several ranks** (``streamxm worker --world-size N``): rank 0 learns alone and the others
-      wait. The objective is one self-paced problem over the whole working set (the age
-      schedule picks which pairs of the window take part, jointly), and the cost is that joint
-      solve, not the per-pair work: splitting the pairs would split the window the solve needs
-      whole, and the solve itself does not decompose into per-rank sums.
+    See ``docs/design.md``, section "scsm", for the method and the streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    groups
-        Latent groups ``c`` (the dimension of the space).
-    alpha, gamma, beta
-        Eq. 14's weights, per pair (see above).
-    r
-        Neighbours in the within-modality graphs.
-    iterations, growth
-        Outer iterations per solve and the age growth per iteration.
-    window
-        Pairs in the working set.
-    solve_first, solve_every
-        Re-solve schedule (pairs).
-    power_img, power_txt
-        Input power maps before L2 normalisation.
-    center
+    groups : int, default=10
+        Latent groups ``c`` (the dimension of the space), ``>= 2``.
+    alpha : float, default=0.3
+        Eq. 14's ``alpha``, per pair (the solve weighs ``alpha / n``), ``>= 0``.
+    gamma : float, default=1.0
+        Eq. 14's ``gamma``, per pair (the solve weighs ``gamma * n``), ``>= 0``.
+    beta : float, default=1e-4
+        Eq. 14's ``beta``, per pair (the solve weighs ``beta * n``), ``> 0``.
+    r : int, default=5
+        Neighbours in the within-modality graphs, ``>= 1``.
+    iterations : int, default=5
+        Outer iterations per solve, ``>= 0``.
+    growth : float, default=1.2
+        Growth of the age threshold per outer iteration, ``>= 1``.
+    window : int, default=2500
+        Pairs in the working set, ``>= groups``.
+    solve_first : int, default=64
+        First re-solve (pairs); the gaps double from it up to ``solve_every``, ``>= 1``.
+    solve_every : int, default=256
+        Pairs between re-solves once the doubling ends, ``>= 1``.
+    power_img : float, default=0.5
+        Image power map before L2 normalisation, ``> 0`` (0.5: the Hellinger map).
+    power_txt : float, default=1.0
+        Text power map before L2 normalisation, ``> 0``.
+    center : bool, default=True
         Subtract the working set's mean projection before the cosine.
+
+    Attributes
+    ----------
+    ua, ub : ndarray of shape (img_dim + 1, groups) and (txt_dim + 1, groups)
+        The projections ``U_a`` and ``U_b`` (the last row for the constant feature).
+    mean_a, mean_b : ndarray of shape (groups,)
+        The working set's mean projections (zero with ``center=False``).
+    y : ndarray of shape (window,)
+        Each working-set pair's group (-1 until a solve places it).
+    pairs, solves : int
+        Pairs seen and solves so far.
+    trace : list of dict
+        The last solve's objective at its start and after each outer iteration.
+
+    References
+    ----------
+    .. [1] Liang, Li, Cao, He and Wang, "Self-Paced Cross-Modal Subspace Matching", SIGIR 2016.
 
     Examples
     --------

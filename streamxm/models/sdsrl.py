@@ -84,84 +84,76 @@ class NystroemMap:
 class SDSRL(CountsWork, MergesRanks, name="sdsrl", shared_space=True, batch_fit=True):
     """Semantic projections of Nystroem features: ``s(x, y) = phi(x)' A B' psi(y)``.
 
-    From the paper: ``phi`` and ``psi`` are Nystroem maps of RBF kernels ``exp(-sigma||x-y||^2)``
-    (``sigma = 1``, inputs L2-normalised, ``m1 = 1000`` image landmarks, ``m2 = 20`` for 10-d
-    texts); the targets ``M_I, M_T, M_C`` of Eq. 5 come from the label similarity
-    ``S(a, b) = sum_j 2 L_a^j L_b^j / (L_a^j + L_b^j)``, the number of shared labels, i.e.
-    ``S = L L'``; and ``A`` (m1 x q), ``B`` (m2 x q) minimise ``||M_I - AA'||^2 + ||M_T - BB'||^2
-    + ||M_C - AB'||^2`` by MPL-CD (:func:`~streamxm.models.projections.mpl_cd`). Because
-    ``Phi'S Phi = (Phi'L)(Phi'L)'``, the stream only accumulates ``Phi'Phi``, ``Psi'Psi``,
-    ``Phi'L`` and ``Psi'L`` (``m x m`` and ``m x classes``): ``M_I = G G'`` with
-    ``G = (Phi'Phi + mu n I)^-1 Phi'L``, and no ``n x n`` or ``m x m`` target is ever formed.
-    Embeddings are ``phi(x)'A`` and ``psi(y)'B`` in one shared space, compared by inner product
-    (``AB'`` approximates ``M_C``, so the inner product is the model's estimate of ``S``), which
-    serves image->text, text->image and same-modality search alike.
+    ``phi`` and ``psi`` are Nystroem maps of RBF kernels on landmarks drawn from the stream;
+    ``A`` and ``B`` minimise ``||M_I - AA'||^2 + ||M_T - BB'||^2 + ||M_C - AB'||^2`` (Eq. 5, by
+    MPL-CD) for targets built from the label similarity ``S = L L'``, re-solved on a schedule
+    from running statistics (``Phi'Phi``, ``Psi'Psi``, ``Phi'L``, ``Psi'L``). Images and texts
+    share the space and are compared by inner product.
 
-    Streaming, and the choices where the paper is silent (each a parameter):
-
-    - **Landmarks**: the first ``landmark_pool`` pairs are kept; when the pool is full, ``m_img``
-      images and ``m_txt`` texts drawn uniformly from it become the landmarks, frozen for good,
-      and the pool is folded into the statistics and dropped. Until then each solve draws
-      provisional landmarks from the pool and recomputes the statistics from it, so the service
-      has a model from the first solve on. ``fit`` (the offline protocol) draws the landmarks
-      from the whole training set.
-    - **mu** is relative to the pair count (``mu n`` is the paper's ``mu``), so the solution
-      does not drift as the statistics grow. The paper's ``mu = 1`` on the 2173 Wikipedia
-      training pairs is about ``mu = 5e-4``, the best offline figure on clean labels; the
-      default ``7e-4`` regularises a little more, which keeps more of the figure when labels are
-      wrong (a stream's labels are not curated) for a file-order figure within the seeds'
-      spread (both swept in ``docs/benchmarks.md``); ``mu=5e-4`` is about the paper's setting.
-    - **Inputs**: images go through ``power_img = 0.5`` (the Hellinger map of the visual-word
-      histograms) before L2 normalisation, texts are only L2-normalised; ``sigma = 1`` for both.
-    - **Statistics** accumulate in float64 (``Phi'Phi`` is ill-conditioned); they are folded in
-      batches of ``batch`` pairs and before each solve. With ``forget < 1`` each pair scales the
-      earlier statistics (and the pair count) by ``forget``: exponential forgetting for
-      drifting streams. Unlabelled pairs add to ``Phi'Phi``, ``Psi'Psi`` and the pair count
-      (their label row is zero: in Eq. 5 they are pairs similar to nothing) and are counted in
-      ``unlabelled``; they take part in the landmark pool too.
-    - **Solves** run on a :class:`~streamxm.models.moments.ResolveSchedule` (after 32, 64, ...
-      pairs, then every ``solve_every``), warm-started from the previous ``A``, ``B`` when the
-      landmarks have not changed, else from small random values (``A = 0`` is a stationary
-      point of the descent). MPL-CD runs ``outer`` loops of ``inner`` sweeps per sub-problem,
-      stopping when the loss falls by less than ``tol`` (relative) in a loop.
-    - **Classes** are the label values seen, up to ``max_classes`` (more are ignored and counted).
-    - Metrics: each arriving labelled pair scores one triplet with the current model before it
-      is learned (:func:`~streamxm.models.base.observe_triplet`), for the mistake counts.
-    - **Several ranks** (``streamxm worker --world-size N``): once the landmarks are frozen the
-      ranks **sum** ``Phi'Phi``, ``Psi'Psi``, ``Phi'L``, ``Psi'L``, the pair weight and the
-      counters after each round (classes numbered in stream order on every rank first), so the
-      statistics are exactly one learner's on the same pairs, and ``A``, ``B`` are re-solved from
-      them when the round crossed the schedule. Until the landmarks freeze (they are drawn from
-      the first ``landmark_pool`` pairs of the stream) and with ``forget < 1`` (forgetting
-      weighs pairs by their position in one sequence) rank 0 learns alone.
+    See ``docs/design.md``, section "sdsrl", for the method and the streaming choices.
 
     Parameters
     ----------
-    img_dim, txt_dim
+    img_dim, txt_dim : int
         Input sizes.
-    q
-        Dimension of the shared space.
-    mu
-        Ridge of the closed forms, per pair.
-    m_img, m_txt
-        Landmarks per modality; ``m_txt=None`` takes ``min(2 txt_dim, 1000)`` (20 for 10-d texts,
+    q : int, default=10
+        Dimension of the shared space, ``>= 1``.
+    mu : float, default=7e-4
+        Ridge of the closed forms, per pair, ``> 0`` (``mu n`` is the paper's ``mu``;
+        ``mu=5e-4`` is about the paper's setting); chosen on the Wikipedia stream
+        (``docs/benchmarks.md``).
+    m_img : int, default=1000
+        Image landmarks, ``>= 1``.
+    m_txt : int or None, default=None
+        Text landmarks, ``>= 1``; ``None`` takes ``min(2 txt_dim, 1000)`` (20 for 10-d texts,
         as the paper).
-    sigma_img, sigma_txt
-        RBF widths ``exp(-sigma ||x - y||^2)``.
-    power_img, power_txt
-        Input power maps before L2 normalisation.
-    landmark_pool
-        Pairs kept before the landmarks freeze.
-    solve_first, solve_every
-        Re-solve schedule (pairs).
-    outer, inner, tol
-        MPL-CD loops and stopping rule.
-    forget
-        Exponential forgetting factor per pair (1 keeps everything).
-    batch
-        Pairs buffered before they are folded into the statistics.
-    max_classes
-        Most classes tracked.
+    sigma_img, sigma_txt : float, default=1.0
+        RBF widths ``exp(-sigma ||x - y||^2)``, ``> 0``.
+    power_img : float, default=0.5
+        Image power map before L2 normalisation, ``> 0`` (0.5: the Hellinger map).
+    power_txt : float, default=1.0
+        Text power map before L2 normalisation, ``> 0``.
+    landmark_pool : int, default=1000
+        Pairs kept before the landmarks freeze, ``>= 1``.
+    solve_first : int, default=32
+        First re-solve (pairs); the gaps double from it up to ``solve_every``, ``>= 1``.
+    solve_every : int, default=256
+        Pairs between re-solves once the doubling ends, ``>= 1``.
+    outer : int, default=10
+        MPL-CD outer loops, ``>= 1``.
+    inner : int, default=3
+        MPL-CD sweeps per sub-problem in a loop, ``>= 1``.
+    tol : float, default=1e-4
+        MPL-CD stops when the loss falls by less than ``tol`` (relative) in a loop, ``>= 0``.
+    forget : float, default=1.0
+        Exponential forgetting factor per pair, in ``(0, 1]`` (1 keeps everything).
+    batch : int, default=64
+        Pairs buffered before they are folded into the statistics, ``>= 1``.
+    max_classes : int, default=1000
+        Most classes tracked (labels beyond are ignored and counted).
+
+    Attributes
+    ----------
+    a, b : ndarray of shape (m1, q) and (m2, q)
+        The projections ``A`` and ``B`` of the Nystroem features.
+    w_img, w_txt : ndarray
+        What queries use, from the last solve: the Nystroem projections times ``A`` and ``B``,
+        so that an embedding is ``k(x, landmarks) w``.
+    map_img, map_txt : NystroemMap or None
+        The Nystroem maps of the statistics (provisional until ``frozen``).
+    frozen : bool
+        Whether the landmarks are frozen.
+    gram_img, gram_txt, lab_img, lab_txt : ndarray
+        The statistics ``Phi'Phi``, ``Psi'Psi``, ``Phi'L`` and ``Psi'L``.
+    weight : float
+        The (forgetting-weighted) pair count of the statistics.
+    pairs, unlabelled, solves : int
+        Pairs seen, the unlabelled ones among them, and solves so far.
+
+    References
+    ----------
+    .. [1] Jiang, Li, Li and Wang, "Learning Discriminative Representations for Semantic Cross
+       Media Retrieval" (SDSRL), Sec. 3 (Eq. 5), Algorithm 1 (MPL-CD) and its appendix.
 
     Examples
     --------
@@ -441,8 +433,8 @@ class SDSRL(CountsWork, MergesRanks, name="sdsrl", shared_space=True, batch_fit=
         )
         if nm is None:
             return None
-        # One map per landmark set: its key digests the landmarks (32 MB at 1,000 x 4,096), and
-        # the rolling evaluation asks for the head at every evaluated pair.
+        # One map per landmark set: its key digests the landmarks (a large array), and the
+        # rolling evaluation asks for the head at every evaluated pair.
         made = self._feature_maps.get(modality)
         if made is None or made[0] is not nm:
             made = (nm, RbfFeatures(power_features(power), nm.landmarks, nm.gamma))
