@@ -61,7 +61,13 @@ def bundled_wiki_path() -> Path:
 
 
 #: Short dataset names: the files the package bundles.
-BUNDLED = {"wiki": bundled_wiki_path}
+def bundled_digits_path() -> Path:
+    """The digits two-view file shipped inside the package: signed features of another kind
+    (provenance in ``streamxm/data/README.md``)."""
+    return Path(str(resources.files("streamxm") / "data" / "digits_dct_kl.npz"))
+
+
+BUNDLED = {"wiki": bundled_wiki_path, "digits": bundled_digits_path}
 
 
 def load_dataset(path: str | Path) -> Dataset:
