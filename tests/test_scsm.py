@@ -367,3 +367,22 @@ def test_wikipedia_beats_cca_offline_and_one_pass_is_within_five_percent() -> No
     assert offline["map_i2t"] > 0.257 and offline["map_t2i"] > 0.206
     for key in ("map_i2t", "map_t2i"):
         assert stream[key] >= 0.95 * offline[key], (key, stream[key], offline[key])
+
+
+def test_auto_image_power_is_hellinger_for_histograms_and_none_for_signed_features() -> None:
+    rng = np.random.default_rng(0)
+    histogram = make_pair("h", rng.random(6), rng.random(4))
+    signed = make_pair("s", rng.standard_normal(6), rng.random(4))
+    for first, power in ((histogram, 0.5), (signed, 1.0)):
+        learner = StreamLearner("scsm", 6, 4, {"groups": 2, "window": 16, "solve_first": 8})
+        learner.learn(
+            [first, *(make_pair(str(i), rng.random(6), rng.random(4)) for i in range(20))]
+        )
+        assert learner.model.image_power == power  # type: ignore[attr-defined]
+        restored = StreamLearner.from_state(*learner.state())
+        assert restored.model.image_power == power  # type: ignore[attr-defined]
+        q = rng.standard_normal((3, 6))
+        assert np.array_equal(restored.model.embed_images(q), learner.model.embed_images(q))
+    given = StreamLearner("scsm", 6, 4, {"power_img": 0.5, "groups": 2, "window": 16})
+    given.learn([signed])
+    assert given.model.image_power == 0.5  # type: ignore[attr-defined]

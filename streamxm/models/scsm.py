@@ -7,7 +7,7 @@ alternation itself is in :mod:`streamxm.models.scsm_solver`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -61,8 +61,13 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         First re-solve (pairs); the gaps double from it up to ``solve_every``, ``>= 1``.
     solve_every : int, default=256
         Pairs between re-solves once the doubling ends, ``>= 1``.
-    power_img : float, default=0.5
-        Image power map before L2 normalisation, ``> 0`` (0.5: the Hellinger map).
+    power_img : float or "auto", default="auto"
+        Image power map before L2 normalisation, ``> 0`` (0.5: the Hellinger map, for
+        histograms). ``"auto"`` picks it from the first pair learned: 0.5 when its image
+        vector has no negative value (a histogram), else 1.0 (no power: on signed features
+        ``sign(x) |x|^0.5`` only distorts the coefficients' scales; docs/benchmarks.md, the
+        digits set). Fixed from then on, so the features stay version-independent. Give 0.5
+        for the rule the Wikipedia figures were chosen with whatever the inputs.
     power_txt : float, default=1.0
         Text power map before L2 normalisation, ``> 0``.
     center : bool, default=True
@@ -116,7 +121,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         window: int = 2500,
         solve_first: int = 64,
         solve_every: int = 256,
-        power_img: float = 0.5,
+        power_img: float | Literal["auto"] = "auto",
         power_txt: float = 1.0,
         center: bool = True,
     ) -> None:
@@ -130,9 +135,10 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
             gamma=">= 0",
             beta="> 0",
             growth=">= 1",
-            power_img="> 0",
             power_txt="> 0",
         )
+        if power_img != "auto":
+            require({"power_img": power_img}, power_img="> 0")
         if window < groups:
             raise ValueError(f"window must be >= groups ({groups}), got {window}")
         self.groups, self.r = int(groups), int(r)
@@ -141,7 +147,12 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         self.window = int(window)
         self.solve_first, self.solve_every = solve_first, solve_every
         self.schedule = ResolveSchedule(solve_first, solve_every)
-        self.power_img, self.power_txt = float(power_img), float(power_txt)
+        self.power_img: float | Literal["auto"] = (
+            "auto" if power_img == "auto" else float(power_img)
+        )
+        self.power_txt = float(power_txt)
+        # The image power in use: the given one, or "auto"'s pick at the first pair.
+        self.power_img_: float | None = None if power_img == "auto" else float(power_img)
         self.center = bool(center)
         # The working set, a ring: features with the constant appended, and each pair's group
         # (-1 until a solve has placed it).
@@ -181,9 +192,16 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
             self._add(pair)
         self.solve(rng)
 
+    @property
+    def image_power(self) -> float:
+        """The image power map in use (``"auto"`` before its first pair: the Hellinger map)."""
+        return 0.5 if self.power_img_ is None else self.power_img_
+
     def _add(self, pair: Pair) -> None:
+        if self.power_img_ is None:  # "auto": histograms keep the Hellinger map
+            self.power_img_ = 0.5 if float(np.min(pair.img)) >= 0.0 else 1.0
         at = self.pairs % self.window
-        self.xa[at] = self._features(pair.img, self.power_img)[0]
+        self.xa[at] = self._features(pair.img, self.image_power)[0]
         self.xb[at] = self._features(pair.txt, self.power_txt)[0]
         self.y[at] = -1
         self.pairs += 1
@@ -232,7 +250,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         return power_normalize(f @ u - mean).astype(np.float32)
 
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        return self._embed(self._features(x, self.power_img), self.ua, self.mean_a)
+        return self._embed(self._features(x, self.image_power), self.ua, self.mean_a)
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(self._features(x, self.power_txt), self.ub, self.mean_b)
@@ -240,7 +258,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
     def linear_head(self, modality: str) -> LinearHead:
         """:meth:`_embed` as ``l2(x U + u_c - mean)`` (``u_c``: the constant feature's row)."""
         u, mean, power = (
-            (self.ua, self.mean_a, self.power_img)
+            (self.ua, self.mean_a, self.image_power)
             if modality == "image"
             else (self.ub, self.mean_b, self.power_txt)
         )
@@ -283,7 +301,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
             elementwise(2 * (self.img_dim + self.txt_dim), itemsize=4, flops_per_item=0.0) * 0.5
         )
         add = (
-            _feature_work(1, self.img_dim, self.power_img)
+            _feature_work(1, self.img_dim, self.image_power)
             + _feature_work(1, self.txt_dim, self.power_txt)
             + elementwise(da + db)
         )
@@ -308,7 +326,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         and the centring, normalisation and float32 cast of the ``rows x c`` result (6
         flops, 10 passes)."""
         dim, power = (
-            (self.img_dim, self.power_img)
+            (self.img_dim, self.image_power)
             if modality == "image"
             else (self.txt_dim, self.power_txt)
         )
@@ -329,13 +347,16 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
             "mean_a": self.mean_a,
             "mean_b": self.mean_b,
         }
-        return arrays, {"pairs": self.pairs, "solves": self.solves, "trace": self.trace}
+        meta = {"pairs": self.pairs, "solves": self.solves, "trace": self.trace}
+        return arrays, {**meta, "power_img": self.power_img_}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         for key in ("xa", "xb", "ua", "ub", "mean_a", "mean_b"):
             setattr(self, key, np.array(arrays[key], dtype=np.float64))
         self.y = np.array(arrays["y"], dtype=np.int64)
         self.pairs, self.solves = int(meta["pairs"]), int(meta["solves"])
+        if meta.get("power_img") is not None:  # "auto"'s pick (checkpoints before it: given)
+            self.power_img_ = float(meta["power_img"])
         self.trace = [{k: float(v) for k, v in t.items()} for t in meta["trace"]]
 
 
