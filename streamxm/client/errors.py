@@ -35,14 +35,24 @@ class StreamxmError(Exception):
         For a push: how many pairs after ``accepted`` the server did take (it answered 2xx)
         but whose entry ids the client could not read (:class:`BadResponse`); pushing them
         again adds them twice.
+    written
+        For a push that failed: ``True`` it reached the stream, ``False`` it did not, ``None``
+        unknown (:class:`Unavailable`, :class:`BadResponse` say which they know).
     in_doubt
         For a push: how many pairs after ``accepted`` may or may not have landed (their batch
         got no answer: :class:`Unavailable` with ``written`` None); the pairs after those were
         not sent.
     """
 
-    def __init__(self, message: str, status: int | None = None, detail: Any = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        detail: Any = None,
+        written: bool | None = None,
+    ) -> None:
         super().__init__(message)
+        self.written = written
         self.status = status
         self.detail = message if detail is None else detail
         self.accepted: list[str] = []
@@ -94,16 +104,6 @@ class Unavailable(StreamxmError):
     add its pairs twice).
     """
 
-    def __init__(
-        self,
-        message: str,
-        status: int | None = None,
-        detail: Any = None,
-        written: bool | None = None,
-    ) -> None:
-        super().__init__(message, status, detail)
-        self.written = written
-
 
 class ServerError(StreamxmError):
     """Any other status: a bug in the server (its log has the traceback)."""
@@ -114,16 +114,6 @@ class BadResponse(StreamxmError):
     a push answered with a different number of entry ids than pairs, an encoding it did not
     ask for. ``written``: ``True`` when a push was answered 2xx (its batch landed), else
     ``None``."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int | None = None,
-        detail: Any = None,
-        written: bool | None = None,
-    ) -> None:
-        super().__init__(message, status, detail)
-        self.written = written
 
 
 class ResponseTooLarge(BadResponse):
