@@ -27,6 +27,7 @@ from streamxm.models import (
     split_name,
     unregister_model,
 )
+from streamxm.models.ensemble import parse_ensemble
 from streamxm.service import build_worker, open_store
 from streamxm.stream.messages import Pair
 from streamxm.stream.producer import StreamProducer
@@ -154,9 +155,17 @@ def test_names_are_checked_and_installed_packages_join_by_entry_point(
     (info / "entry_points.txt").write_text("[streamxm.models]\nplugged = plugged_pkg:Plugged\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     models._entry_points.cache_clear()
+    (info / "entry_points.txt").write_text(
+        "[streamxm.models]\nplugged = plugged_pkg:Plugged\nmisnamed = plugged_pkg:Plugged\n"
+    )
     try:
         assert split_name("plugged") == ("plugged", None)
         assert model_class("plugged").__name__ == "Plugged"
+        with pytest.raises(ValueError, match="not a model class named 'misnamed'"):
+            split_name("misnamed")
+        # A registered model is an ensemble member like any other.
+        spec = parse_ensemble("ensemble:cmos+plugged*2")
+        assert spec.members == ("cmos", "plugged") and spec.weights == (1.0, 2.0)
     finally:
         unregister_model("plugged")
         models._entry_points.cache_clear()

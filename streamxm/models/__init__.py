@@ -91,7 +91,8 @@ def register_model(cls: type[CrossModalModel]) -> type[CrossModalModel]:
             f"letter; {cls.__name__} has {name!r}"
         )
     if name in LAZY_MODELS or MODELS.get(name, cls) is not cls:
-        raise ValueError(f"model name {name!r} is taken by {model_class(name).__name__}")
+        taken = LAZY_MODELS[name][1] if name in LAZY_MODELS else MODELS[name].__name__
+        raise ValueError(f"model name {name!r} is taken by {taken}")
     MODELS[name] = cls
     return cls
 
@@ -113,8 +114,20 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 def _from_entry_points(name: str) -> None:
     """Register the installed entry point called ``name``, if there is one."""
     entry = _entry_points().get(name)
-    if entry is not None:
-        register_model(entry.load())
+    if entry is None:
+        return
+    try:
+        cls = entry.load()
+    except Exception as exc:  # a broken plugin: the name stays unknown, with the reason
+        raise ValueError(
+            f"model {name!r}: its entry point {entry.value} fails to load "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, CrossModalModel)) or cls.name != name:
+        raise ValueError(
+            f"model {name!r}: its entry point {entry.value} is not a model class named {name!r}"
+        )
+    register_model(cls)
 
 
 def split_name(name: str) -> tuple[str, str | None]:

@@ -70,7 +70,7 @@ __all__ = [
 ENSEMBLE_PREFIX = "ensemble:"
 #: Items of the served gallery each query's member scores are standardised against.
 REFERENCE_ITEMS = 256
-_WEIGHT = re.compile(r"(?P<name>[a-z:]+?)(?:\*(?P<weight>\d+(?:\.\d+)?))?")
+_WEIGHT = re.compile(r"(?P<name>[a-z][a-z0-9_-]*(?::[a-z]+)?)(?:\*(?P<weight>\d+(?:\.\d+)?))?")
 
 
 @dataclass(frozen=True)

@@ -124,10 +124,12 @@ class GalleryIndexer(LeasedConsumer):
                 return True
             log.warning("indexer %s lost the gallery lease", self.consumer)
             self.leader, self._buffer = False, []
-        self.leader = self.lease.acquire()
-        if self.leader:
-            self._load()
-        return self.leader
+            return False  # the loop looks at its stop before asking again
+        if not self.lease.acquire():
+            return False
+        self._load()
+        self.leader = True  # only once loaded: finish() never commits a previous lead's state
+        return True
 
     def work(self) -> bool:
         """One :meth:`step`; idle when it read nothing."""
@@ -145,7 +147,7 @@ class GalleryIndexer(LeasedConsumer):
             try:
                 self.commit()
                 self.lease.release()
-            except redis.RedisError as exc:
+            except (redis.RedisError, LeaseLost) as exc:
                 log.error("indexer %s: final commit failed (%s)", self.consumer, exc)
             self.leader = False
 

@@ -239,6 +239,7 @@ class LearnerWorker(LeasedConsumer):
     # -- the leased consumer's steps (streamxm/worker/leased.py) --------------------------
     def prepare(self, stop: threading.Event) -> None:
         """:meth:`setup`, again after a back-off while Redis cannot be reached."""
+        self._backoff = 0.0  # each run starts from the shortest wait
         while not stop.is_set():
             try:
                 self.setup()

@@ -30,9 +30,10 @@ Failures:
 - After every (re)formation, and before the first split round after rank 0 learned alone, rank 0
   sends its whole learner state (a checkpoint blob: arrays + JSON) to every rank.
 
-Rounds in which the model cannot be split (:meth:`~streamxm.models.base.CrossModalModel.
-merge_parts` returns ``None``: SDSRL before its landmarks freeze, SAM before its first step, and
-always CMOMKS and SCSM) are learned by rank 0 alone while the others wait.
+Rounds in which the model cannot be split (:meth:`~streamxm.models.opt_in.MergesRanks.
+merge_parts` returns ``None``: SDSRL before its landmarks freeze, SAM before its first step; or
+the model does not opt into :class:`~streamxm.models.opt_in.MergesRanks`: CMOMKS and SCSM) are
+learned by rank 0 alone while the others wait.
 """
 
 from __future__ import annotations
