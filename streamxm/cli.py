@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from streamxm.models import MODEL_NAMES
-from streamxm.tools.datasets import ORDERS
+from streamxm.tools.datasets import BURST_RUN, ORDERS
 
 __all__ = ["main"]
 
@@ -30,7 +30,10 @@ def _params(items: list[str]) -> dict[str, Any]:
     return out
 
 
-DATASET_HELP = "benchmark .npz (docs/design.md), or wiki: the bundled Wikipedia file"
+DATASET_HELP = (
+    "benchmark .npz (docs/design.md), or a bundled one: wiki (Wikipedia), digits (signed "
+    "features of another kind)"
+)
 
 
 def _fraction(text: str) -> float:
@@ -290,38 +293,59 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _burst_run(text: str) -> tuple[int, int]:
+    """An argparse type: ``LOW,HIGH``, the lengths of the ``bursts`` order's topic bursts."""
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH (integers), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"must have 1 <= LOW <= HIGH, got {text!r}")
+    return low, high
+
+
 def _cmd_bench_order(args: argparse.Namespace) -> int:
-    from streamxm.tools.bench import stream_order
+    from streamxm.tools.bench import BENCH_ORDERS, stream_order
 
     models = args.model or list(MODEL_NAMES)
     seeds = [args.seed] if args.seed is not None else _seeds(args.seeds)
     result = stream_order(
-        args.dataset, models, seeds=seeds, label_noise=args.label_noise, progress=not args.json
+        args.dataset,
+        models,
+        seeds=seeds,
+        label_noise=args.label_noise,
+        progress=not args.json,
+        orders=args.order or BENCH_ORDERS,
+        burst_run=args.burst_run,
     )
     if args.json:
         _print_bench(result)
         return 0
     print(
-        f"seeds {','.join(map(str, seeds))}: means over seeds, image->text / text->image; "
-        f"bars: class share >= {result['order_share']:.0%}, with "
-        f"{result['label_noise']:.0%} wrong labels >= {result['noise_share']:.0%} of file "
-        "order"
+        f"seeds {','.join(map(str, seeds))}: means over seeds, image->text / text->image, and "
+        f"their share of file order; bars: {', '.join(result['orders'])} >= "
+        f"{result['order_share']:.0%}, with {result['label_noise']:.0%} wrong labels >= "
+        f"{result['noise_share']:.0%} (bursts of {result['burst_run'][0]}-"
+        f"{result['burst_run'][1]} pairs)"
     )
     for row in result["models"]:
-        f, c, cs, ns = row["file"], row["class"], row["class_share"], row["noisy_share"]
-        noisy = (
-            f"noisy {row['noisy']['mean']['map_i2t']:.4f} / "
-            f"{row['noisy']['mean']['map_t2i']:.4f} ({ns['map_i2t']:.1%} / "
-            f"{ns['map_t2i']:.1%})"
-            if ns
-            else "noisy (reads no label)"
-        )
+        f = row["file"]
+        parts = [
+            f"file {f['mean']['map_i2t']:.4f} / {f['mean']['map_t2i']:.4f}"
+            f" (sd {f['std']['map_i2t']:.4f} / {f['std']['map_t2i']:.4f})"
+        ]
+        for name in (*result["orders"], "noisy"):
+            run, share = row[name], row["shares"].get(name)
+            if run is None or share is None:
+                parts.append(f"{name} (reads no label)")
+                continue
+            parts.append(
+                f"{name} {run['mean']['map_i2t']:.4f} / {run['mean']['map_t2i']:.4f}"
+                f" ({share['map_i2t']:.1%} / {share['map_t2i']:.1%})"
+            )
         failed = [name for name, ok in row["checks"].items() if not ok]
         print(
-            f"{row['model']:<20} file {f['mean']['map_i2t']:.4f} / {f['mean']['map_t2i']:.4f}"
-            f" (sd {f['std']['map_i2t']:.4f} / {f['std']['map_t2i']:.4f})  class "
-            f"{c['mean']['map_i2t']:.4f} / {c['mean']['map_t2i']:.4f} ({cs['map_i2t']:.1%} / "
-            f"{cs['map_t2i']:.1%})  {noisy}  "
+            f"{row['model']:<20} {'  '.join(parts)}  "
             f"{'met' if not failed else 'missed: ' + ', '.join(failed)}"
         )
     return 0
@@ -630,7 +654,8 @@ def _bench_learning_commands(
         choices=ORDERS,
         default="file",
         help="training pairs in file order, sorted by class (bursts of one topic), "
-        "or shuffled (seeded)",
+        "shuffled, in topic bursts of 30-100 pairs (bursts), or one class at a time with "
+        "the classes in a random order (class-shuffled); seeded",
     )
     q.add_argument(
         "--label-noise",
@@ -665,8 +690,9 @@ def _bench_learning_commands(
 
     so = bench_sub.add_parser(
         "order",
-        help="each model in file order, one class at a time and "
-        "with wrong labels, over seeds, against its own file-order figure",
+        help="each model in file order, one class at a time (classes ascending and in a "
+        "random order), in topic bursts and with wrong labels, over seeds, against its own "
+        "file-order figure",
     )
     so.add_argument("--dataset", required=True, help=DATASET_HELP)
     so.add_argument(
@@ -689,6 +715,23 @@ def _bench_learning_commands(
         default=0.2,
         metavar="P",
         help="fraction of training labels replaced by another class in the noisy run",
+    )
+    so.add_argument(
+        "--order",
+        action="append",
+        default=[],
+        choices=[o for o in ORDERS if o != "file"],
+        metavar="ORDER",
+        help="an order to run beside file order (repeatable; default: class, bursts, "
+        "class-shuffled; also shuffled)",
+    )
+    so.add_argument(
+        "--burst-run",
+        type=_burst_run,
+        default=BURST_RUN,
+        metavar="LOW,HIGH",
+        help="lengths of the bursts order's topic bursts, in pairs, both included "
+        "(default: 30,100)",
     )
     so.add_argument("--json", action="store_true")
     so.set_defaults(func=_cmd_bench_order)

@@ -14,10 +14,12 @@ from numpy.typing import NDArray
 from streamxm.stream.messages import Pair, make_pair
 
 __all__ = [
+    "BURST_RUN",
     "ORDERS",
     "PUBLISHED_WIKI",
     "Dataset",
     "bundled_wiki_path",
+    "burst_runs",
     "iter_pairs",
     "load_dataset",
     "noisy_labels",
@@ -27,7 +29,10 @@ __all__ = [
 ]
 
 #: Orders a benchmark can stream the training rows in (``stream_order``).
-ORDERS = ("file", "class", "shuffled")
+ORDERS = ("file", "class", "shuffled", "bursts", "class-shuffled")
+#: Shortest and longest topic burst of the ``bursts`` order, in pairs (both included): a stream
+#: that changes topic every 30 to 100 pairs (issue 61).
+BURST_RUN = (30, 100)
 
 #: Published figures on the Wikipedia SIFT128/LDA10 features (``streamxm/data/README.md``):
 #: method -> (image->text, text->image, source).
@@ -60,19 +65,19 @@ def bundled_wiki_path() -> Path:
     return Path(str(resources.files("streamxm") / "data" / "wiki_sift128_lda10.npz"))
 
 
-#: Short dataset names: the files the package bundles.
 def bundled_digits_path() -> Path:
     """The digits two-view file shipped inside the package: signed features of another kind
     (provenance in ``streamxm/data/README.md``)."""
     return Path(str(resources.files("streamxm") / "data" / "digits_dct_kl.npz"))
 
 
+#: Short dataset names: the files the package bundles.
 BUNDLED = {"wiki": bundled_wiki_path, "digits": bundled_digits_path}
 
 
 def load_dataset(path: str | Path) -> Dataset:
-    """Load a benchmark ``.npz`` without unpickling anything; ``"wiki"`` names the bundled
-    Wikipedia file (``streamxm/data/README.md``).
+    """Load a benchmark ``.npz`` without unpickling anything; ``"wiki"`` and ``"digits"`` name
+    the bundled files (``streamxm/data/README.md``).
 
     >>> load_dataset("wiki").img_train.shape
     (2173, 128)
@@ -107,25 +112,97 @@ def row_labels(y: NDArray[Any], i: int) -> list[int]:
     return [int(j) for j in np.flatnonzero(row)]
 
 
-def stream_order(y: NDArray[Any], order: str = "file", seed: int = 0) -> NDArray[np.intp]:
+def stream_order(
+    y: NDArray[Any], order: str = "file", seed: int = 0, burst_run: tuple[int, int] = BURST_RUN
+) -> NDArray[np.intp]:
     """Row indices in the order a stream delivers them.
 
-    ``file``: as stored. ``class``: sorted by each row's first (smallest) label, stable, rows
-    without a label last: a stream that arrives one topic at a time. ``shuffled``: a seeded
-    random permutation.
+    A row's class is its first (smallest) label. ``file``: as stored. ``class``: sorted by
+    class, ascending, stable, rows without a label last: a stream that arrives one topic at a
+    time. ``shuffled``: a seeded random permutation. ``bursts``: topic bursts of random length
+    (:func:`burst_runs`, lengths ``burst_run``), seeded. ``class-shuffled``: one topic at a
+    time with the classes in a random order and the rows of each class shuffled, seeded; rows
+    without a label are a class of their own. The seeded orders change with the seed and are
+    the same for the same seed; ``file`` and ``class`` take none.
 
     >>> stream_order(np.array([2, 0, 2, 1, 0]), "class").tolist()
     [1, 4, 3, 0, 2]
+    >>> y = np.array([2, 0, 2, 1, 0])
+    >>> [y[stream_order(y, "class-shuffled", seed)].tolist() for seed in (0, 3)]
+    [[2, 2, 0, 0, 1], [1, 0, 0, 2, 2]]
     """
     n = len(y)
     if order == "file":
         return np.arange(n)
     if order == "class":
-        first = np.array([min(row_labels(y, i), default=np.iinfo(np.int64).max) for i in range(n)])
-        return np.argsort(first, kind="stable")
+        return np.argsort(_row_classes(y), kind="stable")
     if order == "shuffled":
         return np.random.default_rng(seed).permutation(n)
+    if order == "bursts":
+        runs = burst_runs(y, seed, burst_run)
+        return np.concatenate([rows for _, rows in runs]) if runs else np.arange(0)
+    if order == "class-shuffled":
+        rng = np.random.default_rng([seed, 3])
+        groups = _class_rows(y, rng)
+        blocks = [groups[int(c)] for c in rng.permutation(sorted(groups))]
+        return np.concatenate(blocks) if blocks else np.arange(0)
     raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+
+
+def burst_runs(
+    y: NDArray[Any], seed: int = 0, burst_run: tuple[int, int] = BURST_RUN
+) -> list[tuple[int, NDArray[np.intp]]]:
+    """The topic bursts of the ``bursts`` order (:func:`stream_order`): ``(class, rows)`` runs
+    that together use every row once.
+
+    Each class's rows (class: first label; rows without a label are a class of their own) are
+    shuffled; then, until every row is used, a class is chosen uniformly at random among
+    those with rows left, other than the last run's (unless it is the only one left), and a
+    run of its next rows follows, of a length drawn uniformly from ``burst_run`` (both ends
+    included) or what the class has left if fewer: so every run but a class's last lies in
+    the range, and two runs of one class meet only when no other class is left. Seeded.
+
+    >>> runs = burst_runs(np.repeat([0, 1, 2], 50), seed=0, burst_run=(10, 20))
+    >>> sum(len(rows) for _, rows in runs), all(10 <= len(r) <= 20 for _, r in runs[:3])
+    (150, True)
+    """
+    low, high = burst_run
+    if not 1 <= low <= high:
+        raise ValueError(f"burst_run must be (low, high) with 1 <= low <= high, got {burst_run}")
+    rng = np.random.default_rng([seed, 2])
+    groups = _class_rows(y, rng)
+    classes = sorted(groups)
+    used = dict.fromkeys(classes, 0)
+    runs: list[tuple[int, NDArray[np.intp]]] = []
+    last: int | None = None
+    while True:
+        left = [c for c in classes if used[c] < len(groups[c])]
+        if not left:
+            return runs
+        choices = [c for c in left if c != last] or left
+        c = int(choices[rng.integers(len(choices))])
+        length = min(int(rng.integers(low, high + 1)), len(groups[c]) - used[c])
+        runs.append((c, groups[c][used[c] : used[c] + length]))
+        used[c] += length
+        last = c
+
+
+#: The class of a row without a label (after every real class).
+_NO_LABEL = np.iinfo(np.int64).max
+
+
+def _row_classes(y: NDArray[Any]) -> NDArray[np.int64]:
+    """Each row's class: its first (smallest) label, :data:`_NO_LABEL` if it has none."""
+    return np.array([min(row_labels(y, i), default=_NO_LABEL) for i in range(len(y))], np.int64)
+
+
+def _class_rows(y: NDArray[Any], rng: np.random.Generator) -> dict[int, NDArray[np.intp]]:
+    """Each class's rows (:func:`_row_classes`), shuffled by ``rng``, classes ascending."""
+    first = _row_classes(y)
+    return {
+        int(c): rng.permutation(np.flatnonzero(first == c)).astype(np.intp)
+        for c in np.unique(first)
+    }
 
 
 def noisy_labels(y: NDArray[Any], fraction: float, seed: int = 0) -> list[list[int]]:
@@ -159,11 +236,12 @@ def iter_pairs(
     order: str = "file",
     label_noise: float = 0.0,
     seed: int = 0,
+    burst_run: tuple[int, int] = BURST_RUN,
 ) -> Iterator[Pair]:
     """Training rows as validated pairs (ids ``<prefix>-<row>``), in ``order``
-    (:func:`stream_order`), with a fraction ``label_noise`` of the labels wrong
-    (:func:`noisy_labels`), or none if ``unlabelled``."""
-    rows = stream_order(ds.y_train, order, seed)
+    (:func:`stream_order`, topic bursts of ``burst_run`` pairs), with a fraction
+    ``label_noise`` of the labels wrong (:func:`noisy_labels`), or none if ``unlabelled``."""
+    rows = stream_order(ds.y_train, order, seed, burst_run)
     labels = noisy_labels(ds.y_train, label_noise, seed)
     for i in rows[:limit]:
         yield make_pair(
