@@ -141,16 +141,6 @@ class GalleryIndexer(LeasedConsumer):
         self.leader, self._buffer = False, []
         stop.wait(0.5)
 
-    def finish(self) -> None:
-        """The leader's final commit, then the lease released."""
-        if self.leader:
-            try:
-                self.commit()
-                self.lease.release()
-            except (redis.RedisError, LeaseLost) as exc:
-                log.error("indexer %s: final commit failed (%s)", self.consumer, exc)
-            self.leader = False
-
     def _load(self) -> None:
         require_migrated(self.r, self.keys)  # data under the old key names: refuse, say how
         self.manifest = read_manifest(self.r, self.keys) or Manifest()

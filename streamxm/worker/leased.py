@@ -14,10 +14,16 @@ sequence of named steps, as rq's ``BaseWorker`` has them, which the consumers fi
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 
+import redis
+
+from streamxm.storage.checkpoint import LeaseLost
 from streamxm.worker.lease import Lease
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LeasedConsumer"]
 
@@ -35,6 +41,9 @@ class LeasedConsumer(ABC):
     """
 
     lease: Lease
+    consumer: str
+    #: Whether this process holds the lease with its state loaded.
+    leader: bool = False
     recoverable: tuple[type[Exception], ...] = ()
 
     def run(self, stop: threading.Event | None = None, until_idle: bool = False) -> None:
@@ -74,5 +83,20 @@ class LeasedConsumer(ABC):
         failure asks; the next :meth:`hold_lease` starts again from the durable state."""
 
     @abstractmethod
+    def commit(self) -> None:
+        """Make what the holder has applied durable (fenced by the lease)."""
+
     def finish(self) -> None:
-        """On the way out: the holder commits what it has and releases the lease."""
+        """On the way out: the holder commits what it has and releases the lease; a commit
+        that fails leaves the successor to read again from the last durable point."""
+        if self.leader:
+            try:
+                self.commit()
+                self.lease.release()
+            except (redis.RedisError, LeaseLost) as exc:
+                log.error(
+                    "%s: final commit failed (%s); the successor starts from the last durable one",
+                    self.consumer,
+                    exc,
+                )
+            self.leader = False

@@ -269,19 +269,9 @@ class LearnerWorker(LeasedConsumer):
         self._backoff = _back_off(stop, self._backoff, self.consumer, exc)
 
     def finish(self) -> None:
-        """The leader's final checkpoint, then the lease released."""
-        if self.leader:
-            try:
-                self.commit()
-                self.lease.release()
-            except redis.RedisError as exc:
-                log.error(
-                    "worker %s: final checkpoint failed (%s); the next learner "
-                    "replays from the previous one",
-                    self.consumer,
-                    exc,
-                )
-            self.leader = False
+        """The leader's final checkpoint and the lease released (the leased consumer's), and
+        where the worker stopped."""
+        super().finish()
         log.info(
             "worker %s stopped at entry %s, version %d",
             self.consumer,
