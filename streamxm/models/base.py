@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -13,7 +12,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
-from streamxm.models.heads import LinearHead, SlotFeatures, unit_features
+from streamxm.models.embedding import EmbeddingKind, IndexUpdate, Towers
+from streamxm.models.heads import SlotFeatures, unit_features
 from streamxm.stream.messages import Pair
 
 __all__ = [
@@ -30,9 +30,6 @@ __all__ = [
 DIRECTIONS = ("i2t", "t2i")
 
 Arrays = dict[str, NDArray[Any]]
-
-#: ``(kept rows, raw vectors) -> rows``: :meth:`CrossModalModel.index_update`'s answer.
-IndexUpdate = Callable[[NDArray[np.float32], NDArray[np.floating]], NDArray[np.float32]]
 
 #: What the ranks of a distributed learner combine after a round, by name: ``(operation,
 #: array)``. Operations (:mod:`streamxm.learning.rounds`): ``"sum"`` adds every rank's change
@@ -197,7 +194,8 @@ class CrossModalModel(ABC):
         (computed once per stored pair, not at every evaluated pair), others through
         :meth:`similarity`; both give the same scores to float32 rounding.
         """
-        image_head, text_head = self.linear_head("image"), self.linear_head("text")
+        kind = self.embedding()
+        image_head, text_head = kind.head("image"), kind.head("text")
         if image_head is None or text_head is None:
             imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
             txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
@@ -224,54 +222,12 @@ class CrossModalModel(ABC):
             np.concatenate([[image @ text], images @ text]),
         )
 
-    # -- search without re-embedding the gallery ------------------------------------------------
-    #: Whether the score is bilinear in the L2-normalised inputs: then :meth:`queries_for_texts`
-    #: and :meth:`queries_for_images` move a query into the other modality's *fixed* space (the
-    #: unit rows, the same for every version), so a new version costs O(model) to serve search,
-    #: not O(gallery). Models whose embeddings are normalised or squashed after a learned
-    #: projection (cca, scsm, sdsrl, marginal, sam, cmomks) have no such space.
-    fixed_space: ClassVar[bool] = False
-
-    def queries_for_texts(
-        self, imgs: NDArray[np.floating]
-    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-        """Image queries as ``(q, c)`` with ``similarity(imgs, txts) = q @ unit(txts).T + c``
-        (``unit``: rows divided by their L2 norm; ``c`` is constant per query)."""
-        raise NotImplementedError(f"{self.name} has no fixed space")
-
-    def queries_for_images(
-        self, txts: NDArray[np.floating]
-    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-        """Text queries as ``(q, c)`` with ``similarity(imgs, txts).T = q @ unit(imgs).T + c``."""
-        raise NotImplementedError(f"{self.name} has no fixed space")
-
-    # -- embedding the gallery once per version --------------------------------------------------
-    def linear_head(self, modality: str) -> LinearHead | None:
-        """The embedding of ``modality`` (``"image"`` or ``"text"``) as ``finish(features(x) W +
-        b)`` with version-independent features (:mod:`streamxm.models.heads`), so a server keeps
-        the features of its gallery and a new version costs one product; ``None`` (the default)
-        when there is no such form now: the server then embeds the raw vectors."""
-        return None
-
-    # -- the rows a server's embedded index keeps ------------------------------------------------
-    def index_rows(self, modality: str, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        """The rows a server's index keeps for gallery items of ``modality``, scored against
-        :meth:`index_query` of a query of the other modality: ``similarity = row . query``.
-        The default: the embeddings. A model may keep rows that change less between its
-        versions than its embeddings (cmomks: kernel terms, its learned weights moved into the
-        query), so that a new version recomputes part of them (:meth:`index_update`)."""
-        return self.embed_images(x) if modality == "image" else self.embed_texts(x)
-
-    def index_query(self, modality: str, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        """Queries of ``modality`` against the other modality's :meth:`index_rows`."""
-        return self.embed_images(x) if modality == "image" else self.embed_texts(x)
-
-    def index_update(self, earlier: CrossModalModel, modality: str) -> IndexUpdate | None:
-        """A function from ``earlier``'s :meth:`index_rows` of some items of ``modality`` (and
-        the items' raw vectors) to this version's, recomputing only what changed since that
-        version (what changed is worked out once, here); ``None`` (the default) when that is
-        not possible: the server then computes the rows anew."""
-        return None
+    # -- the serving side ------------------------------------------------------------------
+    def embedding(self) -> EmbeddingKind:
+        """What this version offers serving: one embedding kind made from its state
+        (:mod:`streamxm.models.embedding`). The default: :class:`~streamxm.models.embedding.
+        Towers` over :meth:`embed_images` and :meth:`embed_texts`."""
+        return Towers(self.embed_images, self.embed_texts, self.similarity, self.shared_space)
 
     @abstractmethod
     def state(self) -> tuple[Arrays, dict[str, Any]]:

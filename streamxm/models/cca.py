@@ -20,6 +20,7 @@ from streamxm.models.base import (
     observe_triplet,
     require,
 )
+from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import (
     ResolveSchedule,
@@ -176,6 +177,9 @@ class CCA(CountsWork, MergesRanks, name="cca", online=False, shared_space=True):
 
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(x, self.mean_x, self.proj_x)
+
+    def embedding(self) -> EmbeddingKind:
+        return linear_heads(self)
 
     def linear_head(self, modality: str) -> LinearHead:
         """:meth:`_embed` as ``l2((x - mean) P c)``: weight ``P c``, bias ``-mean P c``."""

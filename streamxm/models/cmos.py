@@ -1,6 +1,10 @@
 """CMOS: online asymmetric bilinear similarity learned by Passive-Aggressive updates.
 
 Wu, Wang and Huang, "Online Asymmetric Similarity Learning for Cross-Modal Retrieval", CVPR 2017.
+
+The step sizes, their merge into ``W`` and the triplets a pair queues are in
+:mod:`streamxm.models.cmos_updates`, the checkpoint and the ranks' merge in
+:mod:`streamxm.models.cmos_state`, the work counted in :mod:`streamxm.models.cmos_work`.
 """
 
 from __future__ import annotations
@@ -9,13 +13,21 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.linalg.blas import get_blas_funcs
 
-from streamxm.buffer.replay import ReplayBuffer, TripletSampler
+from streamxm.buffer.replay import ReplayBuffer
+from streamxm.models import cmos_state, cmos_work
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
+from streamxm.models.cmos_updates import (
+    Queued,
+    add_outer_products,
+    blocked_steps,
+    paper_steps,
+    queue_pair,
+)
+from streamxm.models.embedding import EmbeddingKind, fixed_space_or_towers
 from streamxm.models.heads import SlotFeatures
 from streamxm.models.opt_in import CountsWork, MergesRanks
-from streamxm.models.work import Work, elementwise, gemm, matvec, rank_update
+from streamxm.models.work import Work
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOS"]
@@ -157,14 +169,6 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
             return np.zeros_like(total)
         return total / self.n_seen
 
-    def _row_diff(
-        self, rows: NDArray[np.float32], norms: NDArray[np.float32], pos: int, neg: int
-    ) -> NDArray[np.float32]:
-        """``phi(x+) - phi(x-)`` of two buffered rows (their norms are cached by the buffer)."""
-        if self.normalize == "l2":
-            return np.asarray(rows[pos] / norms[pos] - rows[neg] / norms[neg])
-        return np.asarray(rows[pos] - rows[neg])
-
     def map_images(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
         """``phi``: the input map applied to image vectors."""
         return self._norm(x) - self._mean(self.img_sum)
@@ -173,7 +177,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         """``psi``: the input map applied to text vectors."""
         return self._norm(x) - self._mean(self.txt_sum)
 
-    # -- the PA updates (Eq. 6 and 7) ------------------------------------------------------
+    # -- the PA updates (Eq. 6 and 7; streamxm/models/cmos_updates.py) ---------------------
     def _enqueue(
         self, left: NDArray[np.floating], right: NDArray[np.floating], is_text: bool
     ) -> None:
@@ -223,21 +227,6 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         :meth:`update_image`)."""
         self._submit(np.asarray(v_pos, np.float64) - v_neg, t, True, stats, defer)
 
-    def _paper_steps(self, n: int, stats: LearnStats) -> NDArray[np.float64]:
-        """Eq. 6/7 as written, one triplet after another."""
-        taus = np.zeros(n, dtype=np.float64)
-        for k in range(n):
-            left, right = self._left[k], self._right[k]
-            V = np.outer(left, right)
-            diff = float(left @ self.W @ right)
-            loss = max(0.0, self.margin - diff)
-            sq_norm = float(np.sum(V * V))
-            if loss > 0.0 and sq_norm > 0.0:
-                taus[k] = min(self.C, loss / sq_norm)
-                self.W += taus[k] * V
-            stats.add("t2i" if self._is_text[k] else "i2t", diff <= 0.0, loss, bool(taus[k]))
-        return taus
-
     def flush(self, stats: LearnStats) -> None:
         """Solve the queued triplets in order, exactly as the sequential PA loop, and merge their
         rank-one updates into ``W`` as one matrix product."""
@@ -245,41 +234,22 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         if n == 0:
             return
         self._queued = 0
-        tau = (
-            self._paper_steps(n, stats) if self.solver == "paper" else self._blocked_steps(n, stats)
-        )
+        queue = Queued(self._left[:n], self._right[:n], self._is_text[:n])
+        if self.solver == "paper":
+            tau = paper_steps(self.W, queue, self.margin, self.C, stats)
+        else:
+            tau = blocked_steps(self.W, queue, self.margin, self.C, stats)
+            if tau.any():
+                self._merge(queue.left, tau, queue.right)
         if self.tau_log is not None:
             self.tau_log.extend(tau.tolist())
-
-    def _blocked_steps(self, n: int, stats: LearnStats) -> NDArray[np.float64]:
-        left, right = self._left[:n], self._right[:n]
-        base = np.einsum("kj,kj->k", left @ self.W, right, dtype=np.float64)
-        left64, right64 = left.astype(np.float64), right.astype(np.float64)
-        gram = (left64 @ left64.T) * (right64 @ right64.T)
-        sq_norm = np.diag(gram)
-        tau = np.zeros(n, dtype=np.float64)
-        for k in range(n):
-            diff = float(base[k] + gram[k, :k] @ tau[:k])
-            loss = max(0.0, self.margin - diff)
-            if loss > 0.0 and sq_norm[k] > 0.0:
-                tau[k] = min(self.C, loss / sq_norm[k])
-            stats.add("t2i" if self._is_text[k] else "i2t", diff <= 0.0, loss, bool(tau[k]))
-        if tau.any():
-            self._merge(left, tau, right)
-        return tau
 
     def _merge(
         self, left: NDArray[np.floating], tau: NDArray[np.float64], right: NDArray[np.floating]
     ) -> None:
-        """``W += A^T diag(tau) B`` in place: BLAS ``gemm`` with ``beta = 1`` on ``W^T`` (a
-        Fortran-ordered view of ``W``), bit for bit what a product plus an add gives, without
-        a temporary of ``W``'s size."""
-        scaled = left * tau.astype(self.W.dtype)[:, None]
-        if not self.W.flags.c_contiguous:
-            self.W += scaled.T @ right
-            return
-        gemm_ = get_blas_funcs("gemm", (self.W,))
-        gemm_(1.0, right.T, scaled, beta=1.0, c=self.W.T, overwrite_c=1)
+        """``W += A^T diag(tau) B`` in place, ``A`` and ``B`` the queue's two sides
+        (:func:`~streamxm.models.cmos_updates.add_outer_products`)."""
+        add_outer_products(self.W, left, tau, right)
 
     def update(
         self,
@@ -289,48 +259,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:
-        self._stats = stats
-        img, txt = self._norm(pair.img), self._norm(pair.txt)
-        self.img_sum += img
-        self.txt_sum += txt
-        self.n_seen += 1
-        v, t = img - self._mean(self.img_sum), txt - self._mean(self.txt_sum)
-        sampler = TripletSampler(buffer, slot, pair.labels)
-        for is_text, pos, neg in sampler.directed(rng, self.triplets_per_pair, self.n_triplets):
-            # Mean-centring cancels in a difference, so the normalised rows suffice there.
-            if is_text:
-                self._enqueue(
-                    self._row_diff(buffer.img, buffer.img_norm, pos, neg), t, is_text=True
-                )
-            else:
-                self._enqueue(
-                    v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg), is_text=False
-                )
-            self.n_triplets += 1
-        if self.replay and buffer.drawable() > buffer.recent:  # a burst: rehearse the rest
-            self._rehearse(buffer, rng)
-        if self._queued >= self.flush_every:
-            self.flush(stats)
-
-    def _rehearse(self, buffer: ReplayBuffer, rng: np.random.Generator) -> None:
-        """``replay`` triplets whose query is a remembered pair (the buffer's class-balanced
-        memory), so that classes no longer arriving keep being learned as queries too."""
-        for _ in range(self.replay):
-            q = buffer.recent + int(rng.integers(buffer.stored))
-            labels = buffer.labels_at(q)
-            sampler = TripletSampler(buffer, q, labels)
-            for is_text, pos, neg in sampler.directed(rng, 1, self.n_triplets):
-                if is_text:
-                    t = self.map_texts(buffer.txt[q])
-                    self._enqueue(
-                        self._row_diff(buffer.img, buffer.img_norm, pos, neg), t, is_text=True
-                    )
-                else:
-                    v = self.map_images(buffer.img[q])
-                    self._enqueue(
-                        v, self._row_diff(buffer.txt, buffer.txt_norm, pos, neg), is_text=False
-                    )
-                self.n_triplets += 1
+        queue_pair(self, pair, slot, buffer, rng, stats)
 
     # -- serving ---------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
@@ -381,43 +310,25 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
 
     # -- the work counted (streamxm/models/work.py) ----------------------------------------
     def learning_work(self) -> Work:
-        """Per pair, ``triplets_per_pair / flush_every`` of a flush of ``F = flush_every``
-        triplets: the margins ``A W`` (an ``F x d_t x d_v`` product in ``W``'s dtype), the two
-        ``F x F`` Gram matrices (float64) and the merge ``W += A^T diag(tau) B`` (``W`` read
-        and written)."""
-        return self._flush_work(self.flush_every) * (self.triplets_per_pair / self.flush_every)
-
-    def _flush_work(self, queued: int) -> Work:
-        size = np.dtype(self.dtype).itemsize
-        return (
-            gemm(queued, self.txt_dim, self.img_dim, size)
-            + gemm(queued, queued, self.img_dim)
-            + gemm(queued, queued, self.txt_dim)
-            + rank_update(self.img_dim, self.txt_dim, queued, size)
-        )
+        """Per pair, ``triplets_per_pair / flush_every`` of a flush of ``flush_every`` triplets
+        (:func:`.cmos_work.flush_work`)."""
+        flush = cmos_work.flush_work(self, self.flush_every)
+        return flush * (self.triplets_per_pair / self.flush_every)
 
     def embedding_work(self, rows: int, modality: str) -> Work:
         """Images: the map and ``phi(x) W``; texts: the map only."""
-        if modality == "text":
-            return elementwise(rows * self.txt_dim, flops_per_item=4.0)
-        return elementwise(rows * self.img_dim, flops_per_item=4.0) + gemm(
-            rows, self.txt_dim, self.img_dim
-        )
+        return cmos_work.embedding_work(self, rows, modality)
 
     def evaluation_work(self, gallery: int) -> Work:
-        """The flush an evaluation forces before its time (``W`` read for the margins and read
-        and written for the merge, beyond the counted flops), the two query products with
-        ``W`` and the stored rows' products with the queries."""
-        size = np.dtype(self.dtype).itemsize
-        early_flush = Work(bytes=3.0 * size * self.img_dim * self.txt_dim)
-        return (
-            early_flush
-            + matvec(self.img_dim, self.txt_dim, size) * 2
-            + matvec(gallery + 1, self.img_dim + self.txt_dim, 4)
-        )
+        """The flush an evaluation forces, the query products and the stored rows' scores
+        (:func:`.cmos_work.evaluation_work`)."""
+        return cmos_work.evaluation_work(self, gallery)
+
+    def embedding(self) -> EmbeddingKind:
+        return fixed_space_or_towers(self)
 
     @property
-    def fixed_space(self) -> bool:  # type: ignore[override]
+    def fixed_space(self) -> bool:
         # phi(x) = unit(x) - mean: bilinear in the unit rows, the mean folding into a constant.
         return self.normalize == "l2"
 
@@ -435,42 +346,15 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         q = self.map_texts(np.atleast_2d(txts)) @ self.W.T.astype(np.float64)
         return q, -(q @ self._mean(self.img_sum))
 
+    # -- state (streamxm/models/cmos_state.py) ---------------------------------------------
     def merge_parts(self) -> MergeParts:
-        return {
-            "W": ("mix", self.W),
-            "img_sum": ("sum", self.img_sum),
-            "txt_sum": ("sum", self.txt_sum),
-            "n_seen": ("sum", np.asarray(self.n_seen)),
-            "n_triplets": ("sum", np.asarray(self.n_triplets)),
-        }
+        return cmos_state.merge_parts(self)
 
     def set_merged(self, merged: Arrays) -> None:
-        if self._queued:
-            raise RuntimeError("merge with triplets still queued: flush first")
-        self.W = np.asarray(merged["W"], dtype=self.dtype)
-        self.img_sum = np.array(merged["img_sum"], dtype=np.float64)
-        self.txt_sum = np.array(merged["txt_sum"], dtype=np.float64)
-        self.n_seen, self.n_triplets = int(merged["n_seen"]), int(merged["n_triplets"])
+        cmos_state.set_merged(self, merged)
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        n = self._queued
-        arrays = {
-            "W": self.W,
-            "img_sum": self.img_sum,
-            "txt_sum": self.txt_sum,
-            "queued_left": self._left[:n],
-            "queued_right": self._right[:n],
-            "queued_is_text": self._is_text[:n],
-        }
-        return arrays, {"n_seen": self.n_seen, "n_triplets": self.n_triplets}
+        return cmos_state.model_state(self)
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
-        self.W = np.array(arrays["W"], dtype=self.dtype)
-        self.img_sum = np.array(arrays["img_sum"], dtype=np.float64)
-        self.txt_sum = np.array(arrays["txt_sum"], dtype=np.float64)
-        self.n_seen, self.n_triplets = int(meta["n_seen"]), int(meta["n_triplets"])
-        n = len(arrays.get("queued_is_text", ()))
-        self._left[:n] = arrays["queued_left"]
-        self._right[:n] = arrays["queued_right"]
-        self._is_text[:n] = arrays["queued_is_text"]
-        self._queued = n
+        cmos_state.load_state(self, arrays, meta)

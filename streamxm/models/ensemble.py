@@ -55,7 +55,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.models import CrossModalModel, split_name
+from streamxm.models import split_name
+from streamxm.models.embedding import Scores
 
 __all__ = [
     "ENSEMBLE_PREFIX",
@@ -125,7 +126,7 @@ def parse_ensemble(name: str) -> EnsembleSpec:
 
 
 def member_scores(
-    model: CrossModalModel,
+    model: Scores,
     direction: str,
     queries: NDArray[np.floating],
     items: NDArray[np.floating],
@@ -152,10 +153,10 @@ class Ensemble:
     spec
         The parsed name (:func:`parse_ensemble`).
     models
-        Every member's model by name (one version each).
+        Every member's scores by name (a model, or one version's embedding kind).
     """
 
-    def __init__(self, spec: EnsembleSpec, models: Mapping[str, CrossModalModel]) -> None:
+    def __init__(self, spec: EnsembleSpec, models: Mapping[str, Scores]) -> None:
         self.spec = spec
         self.models = {m: models[m] for m in spec.members}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -82,6 +82,14 @@ class FeatureMap:
 
     key: tuple[object, ...]
     inputs: FeatureMap | None
+    #: Galleries of at least this many rows keep these features as :meth:`keep` keeps them
+    #: (``None``: always as computed); smaller ones keep float32 rows, whose embeddings are
+    #: the version's own scores, so a search needs no pass over its candidates' raw vectors.
+    compact_from_rows: ClassVar[int | None] = None
+
+    def compact(self, gallery_rows: int) -> bool:
+        """Whether a gallery of ``gallery_rows`` keeps these features compact (:meth:`keep`)."""
+        return self.compact_from_rows is not None and gallery_rows >= self.compact_from_rows
 
     def apply(self, x: F32) -> F32:
         """This map's features of ``inputs``' features ``x`` (float32)."""
@@ -169,6 +177,9 @@ class RbfFeatures(FeatureMap):
     landmarks: F64
     gamma: float
     key: tuple[object, ...] = field(init=False)
+    #: Kernel rows are wider than the gallery's own rows: a large gallery keeps them in
+    #: float16 (half the bytes; docs/benchmarks.md has the sizes).
+    compact_from_rows: ClassVar[int | None] = 250_000
     _norms: F64 = field(init=False, repr=False)  # the landmarks' squared norms
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from scipy.special import softmax
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
+from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import append_constant, power_normalize, power_normalize_work
 from streamxm.models.opt_in import CountsWork, MergesRanks
@@ -271,6 +272,9 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self.posteriors_texts(x).astype(np.float32)
+
+    def embedding(self) -> EmbeddingKind:
+        return linear_heads(self)
 
     def linear_head(self, modality: str) -> LinearHead | None:
         """The posteriors as ``softmax(x W + w_c)`` (``w_c``: the constant feature's row);

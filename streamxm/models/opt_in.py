@@ -55,7 +55,7 @@ class CountsWork(CrossModalModel):
         :meth:`kept_feature_work`); ``None``: not counted."""
         total = Work()
         for modality, dim in (("image", self.img_dim), ("text", self.txt_dim)):
-            head = self.linear_head(modality)
+            head = self.embedding().head(modality)
             if head is not None:
                 width, k = head.weight.shape
                 query = head.features.work(1, dim) if head.features is not None else Work()
@@ -83,7 +83,7 @@ class CountsWork(CrossModalModel):
         kept features."""
         total = Work()
         for modality, dim in (("image", self.img_dim), ("text", self.txt_dim)):
-            head = self.linear_head(modality)
+            head = self.embedding().head(modality)
             if head is None:
                 return Work()
             total += elementwise(rows * dim, 4, flops_per_item=3.0, passes=3.0)

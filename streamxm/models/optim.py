@@ -19,6 +19,8 @@ __all__ = [
     "nesterov_work",
 ]
 
+F32 = NDArray[np.float32]
+
 
 def adagrad_step(
     w: NDArray[Any], sq_sum: NDArray[Any], grad: NDArray[Any], lr: float, lam: float
@@ -64,14 +66,7 @@ def _adagrad_pass(
         w[i] -= (g * lr) / (np.sqrt(total) + eps)
 
 
-def adagrad_outer_step(
-    w: NDArray[np.float32],
-    sq_sum: NDArray[np.float32],
-    left: NDArray[np.float32],
-    right: NDArray[np.float32],
-    lr: float,
-    lam: float,
-) -> None:
+def adagrad_outer_step(w: F32, sq_sum: F32, left: F32, right: F32, lr: float, lam: float) -> None:
     """:func:`adagrad_step` on a gradient of rank ``r``, ``grad = left^T right`` (``left``
     ``(r, m)``, ``right`` ``(r, n)``, ``w`` ``(m, n)``), the gradient formed inside the pass.
 
@@ -162,13 +157,7 @@ def adagrad_outer_work(items: int, rank: int, itemsize: int = 4) -> Work:
     return elementwise(items, itemsize, flops_per_item=8.0 + 2.0 * rank, passes=4.0)
 
 
-def nesterov_step(
-    w: NDArray[np.float32],
-    buf: NDArray[np.float32],
-    grad: NDArray[np.float32],
-    lr: float,
-    momentum: float,
-) -> None:
+def nesterov_step(w: F32, buf: F32, grad: F32, lr: float, momentum: float) -> None:
     """In place, SGD with Nesterov momentum as torch's ``SGD(nesterov=True)`` takes it:
     ``buf = momentum buf + grad``, ``w -= lr (grad + momentum buf)`` (float32 arrays of one
     shape, C-contiguous).

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from streamxm.models.work import Work, elementwise, gemm
 
-__all__ = ["Tower", "TowerPass", "dropout_multipliers"]
+__all__ = ["Tower", "TowerPass", "dropout_multipliers", "step_multipliers"]
 
 _NET = 4  # itemsize of the towers, their inputs and activations: float32
 #: Bits of each unit's dropout draw (a 63-bit word from the generator gives four of them).
@@ -51,6 +51,27 @@ def dropout_multipliers(
     # in place on the int16 lanes, then one conversion: torch.where here is several times slower
     keep = lanes.bitwise_and(2**_DROPOUT_BITS - 1).ge_(threshold)
     return keep.to(torch.float32).mul_(1.0 / (1.0 - rate))
+
+
+def step_multipliers(
+    shape: tuple[int, int],
+    rate: float,
+    generator: torch.Generator,
+    device_generator: torch.Generator | None,
+    device: torch.device,
+) -> Tensor | None:
+    """One tower's dropout multipliers for a training step (``None`` at ``rate`` 0).
+
+    They are drawn from ``generator`` where it is on ``device`` (``device_generator`` is
+    ``None``); on another device, from ``device_generator`` seeded by one draw from
+    ``generator``, so the model's randomness stays in one CPU generator whatever the device.
+    """
+    if rate == 0:
+        return None
+    if device_generator is not None:
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        generator = device_generator.manual_seed(seed)
+    return dropout_multipliers(shape, rate, generator, device)
 
 
 @dataclass

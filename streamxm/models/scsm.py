@@ -15,6 +15,7 @@ from scipy.optimize import linear_sum_assignment
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, LearnStats, observe_triplet, require
+from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.opt_in import CountsWork
@@ -254,6 +255,9 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self._embed(self._features(x, self.power_txt), self.ub, self.mean_b)
+
+    def embedding(self) -> EmbeddingKind:
+        return linear_heads(self)
 
     def linear_head(self, modality: str) -> LinearHead:
         """:meth:`_embed` as ``l2(x U + u_c - mean)`` (``u_c``: the constant feature's row)."""

@@ -2,11 +2,11 @@
 score of every item is one inner product and an ensemble searches as exactly as one model.
 
 Each member ``m`` scores an item ``x`` as ``s_m(q, x) = row_m(x) . query_m(q) + c_m(q)``: its
-unit row against the query moved into the fixed space (a model with ``fixed_space``), or
-its embedding by the served version against the query's (``c_m = 0``). The fused score
-``sum_m (s_m - offset_m) / scale_m`` (:meth:`~streamxm.models.ensemble.Ensemble.standardisers`)
-is then ``[row_1(x), row_2(x), ...] . [query_1 / scale_1, query_2 / scale_2, ...]`` plus a
-constant per query.
+unit row against the query moved into the fixed space (:class:`~streamxm.models.embedding.
+FixedSpace`), or its row by the served version against the query's (``c_m = 0``). The fused
+score ``sum_m (s_m - offset_m) / scale_m`` (:meth:`~streamxm.models.ensemble.Ensemble.
+standardisers`) is then ``[row_1(x), row_2(x), ...] . [query_1 / scale_1, query_2 / scale_2,
+...]`` plus a constant per query.
 """
 
 from __future__ import annotations
@@ -16,30 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.models import CrossModalModel
 from streamxm.models.ensemble import REFERENCE_ITEMS
 from streamxm.serving.gallery import Gallery, largest_norm
 from streamxm.serving.served import EmbeddedGallery, ServedEnsemble
 
-__all__ = ["FusedSpace", "scan_query"]
+__all__ = ["FusedSpace"]
 
 F32 = NDArray[np.float32]
-
-
-def scan_query(
-    model: CrossModalModel, modality: str, target: str, vector: F32
-) -> tuple[F32, float]:
-    """``(query, c)`` with the model's score of an item ``= row . query + c``, ``row`` being
-    the item's row in the member's scanned blocks (unit rows for a fixed space, else the
-    version's index rows: :meth:`~streamxm.models.base.CrossModalModel.index_rows`)."""
-    if model.fixed_space:
-        transform = model.queries_for_texts if target == "text" else model.queries_for_images
-        moved, constant = transform(vector[None, :])
-        return moved[0].astype(np.float32), float(constant[0])
-    if target != modality:
-        return model.index_query(modality, vector[None, :])[0].astype(np.float32), 0.0
-    embed = model.embed_images if modality == "image" else model.embed_texts
-    return embed(vector[None, :])[0].astype(np.float32), 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,7 +77,7 @@ class FusedSpace:
         int8 one): the ensemble is then searched member by member."""
         sources: list[object] = []
         for served in ensemble.members:
-            if served.model.fixed_space:
+            if served.embedding.fixed:
                 sources.append(gallery)
                 continue
             index = served.index

@@ -14,16 +14,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.models import CrossModalModel
-from streamxm.models.base import IndexUpdate
+from streamxm.models.embedding import EmbeddingKind, IndexUpdate
 from streamxm.models.ensemble import Ensemble, EnsembleSpec
-from streamxm.models.heads import LinearHead
 from streamxm.serving.gallery import Gallery, GalleryChunk, largest_norm
 from streamxm.serving.index import Block, index_block
 
 __all__ = [
     "AUTO",
-    "COMPACT_FEATURES_ROWS",
-    "EXACT_SCAN_DIMS",
     "EmbeddedGallery",
     "EnsembleUnsupported",
     "InvalidModelName",
@@ -34,8 +31,6 @@ __all__ = [
     "ServedModel",
     "UnknownModel",
     "direction_of",
-    "embeds_raw_vectors",
-    "feature_keys",
     "other_modality",
 ]
 
@@ -78,31 +73,22 @@ class EnsembleUnsupported(ValueError):
         self.field = field
 
 
-#: Widest embedding whose index is scanned in float32 (exactly); wider ones (a model's kernel
-#: terms) are scanned in the backend's reduced precision and re-ranked, without a proof.
-EXACT_SCAN_DIMS = 256
-#: Galleries of at least this many rows keep their chunks' features as the feature maps keep
-#: them (:meth:`~streamxm.models.heads.FeatureMap.keep`: kernel rows in float16, half the
-#: bytes; docs/benchmarks.md has the sizes); smaller ones keep float32, whose
-#: embeddings are the version's own scores, so a search needs no pass over its candidates'
-#: raw vectors and an ensemble scans its members side by side.
-COMPACT_FEATURES_ROWS = 250_000
-
-
 @dataclass(frozen=True, eq=False)
 class EmbeddedGallery:
     """The gallery embedded by one model version: the search index of the models without a
     fixed space, always the served version's own (a version is served once its index is
     built).
 
-    A model with a linear head (:meth:`~streamxm.models.base.CrossModalModel.linear_head`)
-    embeds each chunk from the chunk's kept features, one product per version; others embed
-    the raw vectors. Embeddings up to :data:`EXACT_SCAN_DIMS` wide are scanned in float32, so
-    the scan scores are the version's embeddings' inner products (to float32 rounding).
+    A kind with a linear head (:class:`~streamxm.models.embedding.LinearHeads`) embeds each
+    chunk from the chunk's kept features, one product per version; others compute their rows
+    from the raw vectors. Rows the kind keeps as float32
+    (:meth:`~streamxm.models.embedding.EmbeddingKind.scans_float32`) are scanned so, their
+    scan scores the rows' inner products (to float32 rounding); others in the backend's
+    reduced precision.
     """
 
     version: int
-    model: CrossModalModel
+    embedding: EmbeddingKind
     # chunk -> (image embeddings, text embeddings) as the backend scans them, in gallery order
     embedded: tuple[tuple[GalleryChunk, Block, Block], ...]
     #: The gallery snapshot of exactly these chunks (what the index's rows refer to).
@@ -152,7 +138,7 @@ class EmbeddedGallery:
         0 where the features are kept as computed. The embeddings' own scores then stand
         for the version's only as a bound, and a search scores its candidates from the raw
         vectors."""
-        head = _heads(self.model)[modality]
+        head = self.embedding.head(modality)
         if head is None:
             return 0.0
         return head.score_error(self._feature_error(modality), query)
@@ -162,7 +148,7 @@ class EmbeddedGallery:
         chunks' features of ``modality`` (computed once)."""
         errors: dict[str, float] = self._errors  # type: ignore[attr-defined]
         if modality not in errors:
-            head = _heads(self.model)[modality]
+            head = self.embedding.head(modality)
             fmap = head.features if head is not None else None
             errors[modality] = (
                 0.0
@@ -183,17 +169,18 @@ class EmbeddedGallery:
         if self.covers(gallery):
             return self  # the common case on the query path: nothing to build
         known = {id(c): (c, a, b) for c, a, b in self.embedded}
-        heads = _heads(self.model)
-        compact = len(gallery) >= COMPACT_FEATURES_ROWS
+        rows = len(gallery)
         staying = {id(c) for c in gallery.chunks}
         # What new chunks can take rows from: the chunks they replace, not the whole index.
         replaced = EmbeddedGallery(
-            self.version, self.model, tuple(e for e in self.embedded if id(e[0]) not in staying)
+            self.version,
+            self.embedding,
+            tuple(e for e in self.embedded if id(e[0]) not in staying),
         )
         return EmbeddedGallery(
             self.version,
-            self.model,
-            tuple(known.get(id(c)) or replaced._carried(heads, c, compact) for c in gallery.chunks),
+            self.embedding,
+            tuple(known.get(id(c)) or replaced._carried(c, rows) for c in gallery.chunks),
         ).bounded()
 
     def bounded(self) -> EmbeddedGallery:
@@ -204,23 +191,22 @@ class EmbeddedGallery:
             self._feature_error(modality)
         return self
 
-    def _carried(
-        self, heads: dict[str, LinearHead | None], chunk: GalleryChunk, compact: bool
-    ) -> tuple[GalleryChunk, Block, Block]:
+    def _carried(self, chunk: GalleryChunk, gallery_rows: int) -> tuple[GalleryChunk, Block, Block]:
         """A new chunk's embeddings, those of the rows this index holds already taken from it
         (:meth:`~streamxm.serving.gallery.GalleryChunk.rows_in`) when the model embeds raw
         vectors into float32 rows: rows moving from the stream tail into a segment would
         otherwise pass through the model's towers again, as costly as a new version. (A linear
         head embeds from the features its chunk carries: one product.)"""
+        kind = self.embedding
         if (
             not self.embedded
-            or any(h is not None for h in heads.values())
+            or any(kind.head(m) is not None for m in ("image", "text"))
             or not (self.exact("image") and self.exact("text"))
         ):
-            return _embed(self.model, heads, chunk, compact)
+            return _embed(kind, chunk, gallery_rows)
         rows, source = chunk.rows_in(self.gallery)
         if not len(rows):
-            return _embed(self.model, heads, chunk, compact)
+            return _embed(kind, chunk, gallery_rows)
         missing = np.ones(len(chunk), dtype=bool)
         missing[rows] = False
         blocks = []
@@ -229,7 +215,7 @@ class EmbeddedGallery:
             out = np.empty((len(chunk), known.shape[1]), dtype=np.float32)
             out[rows] = known
             if missing.any():
-                out[missing] = _embedded_raw(self.model, chunk, modality, np.flatnonzero(missing))
+                out[missing] = _embedded_raw(kind, chunk, modality, np.flatnonzero(missing))
             blocks.append(out)
         return chunk, blocks[0], blocks[1]
 
@@ -237,75 +223,64 @@ class EmbeddedGallery:
     def build(
         cls,
         version: int,
-        model: CrossModalModel,
+        embedding: EmbeddingKind,
         gallery: Gallery,
         earlier: EmbeddedGallery | None = None,
     ) -> EmbeddedGallery:
-        """``model``'s index of ``gallery``; ``earlier`` (an earlier version's index) lends the
-        rows of the chunks it holds to a model that recomputes only what changed since
-        (:meth:`~streamxm.models.base.CrossModalModel.index_update`)."""
-        heads = _heads(model)
+        """``embedding``'s index of ``gallery``; ``earlier`` (an earlier version's index) lends
+        the rows of the chunks it holds to a kind that recomputes only what changed since
+        (:meth:`~streamxm.models.embedding.EmbeddingKind.updater`)."""
         updates = (
-            (model.index_update(earlier.model, "image"), model.index_update(earlier.model, "text"))
+            (
+                embedding.updater(earlier.embedding, "image"),
+                embedding.updater(earlier.embedding, "text"),
+            )
             if earlier is not None
             else (None, None)
         )
         known = {id(e[0]): e for e in earlier.embedded} if earlier is not None else {}
-        compact = len(gallery) >= COMPACT_FEATURES_ROWS
         embedded = []
         for chunk in gallery.chunks:
             found = known.get(id(chunk))
-            since = _embedded_since(updates, found) if found is not None else None
-            embedded.append(since or _embed(model, heads, chunk, compact))
-        return cls(version, model, tuple(embedded)).bounded()
-
-
-def _heads(model: CrossModalModel) -> dict[str, LinearHead | None]:
-    return {m: model.linear_head(m) for m in ("image", "text")}
-
-
-def embeds_raw_vectors(model: CrossModalModel) -> bool:
-    """Whether a version of ``model`` embeds the gallery's raw vectors (no fixed space, no
-    linear head on some side): a pass as costly as the model's forward pass over every
-    item, where a linear head needs one product and a fixed space nothing."""
-    return not model.fixed_space and any(h is None for h in _heads(model).values())
-
-
-def feature_keys(model: CrossModalModel) -> set[tuple[object, ...]]:
-    """Keys of the chunk features ``model``'s linear heads read (the maps below a head's
-    are computed for it, never kept: :meth:`GalleryChunk.features`)."""
-    return {
-        (modality, *head.features.key)
-        for modality, head in _heads(model).items()
-        if head is not None and head.features is not None
-    }
+            since = _embedded_since(embedding, updates, found) if found is not None else None
+            embedded.append(since or _embed(embedding, chunk, len(gallery)))
+        return cls(version, embedding, tuple(embedded)).bounded()
 
 
 def _embed(
-    model: CrossModalModel, heads: dict[str, LinearHead | None], chunk: GalleryChunk, compact: bool
+    kind: EmbeddingKind, chunk: GalleryChunk, gallery_rows: int
 ) -> tuple[GalleryChunk, Block, Block]:
+    """A chunk's rows of both modalities: from its kept features through a linear head, or
+    from its raw vectors; features kept compact in a gallery of ``gallery_rows`` that the
+    head's feature map keeps so (:meth:`~streamxm.models.heads.FeatureMap.compact`)."""
     blocks = []
     for modality in ("image", "text"):
-        head = heads[modality]
+        head = kind.head(modality)
+        fmap = head.features if head is not None else None
         rows = (
-            head.embed(chunk.features(modality, head.features, compact))
+            head.embed(
+                chunk.features(modality, fmap, fmap is not None and fmap.compact(gallery_rows))
+            )
             if head is not None
-            else _embedded_raw(model, chunk, modality)
+            else _embedded_raw(kind, chunk, modality)
         )
-        blocks.append(_scanned(rows))
+        blocks.append(_scanned(kind, rows))
     return chunk, blocks[0], blocks[1]
 
 
-def _scanned(rows: NDArray[np.float32]) -> Block:
-    return rows if rows.shape[1] <= EXACT_SCAN_DIMS else index_block(rows)
+def _scanned(kind: EmbeddingKind, rows: NDArray[np.float32]) -> Block:
+    """Rows as the kind's scans read them: float32, or the backend's reduced precision."""
+    return rows if kind.scans_float32(rows.shape[1]) else index_block(rows)
 
 
 def _embedded_since(
-    updates: tuple[IndexUpdate | None, IndexUpdate | None], found: tuple[GalleryChunk, Block, Block]
+    kind: EmbeddingKind,
+    updates: tuple[IndexUpdate | None, IndexUpdate | None],
+    found: tuple[GalleryChunk, Block, Block],
 ) -> tuple[GalleryChunk, Block, Block] | None:
     """A chunk's rows updated from an earlier version's float32 rows of it (``updates``: the
-    model's :meth:`~streamxm.models.base.CrossModalModel.index_update` per modality); ``None``
-    when the model has no update or the earlier rows are reduced-precision codes, kept without
+    kind's :meth:`~streamxm.models.embedding.EmbeddingKind.updater` per modality); ``None``
+    when the kind has no update or the earlier rows are reduced-precision codes, kept without
     their float32."""
     chunk, *kept = found
     blocks = []
@@ -316,7 +291,7 @@ def _embedded_since(
             update(rows[at : at + _EMBED_ROWS], chunk.raw(modality, slice(at, at + _EMBED_ROWS)))
             for at in range(0, len(chunk), _EMBED_ROWS)
         ]
-        blocks.append(_scanned(np.concatenate(parts) if parts else rows.copy()))
+        blocks.append(_scanned(kind, np.concatenate(parts) if parts else rows.copy()))
     return chunk, blocks[0], blocks[1]
 
 
@@ -326,7 +301,7 @@ _EMBED_ROWS = 8192
 
 
 def _embedded_raw(
-    model: CrossModalModel,
+    kind: EmbeddingKind,
     chunk: GalleryChunk,
     modality: str,
     rows: NDArray[np.int64] | None = None,
@@ -336,13 +311,13 @@ def _embedded_raw(
 
     def part(at: int) -> NDArray[np.float32]:
         which = slice(at, at + _EMBED_ROWS) if rows is None else rows[at : at + _EMBED_ROWS]
-        return model.index_rows(modality, chunk.raw(modality, which)).astype(np.float32)
+        return kind.rows(modality, chunk.raw(modality, which)).astype(np.float32)
 
     parts = [part(at) for at in range(0, size, _EMBED_ROWS)]
     return (
         np.concatenate(parts)
         if parts
-        else model.index_rows(modality, chunk.raw(modality)).astype(np.float32)
+        else kind.rows(modality, chunk.raw(modality)).astype(np.float32)
     )
 
 
@@ -361,6 +336,13 @@ class ServedModel:
     index: EmbeddedGallery | None = None
     gallery_items: int = 0
     index_seconds: float = 0.0
+    #: What the version offers search (:meth:`~streamxm.models.base.CrossModalModel.
+    #: embedding`), made once per version: search reads this, never the model.
+    embedding: EmbeddingKind = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.embedding is None:
+            object.__setattr__(self, "embedding", self.model.embedding())
 
     @property
     def index_version(self) -> int:
@@ -396,7 +378,7 @@ class ServedEnsemble:
 
     @property
     def fused(self) -> Ensemble:
-        return Ensemble(self.spec, {m.name: m.model for m in self.members})
+        return Ensemble(self.spec, {m.name: m.embedding for m in self.members})
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class ModelServer:
     def _warm_unit_index(self) -> None:
         """Make the reduced-precision copy of the unit rows here, in the background, when a
         served model scans them (a fixed space), not in the first query that needs it."""
-        if any(s.model.fixed_space for s in list(self.served.values())):
+        if any(s.embedding.fixed for s in list(self.served.values())):
             for modality in ("image", "text"):
                 self.gallery.blocks(modality)
 
@@ -277,7 +277,7 @@ class ModelServer:
         if index is not None and index.version == served.version:
             index = index.covering(self.gallery)
         else:
-            index = EmbeddedGallery.build(served.version, served.model, self.gallery)
+            index = EmbeddedGallery.build(served.version, served.embedding, self.gallery)
         self.pins.keep_index(served.name, served.version, index)
         return index
 
@@ -333,7 +333,7 @@ class ModelServer:
             scores = ensemble.fused.scores(direction, queries, items, reference, not matrix)
             return ensemble, scores.T if matrix and direction == "t2i" else scores
         served = self.get(name, version)
-        return served, member_scores(served.model, "i2t", images, texts, paired=not matrix)
+        return served, member_scores(served.embedding, "i2t", images, texts, paired=not matrix)
 
     def search(
         self,

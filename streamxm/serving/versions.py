@@ -16,15 +16,9 @@ import numpy as np
 
 from streamxm import defaults as D
 from streamxm.learning.stream_learner import model_from_state
-from streamxm.models import CrossModalModel
+from streamxm.models.embedding import EmbeddingKind
 from streamxm.serving.gallery import Gallery
-from streamxm.serving.served import (
-    EmbeddedGallery,
-    ServedEnsemble,
-    ServedModel,
-    embeds_raw_vectors,
-    feature_keys,
-)
+from streamxm.serving.served import EmbeddedGallery, ServedEnsemble, ServedModel
 from streamxm.storage.checkpoint import CheckpointStore
 
 __all__ = ["ServedVersions"]
@@ -92,7 +86,8 @@ class ServedVersions:
         head["last_id"] = ckpt.last_id  # the head may already name a newer version
         started = time.perf_counter()
         earlier = self.served.get(name)
-        if earlier is not None and self._embedded_behind(model, earlier):
+        kind = model.embedding()
+        if earlier is not None and self._embedded_behind(kind, model.img_dim, earlier):
             # The index thread embeds the gallery with it (embed_behind); meanwhile it waits,
             # or answers from the earlier version's index.
             staged = ServedModel(
@@ -101,6 +96,7 @@ class ServedVersions:
                 model=model,
                 head=head,
                 loaded_at=time.time(),
+                embedding=kind,
                 index=earlier.index,
                 gallery_items=earlier.gallery_items,
                 index_seconds=earlier.index_seconds,
@@ -127,14 +123,19 @@ class ServedVersions:
             return
         index = (
             None
-            if model.fixed_space
+            if kind.fixed
             else EmbeddedGallery.build(
-                ckpt.version, model, gallery(), earlier.index if earlier is not None else None
+                ckpt.version, kind, gallery(), earlier.index if earlier is not None else None
             )
         )
         self._staged.pop(name, None)
         served = ServedModel(
-            name=name, version=ckpt.version, model=model, head=head, loaded_at=time.time()
+            name=name,
+            version=ckpt.version,
+            model=model,
+            head=head,
+            loaded_at=time.time(),
+            embedding=kind,
         )
         self._swap_in(
             name,
@@ -177,15 +178,15 @@ class ServedVersions:
             )
         self.keep_features(latest)
 
-    def _embedded_behind(self, model: CrossModalModel, earlier: ServedModel) -> bool:
-        """Whether a new version of ``model`` has the index thread embed the gallery
-        (:meth:`embed_behind`), the version thread going on to other models: it embeds raw
-        vectors, and its embeddings are as wide as ``earlier``'s index, which answers
-        meanwhile when ``wait_for_index`` is off."""
-        if earlier.index is None or not embeds_raw_vectors(model):
+    def _embedded_behind(self, kind: EmbeddingKind, img_dim: int, earlier: ServedModel) -> bool:
+        """Whether a new version (``kind``) has the index thread embed the gallery
+        (:meth:`embed_behind`), the version thread going on to other models: it re-embeds raw
+        vectors, and its rows are as wide as ``earlier``'s index, which answers meanwhile
+        when ``wait_for_index`` is off."""
+        if earlier.index is None or not kind.reembeds_raw_vectors:
             return False
-        probe = np.zeros((1, model.img_dim), dtype=np.float32)
-        widths = (m.embed_images(probe).shape[1] for m in (model, earlier.index.model))
+        probe = np.zeros((1, img_dim), dtype=np.float32)
+        widths = (k.rows("image", probe).shape[1] for k in (kind, earlier.index.embedding))
         return bool(next(widths) == next(widths))
 
     def embed_behind(self, gallery: Callable[[], Gallery]) -> None:
@@ -195,7 +196,7 @@ class ServedVersions:
         for name, staged in list(self._staged.items()):
             started = time.perf_counter()
             index = EmbeddedGallery.build(
-                staged.version, staged.model, gallery(), self.served[name].index
+                staged.version, staged.embedding, gallery(), self.served[name].index
             )
             took = time.perf_counter() - started
 
@@ -226,7 +227,7 @@ class ServedVersions:
         landmarks, say)."""
         keys: set[tuple[object, ...]] = set()
         for served in list(self.served.values()):
-            keys |= feature_keys(served.model)
+            keys |= served.embedding.feature_keys()
         gallery.keep_features(keys)
 
     def lag(self, served: ServedModel | ServedEnsemble) -> float:

@@ -37,7 +37,7 @@ def _nbytes(index: EmbeddedGallery) -> int:
     """Bytes of the embedded index: float32 arrays, or int8 codes (one byte a number)."""
     total = 0
     for modality in ("image", "text"):
-        width = index.model.index_rows(
+        width = index.embedding.rows(
             modality, index.gallery.vectors_at(np.zeros(1, np.int64), modality)
         ).shape[1]
         for block in index.blocks(modality):
@@ -86,7 +86,7 @@ def version_cost(
         learner.learn(stream[:pairs])
         learner.flush()
         model = learner.model
-        if model.fixed_space:
+        if model.embedding().fixed:
             results[name] = {
                 "fixed_space": True,
                 "per_version_s": 0.0,
@@ -104,19 +104,20 @@ def version_cost(
                 learner.flush()
             model = StreamLearner.from_state(*learner.state()).model  # a version, as loaded
             started = time.perf_counter()
-            index = EmbeddedGallery.build(version + 1, model, rows, index)
+            index = EmbeddedGallery.build(version + 1, model.embedding(), rows, index)
             times.append(time.perf_counter() - started)
         assert index is not None
         features = rows.feature_bytes()
+        kind = index.embedding
         results[name] = {
             "fixed_space": False,
-            "linear_head": model.linear_head("image") is not None,
+            "linear_head": kind.head("image") is not None,
             "first_build_s": round(times[0], 3),
             "per_version_s": round(float(np.median(times[1:] or times)), 3),
             "features_mb": round(features / 2**20, 1),
             "embeddings_mb": round(_nbytes(index) / 2**20, 1),
         }
-        if model.index_update(model, "image") is not None:
+        if kind.updater(kind, "image") is not None:
             results[name]["embed_s"] = round(_embedding_pass(model, rows), 3)
     return {
         "benchmark": "version-cost",

@@ -130,9 +130,9 @@ def machine() -> dict[str, Any]:
     - ``torch`` and ``torch_cpu_capability``: PyTorch's version and
       ``torch.backends.cpu.get_cpu_capability()``, ``None`` without PyTorch.
     - ``scan_backend``: ``int8``, ``bfloat16`` or ``float32``, the search's candidate scan here
-      (:func:`~streamxm.serving.index.index_block`; indexes of at most
-      :data:`~streamxm.serving.served.EXACT_SCAN_DIMS` dimensions are scanned in float32
-      whatever it is).
+      (:func:`~streamxm.serving.index.index_block`; the rows an embedding kind keeps as float32,
+      :meth:`~streamxm.models.embedding.EmbeddingKind.scans_float32`, are scanned so whatever
+      it is).
     - ``python`` and ``numpy``: their versions.
     """
     name, flags = cpuinfo()

@@ -1,0 +1,138 @@
+"""What SAM's steps learn from (:meth:`~streamxm.models.sam.SAM.update`,
+:meth:`~streamxm.models.sam.SAM.fit_epochs`).
+
+On a stream each arriving pair waits in ``pending``; every ``step_every`` pairs one step is
+taken on the pending pairs filled up to a mini-batch from a reservoir sample of the stream
+(Algorithm R: uniform over every pair so far), which they then join. Offline, each epoch is a
+shuffled pass over the training set in mini-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm.buffer.replay import ReplayBuffer, label_tuples
+from streamxm.models.base import LearnStats
+from streamxm.stream.messages import Pair
+
+if TYPE_CHECKING:
+    from streamxm.models.sam import SAM
+
+__all__ = [
+    "Batch",
+    "Labels",
+    "Vectors",
+    "epoch_batches",
+    "fit_epochs",
+    "keep",
+    "learn_arrival",
+    "stacked",
+    "stream_batch",
+]
+
+Vectors = NDArray[np.floating]
+#: Each row's labels.
+Labels = list[tuple[int, ...]]
+#: A mini-batch: image rows, text rows, each row's labels and which rows are newly arrived.
+Batch = tuple[Vectors, Vectors, Labels, NDArray[np.bool_]]
+
+
+def stacked(pairs: list[Pair]) -> tuple[Vectors, Vectors, Labels]:
+    """The pairs' image rows, text rows and labels."""
+    return (
+        np.stack([p.img for p in pairs]),
+        np.stack([p.txt for p in pairs]),
+        [p.labels for p in pairs],
+    )
+
+
+def keep(model: SAM, pairs: list[Pair], rng: np.random.Generator) -> None:
+    """Reservoir sampling (Algorithm R) of ``pairs`` into ``model.reservoir`` (``replay``
+    pairs): every pair offered so far (``reservoir_seen``) is in it with equal chance."""
+    for pair in pairs:
+        if model.reservoir.size < model.replay:
+            model.reservoir.add(pair)
+        else:
+            j = int(rng.integers(model.reservoir_seen + 1))
+            if j < model.replay:
+                model.reservoir.put(j, pair)
+        model.reservoir_seen += 1
+
+
+def stream_batch(
+    fresh: list[Pair],
+    reservoir: ReplayBuffer,
+    batch_size: int,
+    balanced: bool,
+    rng: np.random.Generator,
+) -> Batch:
+    """The ``fresh`` pairs filled up to ``batch_size`` rows from ``reservoir``, drawn without
+    replacement: uniformly, or every class equally likely where ``balanced``. The fresh pairs
+    come first and are the new rows."""
+    fill = min(batch_size - len(fresh), reservoir.size)
+    mix = reservoir.balanced_mix(np.arange(reservoir.size)) if balanced else None
+    slots = rng.choice(reservoir.size, size=fill, replace=False, p=mix)
+    fresh_img, fresh_txt, fresh_labels = stacked(fresh)
+    img = np.vstack([fresh_img, reservoir.img[slots]])
+    txt = np.vstack([fresh_txt, reservoir.txt[slots]])
+    labels = fresh_labels + label_tuples(reservoir.labels[slots])
+    new = np.zeros(len(img), dtype=bool)
+    new[: len(fresh)] = True
+    return img, txt, labels, new
+
+
+def epoch_batches(
+    training: tuple[Vectors, Vectors, Labels], batch_size: int, rng: np.random.Generator
+) -> Iterator[Batch]:
+    """One epoch's mini-batches of a training set (:func:`stacked`): a random permutation of
+    its rows in runs of ``batch_size``, every row new, a last run of a single row left out (it
+    has no negatives)."""
+    img, txt, labels = training
+    order = rng.permutation(len(img))
+    for at in range(0, len(order), batch_size):
+        rows = order[at : at + batch_size]
+        if len(rows) >= 2:
+            yield img[rows], txt[rows], [labels[i] for i in rows], np.ones(len(rows), dtype=bool)
+
+
+def learn_arrival(
+    model: SAM, pair: Pair, buffer: ReplayBuffer, rng: np.random.Generator, stats: LearnStats
+) -> None:
+    """:meth:`~streamxm.models.sam.SAM.update`: ``pair`` is counted in and waits; at the
+    ``step_every``-th waiting pair, one step on them filled up from the reservoir
+    (class-balanced where ``balance`` is set and ``buffer`` sees a burst of few classes),
+    which they then join."""
+    model._start(rng)
+    model._arrive([pair])
+    model.pending.append(pair)
+    if len(model.pending) < model.step_every:
+        return
+    fresh, model.pending = model.pending, []
+    balanced = model.balance and buffer.bursty()
+    img, txt, labels, new = stream_batch(fresh, model.reservoir, model.batch_size, balanced, rng)
+    if len(img) >= 2:
+        model.step(img, txt, labels, new, stats, model.epoch_pairs)
+    keep(model, fresh, rng)
+
+
+def fit_epochs(
+    model: SAM, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats
+) -> Iterator[int]:
+    """:meth:`~streamxm.models.sam.SAM.fit_epochs`: the training set counted in (its
+    standardisation and the ``f_ms`` normalisers from up to 4,096 sampled rows) and offered to
+    the reservoir, so that a stream can continue from the fitted model; then ``epochs`` passes
+    over it, yielding the number done after each."""
+    model._start(rng)
+    model._arrive(pairs, scale_all=True)
+    img, txt, labels = stacked(pairs)
+    sample = rng.choice(len(pairs), size=min(len(pairs), 4096), replace=False)
+    model._observe_scale(*model._distances(img[sample], txt[sample]))
+    keep(model, pairs, rng)
+    for epoch in range(model.epochs):
+        for batch in epoch_batches((img, txt, labels), model.batch_size, rng):
+            model.step(*batch, stats, len(pairs))
+        yield epoch + 1
