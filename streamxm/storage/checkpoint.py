@@ -147,6 +147,19 @@ def _check_lease(pipe: redis.client.Pipeline, lease: tuple[str, str] | None) -> 
         raise LeaseLost(f"lease {key} is held by {current!r}, not {owner!r}")
 
 
+@dataclass(frozen=True)
+class _BlobWrite:
+    """One durable write (:meth:`CheckpointStore.commit_blob`): version ``version`` of
+    ``name``, its ``blob`` (``None``: no new blob), and the versions (with their SHA-256) the
+    head keeps and drops with it."""
+
+    name: str
+    version: int
+    blob: bytes | None
+    kept: list[tuple[int, str]]
+    dropped: list[tuple[int, str]]
+
+
 class CheckpointStore(ABC):
     """Where a model's checkpoints live. ``head`` is cheap: the API polls it."""
 
@@ -184,23 +197,11 @@ class CheckpointStore(ABC):
     def _stage(self, model: str, version: int, sha: str, blob: bytes) -> None:  # noqa: B027
         """Make the blob durable before the transaction, if it does not travel inside it."""
 
-    def _put(  # noqa: B027
-        self,
-        pipe: redis.client.Pipeline,
-        model: str,
-        version: int,
-        blob: bytes | None,
-        dropped: list[tuple[int, str]],
-    ) -> None:
+    def _put(self, pipe: redis.client.Pipeline, write: _BlobWrite) -> None:  # noqa: B027
         """Add the blob (and the deletion of dropped versions) to the transaction, if stored
         in Redis."""
 
-    def _after_commit(  # noqa: B027
-        self,
-        model: str,
-        kept: list[tuple[int, str]],
-        dropped: list[tuple[int, str]],
-    ) -> None:
+    def _after_commit(self, write: _BlobWrite) -> None:  # noqa: B027
         """Delete what the committed head no longer names, if stored outside Redis."""
 
     def commit(
@@ -264,17 +265,18 @@ class CheckpointStore(ABC):
         deleted with it, ``kept`` ones left alone (the search gallery's segments use it too).
         ``sha``: the blob's SHA-256 when the caller has it already; ``fence``: as in
         :meth:`commit`."""
+        write = _BlobWrite(name, version, blob, kept, dropped)
         if blob is not None:
             self._stage(name, version, sha or blob_sha(blob), blob)
         with self.r.pipeline(transaction=True) as pipe, fence or contextlib.nullcontext():
             _check_lease(pipe, lease)
             pipe.multi()
-            self._put(pipe, name, version, blob, dropped)
+            self._put(pipe, write)
             hook(pipe)
             pause_point(self.before_exec_point)
             pipe.execute()
         wait_replicated(self.r, self.keys.replicated, self.replication)
-        self._after_commit(name, kept, dropped)
+        self._after_commit(write)
 
     def read_blob(self, name: str, version: int, sha: str) -> bytes | None:
         """The stored bytes of one version, when they verify against ``sha``."""
@@ -361,18 +363,11 @@ class RedisCheckpointStore(CheckpointStore):
         value = self.r.get(self.keys.checkpoint_blob(model, version))
         return None if value is None else bytes(value)  # type: ignore[arg-type]
 
-    def _put(
-        self,
-        pipe: redis.client.Pipeline,
-        model: str,
-        version: int,
-        blob: bytes | None,
-        dropped: list[tuple[int, str]],
-    ) -> None:
-        if blob is not None:
-            pipe.set(self.keys.checkpoint_blob(model, version), blob)
-        for old, _ in dropped:
-            pipe.delete(self.keys.checkpoint_blob(model, old))
+    def _put(self, pipe: redis.client.Pipeline, write: _BlobWrite) -> None:
+        if write.blob is not None:
+            pipe.set(self.keys.checkpoint_blob(write.name, write.version), write.blob)
+        for old, _ in write.dropped:
+            pipe.delete(self.keys.checkpoint_blob(write.name, old))
 
 
 class DirectoryCheckpointStore(CheckpointStore):
@@ -448,12 +443,10 @@ class DirectoryCheckpointStore(CheckpointStore):
         finally:
             os.close(fd)
 
-    def _after_commit(
-        self, model: str, kept: list[tuple[int, str]], dropped: list[tuple[int, str]]
-    ) -> None:
-        directory = self._dir(model)
-        named = {self._name(v, sha) for v, sha in kept}
-        for version, sha in dropped:
+    def _after_commit(self, write: _BlobWrite) -> None:
+        directory = self._dir(write.name)
+        named = {self._name(v, sha) for v, sha in write.kept}
+        for version, sha in write.dropped:
             with contextlib.suppress(FileNotFoundError):
                 (directory / self._name(version, sha)).unlink()
         cutoff = time.time() - self.orphan_seconds

@@ -140,6 +140,35 @@ def _wait(
         time.sleep(interval)
 
 
+def _node_config(port: int, node_dir: Path, node_timeout_ms: int, version: tuple[int, ...]) -> str:
+    """The ``redis.conf`` of the cluster node on ``port`` whose files live in ``node_dir``
+    (``version``: the server's, for the options it knows)."""
+    return "\n".join(
+        [
+            f"port {port}",
+            f"bind {HOST}",
+            "cluster-enabled yes",
+            "cluster-config-file nodes.conf",
+            f"cluster-node-timeout {node_timeout_ms}",
+            "appendonly yes",
+            "appendfsync everysec",
+            f"dir {node_dir}",
+            "daemonize no",
+            'save ""',
+            "protected-mode no",
+            f"logfile {node_dir / 'redis.log'}",
+            # The process title names the config file (under root), so a check for servers
+            # left running under a directory sees the nodes (Redis >= 6.2).
+            *(
+                ['proc-title-template "{title} {listen-addr} {server-mode} {config-file}"']
+                if version >= (6, 2)
+                else []
+            ),
+            "",
+        ]
+    )
+
+
 class LocalCluster:
     """Six ``redis-server`` processes on ``127.0.0.1`` forming a 3-master, 3-replica cluster.
 
@@ -214,35 +243,7 @@ class LocalCluster:
         node_dir.mkdir(parents=True, exist_ok=True)
         conf = node_dir / "redis.conf"
         if not conf.exists():
-            conf.write_text(
-                "\n".join(
-                    [
-                        f"port {port}",
-                        f"bind {HOST}",
-                        "cluster-enabled yes",
-                        "cluster-config-file nodes.conf",
-                        f"cluster-node-timeout {self.node_timeout_ms}",
-                        "appendonly yes",
-                        "appendfsync everysec",
-                        f"dir {node_dir}",
-                        "daemonize no",
-                        'save ""',
-                        "protected-mode no",
-                        f"logfile {node_dir / 'redis.log'}",
-                        # The process title names the config file (under root), so a check for
-                        # servers left running under a directory sees the nodes (Redis >= 6.2).
-                        *(
-                            [
-                                'proc-title-template "{title} {listen-addr} {server-mode} '
-                                '{config-file}"'
-                            ]
-                            if self.server_version >= (6, 2)
-                            else []
-                        ),
-                        "",
-                    ]
-                )
-            )
+            conf.write_text(_node_config(port, node_dir, self.node_timeout_ms, self.server_version))
         self._procs[port] = subprocess.Popen(
             [self.server_binary, str(conf)],
             cwd=node_dir,

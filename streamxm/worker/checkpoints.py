@@ -1,14 +1,16 @@
-"""Writing a learner worker's commits: the checkpoint, its dead letters, the acknowledgements
-and the worker's statistics in one lease-fenced transaction, on the worker's thread or on a
-thread of its own while the worker learns on.
+"""A learner worker's commits: the checkpoint, its dead letters, the acknowledgements and the
+worker's statistics in one lease-fenced transaction, on the worker's thread or on a thread of
+its own while the worker learns on.
 
-The worker decides what a commit holds (:class:`Commit`, taken from its state) and what its
-outcome means (:meth:`~streamxm.worker.loop.LearnerWorker.commit`); :class:`CheckpointWriter`
+:class:`CommitLedger` keeps what awaits the next commit (:class:`Pending`) and when it is due
+(:class:`CheckpointPolicy`); the worker takes a :class:`Commit` from its state and decides what
+a lost lease means (:meth:`~streamxm.worker.loop.LearnerWorker.commit`); :class:`CheckpointWriter`
 only writes it and hands it back with what the write raised.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,12 +18,43 @@ from typing import Any
 
 import redis
 
-from streamxm.storage.checkpoint import Checkpoint, CheckpointStore
+from streamxm import defaults as D
+from streamxm.storage.checkpoint import Checkpoint, CheckpointStore, LeaseLost
 from streamxm.stream.keys import Keys
-from streamxm.stream.redis_conn import wait_replicated
+from streamxm.stream.redis_conn import NotReplicated, wait_replicated
 from streamxm.worker.lease import Lease
 
-__all__ = ["CheckpointWriter", "Commit", "Pending"]
+__all__ = ["CheckpointPolicy", "CheckpointWriter", "Commit", "CommitLedger", "Pending"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a learner worker checkpoints (``STREAMXM_CHECKPOINT_*``).
+
+    Parameters
+    ----------
+    every_pairs, every_seconds
+        Checkpoint after this many pairs or this long, whichever comes first.
+    max_share
+        Most of the worker's time its checkpoints may take: a checkpoint that took ``c``
+        seconds (encoding, hashing and writing the state, the commit transaction) holds the
+        next one back for at least ``c (1 - share) / share`` seconds, so a model whose state
+        is large checkpoints less often instead of learning less. Checkpoints are points of
+        the stream at which everything before them is durable; when they come does not change
+        what is learned.
+    in_background
+        Write scheduled checkpoints from a thread while learning goes on (the state is copied
+        first: the checkpoint's bytes are what they would be at that point); ``False`` writes
+        them on the learning path. Explicit commits and the final checkpoint are always
+        written before they return.
+    """
+
+    every_pairs: int = D.CHECKPOINT_EVERY_PAIRS
+    every_seconds: float = D.CHECKPOINT_EVERY_SECONDS
+    max_share: float = D.CHECKPOINT_MAX_SHARE
+    in_background: bool = D.CHECKPOINT_IN_BACKGROUND
 
 
 @dataclass
@@ -53,6 +86,102 @@ class Commit:
     thread: threading.Thread | None = None
     #: What the write raised (set by the thread that wrote it).
     error: BaseException | None = None
+
+
+class CommitLedger:
+    """What a learner worker applied since its last checkpoint, when the next one is due, and
+    the dead letters its checkpoints count.
+
+    Parameters
+    ----------
+    policy
+        When to checkpoint.
+    consumer
+        The worker's name, for its log lines.
+    """
+
+    def __init__(self, policy: CheckpointPolicy, consumer: str) -> None:
+        self.policy, self.consumer = policy, consumer
+        self.pending = Pending()
+        #: Dead letters committed (those of a commit being written included).
+        self.dead_letters = 0
+        self.last_commit = time.monotonic()
+        self.commit_seconds = 0.0  # what the last checkpoint took
+
+    def restart(self, dead_letters: int) -> None:
+        """After a checkpoint was loaded (it counted ``dead_letters``): nothing pending, the
+        interval counted from now."""
+        self.dead_letters = dead_letters
+        self.pending = Pending()
+        self.last_commit = time.monotonic()
+
+    def drop(self) -> None:
+        """Forget what is pending: the state it was applied to is gone."""
+        self.pending = Pending()
+
+    def applied(self, ack: list[str], dead: list[dict[str, str | bytes]], pairs: int) -> None:
+        """Entries applied (``pairs`` of them learned), to be acknowledged by the next commit
+        with the dead letters among them."""
+        self.pending.ack.extend(ack)
+        self.pending.dead.extend(dead)
+        self.pending.pairs += pairs
+
+    def uncommitted_dead_letters(self) -> int:
+        """The dead letters a checkpoint would count now."""
+        return self.dead_letters + len(self.pending.dead)
+
+    def due(self) -> bool:
+        """Pairs are pending, the checkpoint interval (pairs or seconds) has passed and so has
+        the wait that keeps checkpoints within their share of the time."""
+        if not self.pending:
+            return False
+        since = time.monotonic() - self.last_commit
+        share = self.policy.max_share
+        if since < self.commit_seconds * (1.0 - share) / share:
+            return False
+        return self.pending.pairs >= self.policy.every_pairs or since >= self.policy.every_seconds
+
+    def take(self) -> Pending | None:
+        """What the next commit makes durable, no longer pending (its dead letters counted);
+        ``None`` when nothing is pending."""
+        pending = self.pending
+        if not pending:
+            return None
+        self.pending = Pending()
+        self.dead_letters += len(pending.dead)
+        return pending
+
+    def settle(self, job: Commit) -> bool:
+        """After a write: ``True`` once it committed (the schedule counts from its end);
+        ``False`` when it lost the lease or was not replicated: the caller drops its state,
+        what is pending with it. Another failure puts its entries back for the next commit
+        and is raised."""
+        if isinstance(job.error, (LeaseLost, redis.WatchError)):
+            log.error("worker %s lost the lease during a commit; dropping its state", self.consumer)
+            return False
+        if isinstance(job.error, NotReplicated):
+            # Committed on the master, maybe not on its replicas: a failover now could lose the
+            # commit while this process went on from it. Reload what the store holds instead.
+            log.error(
+                "worker %s: commit not replicated (%s); reloading its checkpoint",
+                self.consumer,
+                job.error,
+            )
+            return False
+        if job.error is not None:
+            # Not committed: its entries go with the next commit, unless the caller drops
+            # the state (as the loop does when Redis is unreachable).
+            later = self.pending
+            self.pending = Pending(
+                job.pending.ack + later.ack,
+                job.pending.dead + later.dead,
+                job.pending.pairs + later.pairs,
+            )
+            self.dead_letters -= len(job.pending.dead)
+            raise job.error
+        self.last_commit = job.ended  # the schedule counts from the write, not from now
+        self.commit_seconds = job.ended - job.started
+        return True
 
 
 class CheckpointWriter:

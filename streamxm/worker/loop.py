@@ -34,6 +34,12 @@ Delivery guarantees (``docs/design.md``):
   state (lost lease, lost connection) waits for it before anything is reloaded, so the store
   never moves behind the worker's back.
 - SIGTERM (``stop`` set) ends with a final checkpoint and releases the lease.
+
+:class:`LearnerWorker` runs the loop's steps; its collaborators do one job each: reading the
+group and replaying after a takeover (:mod:`streamxm.worker.reading`), sorting and decoding a
+read (:mod:`streamxm.worker.entries`), counting failures (:mod:`streamxm.worker.failures`),
+what awaits the next commit and writing it (:mod:`streamxm.worker.checkpoints`), and the
+progress line (:mod:`streamxm.worker.progress`).
 """
 
 from __future__ import annotations
@@ -49,70 +55,29 @@ from typing import Any
 
 import numpy as np
 import redis
-from redis.exceptions import RedisClusterException
 
 from streamxm import defaults as D
 from streamxm.learning.stats import WorkerStats
 from streamxm.learning.stream_learner import LearnFailed, StreamLearner
 from streamxm.models import split_name
-from streamxm.storage.checkpoint import Checkpoint, CheckpointStore, LeaseLost
+from streamxm.storage.checkpoint import Checkpoint, CheckpointStore
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import InvalidPair, Limits, Pair
+from streamxm.stream.messages import Limits, Pair
 from streamxm.stream.migrate import require_migrated
-from streamxm.stream.redis_conn import (
-    UNAVAILABLE,
-    NotReplicated,
-    StreamEntry,
-    stream_entries,
-    text,
-)
+from streamxm.stream.redis_conn import UNAVAILABLE, StreamEntry
 from streamxm.stream.retention import entry_id_key, trim_stream
-from streamxm.worker.checkpoints import CheckpointWriter, Commit, Pending
+from streamxm.worker.checkpoints import CheckpointPolicy, CheckpointWriter, Commit, CommitLedger
 from streamxm.worker.entries import EntryDecoder
+from streamxm.worker.failures import EntryFailed, LearnFailures, back_off
 from streamxm.worker.lease import Lease
 from streamxm.worker.leased import LeasedConsumer
-from streamxm.worker.progress import ProgressLine, unapplied_entries
+from streamxm.worker.progress import ProgressLine, stream_lag
+from streamxm.worker.reading import GroupReader
 
+# CheckpointPolicy, EntryFailed and entry_id_key are imported from here too.
 __all__ = ["CheckpointPolicy", "EntryFailed", "LearnerWorker", "StreamReading", "entry_id_key"]
 
 log = logging.getLogger(__name__)
-
-
-class EntryFailed(RuntimeError):
-    """Learning the stream entry ``entry_id`` raised; the worker's state was dropped."""
-
-    def __init__(self, entry_id: str, detail: str) -> None:
-        super().__init__(f"entry {entry_id}: {detail}")
-        self.entry_id = entry_id
-        self.detail = detail
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """When a learner worker checkpoints (``STREAMXM_CHECKPOINT_*``).
-
-    Parameters
-    ----------
-    every_pairs, every_seconds
-        Checkpoint after this many pairs or this long, whichever comes first.
-    max_share
-        Most of the worker's time its checkpoints may take: a checkpoint that took ``c``
-        seconds (encoding, hashing and writing the state, the commit transaction) holds the
-        next one back for at least ``c (1 - share) / share`` seconds, so a model whose state
-        is large checkpoints less often instead of learning less. Checkpoints are points of
-        the stream at which everything before them is durable; when they come does not change
-        what is learned.
-    in_background
-        Write scheduled checkpoints from a thread while learning goes on (the state is copied
-        first: the checkpoint's bytes are what they would be at that point); ``False`` writes
-        them on the learning path. Explicit commits and the final checkpoint are always
-        written before they return.
-    """
-
-    every_pairs: int = D.CHECKPOINT_EVERY_PAIRS
-    every_seconds: float = D.CHECKPOINT_EVERY_SECONDS
-    max_share: float = D.CHECKPOINT_MAX_SHARE
-    in_background: bool = D.CHECKPOINT_IN_BACKGROUND
 
 
 @dataclass(frozen=True)
@@ -175,7 +140,7 @@ class LearnerWorker(LeasedConsumer):
         params: dict[str, Any] | None = None,
         learner_options: dict[str, Any] | None = None,
         seed: int = 0,
-        checkpoints: CheckpointPolicy = CheckpointPolicy(),
+        checkpoints: CheckpointPolicy = CheckpointPolicy(),  # noqa: B008 - frozen
         reading: StreamReading = StreamReading(),
         limits: Limits = Limits(),
         max_learn_attempts: int = 3,
@@ -192,33 +157,19 @@ class LearnerWorker(LeasedConsumer):
         self.params = params
         self.learner_options = learner_options or {}
         self.seed = seed
-        self.every_pairs = checkpoints.every_pairs
-        self.every_seconds = checkpoints.every_seconds
-        self.max_share = checkpoints.max_share
-        self.in_background = checkpoints.in_background
         self.read_batch = reading.read_batch
-        self.block_ms = reading.block_ms
-        self.lease_ttl_ms = reading.lease_ttl_ms
-        self.max_learn_attempts = max_learn_attempts
         self.retain_entries = retain_entries
         self.learner: StreamLearner | None = None
         self.version = 0
         self.last_id = "0-0"
-        self.dead_letters = 0
         self.leader = False
-        self._recovering = False
-        self._recovery_cursor = "0-0"
-        self._recovery_end = "0-0"
-        self._pending = Pending()
-        self._last_commit = time.monotonic()
-        self._commit_seconds = 0.0  # what the last checkpoint took
         self._learned_time: float | None = None
         self._backoff = 0.0  # the last back-off, doubled while failures go on
+        self.ledger = CommitLedger(checkpoints, self.consumer)
         self.entries = EntryDecoder(self.r, self.keys, self.model, self.consumer, limits)
-        # entry id -> (failures so far, last error): entries whose learning raised, not yet
-        # committed; bounded by the entries between two checkpoints.
-        self._failures: dict[str, tuple[int, str]] = {}
-        self.lease = Lease(self.r, self.keys.lease(self.model), self.consumer, self.lease_ttl_ms)
+        self.failures = LearnFailures(self.consumer, max_learn_attempts)
+        self.reader = GroupReader(self.r, self.keys, self.group, self.consumer, reading.block_ms)
+        self.lease = Lease(self.r, self.keys.lease(self.model), self.consumer, reading.lease_ttl_ms)
         self.writer = CheckpointWriter(
             self.r, store, self.keys, self.model, self.group, self.consumer, self.lease
         )
@@ -230,11 +181,7 @@ class LearnerWorker(LeasedConsumer):
         the namespace's data is known not to be under the old untagged key names."""
         require_migrated(self.r, self.keys)  # before sadd writes a key under the new names
         self.r.sadd(self.keys.models, self.model)
-        try:
-            self.r.xgroup_create(self.keys.pairs, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        self.reader.create_group()
 
     # -- the leased consumer's steps (streamxm/worker/leased.py) --------------------------
     def prepare(self, stop: threading.Event) -> None:
@@ -245,7 +192,7 @@ class LearnerWorker(LeasedConsumer):
                 self.setup()
                 break
             except UNAVAILABLE as exc:
-                self._backoff = _back_off(stop, self._backoff, self.consumer, exc)
+                self._backoff = back_off(stop, self._backoff, self.consumer, exc)
         log.info(
             "worker %s: model %s, namespace %s", self.consumer, self.model, self.keys.namespace
         )
@@ -253,7 +200,7 @@ class LearnerWorker(LeasedConsumer):
     def work(self) -> bool:
         """One :meth:`step` and the progress line; idle when it read nothing and was not
         replaying its own pending entries."""
-        was_recovering = self._recovering
+        was_recovering = self.reader.replaying
         read = self.step()
         self._report_progress()
         self._backoff = 0.0
@@ -263,49 +210,26 @@ class LearnerWorker(LeasedConsumer):
         """A lost connection drops the state (the next lease reloads and replays); an entry
         that failed to learn is counted against it (dead-lettered after the last attempt)."""
         if isinstance(exc, EntryFailed):
-            self._backoff = self._learn_failed(stop, self._backoff, exc)
+            self._backoff = self.failures.failed(stop, self._backoff, exc)
             return
         self._drop_state()
-        self._backoff = _back_off(stop, self._backoff, self.consumer, exc)
+        self._backoff = back_off(stop, self._backoff, self.consumer, exc)
 
     def finish(self) -> None:
         """The leader's final checkpoint and the lease released (the leased consumer's), and
         where the worker stopped."""
         super().finish()
         log.info(
-            "worker %s stopped at entry %s, version %d",
-            self.consumer,
-            self.last_id,
-            self.version,
+            "worker %s stopped at entry %s, version %d", self.consumer, self.last_id, self.version
         )
-
-    def _learn_failed(self, stop: threading.Event, previous: float, exc: EntryFailed) -> float:
-        """Count the failure against its entry, back off; the next lease reloads and replays."""
-        count = self._failures.get(exc.entry_id, (0, ""))[0] + 1
-        self._failures[exc.entry_id] = (count, exc.detail)
-        delay = _next_delay(previous)
-        then = (
-            "dead-lettering it" if count >= self.max_learn_attempts else "reloading the checkpoint"
-        )
-        log.error(
-            "worker %s: learning entry %s failed (attempt %d of %d); state dropped, %s in %.1f s",
-            self.consumer,
-            exc.entry_id,
-            count,
-            self.max_learn_attempts,
-            then,
-            delay,
-            exc_info=exc.__cause__,
-        )
-        stop.wait(delay)
-        return delay
 
     def _drop_state(self) -> None:
         """Forget everything not in a checkpoint; the next lease reloads and replays (after the
         checkpoint being written has ended, whatever its outcome: the store then holds what
         the reload reads)."""
         self.writer.abandon()
-        self.leader, self.learner, self._pending = False, None, Pending()
+        self.leader, self.learner = False, None
+        self.ledger.drop()
         self.entries.forget()
 
     def _refresh_lease(self) -> bool:
@@ -327,64 +251,26 @@ class LearnerWorker(LeasedConsumer):
         return False
 
     def _load(self) -> None:
+        """The newest good checkpoint (none: a fresh learner), and the group taken over from
+        its position (:meth:`~streamxm.worker.reading.GroupReader.take_over`)."""
         ckpt = self.store.load_latest(self.model)
         if ckpt is None:
-            self.learner, self.version, self.last_id, self.dead_letters = None, 0, "0-0", 0
+            self.learner, self.version, self.last_id, dead_letters = None, 0, "0-0", 0
         else:
             self.learner = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
             self.version, self.last_id = ckpt.version, ckpt.last_id
-            self.dead_letters = int(ckpt.meta.get("worker", {}).get("dead_letters", 0))
-        self._pending = Pending()
-        self._last_commit = time.monotonic()
-        self._claim_orphans()
-        self._ack_applied()
-        self._recovering, self._recovery_cursor = True, self.last_id
-        self._recovery_end = self._last_delivered()
+            dead_letters = int(ckpt.meta.get("worker", {}).get("dead_letters", 0))
+        self.ledger.restart(dead_letters)
+        replay_to = self.reader.take_over(self.last_id)
         log.info(
             "worker %s leads %s from version %d (entry %s), replaying to %s",
             self.consumer,
             self.model,
             self.version,
             self.last_id,
-            self._recovery_end,
+            replay_to,
         )
         self.progress.restart(self._progress_stats())
-
-    def _claim_orphans(self) -> None:
-        """Move every pending entry of other consumers to us: we hold the lease, so they are
-        dead (or stale and fenced off by the lease check at commit)."""
-        cursor = "0-0"
-        while True:
-            # Not JUSTID: redis-py drops the cursor from a JUSTID reply.
-            reply = self.r.xautoclaim(
-                self.keys.pairs,
-                self.group,
-                self.consumer,
-                min_idle_time=0,
-                start_id=cursor,
-                count=500,
-            )
-            cursor = text(reply[0])
-            if cursor == "0-0":
-                break
-
-    def _ack_applied(self) -> None:
-        """Acknowledge pending entries the checkpoint already contains (the ack was lost)."""
-        if self.last_id == "0-0":
-            return
-        while True:
-            rows = self.r.xpending_range(
-                self.keys.pairs, self.group, min="-", max=self.last_id, count=1000
-            )
-            if not rows:
-                return
-            self.r.xack(self.keys.pairs, self.group, *[row["message_id"] for row in rows])
-
-    def _last_delivered(self) -> str:
-        for info in self.r.xinfo_groups(self.keys.pairs):
-            if text(info["name"]) == self.group:
-                return text(info["last-delivered-id"])
-        return "0-0"
 
     # -- one read -> learn -> maybe checkpoint cycle ---------------------------------------
     def step(self) -> int:
@@ -392,33 +278,10 @@ class LearnerWorker(LeasedConsumer):
         due. Returns the number of entries read."""
         if not self._reap(wait=False):
             return 0  # the background checkpoint lost the lease: the state is gone
-        entries: list[StreamEntry]
-        if self._recovering:
-            # Everything after the checkpoint that the group has delivered: replayed in order.
-            rows: Any = self.r.xrange(
-                self.keys.pairs,
-                min=f"({self._recovery_cursor}",
-                max=self._recovery_end,
-                count=self.read_batch,
-            )
-            entries = [(text(entry_id), fields) for entry_id, fields in rows]
-        else:
-            reply = self.r.xreadgroup(
-                self.group,
-                self.consumer,
-                {self.keys.pairs: ">"},
-                count=self.read_batch,
-                block=self.block_ms,
-            )
-            entries = stream_entries(reply)
-        if self._recovering:
-            if not entries:
-                self._recovering = False
-            else:
-                self._recovery_cursor = entries[-1][0]
+        entries = self.reader.read(self.read_batch)
         self._apply(entries)
         if self._checkpoint_due():
-            if not self.in_background:
+            if not self.ledger.policy.in_background:
                 self.commit()
             # The last checkpoint must have ended (only a write longer than the interval makes
             # this wait) and its time decides whether the next is due yet.
@@ -427,50 +290,20 @@ class LearnerWorker(LeasedConsumer):
         return len(entries)
 
     def _checkpoint_due(self) -> bool:
-        """Pairs are pending, the checkpoint interval (pairs or seconds) has passed and so has
-        the wait that keeps checkpoints within their share of the time."""
-        if not self._pending:
-            return False
-        since = time.monotonic() - self._last_commit
-        if since < self._commit_seconds * (1.0 - self.max_share) / self.max_share:
-            return False
-        return self._pending.pairs >= self.every_pairs or since >= self.every_seconds
+        """Whether a checkpoint is due (:meth:`~streamxm.worker.checkpoints.CommitLedger.due`)."""
+        return self.ledger.due()
 
     def _apply(self, entries: list[StreamEntry]) -> None:
-        already: list[str] = []
-        ack: list[str] = []
-        dead: list[dict[str, str | bytes]] = []
-        pairs: list[Pair] = []
-        pair_entries: list[str] = []
-        last_id = self.last_id
-        for entry_id, fields in entries:
-            if entry_id_key(entry_id) <= entry_id_key(last_id):
-                already.append(entry_id)  # applied before the restart; only the ack was lost
-                continue
-            ack.append(entry_id)
-            last_id = entry_id
-            if fields is None:  # deleted from the stream while pending
-                continue
-            count, error = self._failures.get(entry_id, (0, ""))
-            try:
-                if count >= self.max_learn_attempts:
-                    raise InvalidPair(
-                        "", "learn_error", f"learning failed {count} times: {error}"[:1000]
-                    )
-                pairs.append(self.entries.decode(fields))
-                pair_entries.append(entry_id)
-            except InvalidPair as exc:
-                dead.append(self.entries.dead_letter(entry_id, fields, exc))
-        if already:
-            self.r.xack(self.keys.pairs, self.group, *already)
-        if pairs and not self._learn(pairs, pair_entries):
+        """Learn a read's pairs; its entries count as applied (pending the next commit) only
+        once learning returned."""
+        read = self.entries.sort(entries, self.last_id, self.failures)
+        if read.already:
+            self.reader.ack(read.already)
+        if read.pairs and not self._learn(read.pairs, read.pair_entries):
             return
-        # Recorded as applied only now that learning returned.
-        self._pending.ack.extend(ack)
-        self._pending.dead.extend(dead)
-        self._pending.pairs += len(pairs)
-        self.last_id = last_id
-        if pairs:
+        self.ledger.applied(read.ack, read.dead, len(read.pairs))
+        self.last_id = read.last_id
+        if read.pairs:
             self._learned_time = time.time()
 
     def _new_learner(self, first: Pair) -> StreamLearner:
@@ -533,11 +366,9 @@ class LearnerWorker(LeasedConsumer):
     def _snapshot(self, copied: bool) -> Commit | None:
         """What the next commit makes durable, taken now; the state's arrays ``copied`` when
         learning goes on while it is written."""
-        pending = self._pending
-        if not pending:
+        pending = self.ledger.take()
+        if pending is None:
             return None
-        self._pending = Pending()
-        self.dead_letters += len(pending.dead)
         ckpt, extra = None, {}
         if self.learner is not None:
             self.version += 1
@@ -545,43 +376,20 @@ class LearnerWorker(LeasedConsumer):
             if copied:
                 arrays = {name: np.array(value, copy=True) for name, value in arrays.items()}
                 meta = copy.deepcopy(meta)
-            meta["worker"] = {"dead_letters": self.dead_letters}
+            meta["worker"] = {"dead_letters": self.ledger.dead_letters}
             ckpt = Checkpoint(self.version, arrays, meta, last_id=self.last_id)
             extra = {"pairs_seen": self.learner.pairs_seen}
         return Commit(pending, ckpt, extra, self._stats_fields(), self.last_id, time.monotonic())
 
     def _finish(self, job: Commit) -> bool:
-        """After a write: on success the schedule and the failure counts move on; a lost lease
-        or a commit not replicated drops the state (``False``); anything else is raised."""
-        if isinstance(job.error, (LeaseLost, redis.WatchError)):
-            log.error("worker %s lost the lease during a commit; dropping its state", self.consumer)
+        """After a write (:meth:`~streamxm.worker.checkpoints.CommitLedger.settle`): on success
+        the schedule and the failure counts move on; a lost lease or a commit not replicated
+        drops the state (``False``); anything else is raised, its entries left for the next
+        commit."""
+        if not self.ledger.settle(job):
             self._drop_state()
             return False
-        if isinstance(job.error, NotReplicated):
-            # Committed on the master, maybe not on its replicas: a failover now could lose the
-            # commit while this process went on from it. Reload what the store holds instead.
-            log.error(
-                "worker %s: commit not replicated (%s); reloading its checkpoint",
-                self.consumer,
-                job.error,
-            )
-            self._drop_state()
-            return False
-        if job.error is not None:
-            # Not committed: its entries go with the next commit, unless the caller drops
-            # the state (as the loop does when Redis is unreachable).
-            later = self._pending
-            self._pending = Pending(
-                job.pending.ack + later.ack,
-                job.pending.dead + later.dead,
-                job.pending.pairs + later.pairs,
-            )
-            self.dead_letters -= len(job.pending.dead)
-            raise job.error
-        self._last_commit = job.ended  # the schedule counts from the write, not from now
-        self._commit_seconds = job.ended - job.started
-        done = entry_id_key(job.last_id)
-        self._failures = {k: v for k, v in self._failures.items() if entry_id_key(k) > done}
+        self.failures.committed(job.last_id)
         log.debug(
             "checkpoint %s v%d at %s",
             self.model,
@@ -599,13 +407,15 @@ class LearnerWorker(LeasedConsumer):
         except redis.RedisError as exc:  # the next checkpoint tries again
             log.warning("stream trim failed (will retry): %s", exc)
 
-    # -- progress line -----------------------------------------------------------------------
+    # -- statistics and the progress line ----------------------------------------------------
     def _report_progress(self) -> None:
         """The progress line, when its interval is up; otherwise only a clock read, so the
         cost per read stays nil whatever the interval."""
         if self.leader and self.progress.due():
             stats = self._progress_stats()
-            self.progress.report(stats, lambda: self._stream_lag(stats))
+            self.progress.report(
+                stats, lambda: stream_lag(self.r, self.keys, self.group, self.consumer, stats)
+            )
 
     def _progress_stats(self) -> WorkerStats:
         """The counters a checkpoint would write now (dead letters not yet committed too)."""
@@ -613,24 +423,9 @@ class LearnerWorker(LeasedConsumer):
             self.learner,
             version=self.version,
             last_id=self.last_id,
-            dead_letters=self.dead_letters + len(self._pending.dead),
+            dead_letters=self.ledger.uncommitted_dead_letters(),
             consumer=self.consumer,
         )
-
-    def _stream_lag(self, stats: WorkerStats) -> int | None:
-        """Entries not yet applied, in one round trip per progress line; ``None`` when it
-        cannot be read (a progress line never stops or slows the worker: a lost connection
-        is noticed by the next read, as without it)."""
-        try:
-            with self.r.pipeline(transaction=False) as pipe:
-                pipe.xinfo_groups(self.keys.pairs)
-                pipe.xlen(self.keys.pairs)
-                pipe.hget(self.keys.retention, "trimmed_total")
-                groups, length, trimmed = pipe.execute()
-        except (redis.RedisError, RedisClusterException) as exc:
-            log.debug("worker %s: no stream lag for the progress line (%s)", self.consumer, exc)
-            return None
-        return unapplied_entries(groups, self.group, int(length), int(trimmed or 0), stats)
 
     def _stats_fields(self) -> dict[str, str]:
         return WorkerStats.of_learner(
@@ -639,21 +434,6 @@ class LearnerWorker(LeasedConsumer):
             last_id=self.last_id,
             checkpoint_time=time.time(),
             learned_time=self._learned_time,
-            dead_letters=self.dead_letters,
+            dead_letters=self.ledger.dead_letters,
             consumer=self.consumer,
         ).to_hash()
-
-
-def _next_delay(previous: float) -> float:
-    """Back-off after a failure: doubling, from 0.1 s up to 5 s."""
-    return min(5.0, max(0.1, previous * 2))
-
-
-def _back_off(stop: threading.Event, previous: float, consumer: str, exc: Exception) -> float:
-    """Wait out a lost Redis (the state was dropped); the delay waited."""
-    delay = _next_delay(previous)
-    log.warning(
-        "worker %s: Redis unavailable (%s); state dropped, retrying in %.1f s", consumer, exc, delay
-    )
-    stop.wait(delay)
-    return delay

@@ -22,11 +22,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import redis
+from redis.exceptions import RedisClusterException
+
 from streamxm.learning.stats import WorkerStats
 from streamxm.models import DIRECTIONS
+from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import text
 
-__all__ = ["ProgressLine", "unapplied_entries"]
+__all__ = ["ProgressLine", "stream_lag", "unapplied_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +121,21 @@ def unapplied_entries(
         if text(info["name"]) == group and info.get("lag") is not None:
             return int(info["lag"])
     return max(0, length + trimmed - stats.pairs_processed - stats.dead_letters)
+
+
+def stream_lag(
+    client: redis.Redis, keys: Keys, group: str, consumer: str, stats: WorkerStats
+) -> int | None:
+    """:func:`unapplied_entries` of ``group`` at ``stats`` (what ``consumer`` has applied), in
+    one round trip; ``None`` when it cannot be read (a progress line never stops or slows the
+    worker: a lost connection is noticed by its next read, as without it)."""
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            pipe.xinfo_groups(keys.pairs)
+            pipe.xlen(keys.pairs)
+            pipe.hget(keys.retention, "trimmed_total")
+            groups, length, trimmed = pipe.execute()
+    except (redis.RedisError, RedisClusterException) as exc:
+        log.debug("worker %s: no stream lag for the progress line (%s)", consumer, exc)
+        return None
+    return unapplied_entries(groups, group, int(length), int(trimmed or 0), stats)

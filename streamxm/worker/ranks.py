@@ -62,7 +62,8 @@ from streamxm.learning.stream_learner import LearnFailed, StreamLearner
 from streamxm.models.opt_in import mergeable
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
-from streamxm.worker.loop import EntryFailed, LearnerWorker
+from streamxm.worker.failures import EntryFailed
+from streamxm.worker.loop import LearnerWorker
 from streamxm.worker.rendezvous import Rendezvous
 
 __all__ = ["RankFollower", "RankZeroWorker"]
@@ -107,9 +108,10 @@ class RankZeroWorker(LearnerWorker):
         self.between_seconds = 0.0
         self.commit_seconds = 0.0  # checkpoints written inside rounds
         self._round_end: float | None = None
-        # Moving averages that size rank 0's share: a commit's and sending the shares' seconds,
-        # a pair's learning on rank 0 and on the slowest other rank.
-        self._commit_seconds = self._scatter_seconds = 0.0
+        # Moving averages that size rank 0's share: a commit's seconds (the ledger's, which
+        # the checkpoint schedule waits by too), sending the shares' seconds, a pair's learning
+        # on rank 0 and on the slowest other rank.
+        self.ledger.commit_seconds = self._scatter_seconds = 0.0
         self._pair_seconds = self._peer_pair_seconds = 0.0
 
     # -- the group -------------------------------------------------------------------------
@@ -253,7 +255,7 @@ class RankZeroWorker(LearnerWorker):
         model = mergeable(self.learner.model)
         split = model is not None and model.merge_parts() is not None
         commit_now = may_commit and super()._checkpoint_due()  # the single learner's rule
-        extra = self._scatter_seconds + (self._commit_seconds if commit_now else 0.0)
+        extra = self._scatter_seconds + (self.ledger.commit_seconds if commit_now else 0.0)
         first = balanced_first(
             len(pairs), self.world, self._pair_seconds, self._peer_pair_seconds, extra
         )
@@ -295,7 +297,7 @@ class RankZeroWorker(LearnerWorker):
         if not self.leader:
             return False
         took = time.perf_counter() - start
-        self._commit_seconds = _ema(self._commit_seconds, took)
+        self.ledger.commit_seconds = _ema(self.ledger.commit_seconds, took)
         self.commit_seconds += took
         return True
 
