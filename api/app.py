@@ -19,7 +19,7 @@ from api.errors import add_error_handlers
 from api.routes import include_routers
 from api.schemas import RequestLimits, request_limits
 from streamxm.config import Settings, get_settings
-from streamxm.service import limits_from, open_namespace, open_store
+from streamxm.service import limits_from, open_namespace, open_store, settings_group
 from streamxm.serving.champion import ChampionRule
 from streamxm.serving.httpserver import freeze_startup_objects
 from streamxm.serving.metrics import ApiMetrics, method_label
@@ -165,6 +165,10 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
     return app
 
 
+#: The settings ``champion_<name>`` the serving :class:`ChampionRule` takes.
+_CHAMPION = ("min_pairs", "margin", "confirmations")
+
+
 def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
     """The app's parts: Redis connections, the model server, metrics, the producer."""
     # Two connections: a request waiting on Redis gets a 503 within the short timeout, while the
@@ -185,11 +189,7 @@ def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
         gallery_max=settings.gallery_max,
         limits=limits,
         candidates=settings.search_candidates,
-        champion=ChampionRule(
-            min_pairs=settings.champion_min_pairs,
-            margin=settings.champion_margin,
-            confirmations=settings.champion_confirmations,
-        ),
+        champion=ChampionRule(**settings_group(settings, "champion_", _CHAMPION)),
         request_client=r,
         wait_for_index=settings.wait_for_index,
     )

@@ -8,12 +8,26 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from streamxm.models import MODEL_NAMES
 from streamxm.tools.datasets import BURST_RUN, ORDERS
 
 __all__ = ["main"]
+
+
+#: The namespace's entries that belong to the command line, not to the function a command runs.
+_COMMAND_LINE = ("command", "bench", "func", "verbose", "json")
+
+
+def _options(args: argparse.Namespace, *apart: str) -> dict[str, Any]:
+    """The command's options as keyword arguments of the function it runs: the namespace less
+    the command line's own entries and the ones the command passes ``apart`` (converted), with
+    ``--param`` parsed into ``params``."""
+    options = {k: v for k, v in vars(args).items() if k not in (*_COMMAND_LINE, *apart)}
+    if "param" in options:
+        options["params"] = _params(options.pop("param")) or None
+    return options
 
 
 def _params(items: list[str]) -> dict[str, Any]:
@@ -117,15 +131,8 @@ def _cmd_api(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from streamxm.tools.report import report
 
-    result = report(
-        args.dataset,
-        [m.strip() for m in args.models.split(",") if m.strip()],
-        args.out,
-        seed=args.seed,
-        every=args.every,
-        params=_params(args.param) or None,
-        progress=True,
-    )
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    result = report(**_options(args, "models"), models=models, progress=True)
     print(Path(args.out) / "summary.md")
     for run in result["runs"]:
         print(
@@ -268,20 +275,7 @@ def _print_bench(result: dict[str, Any], indent: int | None = None) -> None:
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from streamxm.tools.bench import quality
 
-    result = quality(
-        args.dataset,
-        args.model,
-        protocol=args.protocol,
-        unlabelled=args.unlabelled,
-        seed=args.seed,
-        epochs=args.epochs,
-        params=_params(args.param) or None,
-        progress=not args.json,
-        order=args.order,
-        label_noise=args.label_noise,
-        buffer_memory=args.buffer_memory,
-        eval_every=args.eval_every,
-    )
+    result = quality(**_options(args), progress=not args.json)
     if args.json:
         _print_bench(result)
         return 0
@@ -365,16 +359,7 @@ def _cmd_bench_database(args: argparse.Namespace) -> int:
     from streamxm.tools.bench import database_split
 
     seeds = _seeds(args.seeds)
-    result = database_split(
-        args.dataset,
-        args.model,
-        seeds,
-        query_fraction=args.query_fraction,
-        protocol=args.protocol,
-        epochs=args.epochs,
-        params=_params(args.param) or None,
-        progress=not args.json,
-    )
+    result = database_split(**_options(args, "seeds"), seeds=seeds, progress=not args.json)
     if args.json:
         _print_bench(result)
     else:
@@ -390,18 +375,7 @@ def _cmd_bench_database(args: argparse.Namespace) -> int:
 def _cmd_bench_throughput(args: argparse.Namespace) -> int:
     from streamxm.tools.throughput import throughput
 
-    result = throughput(
-        args.model,
-        img_dim=args.img_dim,
-        txt_dim=args.txt_dim,
-        pairs=args.pairs,
-        baseline_pairs=args.baseline_pairs,
-        repeats=args.repeats,
-        params=_params(args.param) or None,
-        seed=args.seed,
-        order=args.order,
-        eval_every=args.eval_every,
-    )
+    result = throughput(**_options(args))
     if args.json:
         _print_bench(result)
     else:
@@ -435,13 +409,10 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 def _cmd_bench_load(args: argparse.Namespace) -> int:
     import importlib
 
-    options = {
-        k: v
-        for k, v in vars(args).items()
-        if k not in ("command", "bench", "func", "verbose", "json")
-    }
     module, function = _LOAD_BENCHES[args.bench]
-    result = getattr(importlib.import_module(f"streamxm.tools.{module}"), function)(**options)
+    result = getattr(importlib.import_module(f"streamxm.tools.{module}"), function)(
+        **_options(args)
+    )
     _print_bench(result, indent=None if args.json else 2)
     return 0
 
@@ -462,19 +433,8 @@ _LOAD_BENCHES = {
 def _cmd_bench_distributed(args: argparse.Namespace) -> int:
     from streamxm.tools.bench_ranks import distributed
 
-    result = distributed(
-        args.model,
-        tuple(int(x) for x in args.ranks.split(",")),
-        img_dim=args.img_dim,
-        txt_dim=args.txt_dim,
-        pairs=args.pairs,
-        threads_per_rank=args.threads_per_rank,
-        read_batch=args.read_batch,
-        eval_every=args.eval_every,
-        dataset=args.dataset,
-        params=_params(args.param) or None,
-        seed=args.seed,
-    )
+    ranks = tuple(int(x) for x in args.ranks.split(","))
+    result = distributed(**_options(args, "ranks"), ranks=ranks)
     _print_bench(result, indent=None if args.json else 2)
     return 0
 
@@ -508,8 +468,68 @@ def _cmd_redis(args: argparse.Namespace) -> int:
     return 0
 
 
-def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The service's processes: demo, worker, indexer, api."""
+#: The ``add_subparsers`` action a command's builder adds its parser to.
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+#: ``--json``'s help where a benchmark prints indented JSON without it.
+_ONE_LINE_JSON = "one line of JSON (default indented)"
+
+
+def _add_dataset(parser: argparse.ArgumentParser) -> None:
+    """``--dataset``, required: a benchmark file or a bundled one."""
+    parser.add_argument("--dataset", required=True, help=DATASET_HELP)
+
+
+def _add_model_name(parser: argparse.ArgumentParser) -> None:
+    """``--model``, required: a known model name, checked before anything starts."""
+    parser.add_argument(
+        "--model", required=True, type=_model_name, help="model name: " + ", ".join(MODEL_NAMES)
+    )
+
+
+def _add_param(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--param KEY=VALUE``, repeatable: model parameters (:func:`_params`)."""
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def _add_param_and_json(parser: argparse.ArgumentParser) -> None:
+    """``--param`` and ``--json``: a learning benchmark's last two options."""
+    _add_param(parser)
+    parser.add_argument("--json", action="store_true")
+
+
+def _add_dims(parser: argparse.ArgumentParser, img_dim: int, txt_dim: int) -> None:
+    """``--img-dim`` and ``--txt-dim``: the sizes of a benchmark's synthetic pairs."""
+    parser.add_argument("--img-dim", type=int, default=img_dim)
+    parser.add_argument("--txt-dim", type=int, default=txt_dim)
+
+
+def _add_optional_int(parser: argparse.ArgumentParser, flag: str, metavar: str, help: str) -> None:
+    """An integer option that is None when not given (the command then picks)."""
+    parser.add_argument(flag, type=int, default=None, metavar=metavar, help=help)
+
+
+def _add_eval_every(
+    parser: argparse.ArgumentParser, default: int | str | None, help: str | None = None
+) -> None:
+    """``--eval-every N|auto``: the rolling evaluation's schedule."""
+    parser.add_argument(
+        "--eval-every", type=_eval_every, default=default, metavar="N|auto", help=help
+    )
+
+
+def _add_label_noise(parser: argparse.ArgumentParser, default: float, help: str) -> None:
+    """``--label-noise P``: a fraction of the training labels replaced by another class."""
+    parser.add_argument("--label-noise", type=_fraction, default=default, metavar="P", help=help)
+
+
+def _add_seed_and_json(parser: argparse.ArgumentParser, json_help: str | None = None) -> None:
+    """``--seed`` (default 0) and ``--json``, a benchmark's last two options."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help=json_help)
+
+
+def _demo_command(sub: _Commands) -> None:
     demo = sub.add_parser("demo", help="embedded Redis + worker + API on the Wikipedia pairs")
     demo.add_argument("--pairs", type=int, default=None, help="train pairs to replay (default all)")
     demo.add_argument("--json", action="store_true", help="print the final figures as JSON")
@@ -518,34 +538,31 @@ def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument("--model", default="cmos")
     demo.set_defaults(func=_cmd_demo)
 
+
+def _worker_command(sub: _Commands) -> None:
     worker = sub.add_parser("worker", help="run a learner worker")
-    worker.add_argument(
-        "--model", required=True, type=_model_name, help="model name: " + ", ".join(MODEL_NAMES)
-    )
-    worker.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model parameter for a fresh model (JSON value)",
-    )
-    worker.add_argument(
+    _add_model_name(worker)
+    _add_param(worker, help="model parameter for a fresh model (JSON value)")
+    _add_optional_int(
+        worker,
         "--world-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="ranks learning this model together (default: $WORLD_SIZE or 1)",
+        "N",
+        "ranks learning this model together (default: $WORLD_SIZE or 1)",
     )
-    worker.add_argument(
+    _add_optional_int(
+        worker,
         "--rank",
-        type=int,
-        default=None,
-        metavar="R",
-        help="this process's rank, 0 to N-1; rank 0 reads, checkpoints and "
+        "R",
+        "this process's rank, 0 to N-1; rank 0 reads, checkpoints and "
         "acknowledges (default: $RANK or 0)",
     )
     worker.set_defaults(func=_cmd_worker)
 
+
+def _service_commands(sub: _Commands) -> None:
+    """The service's processes: demo, worker, indexer, api."""
+    _demo_command(sub)
+    _worker_command(sub)
     indexer = sub.add_parser(
         "indexer",
         help="keep the search gallery as segments API replicas "
@@ -559,54 +576,9 @@ def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     api.set_defaults(func=_cmd_api)
 
 
-def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """What an operator runs beside the service: report, top, rollback, migrate-keys, push,
-    redis."""
-    rep = sub.add_parser("report", help="stream-protocol plots and a summary table for models")
-    rep.add_argument("--dataset", required=True, help=DATASET_HELP)
-    rep.add_argument("--models", required=True, help="comma-separated model names")
-    rep.add_argument("--out", required=True, help="directory for the PNGs and the summary")
-    rep.add_argument("--seed", type=int, default=0)
-    rep.add_argument("--every", type=int, default=256, help="evaluate every N pairs")
-    rep.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
-    rep.set_defaults(func=_cmd_report)
-
-    top = sub.add_parser("top", help="live health view read from the API's /metrics")
-    top.add_argument("--url", default=None, help="API base URL (default: the settings' host/port)")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
-    top.add_argument("--once", action="store_true", help="print one frame and exit")
-    top.set_defaults(func=_cmd_top)
-
-    rb = sub.add_parser(
-        "rollback",
-        help="make a kept checkpoint version the served one and the "
-        "one its learner continues from (the stream after it is replayed)",
-    )
-    rb.add_argument(
-        "--model", required=True, type=_model_name, help="model name: " + ", ".join(MODEL_NAMES)
-    )
-    rb.add_argument(
-        "--to",
-        type=int,
-        default=None,
-        metavar="VERSION",
-        help="kept version to go back to; without it, list the kept versions and "
-        "the model's past rollbacks",
-    )
-    rb.set_defaults(func=_cmd_rollback)
-
-    mk = sub.add_parser(
-        "migrate-keys",
-        help="rename a namespace's keys from sxm:<ns>:... to "
-        "the hash-tagged sxm:{<ns>}:... (once, on the single server, with the "
-        "namespace's workers and APIs stopped)",
-    )
-    mk.add_argument("--namespace", default=None, help="default: STREAMXM_NAMESPACE")
-    mk.add_argument("--dry-run", action="store_true", help="list what would be renamed")
-    mk.set_defaults(func=_cmd_migrate_keys)
-
+def _push_command(sub: _Commands) -> None:
     push = sub.add_parser("push", help="push a dataset's training pairs into the stream")
-    push.add_argument("--dataset", required=True, help=DATASET_HELP)
+    _add_dataset(push)
     push.add_argument("--rate", type=float, default=None, help="pairs per second")
     push.add_argument("--limit", type=int, default=None, help="push only the first N pairs")
     push.add_argument("--unlabelled", action="store_true", help="withhold labels")
@@ -631,17 +603,60 @@ def _operator_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     push.set_defaults(func=_cmd_push)
 
+
+def _operator_commands(sub: _Commands) -> None:
+    """What an operator runs beside the service: report, top, rollback, migrate-keys, push,
+    redis."""
+    rep = sub.add_parser("report", help="stream-protocol plots and a summary table for models")
+    _add_dataset(rep)
+    rep.add_argument("--models", required=True, help="comma-separated model names")
+    rep.add_argument("--out", required=True, help="directory for the PNGs and the summary")
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--every", type=int, default=256, help="evaluate every N pairs")
+    _add_param(rep)
+    rep.set_defaults(func=_cmd_report)
+
+    top = sub.add_parser("top", help="live health view read from the API's /metrics")
+    top.add_argument("--url", default=None, help="API base URL (default: the settings' host/port)")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(func=_cmd_top)
+
+    rb = sub.add_parser(
+        "rollback",
+        help="make a kept checkpoint version the served one and the "
+        "one its learner continues from (the stream after it is replayed)",
+    )
+    _add_model_name(rb)
+    _add_optional_int(
+        rb,
+        "--to",
+        "VERSION",
+        "kept version to go back to; without it, list the kept versions and "
+        "the model's past rollbacks",
+    )
+    rb.set_defaults(func=_cmd_rollback)
+
+    mk = sub.add_parser(
+        "migrate-keys",
+        help="rename a namespace's keys from sxm:<ns>:... to "
+        "the hash-tagged sxm:{<ns>}:... (once, on the single server, with the "
+        "namespace's workers and APIs stopped)",
+    )
+    mk.add_argument("--namespace", default=None, help="default: STREAMXM_NAMESPACE")
+    mk.add_argument("--dry-run", action="store_true", help="list what would be renamed")
+    mk.set_defaults(func=_cmd_migrate_keys)
+
+    _push_command(sub)
+
     rd = sub.add_parser("redis", help="the embedded Redis server")
     rd.add_argument("action", choices=["start", "stop", "status"])
     rd.set_defaults(func=_cmd_redis)
 
 
-def _bench_learning_commands(
-    bench_sub: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
-    """Benchmarks of learning: quality, order, database, throughput."""
+def _bench_quality_command(bench_sub: _Commands) -> None:
     q = bench_sub.add_parser("quality", help="test-split mAP on a benchmark file")
-    q.add_argument("--dataset", required=True, help=DATASET_HELP)
+    _add_dataset(q)
     q.add_argument(
         "--model",
         required=True,
@@ -657,13 +672,7 @@ def _bench_learning_commands(
         "shuffled, in topic bursts of 30-100 pairs (bursts), or one class at a time with "
         "the classes in a random order (class-shuffled); seeded",
     )
-    q.add_argument(
-        "--label-noise",
-        type=_fraction,
-        default=0.0,
-        metavar="P",
-        help="replace a fraction P of training labels by another class (seeded)",
-    )
+    _add_label_noise(q, 0.0, "replace a fraction P of training labels by another class (seeded)")
     q.add_argument(
         "--buffer-memory",
         type=int,
@@ -676,25 +685,24 @@ def _bench_learning_commands(
     )
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
-    q.add_argument(
-        "--eval-every",
-        type=_eval_every,
-        default=1,
-        metavar="N|auto",
+    _add_eval_every(
+        q,
+        1,
         help="the rolling evaluation's schedule while it learns (the service's "
         "default: auto): rolling_map and its standard error in the JSON",
     )
-    q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
-    q.add_argument("--json", action="store_true")
+    _add_param_and_json(q)
     q.set_defaults(func=_cmd_bench_quality)
 
+
+def _bench_order_command(bench_sub: _Commands) -> None:
     so = bench_sub.add_parser(
         "order",
         help="each model in file order, one class at a time (classes ascending and in a "
         "random order), in topic bursts and with wrong labels, over seeds, against its own "
         "file-order figure",
     )
-    so.add_argument("--dataset", required=True, help=DATASET_HELP)
+    _add_dataset(so)
     so.add_argument(
         "--model",
         action="append",
@@ -709,12 +717,8 @@ def _bench_learning_commands(
         help="comma-separated seeds (e.g. 0,1,2,3,4): the figures are means and spreads over them",
     )
     so.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds N)")
-    so.add_argument(
-        "--label-noise",
-        type=_fraction,
-        default=0.2,
-        metavar="P",
-        help="fraction of training labels replaced by another class in the noisy run",
+    _add_label_noise(
+        so, 0.2, "fraction of training labels replaced by another class in the noisy run"
     )
     so.add_argument(
         "--order",
@@ -736,6 +740,8 @@ def _bench_learning_commands(
     so.add_argument("--json", action="store_true")
     so.set_defaults(func=_cmd_bench_order)
 
+
+def _bench_database_command(bench_sub: _Commands) -> None:
     db = bench_sub.add_parser(
         "database",
         help="mAP with train+test pooled, random query/database split, database "
@@ -747,14 +753,14 @@ def _bench_learning_commands(
     db.add_argument("--query-fraction", type=float, default=0.25)
     db.add_argument("--protocol", choices=["stream", "offline"], default="offline")
     db.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
-    db.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
-    db.add_argument("--json", action="store_true")
+    _add_param_and_json(db)
     db.set_defaults(func=_cmd_bench_database)
 
+
+def _bench_throughput_command(bench_sub: _Commands) -> None:
     t = bench_sub.add_parser("throughput", help="pairs learned per second on one core")
     t.add_argument("--model", default="cmos")
-    t.add_argument("--img-dim", type=int, default=4096)
-    t.add_argument("--txt-dim", type=int, default=1000)
+    _add_dims(t, 4096, 1000)
     t.add_argument("--pairs", type=int, default=2000, help="timed pairs per repeat")
     t.add_argument(
         "--baseline-pairs",
@@ -764,11 +770,9 @@ def _bench_learning_commands(
     )
     t.add_argument("--repeats", type=int, default=3, help="figures are medians over repeats")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument(
-        "--eval-every",
-        type=_eval_every,
-        default=None,
-        metavar="N|auto",
+    _add_eval_every(
+        t,
+        None,
         help="time it with the rolling evaluation scoring every N-th pair (auto: "
         "the service's default STREAMXM_EVAL_EVERY, sized from the model's cost), "
         "beside it off",
@@ -780,21 +784,25 @@ def _bench_learning_commands(
         help="class: the pairs arrive one class at a time (a burst), timed beside "
         "the same pairs in their own order",
     )
-    t.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
-    t.add_argument("--json", action="store_true")
+    _add_param_and_json(t)
     t.set_defaults(func=_cmd_bench_throughput)
 
 
-def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Benchmarks of the running service: ingest, end-to-end, query, soak, hostile, scan,
-    ensemble-recall."""
+def _bench_learning_commands(bench_sub: _Commands) -> None:
+    """Benchmarks of learning: quality, order, database, throughput."""
+    _bench_quality_command(bench_sub)
+    _bench_order_command(bench_sub)
+    _bench_database_command(bench_sub)
+    _bench_throughput_command(bench_sub)
+
+
+def _bench_ingest_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     ing = bench_sub.add_parser(
         "ingest",
         help="pairs/s via the client and POST /v1/pairs beside "
         "redis-benchmark's XADD on the same server",
     )
-    ing.add_argument("--img-dim", type=int, default=4096)
-    ing.add_argument("--txt-dim", type=int, default=1000)
+    _add_dims(ing, 4096, 1000)
     ing.add_argument(
         "--pairs",
         type=int,
@@ -819,14 +827,17 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
         "pushing into one namespace on one master, then into three namespaces on "
         "three masters at once (a process each)",
     )
+    return ing
+
+
+def _bench_end_to_end_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     e2e = bench_sub.add_parser(
         "end-to-end",
         help="pairs/s one worker learns from the stream, "
         "beside the in-process learner; lag at a push rate",
     )
     e2e.add_argument("--model", default="cmos")
-    e2e.add_argument("--img-dim", type=int, default=4096)
-    e2e.add_argument("--txt-dim", type=int, default=1000)
+    _add_dims(e2e, 4096, 1000)
     e2e.add_argument("--backlog", type=int, default=4000)
     e2e.add_argument(
         "--rate",
@@ -835,15 +846,18 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
         help="push rate for the lag phase (default half the learned rate)",
     )
     e2e.add_argument("--seconds", type=float, default=60.0)
-    e2e.add_argument("--eval-every", type=_eval_every, default="auto", metavar="N|auto")
+    _add_eval_every(e2e, "auto")
+    return e2e
+
+
+def _bench_query_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     qry = bench_sub.add_parser(
         "query",
         help="/v1/search latency under concurrent clients while "
         "a worker learns and checkpoints swap in",
     )
     qry.add_argument("--gallery", type=int, default=100_000)
-    qry.add_argument("--img-dim", type=int, default=512)
-    qry.add_argument("--txt-dim", type=int, default=128)
+    _add_dims(qry, 512, 128)
     qry.add_argument("--clients", type=int, default=32)
     qry.add_argument("--seconds", type=float, default=30.0)
     qry.add_argument("--model", default="cmos")
@@ -863,6 +877,10 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
         help="STREAMXM_WAIT_FOR_INDEX=false: sam and cmomks serve a version at "
         "once, candidates from the earlier version's index",
     )
+    return qry
+
+
+def _bench_soak_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     sk = bench_sub.add_parser("soak", help="long push/learn/query run sampling resident memory")
     sk.add_argument("--minutes", type=float, default=20.0)
     sk.add_argument("--rate", type=float, default=100.0, help="pairs pushed per second")
@@ -870,6 +888,10 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
     sk.add_argument("--gallery-max", type=int, default=20_000)
     sk.add_argument("--sample-seconds", type=float, default=60.0)
     sk.add_argument("--warmup-minutes", type=float, default=5.0)
+    return sk
+
+
+def _bench_hostile_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     ho = bench_sub.add_parser(
         "hostile",
         help="junk bodies of growing size and a labels bomb: "
@@ -899,6 +921,10 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
         default=1.0,
         help="size of the client cases' oversized bodies, GiB",
     )
+    return ho
+
+
+def _bench_scan_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     sc = bench_sub.add_parser(
         "scan",
         help="the search candidate scan's backends side by side "
@@ -909,6 +935,10 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
     sc.add_argument("--queries", type=int, default=32)
     sc.add_argument("--candidates", type=int, default=100)
     sc.add_argument("--repeats", type=int, default=3)
+    return sc
+
+
+def _bench_ensemble_recall_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     er = bench_sub.add_parser(
         "ensemble-recall",
         help="recall@k of an ensemble's search (each "
@@ -917,11 +947,14 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
     )
     er.add_argument("--model", default="ensemble:cmos+sdsrl")
     er.add_argument("--gallery", type=int, default=20_000)
-    er.add_argument("--img-dim", type=int, default=128)
-    er.add_argument("--txt-dim", type=int, default=32)
+    _add_dims(er, 128, 32)
     er.add_argument("--queries", type=int, default=100)
     er.add_argument("--k", type=int, default=10)
     er.add_argument("--candidates", type=int, default=100, help="candidates per member")
+    return er
+
+
+def _bench_version_cost_command(bench_sub: _Commands) -> argparse.ArgumentParser:
     vc = bench_sub.add_parser(
         "version-cost",
         help="what a new model version costs a search "
@@ -929,23 +962,36 @@ def _bench_service_commands(bench_sub: argparse._SubParsersAction[argparse.Argum
         "features and embeddings, per model",
     )
     vc.add_argument("--gallery", type=int, default=100_000)
-    vc.add_argument("--img-dim", type=int, default=512)
-    vc.add_argument("--txt-dim", type=int, default=128)
+    _add_dims(vc, 512, 128)
     vc.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated")
     vc.add_argument("--pairs", type=int, default=1500, help="pairs each model learns first")
     vc.add_argument("--versions", type=int, default=3, help="builds timed per model")
     vc.add_argument(
         "--pairs-between", type=int, default=20, help="pairs learned before each later version"
     )
-    for p in (ing, e2e, qry, sk, ho, sc, er, vc):
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
-        p.set_defaults(func=_cmd_bench_load)
+    return vc
 
 
-def _bench_distributed_command(
-    bench_sub: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
+def _bench_service_commands(bench_sub: _Commands) -> None:
+    """Benchmarks of the running service: ingest, end-to-end, query, soak, hostile, scan,
+    ensemble-recall, version-cost; each ends with ``--seed`` and ``--json`` and runs through
+    :func:`_cmd_bench_load`."""
+    for command in (
+        _bench_ingest_command,
+        _bench_end_to_end_command,
+        _bench_query_command,
+        _bench_soak_command,
+        _bench_hostile_command,
+        _bench_scan_command,
+        _bench_ensemble_recall_command,
+        _bench_version_cost_command,
+    ):
+        parser = command(bench_sub)
+        _add_seed_and_json(parser, _ONE_LINE_JSON)
+        parser.set_defaults(func=_cmd_bench_load)
+
+
+def _bench_distributed_command(bench_sub: _Commands) -> None:
     """``bench distributed``: one model learned by several ranks."""
     di = bench_sub.add_parser(
         "distributed",
@@ -956,8 +1002,7 @@ def _bench_distributed_command(
     )
     di.add_argument("--model", default="cmos")
     di.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
-    di.add_argument("--img-dim", type=int, default=4096)
-    di.add_argument("--txt-dim", type=int, default=1000)
+    _add_dims(di, 4096, 1000)
     di.add_argument(
         "--pairs",
         type=int,
@@ -966,16 +1011,15 @@ def _bench_distributed_command(
     )
     di.add_argument("--threads-per-rank", type=int, default=1)
     di.add_argument("--read-batch", type=int, default=256, help="pairs per rank per round")
-    di.add_argument("--eval-every", type=_eval_every, default="auto", metavar="N|auto")
+    _add_eval_every(di, "auto")
     di.add_argument(
         "--dataset",
         default=None,
         help="benchmark .npz (or 'wiki'): its training "
         "split in file order instead of synthetic pairs, and test mAP per run",
     )
-    di.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
-    di.add_argument("--seed", type=int, default=0)
-    di.add_argument("--json", action="store_true", help="one line of JSON (default indented)")
+    _add_param(di)
+    _add_seed_and_json(di, _ONE_LINE_JSON)
     di.set_defaults(func=_cmd_bench_distributed)
 
 

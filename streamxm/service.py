@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -19,7 +20,20 @@ from streamxm.stream.redis_conn import Replication
 from streamxm.worker.indexer import GalleryIndexer
 from streamxm.worker.loop import CheckpointPolicy, LearnerWorker, StreamReading
 
-__all__ = ["build_indexer", "build_worker", "limits_from", "open_namespace", "open_store"]
+__all__ = [
+    "build_indexer",
+    "build_worker",
+    "limits_from",
+    "open_namespace",
+    "open_store",
+    "settings_group",
+]
+
+
+def settings_group(settings: Settings, prefix: str, names: Iterable[str]) -> dict[str, Any]:
+    """The settings ``<prefix><name>`` of ``names``, keyed by ``name``: a part's parameters
+    from its group of settings (``champion_margin`` is the champion rule's ``margin``)."""
+    return {name: getattr(settings, prefix + name) for name in names}
 
 
 def limits_from(settings: Settings) -> Limits:
@@ -55,6 +69,10 @@ def open_namespace(settings: Settings, client: redis.Redis) -> Keys:
     return keys
 
 
+#: The settings ``checkpoint_<name>`` a learner worker's :class:`CheckpointPolicy` takes.
+_CHECKPOINTS = ("every_pairs", "every_seconds", "max_share", "in_background")
+
+
 def build_worker(
     settings: Settings,
     client: redis.Redis,
@@ -88,12 +106,7 @@ def build_worker(
         params=params,
         learner_options=learner_options,
         seed=settings.seed,
-        checkpoints=CheckpointPolicy(
-            every_pairs=settings.checkpoint_every_pairs,
-            every_seconds=settings.checkpoint_every_seconds,
-            max_share=settings.checkpoint_max_share,
-            in_background=settings.checkpoint_in_background,
-        ),
+        checkpoints=CheckpointPolicy(**settings_group(settings, "checkpoint_", _CHECKPOINTS)),
         reading=StreamReading(
             read_batch=settings.read_batch,
             block_ms=settings.block_ms,

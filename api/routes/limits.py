@@ -6,18 +6,13 @@ from fastapi import APIRouter
 
 from api.deps import AppSettings
 from api.schemas import LimitsOut
+from streamxm.service import settings_group
 
 router = APIRouter(prefix="/v1", tags=["limits"])
 
 
 @router.get("/limits", response_model=LimitsOut)
 async def limits(settings: AppSettings) -> LimitsOut:
-    return LimitsOut(
-        role=settings.api_role,
-        max_batch=settings.max_batch,
-        max_request_values=settings.max_request_values,
-        max_body_bytes=settings.max_body_bytes,
-        max_dim=settings.max_dim,
-        max_k=settings.max_k,
-        max_labels=settings.max_labels,
-    )
+    # Every bound is the setting of its name; the role is the process's api_role.
+    bounds = [name for name in LimitsOut.model_fields if name != "role"]
+    return LimitsOut(role=settings.api_role, **settings_group(settings, "", bounds))

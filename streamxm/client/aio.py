@@ -11,27 +11,25 @@ from numpy.typing import ArrayLike
 
 from streamxm.client.calls import (
     Call,
-    Calls,
     ModelInfo,
     PairLike,
     Readiness,
     Reply,
     Request,
-    Retries,
     SearchResult,
     ServerLimits,
     SimilarityResult,
     Sleep,
 )
 from streamxm.client.errors import StreamxmError
-from streamxm.client.sync import build, headers, reader_for
+from streamxm.client.transport import ClientBase, build, reader_for
 
 __all__ = ["AsyncClient"]
 
 T = TypeVar("T")
 
 
-class AsyncClient:
+class AsyncClient(ClientBase[httpx.AsyncClient]):
     """:class:`~streamxm.client.Client` for asyncio (or trio): the same parameters, calls,
     results, errors and retries; every call is awaited::
 
@@ -39,18 +37,8 @@ class AsyncClient:
             hits = await client.search(vector, modality="text", k=10)
     """
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:8000",
-        token: str | None = None,
-        timeout: float = 30.0,
-        retries: Retries = Retries(),
-        http: httpx.AsyncClient | None = None,
-    ) -> None:
-        self._own = http is None
-        self.http = http or httpx.AsyncClient(base_url=url, timeout=timeout)
-        self.http.headers.update(headers(token))
-        self.calls = Calls(retries)
+    def _open(self, url: str, timeout: float) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=url, timeout=timeout)
 
     async def __aenter__(self) -> AsyncClient:
         return self

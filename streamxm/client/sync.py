@@ -9,52 +9,28 @@ from typing import Literal, TypeVar
 import httpx
 from numpy.typing import ArrayLike
 
-from streamxm.client.answers import ACCEPT_ENCODING, BodyReader
 from streamxm.client.calls import (
     Call,
-    Calls,
     ModelInfo,
     PairLike,
     Readiness,
     Reply,
     Request,
-    Retries,
     SearchResult,
     ServerLimits,
     SimilarityResult,
     Sleep,
 )
 from streamxm.client.errors import StreamxmError
+from streamxm.client.transport import ClientBase, build, reader_for
+from streamxm.client.transport import headers as headers  # re-exported: it was defined here
 
 __all__ = ["Client"]
 
 T = TypeVar("T")
 
 
-def headers(token: str | None) -> dict[str, str]:
-    """The headers of every call: the token, and only the encodings the client inflates."""
-    auth = {"authorization": f"Bearer {token}"} if token else {}
-    return {"accept-encoding": ACCEPT_ENCODING, **auth}
-
-
-def reader_for(request: Request, response: httpx.Response) -> BodyReader:
-    return BodyReader(
-        request.what,
-        response.status_code,
-        response.headers,
-        request.max_answer_bytes,
-        writes=not request.idempotent,
-    )
-
-
-def build(http: httpx.Client | httpx.AsyncClient, request: Request) -> httpx.Request:
-    headers = {"content-type": request.content_type} if request.content_type else {}
-    return http.build_request(
-        request.method, request.path, json=request.json, content=request.content, headers=headers
-    )
-
-
-class Client:
+class Client(ClientBase[httpx.Client]):
     """The streamxm HTTP API from Python: push pairs, search, score, read the models' state.
 
     Vectors go in as numpy arrays (or anything ``np.asarray`` takes) and are sent as float32
@@ -88,18 +64,8 @@ class Client:
             print(hits.version, hits.ids, hits.scores)
     """
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:8000",
-        token: str | None = None,
-        timeout: float = 30.0,
-        retries: Retries = Retries(),
-        http: httpx.Client | None = None,
-    ) -> None:
-        self._own = http is None
-        self.http = http or httpx.Client(base_url=url, timeout=timeout)
-        self.http.headers.update(headers(token))
-        self.calls = Calls(retries)
+    def _open(self, url: str, timeout: float) -> httpx.Client:
+        return httpx.Client(base_url=url, timeout=timeout)
 
     def __enter__(self) -> Client:
         return self

@@ -91,6 +91,49 @@ class ApiMetrics:
         self.registry.register(StreamCollector(client, server, keys, timeout))
 
 
+def _one_sample(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    name: str,
+    documentation: str,
+    value: float,
+    namespace: str | None = None,
+) -> Metric:
+    """A family of one sample: the ``namespace``'s where one is given, else unlabelled."""
+    names, values = ([], []) if namespace is None else (["namespace"], [namespace])
+    family = kind(name, documentation, labels=names)
+    family.add_metric(values, value)
+    return family
+
+
+def _lag_families(
+    models: dict[str, WorkerStats], groups: dict[str, dict[str, object]], length: int
+) -> Iterator[Metric]:
+    """Each model's lag in the stream and its entries pending, from its consumer group's
+    info in ``groups`` (the stream ``length`` long)."""
+    lag = GaugeMetricFamily(
+        "streamxm_stream_lag",
+        "stream entries, from any producer, the model's learner has not "
+        "yet applied and checkpointed",
+        labels=["model"],
+    )
+    pending = GaugeMetricFamily(
+        "streamxm_stream_pending",
+        "entries delivered to the group but not acknowledged",
+        labels=["model"],
+    )
+    for model, stats in models.items():
+        group = groups.get(model, {})
+        waiting = int(group.get("pending", 0))  # type: ignore[call-overload]
+        undelivered = group.get("lag")  # Redis >= 7; None where it cannot tell
+        if undelivered is not None:
+            lag.add_metric([model], int(undelivered) + waiting)  # type: ignore[call-overload]
+        else:  # exact while the stream keeps every entry
+            done = stats.pairs_processed + stats.dead_letters
+            lag.add_metric([model], max(0.0, length - done))
+        pending.add_metric([model], waiting)
+    yield from (lag, pending)
+
+
 class StreamCollector(Collector):
     """Reads stream and learner state from Redis on every scrape, within ``timeout`` seconds."""
 
@@ -136,17 +179,17 @@ class StreamCollector(Collector):
         yield from self._failure_families(models)
 
     def _stream_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
-        """The stream: pairs ingested, its length and each model's lag in it, retention."""
+        """The stream: pairs ingested, its length and each model's lag in it, retention (and
+        the searcher's scan counts, between them)."""
         ns = self.keys.namespace
         ingested = int(text(self.r.get(self.keys.ingested) or 0))
-        m_ingested = CounterMetricFamily(
+        yield _one_sample(
+            CounterMetricFamily,
             "streamxm_pairs_ingested",
             "pairs added to the stream by streamxm producers",
-            labels=["namespace"],
+            ingested,
+            ns,
         )
-        m_ingested.add_metric([ns], ingested)
-        yield m_ingested
-
         # The stream's own counts, not the project's ingest counter: entries written by other
         # producers are lag too.
         groups: dict[str, dict[str, object]] = {}
@@ -155,71 +198,59 @@ class StreamCollector(Collector):
             length = int(self.r.xlen(self.keys.pairs))
             for info in self.r.xinfo_groups(self.keys.pairs):
                 groups[text(info["name"])] = info
-        stream_length = GaugeMetricFamily(
-            "streamxm_stream_length", "entries in the pairs stream", labels=["namespace"]
+        yield _one_sample(
+            GaugeMetricFamily, "streamxm_stream_length", "entries in the pairs stream", length, ns
         )
-        stream_length.add_metric([ns], length)
-        yield stream_length
-        scans = CounterMetricFamily(
-            "streamxm_search_exact_scans",
-            "searches whose reduced-precision candidates could "
-            "not be proven complete, answered by a float32 scan instead",
-        )
-        scans.add_metric([], self.server.searcher.exact_scans)
-        yield scans
-        expansions = CounterMetricFamily(
-            "streamxm_search_expansions",
-            "candidate scans repeated with four times the rows "
-            "because the first could not prove the top k complete (embedding scans, ensembles)",
-        )
-        expansions.add_metric([], self.server.searcher.expansions)
-        yield expansions
-        earlier = CounterMetricFamily(
-            "streamxm_search_earlier_index_scans",
-            "candidate scans of an earlier version's "
-            "index (a model that embeds raw vectors, while its served version embeds the "
-            "gallery): re-ranked exactly, not proven complete",
-        )
-        earlier.add_metric([], self.server.searcher.earlier_index_scans)
-        yield earlier
+        yield from self._scan_families()
+        yield from self._retention_families()
+        yield from _lag_families(models, groups, length)
+
+    def _scan_families(self) -> Iterator[Metric]:
+        """The searcher's scans that were not the plain candidate scan."""
+        searcher = self.server.searcher
+        for name, documentation, count in (
+            (
+                "streamxm_search_exact_scans",
+                "searches whose reduced-precision candidates could "
+                "not be proven complete, answered by a float32 scan instead",
+                searcher.exact_scans,
+            ),
+            (
+                "streamxm_search_expansions",
+                "candidate scans repeated with four times the rows "
+                "because the first could not prove the top k complete (embedding scans, "
+                "ensembles)",
+                searcher.expansions,
+            ),
+            (
+                "streamxm_search_earlier_index_scans",
+                "candidate scans of an earlier version's "
+                "index (a model that embeds raw vectors, while its served version embeds the "
+                "gallery): re-ranked exactly, not proven complete",
+                searcher.earlier_index_scans,
+            ),
+        ):
+            yield _one_sample(CounterMetricFamily, name, documentation, count)
+
+    def _retention_families(self) -> Iterator[Metric]:
+        """What retention trimmed from the stream, and up to where."""
+        ns = self.keys.namespace
         retention = str_hash(self.r.hgetall(self.keys.retention))
-        trimmed = CounterMetricFamily(
+        yield _one_sample(
+            CounterMetricFamily,
             "streamxm_stream_trimmed",
             "entries trimmed from the pairs stream by retention",
-            labels=["namespace"],
+            int(retention.get("trimmed_total", 0)),
+            ns,
         )
-        trimmed.add_metric([ns], int(retention.get("trimmed_total", 0)))
-        yield trimmed
         if "trimmed_to" in retention:
-            position = GaugeMetricFamily(
+            yield _one_sample(
+                GaugeMetricFamily,
                 "streamxm_stream_trim_position_seconds",
                 "time (unix seconds) in the id of the oldest entry retention keeps",
-                labels=["namespace"],
+                entry_id_key(retention["trimmed_to"])[0] / 1000,
+                ns,
             )
-            position.add_metric([ns], entry_id_key(retention["trimmed_to"])[0] / 1000)
-            yield position
-        lag = GaugeMetricFamily(
-            "streamxm_stream_lag",
-            "stream entries, from any producer, the model's learner has not "
-            "yet applied and checkpointed",
-            labels=["model"],
-        )
-        pending = GaugeMetricFamily(
-            "streamxm_stream_pending",
-            "entries delivered to the group but not acknowledged",
-            labels=["model"],
-        )
-        for model, stats in models.items():
-            group = groups.get(model, {})
-            waiting = int(group.get("pending", 0))  # type: ignore[call-overload]
-            undelivered = group.get("lag")  # Redis >= 7; None where it cannot tell
-            if undelivered is not None:
-                lag.add_metric([model], int(undelivered) + waiting)  # type: ignore[call-overload]
-            else:  # exact while the stream keeps every entry
-                done = stats.pairs_processed + stats.dead_letters
-                lag.add_metric([model], max(0.0, length - done))
-            pending.add_metric([model], waiting)
-        yield from (lag, pending)
 
     def _learning_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
         """What each model's learner wrote with its newest checkpoint."""
@@ -394,17 +425,17 @@ class StreamCollector(Collector):
         yield dead
 
         lost = CorruptSegments(self.r, self.keys).read()
-        segments = CounterMetricFamily(
+        yield _one_sample(
+            CounterMetricFamily,
             "streamxm_gallery_segments_corrupt",
             "gallery segments found missing or corrupt and quarantined (search serves the rest)",
-            labels=["namespace"],
+            len(lost),
+            self.keys.namespace,
         )
-        segments.add_metric([self.keys.namespace], len(lost))
-        yield segments
-        rows = CounterMetricFamily(
+        yield _one_sample(
+            CounterMetricFamily,
             "streamxm_gallery_rows_lost",
             "gallery rows lost with corrupt segments",
-            labels=["namespace"],
+            sum(lost.values()),
+            self.keys.namespace,
         )
-        rows.add_metric([self.keys.namespace], sum(lost.values()))
-        yield rows

@@ -19,7 +19,7 @@ from streamxm.learning.evaluation import (
 from streamxm.learning.schedule import EvalEvery
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models import model_class
-from streamxm.models.ensemble import Ensemble, is_ensemble, parse_ensemble
+from streamxm.models.ensemble import Ensemble, EnsembleSpec, is_ensemble, parse_ensemble
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import (
     BURST_RUN,
@@ -149,32 +149,49 @@ def quality(
         start = time.perf_counter()
         passes = train(learner, pairs, protocol, epochs, progress, desc=f"{name} {protocol}")
         seconds = time.perf_counter() - start
-        return learner, {
-            **run,
-            "model": name,
-            "passes": passes,
-            "buffer_memory": learner.buffer.memory,  # as resolved: the model's own by default
-            "train_pairs": len(ds.img_train),
-            "test_pairs": len(ds.img_test),
-            **evaluate_model(learner, ds),
-            "mistakes": dict(learner.stats.mistakes),
-            "triplets": dict(learner.stats.triplets),
-            "rolling_map": learner.rolling_map(),
-            "rolling_map_stderr": {
-                d: (float(np.std(q) / np.sqrt(len(q))) if q else None)
-                for d, q in learner.rolling_ap.items()
-            },
-            "pairs_evaluated": learner.pairs_evaluated,
-            "drift_detections": learner.drift.detections,
-            "pairs_in_burst": learner.pairs_in_burst,
-            "params": learner.model.params(),
-            "train_seconds": round(seconds, 3),
-        }
+        return learner, _trained_figures(learner, ds, {**run, "model": name}, passes, seconds)
 
     if not is_ensemble(model):
         return member(model)[1]
     spec = parse_ensemble(model)
-    trained = {name: member(name) for name in spec.members}
+    return _ensemble_figures(spec, {name: member(name) for name in spec.members}, ds, run)
+
+
+def _trained_figures(
+    learner: StreamLearner, ds: Dataset, run: dict[str, Any], passes: int, seconds: float
+) -> dict[str, Any]:
+    """What :func:`quality` reports of a model it trained: ``run`` (how), its test-split mAP
+    and what its learner counted on the way."""
+    return {
+        **run,
+        "passes": passes,
+        "buffer_memory": learner.buffer.memory,  # as resolved: the model's own by default
+        "train_pairs": len(ds.img_train),
+        "test_pairs": len(ds.img_test),
+        **evaluate_model(learner, ds),
+        "mistakes": dict(learner.stats.mistakes),
+        "triplets": dict(learner.stats.triplets),
+        "rolling_map": learner.rolling_map(),
+        "rolling_map_stderr": {
+            d: (float(np.std(q) / np.sqrt(len(q))) if q else None)
+            for d, q in learner.rolling_ap.items()
+        },
+        "pairs_evaluated": learner.pairs_evaluated,
+        "drift_detections": learner.drift.detections,
+        "pairs_in_burst": learner.pairs_in_burst,
+        "params": learner.model.params(),
+        "train_seconds": round(seconds, 3),
+    }
+
+
+def _ensemble_figures(
+    spec: EnsembleSpec,
+    trained: dict[str, tuple[StreamLearner, dict[str, Any]]],
+    ds: Dataset,
+    run: dict[str, Any],
+) -> dict[str, Any]:
+    """What :func:`quality` reports of an ensemble: the fused ranking's test-split mAP beside
+    its ``trained`` members' figures."""
     fused = Ensemble(spec, {name: learner.model for name, (learner, _) in trained.items()})
     members = {name: result for name, (_, result) in trained.items()}
     maps = ensemble_maps(fused, (ds.img_test, ds.txt_test, ds.y_test))
@@ -224,42 +241,10 @@ def stream_order(
     unknown = [o for o in orders if o not in ORDERS or o == "file"]
     if unknown or not orders:
         raise ValueError(f"orders: some of {', '.join(ORDERS[1:])}, got {unknown or orders}")
-    rows = []
-    for model in models:
-        reads = model_class(model).reads_labels
-        runs: dict[str, dict[str, Any]] = {
-            "file": _over_seeds(dataset, model, "file", 0.0, seeds, progress, burst_run)
-        }
-        for order in orders:
-            runs[order] = _over_seeds(dataset, model, order, 0.0, seeds, progress, burst_run)
-        if reads:
-            runs["noisy"] = _over_seeds(
-                dataset, model, "file", label_noise, seeds, progress, burst_run
-            )
-        file_mean = runs["file"]["mean"]
-        shares = {
-            name: {d: run["mean"][d] / file_mean[d] if file_mean[d] else 0.0 for d in DIRECTIONS}
-            for name, run in runs.items()
-            if name != "file"
-        }
-        checks = {
-            f"{order.replace('-', '_')}_keeps_share": min(shares[order].values()) >= ORDER_SHARE
-            for order in orders
-        }
-        checks["noisy_keeps_share"] = not reads or min(shares["noisy"].values()) >= NOISE_SHARE
-        rows.append(
-            {
-                "model": model,
-                **runs,
-                "noisy": runs.get("noisy"),
-                "shares": shares,
-                "class_share": shares.get("class"),
-                "noisy_share": shares.get("noisy"),
-                "checks": checks,
-                "met": all(checks.values()),
-                "file_drift_detections": runs["file"]["drift_detections"],
-            }
-        )
+    rows = [
+        _order_row(dataset, model, orders, label_noise, seeds, progress, burst_run)
+        for model in models
+    ]
     return {
         "benchmark": "stream-order",
         "dataset": str(dataset),
@@ -276,6 +261,49 @@ def stream_order(
             if not r["met"]
         },
         "all_met": all(r["met"] for r in rows),
+    }
+
+
+def _order_row(
+    dataset: str | Path,
+    model: str,
+    orders: list[str],
+    label_noise: float,
+    seeds: Sequence[int],
+    progress: bool,
+    burst_run: tuple[int, int],
+) -> dict[str, Any]:
+    """One model's row of :func:`stream_order`: each condition over the seeds, its share of
+    file order and the checks of those shares."""
+    reads = model_class(model).reads_labels
+    runs: dict[str, dict[str, Any]] = {
+        "file": _over_seeds(dataset, model, "file", 0.0, seeds, progress, burst_run)
+    }
+    for order in orders:
+        runs[order] = _over_seeds(dataset, model, order, 0.0, seeds, progress, burst_run)
+    if reads:
+        runs["noisy"] = _over_seeds(dataset, model, "file", label_noise, seeds, progress, burst_run)
+    file_mean = runs["file"]["mean"]
+    shares = {
+        name: {d: run["mean"][d] / file_mean[d] if file_mean[d] else 0.0 for d in DIRECTIONS}
+        for name, run in runs.items()
+        if name != "file"
+    }
+    checks = {
+        f"{order.replace('-', '_')}_keeps_share": min(shares[order].values()) >= ORDER_SHARE
+        for order in orders
+    }
+    checks["noisy_keeps_share"] = not reads or min(shares["noisy"].values()) >= NOISE_SHARE
+    return {
+        "model": model,
+        **runs,
+        "noisy": runs.get("noisy"),
+        "shares": shares,
+        "class_share": shares.get("class"),
+        "noisy_share": shares.get("noisy"),
+        "checks": checks,
+        "met": all(checks.values()),
+        "file_drift_detections": runs["file"]["drift_detections"],
     }
 
 

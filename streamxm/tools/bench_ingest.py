@@ -24,6 +24,7 @@ from streamxm.config import Settings
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import (
     FRAMES_MEDIA_TYPE,
+    Pair,
     encode_frames,
 )
 from streamxm.stream.producer import StreamProducer
@@ -93,58 +94,19 @@ def ingest(
         return ingest_cluster(img_dim, txt_dim, pairs, chunk, repeats, seed)
     data = synthetic_pairs(pairs, img_dim, txt_dim, seed=seed)
     batches = [data[i : i + http_batch] for i in range(0, pairs, http_batch)]
-    # Bodies encoded up front: the figure is the API's rate, not this process's encoder.
-    json_type, frames_type = "application/json", FRAMES_MEDIA_TYPE
-    paths: dict[str, tuple[str, str, list[bytes]]] = {
-        "json": (
-            "/v1/pairs",
-            json_type,
-            [json.dumps({"pairs": [pair_json(p) for p in b]}).encode() for b in batches],
-        ),
-        "base64": (
-            "/v1/pairs",
-            json_type,
-            [json.dumps({"pairs": [pair_json(p, True) for p in b]}).encode() for b in batches],
-        ),
-        "frames": ("/v1/pairs/frames", frames_type, [encode_frames(b) for b in batches]),
-    }
-    client_rates, rb_rates, replica_rates = [], [], []
-    http_rates: dict[str, list[float]] = {name: [] for name in paths}
-
-    def post_all(url: str, name: str) -> float:
-        path, media, bodies = paths[name]
-        seconds = asyncio.run(
-            post_each(url, [raw_request(url, path, media, body) for body in bodies], http_clients)
-        )
-        st.r.delete(st.keys.pairs)
-        return pairs / seconds
-
+    paths = _request_bodies(batches)
     with stack() as st:
-        # An ingest replica: no search gallery reading every pair back during any of these.
-        url = st.api(STREAMXM_API_ROLE="ingest")
-        client = StreamProducer(st.r, NAMESPACE)
-        # One untimed round first: Redis's first round of entries (page faults, allocator
-        # growth) would otherwise land on whichever path runs first, the client.
-        client.push_pairs(data, chunk=chunk)
-        st.r.delete(st.keys.pairs)
-        for name in paths:
-            post_all(url, name)
-        for _ in tqdm(range(repeats), desc="ingest repeats", file=sys.stderr):
-            start = time.perf_counter()
-            client.push_pairs(data, chunk=chunk)
-            client_rates.append(pairs / (time.perf_counter() - start))
-            st.r.delete(st.keys.pairs)
-            for name in paths:
-                http_rates[name].append(post_all(url, name))
-            rate = _redis_benchmark(st, img_dim, txt_dim, max(pairs, 5000), chunk)
-            if rate is not None:
-                rb_rates.append(rate)
-        st.procs.pop().stop(timeout=30)
+        posts = _Posts(st, paths, http_clients, pairs)
+        client_rates, http_rates, rb_rates = _ingest_role_rates(
+            st, posts, data, (img_dim, txt_dim), chunk, repeats
+        )
         # The default role: the same API also keeps the search gallery, reading every pair back.
         url = st.api()
-        post_all(url, "frames")
-        for _ in tqdm(range(repeats), desc="search replica repeats", file=sys.stderr):
-            replica_rates.append(post_all(url, "frames"))
+        posts.rate(url, "frames")
+        replica_rates = [
+            posts.rate(url, "frames")
+            for _ in tqdm(range(repeats), desc="search replica repeats", file=sys.stderr)
+        ]
     client_rate = statistics.median(client_rates)
     median = {name: statistics.median(rates) for name, rates in http_rates.items()}
     result: dict[str, Any] = {
@@ -173,6 +135,86 @@ def ingest(
     }
     result.update(_beside_redis_benchmark(rb_rates, client_rate, median))
     return result
+
+
+def _request_bodies(batches: list[list[Pair]]) -> dict[str, tuple[str, str, list[bytes]]]:
+    """Each HTTP path's name: its route, media type and the bodies of ``batches``. Encoded up
+    front: the figure is the API's rate, not this process's encoder."""
+    json_type, frames_type = "application/json", FRAMES_MEDIA_TYPE
+    return {
+        "json": (
+            "/v1/pairs",
+            json_type,
+            [json.dumps({"pairs": [pair_json(p) for p in b]}).encode() for b in batches],
+        ),
+        "base64": (
+            "/v1/pairs",
+            json_type,
+            [json.dumps({"pairs": [pair_json(p, True) for p in b]}).encode() for b in batches],
+        ),
+        "frames": ("/v1/pairs/frames", frames_type, [encode_frames(b) for b in batches]),
+    }
+
+
+class _Posts:
+    """Posts a path's bodies to an API, ``clients`` connections at once, and empties the
+    stream after them."""
+
+    def __init__(
+        self,
+        st: Stack,
+        paths: dict[str, tuple[str, str, list[bytes]]],
+        clients: int,
+        pairs: int,
+    ) -> None:
+        self.st, self.paths, self.clients, self.pairs = st, paths, clients, pairs
+
+    def rate(self, url: str, name: str) -> float:
+        """Pairs/s of the bodies of path ``name`` posted to the API at ``url``."""
+        path, media, bodies = self.paths[name]
+        seconds = asyncio.run(
+            post_each(url, [raw_request(url, path, media, body) for body in bodies], self.clients)
+        )
+        self.st.r.delete(self.st.keys.pairs)
+        return self.pairs / seconds
+
+
+def _ingest_role_rates(
+    st: Stack,
+    posts: _Posts,
+    data: list[Pair],
+    dims: tuple[int, int],
+    chunk: int,
+    repeats: int,
+) -> tuple[list[float], dict[str, list[float]], list[float]]:
+    """Each repeat's pairs/s of the client, of each HTTP path into an ingest replica and of
+    ``redis-benchmark`` for entries of the pairs' ``dims`` (when installed); the replica is
+    stopped after them."""
+    (img_dim, txt_dim), pairs = dims, posts.pairs
+    client_rates: list[float] = []
+    rb_rates: list[float] = []
+    http_rates: dict[str, list[float]] = {name: [] for name in posts.paths}
+    # An ingest replica: no search gallery reading every pair back during any of these.
+    url = st.api(STREAMXM_API_ROLE="ingest")
+    client = StreamProducer(st.r, NAMESPACE)
+    # One untimed round first: Redis's first round of entries (page faults, allocator
+    # growth) would otherwise land on whichever path runs first, the client.
+    client.push_pairs(data, chunk=chunk)
+    st.r.delete(st.keys.pairs)
+    for name in posts.paths:
+        posts.rate(url, name)
+    for _ in tqdm(range(repeats), desc="ingest repeats", file=sys.stderr):
+        start = time.perf_counter()
+        client.push_pairs(data, chunk=chunk)
+        client_rates.append(pairs / (time.perf_counter() - start))
+        st.r.delete(st.keys.pairs)
+        for name in posts.paths:
+            http_rates[name].append(posts.rate(url, name))
+        rate = _redis_benchmark(st, img_dim, txt_dim, max(pairs, 5000), chunk)
+        if rate is not None:
+            rb_rates.append(rate)
+    st.procs.pop().stop(timeout=30)
+    return client_rates, http_rates, rb_rates
 
 
 def _beside_redis_benchmark(

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import numpy as np
@@ -191,11 +191,7 @@ def query(
     (``recall_at_10``).
     """
     imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    queries: list[tuple[str, Any]] = []
-    for j in range(64):
-        row = int(rng.integers(gallery))
-        queries.append(("image", imgs[row]) if j % 2 else ("text", txts[row]))
+    queries = _search_queries(imgs, txts, seed)
     bodies = [
         json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
         for m, v in queries
@@ -209,48 +205,20 @@ def query(
         search_candidates=candidates,
         wait_for_index=wait_for_index,
     ) as st:
-        client = StreamProducer(st.r, NAMESPACE)
-        for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
-            client.push_pairs(
-                [
-                    make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
-                    for j in range(i, min(gallery, i + 5000))
-                ]
-            )
+        _fill_gallery(st, imgs, txts, classes)
         members = parse_ensemble(model).members if is_ensemble(model) else (model,)
-        workers = [st.spawn("worker", "--model", member) for member in members]
-        indexer = st.spawn("indexer")
-        url = st.api()
-        api = st.procs[-1]
+        url, api_pid, pids = _start_service(st, members)
         served = _steady_state(st, url, members, gallery)
         before = sum(st.processed(m) for m in members)
-        pids = {
-            **{f"worker {m}": w.pid for m, w in zip(members, workers, strict=True)},
-            "indexer": indexer.pid,
-            "api": api.pid,
-            "load_generator": None,
-        }
-        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        start = time.perf_counter()
-        latencies, statuses, answers = asyncio.run(run_clients(url, bodies, clients, seconds))
-        elapsed = time.perf_counter() - start
-        cpu = {
-            name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
-            for name, pid in pids.items()
-        }
+        load = _timed_load(url, bodies, clients, seconds, pids)
         learned = sum(st.processed(m) for m in members) - before
-        api_rss = rss_mb(api.pid)
+        api_rss = rss_mb(api_pid)
         exact_scans = metric_value(
             httpx.get(f"{url}/metrics", timeout=30).text, "streamxm_search_exact_scans_total"
         )
-        ready_start = time.perf_counter()
-        replica = st.api()
-        wait_for(lambda: served(replica), 900, "a second API to load the whole gallery")
-        replica_ready = time.perf_counter() - ready_start
-        recall = _recall(st, model, answers, queries, imgs, txts, k, recall_sample, seed)
-    ms = [x * 1000 for x in latencies]
-    lags = [a.lag_s for a in answers]
-    errors = sum(n for code, n in statuses.items() if code != "200")
+        replica_ready = _replica_ready_seconds(st, served)
+        recall = _recall(st, model, load.answers, queries, imgs, txts, k, recall_sample, seed)
+    lags = [a.lag_s for a in load.answers]
     return {
         "benchmark": "query",
         "gallery": gallery,
@@ -261,29 +229,119 @@ def query(
         "clients": clients,
         "candidates": candidates,
         "wait_for_index": wait_for_index,
-        "seconds": round(elapsed, 2),
-        "requests": len(ms),
-        "requests_per_s": round(len(ms) / elapsed, 1),
-        "p50_ms": round(percentile(ms, 50), 2),
-        "p90_ms": round(percentile(ms, 90), 2),
-        "p99_ms": round(percentile(ms, 99), 2),
-        "max_ms": round(max(ms), 2) if ms else None,
-        "errors": errors,
-        "statuses": statuses,
+        **load.latency_figures(),
         "recall_at_10": recall,
         "served_version_lag_p99_s": round(percentile(lags, 99), 3) if lags else None,
-        "model_versions_served": len({a.versions for a in answers}),
+        "model_versions_served": len({a.versions for a in load.answers}),
         "pairs_learned_meanwhile": learned,
         "api_rss_mb": round(api_rss, 1),
         "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
         "replica_ready_s": round(replica_ready, 2),
-        # Cores each process used during the load (the machine has os.cpu_count() of them).
-        "cores_used": cpu,
-        "cores": os.cpu_count(),
-        "api_cpu_ms_per_request": round(1000 * cpu["api"] * elapsed / max(1, len(ms)), 2),
+        **load.cpu_figures(),
         # Searches whose int8/bfloat16 candidates were not proven complete: a float32 scan answered.
         "exact_scans": exact_scans,
     }
+
+
+def _search_queries(
+    imgs: NDArray[np.float32], txts: NDArray[np.float32], seed: int
+) -> list[tuple[str, Any]]:
+    """The 64 queries the clients cycle through: gallery items' own vectors, text and image
+    alternating."""
+    rng = np.random.default_rng(seed + 1)
+    queries: list[tuple[str, Any]] = []
+    for j in range(64):
+        row = int(rng.integers(len(imgs)))
+        queries.append(("image", imgs[row]) if j % 2 else ("text", txts[row]))
+    return queries
+
+
+def _fill_gallery(
+    st: Stack, imgs: NDArray[np.float32], txts: NDArray[np.float32], classes: NDArray[Any]
+) -> None:
+    """Push the gallery's pairs (ids ``s<row>``) into the stream, 5,000 at a time."""
+    client = StreamProducer(st.r, NAMESPACE)
+    gallery = len(imgs)
+    for i in tqdm(range(0, gallery, 5000), desc="filling the gallery", file=sys.stderr):
+        client.push_pairs(
+            [
+                make_pair(f"s{j}", imgs[j], txts[j], labels=[int(classes[j])])
+                for j in range(i, min(gallery, i + 5000))
+            ]
+        )
+
+
+def _start_service(st: Stack, members: tuple[str, ...]) -> tuple[str, int, dict[str, int | None]]:
+    """A worker per model of ``members``, the gallery indexer and the API: the API's URL and
+    pid, and every process's pid by name (the load generator's None: this process)."""
+    workers = [st.spawn("worker", "--model", member) for member in members]
+    indexer = st.spawn("indexer")
+    url = st.api()
+    api = st.procs[-1]
+    pids = {
+        **{f"worker {m}": w.pid for m, w in zip(members, workers, strict=True)},
+        "indexer": indexer.pid,
+        "api": api.pid,
+        "load_generator": None,
+    }
+    return url, api.pid, pids
+
+
+class _Load(NamedTuple):
+    """What the load of :func:`query` measured."""
+
+    latencies: list[float]  # seconds per request
+    statuses: dict[str, int]  # requests per HTTP status
+    answers: list[Answer]
+    elapsed: float  # seconds the load ran
+    cpu: dict[str, float]  # cores each process used meanwhile
+
+    def latency_figures(self) -> dict[str, Any]:
+        ms = [x * 1000 for x in self.latencies]
+        return {
+            "seconds": round(self.elapsed, 2),
+            "requests": len(ms),
+            "requests_per_s": round(len(ms) / self.elapsed, 1),
+            "p50_ms": round(percentile(ms, 50), 2),
+            "p90_ms": round(percentile(ms, 90), 2),
+            "p99_ms": round(percentile(ms, 99), 2),
+            "max_ms": round(max(ms), 2) if ms else None,
+            "errors": sum(n for code, n in self.statuses.items() if code != "200"),
+            "statuses": self.statuses,
+        }
+
+    def cpu_figures(self) -> dict[str, Any]:
+        requests = max(1, len(self.latencies))
+        return {
+            # Cores each process used during the load (the machine has os.cpu_count() of them).
+            "cores_used": self.cpu,
+            "cores": os.cpu_count(),
+            "api_cpu_ms_per_request": round(1000 * self.cpu["api"] * self.elapsed / requests, 2),
+        }
+
+
+def _timed_load(
+    url: str, bodies: list[bytes], clients: int, seconds: float, pids: dict[str, int | None]
+) -> _Load:
+    """``clients`` connections posting ``bodies`` to ``/v1/search`` for ``seconds``, and the
+    cores each process of ``pids`` (None: this one) used meanwhile."""
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    start = time.perf_counter()
+    latencies, statuses, answers = asyncio.run(run_clients(url, bodies, clients, seconds))
+    elapsed = time.perf_counter() - start
+    cpu = {
+        name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
+        for name, pid in pids.items()
+    }
+    return _Load(latencies, statuses, answers, elapsed, cpu)
+
+
+def _replica_ready_seconds(st: Stack, served: Callable[[str], bool]) -> float:
+    """Seconds until a second API process on the same data serves the whole gallery."""
+    ready_start = time.perf_counter()
+    replica = st.api()
+    wait_for(lambda: served(replica), 900, "a second API to load the whole gallery")
+    return time.perf_counter() - ready_start
 
 
 def _steady_state(

@@ -14,7 +14,9 @@ import json
 import multiprocessing
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import evaluate_model
 from streamxm.tools.bench_end_to_end import in_process_rate
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
-from streamxm.tools.stack import NAMESPACE, stack
+from streamxm.tools.stack import NAMESPACE, Stack, stack
 
 __all__ = ["distributed", "independent_rate"]
 
@@ -51,31 +53,15 @@ def independent_rate(
 
 
 def _independent(
-    model: str,
-    counts: tuple[int, ...],
-    img_dim: int,
-    txt_dim: int,
-    pairs: int,
-    eval_every: EvalEvery,
-    threads: int,
-    seed: int,
+    counts: tuple[int, ...], rate: Callable[[int], float], seed: int
 ) -> dict[int, float]:
+    """Per count ``N`` of ``counts``: the sum of ``rate(seed + i)`` run in ``N`` processes at
+    once, ``i`` from 0 to ``N - 1`` (``rate``: :func:`independent_rate` but for its seed)."""
     context = multiprocessing.get_context("spawn")
     totals = {}
     for count in counts:
         with ProcessPoolExecutor(count, mp_context=context) as pool:
-            rates = list(
-                pool.map(
-                    independent_rate,
-                    *zip(
-                        *[
-                            (model, img_dim, txt_dim, pairs, eval_every, threads, seed + i)
-                            for i in range(count)
-                        ],
-                        strict=True,
-                    ),
-                )
-            )
+            rates = list(pool.map(rate, [seed + i for i in range(count)]))
         totals[count] = sum(rates)
     return totals
 
@@ -103,48 +89,12 @@ def _run(
         lease_ttl_ms=5000,
     ) as st:
         StreamProducer(st.r, NAMESPACE).push_pairs(pairs)
-        threads_env = {"STREAMXM_THREADS": str(threads)}
-        extra = [
-            arg
-            for key, value in (params or {}).items()
-            for arg in ("--param", f"{key}={json.dumps(value)}")
-        ]
-        for rank in range(ranks):
-            st.spawn(
-                "worker",
-                "--model",
-                model,
-                "--world-size",
-                str(ranks),
-                "--rank",
-                str(rank),
-                *extra,
-                **threads_env,
-            )
-        samples: list[tuple[float, int]] = []
-        deadline = time.monotonic() + timeout_s
-        with tqdm(total=total, desc=f"{model}, {ranks} rank(s)", file=sys.stderr) as bar:
-            while True:
-                stats = st.stats(model)
-                done = int(stats.get("pairs_processed", 0))
-                if done and (not samples or samples[-1][1] != done):
-                    samples.append((float(stats["learned_time"]), done))
-                    bar.update(done - bar.n)
-                if done >= total:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{ranks} rank(s) learned {done} of {total} pairs in "
-                        f"{timeout_s:.0f} s (logs in {st.root})"
-                    )
-                time.sleep(0.05)
+        _spawn_ranks(st, model, ranks, threads, params)
+        samples, stats = _follow_checkpoints(st, model, ranks, total, timeout_s)
         (t0, n0), (t1, n1) = samples[0], samples[-1]
         # Too few pairs after the first checkpoint to time (a fast model on a small dataset):
         # no rate rather than a wrong one.
         rate = round((n1 - n0) / (t1 - t0), 1) if n0 <= total // 2 and t1 > t0 else None
-        rounds = int(stats.get("dist_split_rounds", 0))
-        collective = float(stats.get("dist_collective_seconds", 0.0))
-        scatter = float(stats.get("dist_scatter_seconds", 0.0))
         figures: dict[str, Any] = {
             "ranks": ranks,
             "pairs_per_s": rate,
@@ -152,32 +102,87 @@ def _run(
             "checkpoints": len(samples),
         }
         if ranks > 1:
-            figures.update(
-                {
-                    "rounds": int(stats.get("dist_rounds", 0)),
-                    "split_rounds": rounds,
-                    "collective_s_per_round": round(collective / max(rounds, 1), 4),
-                    "scatter_s_per_round": round(
-                        scatter / max(int(stats.get("dist_rounds", 0)), 1), 4
-                    ),
-                    "merge_bytes_per_round": int(stats.get("dist_merge_bytes", 0)),
-                    "rank0_learn_s_per_round": round(
-                        float(stats.get("dist_learn_seconds", 0.0)) / max(rounds, 1), 4
-                    ),
-                    "rank0_commit_s_per_round": round(
-                        float(stats.get("dist_commit_seconds", 0.0)) / max(rounds, 1), 4
-                    ),
-                    "rank0_between_rounds_s_per_round": round(
-                        float(stats.get("dist_between_seconds", 0.0)) / max(rounds, 1), 4
-                    ),
-                    "other_ranks_learn_s_per_round": round(
-                        float(stats.get("dist_peer_learn_seconds", 0.0)) / max(rounds, 1), 4
-                    ),
-                }
-            )
+            figures.update(_round_figures(stats))
         ckpt = open_store(st.settings, st.r).load_latest(model)
         assert ckpt is not None
         return figures, StreamLearner.from_state(ckpt.arrays, ckpt.meta)
+
+
+def _spawn_ranks(
+    st: Stack, model: str, ranks: int, threads: int, params: dict[str, Any] | None
+) -> None:
+    """``ranks`` processes ``streamxm worker --world-size ranks --rank R`` of ``model``, each
+    with ``threads`` threads and the same ``params``."""
+    threads_env = {"STREAMXM_THREADS": str(threads)}
+    extra = [
+        arg
+        for key, value in (params or {}).items()
+        for arg in ("--param", f"{key}={json.dumps(value)}")
+    ]
+    for rank in range(ranks):
+        st.spawn(
+            "worker",
+            "--model",
+            model,
+            "--world-size",
+            str(ranks),
+            "--rank",
+            str(rank),
+            *extra,
+            **threads_env,
+        )
+
+
+def _follow_checkpoints(
+    st: Stack, model: str, ranks: int, total: int, timeout_s: float
+) -> tuple[list[tuple[float, int]], dict[str, str]]:
+    """Poll the model's statistics until its checkpoints hold all ``total`` pairs: each new
+    checkpoint's (learning time, pairs), and the last statistics read; :class:`TimeoutError`
+    after ``timeout_s``."""
+    samples: list[tuple[float, int]] = []
+    deadline = time.monotonic() + timeout_s
+    with tqdm(total=total, desc=f"{model}, {ranks} rank(s)", file=sys.stderr) as bar:
+        while True:
+            stats = st.stats(model)
+            done = int(stats.get("pairs_processed", 0))
+            if done and (not samples or samples[-1][1] != done):
+                samples.append((float(stats["learned_time"]), done))
+                bar.update(done - bar.n)
+            if done >= total:
+                return samples, stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{ranks} rank(s) learned {done} of {total} pairs in "
+                    f"{timeout_s:.0f} s (logs in {st.root})"
+                )
+            time.sleep(0.05)
+
+
+def _round_figures(stats: dict[str, str]) -> dict[str, Any]:
+    """A distributed learner's rounds, from rank 0's statistics: how many, and the time per
+    round in each part of one."""
+    rounds = int(stats.get("dist_split_rounds", 0))
+    collective = float(stats.get("dist_collective_seconds", 0.0))
+    scatter = float(stats.get("dist_scatter_seconds", 0.0))
+    return {
+        "rounds": int(stats.get("dist_rounds", 0)),
+        "split_rounds": rounds,
+        "collective_s_per_round": round(collective / max(rounds, 1), 4),
+        "scatter_s_per_round": round(scatter / max(int(stats.get("dist_rounds", 0)), 1), 4),
+        "merge_bytes_per_round": int(stats.get("dist_merge_bytes", 0)),
+        "rank0_learn_s_per_round": round(
+            float(stats.get("dist_learn_seconds", 0.0)) / max(rounds, 1), 4
+        ),
+        "rank0_commit_s_per_round": round(
+            float(stats.get("dist_commit_seconds", 0.0)) / max(rounds, 1), 4
+        ),
+        "rank0_between_rounds_s_per_round": round(
+            float(stats.get("dist_between_seconds", 0.0)) / max(rounds, 1), 4
+        ),
+        "other_ranks_learn_s_per_round": round(
+            float(stats.get("dist_peer_learn_seconds", 0.0)) / max(rounds, 1), 4
+        ),
+    }
 
 
 def distributed(
@@ -219,9 +224,16 @@ def distributed(
             )
         results.append(figures)
     if ds is None:
-        ceiling = _independent(
-            model, ranks, img_dim, txt_dim, min(len(data), 1536), eval_every, threads_per_rank, seed
+        rate = partial(
+            independent_rate,
+            model,
+            img_dim,
+            txt_dim,
+            min(len(data), 1536),
+            eval_every,
+            threads_per_rank,
         )
+        ceiling = _independent(ranks, rate, seed)
         for figures in results:
             figures["independent_pairs_per_s"] = round(ceiling[figures["ranks"]], 1)
     base = results[0]

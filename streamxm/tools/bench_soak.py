@@ -60,8 +60,6 @@ def soak(
     fitted to the samples after ``warmup_minutes``.
     """
     pool = synthetic_pairs(2000, img_dim, txt_dim, seed=seed)
-    stop = threading.Event()
-    counts = {"pushed": 0, "queries": 0, "query_errors": 0, "stream_length_max": 0}
     samples: list[dict[str, float]] = []
     with stack(gallery_max=gallery_max, checkpoint_every_seconds=2.0) as st:
         worker = st.spawn("worker", "--model", "cmos")
@@ -71,48 +69,14 @@ def soak(
         url = st.api()
         api = st.procs[-1]
         wait_for(lambda: httpx.get(f"{url}/readyz", timeout=5).status_code == 200, 120, "ready")
-
-        def produce() -> None:
-            step, i = max(1, int(rate / 10)), 0
-            start = time.perf_counter()
-            while not stop.is_set():
-                part = [
-                    Pair(f"s{i + j}", p.img, p.txt, p.labels)
-                    for j, p in enumerate(pool[i % len(pool) : i % len(pool) + step])
-                ]
-                client.push_pairs(part)
-                i += len(part)
-                counts["pushed"] = i
-                stop.wait(max(0.0, start + i / rate - time.perf_counter()))
-
-        def ask() -> None:
-            with httpx.Client(base_url=url, timeout=30) as http:
-                j = 0
-                while not stop.is_set():
-                    p = pool[j % len(pool)]
-                    response = http.post(
-                        "/v1/search", json={"modality": "image", "vector": p.img.tolist(), "k": 10}
-                    )
-                    counts["queries"] += 1
-                    counts["query_errors"] += response.status_code != 200
-                    j += 1
-                    stop.wait(1 / qps)
-
-        def watch_stream() -> None:
-            while not stop.wait(2.0):
-                counts["stream_length_max"] = max(
-                    counts["stream_length_max"], int(st.r.xlen(st.keys.pairs))
-                )
-
-        threads = [threading.Thread(target=f, daemon=True) for f in (produce, ask, watch_stream)]
-        for t in threads:
-            t.start()
+        load = _SoakLoad(st, client, url, pool)
+        threads = load.start(rate, qps)
         start = time.perf_counter()
         total = int(minutes * 60 / sample_seconds)
         for n in tqdm(range(total + 1), desc="soak samples", file=sys.stderr):
-            stop.wait(max(0.0, start + n * sample_seconds - time.perf_counter()))
+            load.stop.wait(max(0.0, start + n * sample_seconds - time.perf_counter()))
             samples.append(_sample(st, start, worker.pid, indexer.pid, api.pid))
-        stop.set()
+        load.stop.set()
         for t in threads:
             t.join(timeout=30)
         alive = {"worker": worker.alive(), "indexer": indexer.alive(), "api": api.alive()}
@@ -125,12 +89,69 @@ def soak(
         "txt_dim": txt_dim,
         "gallery_max": gallery_max,
         "warmup_minutes": warmup_minutes,
-        **counts,
+        **load.counts,
         "alive_at_end": alive,
         "samples": samples,
     }
     result.update(_slopes([s for s in samples if s["minute"] >= warmup_minutes]))
     return result
+
+
+class _SoakLoad:
+    """The soak's load, each part a thread until :attr:`stop` is set: pairs pushed at a rate,
+    searches at a rate, and the stream's length polled every 2 s; :attr:`counts` says what
+    they did."""
+
+    def __init__(self, st: Stack, client: StreamProducer, url: str, pool: list[Pair]) -> None:
+        self.st, self.client, self.url, self.pool = st, client, url, pool
+        self.stop = threading.Event()
+        self.counts = {"pushed": 0, "queries": 0, "query_errors": 0, "stream_length_max": 0}
+
+    def start(self, rate: float, qps: float) -> list[threading.Thread]:
+        """Start pushing at ``rate`` pairs/s and searching at ``qps``; the threads."""
+        threads = [
+            threading.Thread(target=self._produce, args=(rate,), daemon=True),
+            threading.Thread(target=self._ask, args=(qps,), daemon=True),
+            threading.Thread(target=self._watch_stream, daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _produce(self, rate: float) -> None:
+        pool, counts = self.pool, self.counts
+        step, i = max(1, int(rate / 10)), 0
+        start = time.perf_counter()
+        while not self.stop.is_set():
+            part = [
+                Pair(f"s{i + j}", p.img, p.txt, p.labels)
+                for j, p in enumerate(pool[i % len(pool) : i % len(pool) + step])
+            ]
+            self.client.push_pairs(part)
+            i += len(part)
+            counts["pushed"] = i
+            self.stop.wait(max(0.0, start + i / rate - time.perf_counter()))
+
+    def _ask(self, qps: float) -> None:
+        pool, counts = self.pool, self.counts
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            j = 0
+            while not self.stop.is_set():
+                p = pool[j % len(pool)]
+                response = http.post(
+                    "/v1/search", json={"modality": "image", "vector": p.img.tolist(), "k": 10}
+                )
+                counts["queries"] += 1
+                counts["query_errors"] += response.status_code != 200
+                j += 1
+                self.stop.wait(1 / qps)
+
+    def _watch_stream(self) -> None:
+        st, counts = self.st, self.counts
+        while not self.stop.wait(2.0):
+            counts["stream_length_max"] = max(
+                counts["stream_length_max"], int(st.r.xlen(st.keys.pairs))
+            )
 
 
 def _sample(st: Stack, start: float, worker: int, indexer: int, api: int) -> dict[str, float]:

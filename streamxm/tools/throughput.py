@@ -39,7 +39,7 @@ from threadpoolctl import threadpool_limits
 
 from streamxm.learning.schedule import EvalEvery, evaluation_interval
 from streamxm.learning.stream_learner import StreamLearner
-from streamxm.models import create_model, split_name
+from streamxm.models import CrossModalModel, create_model, split_name
 from streamxm.models.opt_in import counted
 from streamxm.models.work import Rates
 from streamxm.stream.messages import Pair
@@ -224,12 +224,60 @@ def throughput(
     in a burst.
     """
     base, _ = split_name(model)
+    params = _with_cmos_defaults(base, params, order)
+    probe = create_model(model, img_dim, txt_dim, params)
+    pairs, warmup = _timed_span(probe, base, pairs, warmup, order, eval_every)
+    data = synthetic_pairs(warmup + pairs, img_dim, txt_dim, seed=seed)
+    ordered = [data[i] for i in stream_order(np.array([p.labels[0] for p in data]), order, seed)]
+    result: dict[str, Any] = {
+        "model": model,
+        "img_dim": img_dim,
+        "txt_dim": txt_dim,
+        "pairs": pairs,
+        "warmup_pairs": warmup,
+        "repeats": repeats,
+        "threads": 1,
+        "order": order,
+        "eval_every": eval_every,
+    }
+    with threadpool_limits(limits=1):
+        timed = _time_repeats(
+            model, data, ordered, warmup, params, seed, order, eval_every, repeats
+        )
+        learner = timed.learned[-1].learner
+        machine, rates = _machine_figures(learner, seed, repeats)
+        result.update(_learner_figures(timed, pairs, machine, rates))
+        result.update(_timed_beside(timed))
+        if base == "cmos":
+            base_data = ordered[: warmup + baseline_pairs]  # the same stream, paper loop
+            result.update(
+                _cmos_limit(
+                    model, learner, base_data, warmup, params, seed, repeats, timed.per_pair
+                )
+            )
+    return result
+
+
+def _with_cmos_defaults(base: str, params: dict[str, Any] | None, order: str) -> dict[str, Any]:
+    """``params`` with CMOS's benchmark defaults (:func:`throughput`) where they are unset."""
     params = dict(params or {})
     if base == "cmos":
         params.setdefault("triplets_per_pair", 2)
         if order == "file":  # no burst: replay=0 is the default's work; in bursts it is not
             params.setdefault("replay", 0)
-    probe = create_model(model, img_dim, txt_dim, params)
+    return params
+
+
+def _timed_span(
+    probe: CrossModalModel,
+    base: str,
+    pairs: int,
+    warmup: int | None,
+    order: str,
+    eval_every: EvalEvery | None,
+) -> tuple[int, int]:
+    """The timed pairs (whole periods of the model's periodic work; with the evaluation, at
+    least two of its intervals) and the untimed warm-up before them (:func:`throughput`)."""
     counting = counted(probe)
     start, period = counting.periodic_work() if counting is not None else (0, 1)
     if eval_every is not None:  # at least two evaluations timed: their share is measured
@@ -245,82 +293,124 @@ def throughput(
             )
         if start > warmup:  # steady: the doubling solves and the model's own fill are past
             warmup = start
-    data = synthetic_pairs(warmup + pairs, img_dim, txt_dim, seed=seed)
-    ordered = [data[i] for i in stream_order(np.array([p.labels[0] for p in data]), order, seed)]
-    result: dict[str, Any] = {
-        "model": model,
-        "img_dim": img_dim,
-        "txt_dim": txt_dim,
-        "pairs": pairs,
-        "warmup_pairs": warmup,
-        "repeats": repeats,
-        "threads": 1,
-        "order": order,
-        "eval_every": eval_every,
+    return pairs, warmup
+
+
+class _Repeats(NamedTuple):
+    per_pair: float  # the median seconds per pair of the learner as asked
+    learned: list[_Timed]  # each repeat's learner as asked
+    file_order: list[float]  # per pair, the same stream in its own order (another order)
+    learning_only: list[float]  # per pair, the evaluation off (with the evaluation)
+
+
+def _time_repeats(
+    model: str,
+    data: list[Pair],
+    ordered: list[Pair],
+    warmup: int,
+    params: dict[str, Any],
+    seed: int,
+    order: str,
+    eval_every: EvalEvery | None,
+    repeats: int,
+) -> _Repeats:
+    """Each repeat times the learner on ``ordered`` (``data`` in ``order``) and, in the same
+    repeat, its references: ``data`` in its own order when ``order`` is another, the
+    evaluation off when it is on."""
+    learned: list[_Timed] = []
+    file_order: list[float] = []
+    learning_only: list[float] = []
+
+    def run_learner() -> float:
+        if order != "file":  # the reference, in the same repeat
+            file_order.append(_time_learning(model, data, warmup, params, seed, eval_every)[0])
+        if eval_every:
+            learning_only.append(_time_learning(model, ordered, warmup, params, seed)[0])
+        timed = _time_learning(model, ordered, warmup, params, seed, eval_every)
+        learned.append(timed)
+        return timed.seconds
+
+    per_pair = _median_seconds(run_learner, repeats)
+    return _Repeats(per_pair, learned, file_order, learning_only)
+
+
+def _machine_figures(
+    learner: StreamLearner, seed: int, repeats: int
+) -> tuple[dict[str, Any], Rates]:
+    """The machine's rates (:func:`_machine_rates`) as the JSON reports them, and as rates."""
+    state_bytes = _state_bytes(learner.model)
+    rates, cached_read = _machine_rates(seed, repeats, state_bytes)
+    return {
+        "gemm_float64_flops_per_s": round(rates.flops_per_s),
+        "gemm_float32_flops_per_s": round(rates.flops32_per_s or 0),
+        "read_bytes_per_s": round(rates.bytes_per_s),
+        "read_bytes_per_s_16mb": round(cached_read),
+        "state_bytes": state_bytes,
+    }, rates
+
+
+def _learner_figures(
+    timed: _Repeats, pairs: int, machine: dict[str, Any], rates: Rates
+) -> dict[str, Any]:
+    """The learner's figures: its rate (the median repeat's), the last repeat's counts, the
+    ``machine`` it ran on and its roofline at the machine's ``rates``."""
+    last = timed.learned[-1]
+    return {
+        "params": last.learner.model.params(),
+        "pairs_per_s": round(1 / timed.per_pair, 1),
+        "seconds_per_pair": timed.per_pair,
+        "timed_pairs_in_burst": last.in_burst,
+        "evaluated_every": (round(pairs / last.evaluated, 1) if last.evaluated else None),
+        "machine": machine,
+        **_roofline(last._replace(seconds=timed.per_pair), pairs, rates),
     }
-    with threadpool_limits(limits=1):
-        learned: list[_Timed] = []
-        file_order: list[float] = []
-        learning_only: list[float] = []
 
-        def run_learner() -> float:
-            if order != "file":  # the reference, in the same repeat
-                file_order.append(_time_learning(model, data, warmup, params, seed, eval_every)[0])
-            if eval_every:
-                learning_only.append(_time_learning(model, ordered, warmup, params, seed)[0])
-            timed = _time_learning(model, ordered, warmup, params, seed, eval_every)
-            learned.append(timed)
-            return timed.seconds
 
-        per_pair = _median_seconds(run_learner, repeats)
-        last = learned[-1]
-        learner = last.learner
-        state_bytes = _state_bytes(learner.model)
-        rates, cached_read = _machine_rates(seed, repeats, state_bytes)
-        result.update(
-            params=learner.model.params(),
-            pairs_per_s=round(1 / per_pair, 1),
-            seconds_per_pair=per_pair,
-            timed_pairs_in_burst=last.in_burst,
-            evaluated_every=(round(pairs / last.evaluated, 1) if last.evaluated else None),
-            machine={
-                "gemm_float64_flops_per_s": round(rates.flops_per_s),
-                "gemm_float32_flops_per_s": round(rates.flops32_per_s or 0),
-                "read_bytes_per_s": round(rates.bytes_per_s),
-                "read_bytes_per_s_16mb": round(cached_read),
-                "state_bytes": state_bytes,
-            },
-            **_roofline(last._replace(seconds=per_pair), pairs, rates),
+def _timed_beside(timed: _Repeats) -> dict[str, Any]:
+    """The references timed beside the learner: learning alone (its evaluation's share of the
+    time) and the same stream in its own order (the slowdown of the order asked)."""
+    figures: dict[str, Any] = {}
+    if timed.learning_only:
+        alone = statistics.median(timed.learning_only)
+        share = statistics.median(t.evaluation_seconds / t.seconds for t in timed.learned)
+        figures.update(
+            learning_only_pairs_per_s=round(1 / alone, 1), evaluation_share=round(share, 3)
         )
-        if learning_only:
-            alone = statistics.median(learning_only)
-            share = statistics.median(t.evaluation_seconds / t.seconds for t in learned)
-            result.update(
-                learning_only_pairs_per_s=round(1 / alone, 1), evaluation_share=round(share, 3)
-            )
-        if file_order:
-            reference = statistics.median(file_order)
-            result.update(
-                file_order_pairs_per_s=round(1 / reference, 1),
-                slowdown=round(per_pair / reference, 2),
-            )
-        if base == "cmos":
-            triplets = sum(learner.stats.triplets.values()) / learner.pairs_seen
-            W = learner.model.W  # type: ignore[attr-defined]
-            matvec = _median_seconds(lambda: _matvec_seconds(W, 200, seed), repeats)
-            # One product per triplet; a pair of directions is one W @ x plus one y @ W.
-            limit_per_pair = matvec / 2 * triplets
-            paper_params = {**params, "solver": "paper"}
-            base_data = ordered[: warmup + baseline_pairs]  # the same stream, paper loop
-            baseline = _median_seconds(
-                lambda: _time_learning(model, base_data, warmup, paper_params, seed)[0], repeats
-            )
-            result.update(
-                triplets_per_pair=round(triplets, 3),
-                limit_pairs_per_s=round(1 / limit_per_pair, 1),
-                ratio_to_limit=round(limit_per_pair / per_pair, 3),
-                baseline_pairs_per_s=round(1 / baseline, 1),
-                baseline_ratio_to_limit=round(limit_per_pair / baseline, 3),
-                speedup_over_baseline=round(baseline / per_pair, 2),
-            )
-    return result
+    if timed.file_order:
+        reference = statistics.median(timed.file_order)
+        figures.update(
+            file_order_pairs_per_s=round(1 / reference, 1),
+            slowdown=round(timed.per_pair / reference, 2),
+        )
+    return figures
+
+
+def _cmos_limit(
+    model: str,
+    learner: StreamLearner,
+    base_data: list[Pair],
+    warmup: int,
+    params: dict[str, Any],
+    seed: int,
+    repeats: int,
+    per_pair: float,
+) -> dict[str, Any]:
+    """CMOS's learner beside its limit (BLAS matrix-vector products with its own ``W``, one per
+    triplet) and beside the paper's loop on ``base_data`` (the same stream, shorter)."""
+    triplets = sum(learner.stats.triplets.values()) / learner.pairs_seen
+    W = learner.model.W  # type: ignore[attr-defined]
+    matvec = _median_seconds(lambda: _matvec_seconds(W, 200, seed), repeats)
+    # One product per triplet; a pair of directions is one W @ x plus one y @ W.
+    limit_per_pair = matvec / 2 * triplets
+    paper_params = {**params, "solver": "paper"}
+    baseline = _median_seconds(
+        lambda: _time_learning(model, base_data, warmup, paper_params, seed)[0], repeats
+    )
+    return {
+        "triplets_per_pair": round(triplets, 3),
+        "limit_pairs_per_s": round(1 / limit_per_pair, 1),
+        "ratio_to_limit": round(limit_per_pair / per_pair, 3),
+        "baseline_pairs_per_s": round(1 / baseline, 1),
+        "baseline_ratio_to_limit": round(limit_per_pair / baseline, 3),
+        "speedup_over_baseline": round(baseline / per_pair, 2),
+    }
