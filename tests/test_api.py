@@ -13,7 +13,7 @@ from streamxm.service import build_worker
 from streamxm.stream.keys import Keys
 from streamxm.stream.producer import StreamProducer
 from streamxm.tools.datasets import bundled_wiki_path, iter_pairs, load_dataset
-from tests.conftest import ApiServer, metric, wait_for
+from tests.conftest import ApiServer, metric, wait_for, wait_gallery_items
 
 
 @pytest.fixture
@@ -67,11 +67,7 @@ def test_end_to_end_search_and_metrics(
         assert metric(text, "streamxm_update_duration_seconds_count", model="cmos") == 600
 
         # Search: an image query ranks texts of the gallery kept from the stream.
-        wait_for(
-            lambda: http.get("/v1/models").json()["models"][0]["gallery_items"] == 600,
-            10,
-            "the gallery",
-        )
+        wait_gallery_items(http, 600, "the gallery", timeout=10)
         reply = http.post(
             "/v1/search", json={"modality": "image", "vector": pairs[5].img.tolist(), "k": 7}
         )

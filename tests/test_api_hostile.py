@@ -11,7 +11,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,24 +23,10 @@ from streamxm.config import Settings
 from streamxm.service import build_worker
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import encode_pair, make_pair
-from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import EmbeddedRedis, connect
-from tests.conftest import ApiServer, class_stream, metric, wait_for
+from tests.conftest import ApiServer, class_stream, local_settings, metric, serve_cmos, wait_for
 
 KB = 1024
-
-
-def _serving(r: redis.Redis, settings: Settings, n: int = 200) -> None:
-    StreamProducer(r, settings.namespace).push_pairs(class_stream(n, 8, 4, seed=1))
-    build_worker(settings, r, "cmos").run(until_idle=True)
-
-
-@pytest.fixture
-def api(r: redis.Redis, settings: Settings) -> Iterator[ApiServer]:
-    _serving(r, settings)
-    with ApiServer(settings) as server:
-        wait_for(lambda: httpx.get(f"{server.url}/readyz").status_code == 200, 30, "ready")
-        yield server
 
 
 def _timed_get(url: str) -> float:
@@ -268,18 +253,10 @@ def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path, namespa
     known values and redis_up 0, and the Redis-bound routes fail fast with a 503."""
     server = EmbeddedRedis(tmp_path / "redis")
     url = server.start()
-    settings = Settings(
-        redis_url=url,
-        namespace=namespace,
-        data_dir=tmp_path / "data",
-        checkpoint_every_seconds=0.2,
-        block_ms=50,
-        lease_ttl_ms=1000,
-        _env_file=None,
-    )  # type: ignore[call-arg]
+    settings = local_settings(url, namespace, tmp_path)
     r = connect(settings)
     pairs = class_stream(200, 8, 4, seed=3)
-    _serving(r, settings)
+    serve_cmos(r, settings)
     pid = int((server.data_dir / "redis.pid").read_text())
     timings: dict[str, list[float]] = {
         "/healthz": [],
@@ -291,7 +268,7 @@ def test_a_stalled_redis_slows_no_probe_search_or_scrape(tmp_path: Path, namespa
     stalled = threading.Event()
     try:
         with ApiServer(settings) as api:
-            wait_for(lambda: httpx.get(f"{api.url}/readyz").status_code == 200, 30, "ready")
+            api.wait_ready()
             before = _families(httpx.get(f"{api.url}/metrics").text)
             assert before["streamxm_redis_up{}"] == 1.0
             search = {"modality": "image", "vector": pairs[0].img.tolist(), "k": 5}

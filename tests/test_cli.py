@@ -1,8 +1,6 @@
 """The console script as a user runs it."""
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +12,14 @@ from streamxm.learning.stream_learner import StreamLearner
 from streamxm.service import build_worker
 from streamxm.stream.keys import Keys
 from streamxm.tools.throughput import throughput
-from tests.conftest import PY, SHARED_WIKI, class_stream, free_port
+from tests.conftest import (
+    SHARED_WIKI,
+    class_stream,
+    cli_json,
+    free_port,
+    run_cli,
+    three_class_benchmark,
+)
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -25,80 +30,42 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_demo_json_runs_the_whole_spine_on_the_embedded_redis(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [*PY, "demo", "--pairs", "300", "--json", "--port", str(free_port())],
+    result = cli_json(
+        *("demo", "--pairs", "300", "--json", "--port", str(free_port())),
         env=_env(tmp_path),
-        capture_output=True,
-        text=True,
         timeout=240,
         cwd=tmp_path,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
     assert result["pairs"] == 300 and result["served_version"] >= 1
     assert 0.1 < result["map_i2t"] < 1 and 0.1 < result["map_t2i"] < 1
     assert result["published"]["CCA"]["map_i2t"] == 0.2757
     # The demo stopped the embedded server it started.
-    assert not (tmp_path / "d" / "redis" / "redis.sock").exists() or subprocess.run(
-        [*PY, "redis", "status"], env=_env(tmp_path), capture_output=True, text=True, cwd=tmp_path
+    assert not (tmp_path / "d" / "redis" / "redis.sock").exists() or run_cli(
+        "redis", "status", env=_env(tmp_path), timeout=None, cwd=tmp_path
     ).stdout.startswith("stopped")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_WIKI.exists(), reason="../shared/datasets not present")
 def test_bench_quality_prints_json(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "quality",
-            "--dataset",
-            str(SHARED_WIKI),
-            "--model",
-            "cmos",
-            "--protocol",
-            "stream",
-            "--json",
-        ],
+    result = cli_json(
+        *("bench", "quality", "--dataset", str(SHARED_WIKI), "--model", "cmos"),
+        *("--protocol", "stream", "--json"),
         env=_env(tmp_path),
-        capture_output=True,
-        text=True,
         timeout=240,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
     assert result["train_pairs"] == 2173 and result["passes"] == 1
     # Issue 3's targets for one streaming pass (docs/benchmarks.md records the figures).
     assert result["map_i2t"] >= 0.276 and result["map_t2i"] >= 0.212
 
 
 def test_bench_throughput_reports_learner_limit_and_baseline(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "throughput",
-            "--model",
-            "cmos",
-            "--img-dim",
-            "64",
-            "--txt-dim",
-            "32",
-            "--pairs",
-            "200",
-            "--baseline-pairs",
-            "40",
-            "--repeats",
-            "1",
-            "--json",
-        ],
+    result = cli_json(
+        *("bench", "throughput", "--model", "cmos", "--img-dim", "64", "--txt-dim", "32"),
+        *("--pairs", "200", "--baseline-pairs", "40", "--repeats", "1", "--json"),
         env=_env(tmp_path),
-        capture_output=True,
-        text=True,
         timeout=240,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
     assert result["img_dim"] == 64 and result["threads"] == 1
     assert result["params"]["triplets_per_pair"] == 2 and result["triplets_per_pair"] > 1.9
     # The issue's two products per pair: no replayed query on top (CMOS replays in bursts).
@@ -142,23 +109,12 @@ def test_bench_throughput_times_the_rolling_evaluation_beside_learning_alone() -
     always.learn(pairs)
     assert never.evaluation_seconds == 0.0 < always.evaluation_seconds
     assert throughput("cmos", img_dim=8, txt_dim=4, pairs=20, repeats=1)["eval_every"] is None
-    bad = subprocess.run(
-        [*PY, "bench", "throughput", "--eval-every", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = run_cli("bench", "throughput", "--eval-every", "0")
     assert bad.returncode == 2 and "positive integer" in bad.stderr
 
 
 def test_push_rejects_a_missing_dataset(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [*PY, "push", "--dataset", str(tmp_path / "nope.npz")],
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("push", "--dataset", str(tmp_path / "nope.npz"), env=_env(tmp_path))
     assert out.returncode == 2 and "nope.npz" in out.stderr
     # Arguments are checked before anything starts: no embedded Redis was launched.
     assert not (tmp_path / "d" / "redis").exists()
@@ -167,13 +123,7 @@ def test_push_rejects_a_missing_dataset(tmp_path: Path) -> None:
 def test_worker_rejects_an_unknown_model_before_registering_it(
     tmp_path: Path, r: redis.Redis, settings: Settings
 ) -> None:
-    out = subprocess.run(
-        [*PY, "worker", "--model", "bogus"],
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("worker", "--model", "bogus", env=_env(tmp_path))
     assert out.returncode == 2 and "unknown model 'bogus'" in out.stderr
     assert not (tmp_path / "d" / "redis").exists()
     # Against a running Redis, the library refuses it before anything is written there either.
@@ -201,13 +151,7 @@ def test_worker_rejects_a_bad_param_before_anything_starts(
         "STREAMXM_NAMESPACE": settings.namespace,
     }
     for world in ("1", "2"):
-        out = subprocess.run(
-            [*PY, "worker", "--model", "cmos", "--param", param, "--world-size", world],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = run_cli("worker", "--model", "cmos", "--param", param, "--world-size", world, env=env)
         assert out.returncode == 2 and message in out.stderr, out.stderr
     keys = Keys(settings.namespace)
     assert not r.exists(keys.lease("cmos")) and r.smembers(keys.models) == set()
@@ -216,13 +160,7 @@ def test_worker_rejects_a_bad_param_before_anything_starts(
 @pytest.mark.parametrize("token", ["", "   "])
 def test_api_refuses_to_start_with_an_empty_token(tmp_path: Path, token: str) -> None:
     env = {**_env(tmp_path), "STREAMXM_API_TOKEN": token}
-    out = subprocess.run(
-        [*PY, "api", "--port", str(free_port())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("api", "--port", str(free_port()), env=env)
     assert out.returncode == 2
     assert "STREAMXM_API_TOKEN" in out.stderr and "empty" in out.stderr
     assert "Uvicorn running" not in out.stderr
@@ -231,47 +169,13 @@ def test_api_refuses_to_start_with_an_empty_token(tmp_path: Path, token: str) ->
 def test_bench_database_pools_splits_and_scores_against_the_database(tmp_path: Path) -> None:
     """The SDSRL paper's protocol: all pairs pooled, a random quarter as queries, the rest both
     the training set and the gallery; mean and spread over seeds."""
-    rng = np.random.default_rng(0)
-    centres = rng.normal(size=(3, 8))
-    y = rng.integers(3, size=120)
-    arrays = {
-        "img": centres[y] + 0.5 * rng.normal(size=(120, 8)),
-        "txt": centres[y, :5] + 0.5 * rng.normal(size=(120, 5)),
-    }
-    path = tmp_path / "tiny.npz"
-    np.savez(
-        path,
-        img_train=arrays["img"][:90],
-        txt_train=arrays["txt"][:90],
-        y_train=y[:90],
-        img_test=arrays["img"][90:],
-        txt_test=arrays["txt"][90:],
-        y_test=y[90:],
-    )
-    out = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "database",
-            "--dataset",
-            str(path),
-            "--model",
-            "sdsrl",
-            "--seeds",
-            "0,1,2",
-            "--param",
-            "m_img=40",
-            "--param",
-            "q=3",
-            "--json",
-        ],
+    path = three_class_benchmark(tmp_path / "tiny.npz", seed=0, n=120, n_train=90)
+    result = cli_json(
+        *("bench", "database", "--dataset", str(path), "--model", "sdsrl", "--seeds", "0,1,2"),
+        *("--param", "m_img=40", "--param", "q=3", "--json"),
         env=_env(tmp_path),
-        capture_output=True,
-        text=True,
         timeout=240,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
     assert result["queries"] == 30 and result["database"] == 90
     assert [r["seed"] for r in result["runs"]] == [0, 1, 2]
     for key in ("map_i2t", "map_t2i", "map_i2i", "map_t2t"):
@@ -283,14 +187,7 @@ def test_bench_database_pools_splits_and_scores_against_the_database(tmp_path: P
 
 def test_redis_stop_and_status_say_what_they_did(tmp_path: Path) -> None:
     def run(*args: str) -> str:
-        out = subprocess.run(
-            [*PY, "redis", *args],
-            env=_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=tmp_path,
-        )
+        out = run_cli("redis", *args, env=_env(tmp_path), cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.strip()
 

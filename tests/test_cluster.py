@@ -4,7 +4,6 @@ with its replica promoted. ``pytest -k cluster`` selects these."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -28,17 +27,20 @@ from streamxm.tools.cluster import LocalCluster, namespace_on_each_master
 from streamxm.tools.datasets import iter_pairs, load_dataset
 from tests.conftest import (
     IMG,
-    PY,
     TXT,
     ApiServer,
     WorkerProcess,
     assert_same_learner,
     class_stream,
+    kill_at_progress,
+    last_worker,
     latest,
     metric,
     processed,
     reference,
+    run_cli,
     wait_for,
+    wait_gallery_items,
     worker_env,
 )
 
@@ -86,13 +88,10 @@ def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
         keys = Keys(ns)
         if i == 0:  # the CLI, in its own process, on the cluster URL
             pairs = wiki
-            subprocess.run(
-                [*PY, "push", "--dataset", "wiki", "--limit", "200"],
-                env=worker_env(settings),
-                check=True,
-                capture_output=True,
-                timeout=120,
+            pushed = run_cli(
+                "push", "--dataset", "wiki", "--limit", "200", env=worker_env(settings), timeout=120
             )
+            assert pushed.returncode == 0, pushed.stderr
         else:
             pairs = class_stream(200, 8, 4, seed=i)
             StreamProducer(r, ns).push_pairs(pairs)
@@ -122,11 +121,7 @@ def test_cluster_end_to_end_in_three_namespaces_on_three_masters(
                 },
             )
             assert accepted.status_code == 202, accepted.text
-            wait_for(
-                lambda: http.get("/v1/models").json()["models"][0]["gallery_items"] == 201,
-                30,
-                "the gallery to hold every pair",
-            )
+            wait_gallery_items(http, 201, "the gallery to hold every pair")
             found = http.post(
                 "/v1/search", json={"modality": "image", "k": 5, "vector": pairs[3].img.tolist()}
             ).json()
@@ -148,19 +143,12 @@ def test_cluster_sigkilled_workers_end_bit_identical(cluster: LocalCluster, tmp_
     env = worker_env(settings, STREAMXM_CHECKPOINT_EVERY_PAIRS="97", STREAMXM_READ_BATCH="40")
     rng = np.random.default_rng(7)
     for threshold in sorted(int(t) for t in rng.choice(np.arange(100, n - 200), 3, replace=False)):
-        worker = WorkerProcess(env)
-        wait_for(lambda t=threshold: processed(r, keys) >= t, 60, f"{threshold} pairs")
-        time.sleep(float(rng.uniform(0, 0.2)))
-        worker.kill()
-    final = WorkerProcess(env)
-    try:
-        wait_for(lambda: processed(r, keys) == n, 120, "all pairs")
+        kill_at_progress(env, r, keys, threshold, rng, 0.2, f"{threshold} pairs")
+    with last_worker(env, r, keys, n) as final:
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
         # A killed worker may have learned the whole stream already: the last one must be up
         # (its SIGTERM handler in place) before it is asked to stop.
         wait_for(lambda: final.saw("leads cmos"), 60, "the last worker to lead")
-    finally:
-        assert final.stop() == 0, final.tail()
     assert_same_learner(latest(settings, r), reference(pairs))
 
 

@@ -14,7 +14,7 @@ from streamxm.service import build_worker, open_store
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import make_pair
 from streamxm.stream.producer import StreamProducer
-from tests.conftest import class_stream, two_versions
+from tests.conftest import assert_same_scores, class_stream, two_versions
 
 KERNELS = [{"img_gamma": 0.5, "txt_gamma": 0.5}, {"img_gamma": 4.0, "txt_gamma": 2.0}]
 
@@ -144,13 +144,7 @@ def test_state_round_trip_continues_identically_even_before_the_pool_is_full() -
     b = StreamLearner.from_state(*a.state())
     a.learn(pairs[30:])
     b.learn(pairs[30:])
-    probe_i, probe_t = (
-        np.random.default_rng(0).random((5, 6)),
-        np.random.default_rng(1).random((7, 4)),
-    )
-    assert np.array_equal(
-        a.model.similarity(probe_i, probe_t), b.model.similarity(probe_i, probe_t)
-    )
+    probe_i, probe_t = assert_same_scores(a.model, b.model, 6, 4)
     assert a.stats.as_dict() == b.stats.as_dict()
     emb = a.model.embed_images(probe_i) @ a.model.embed_texts(probe_t).T
     np.testing.assert_allclose(emb, a.model.similarity(probe_i, probe_t), rtol=1e-4, atol=1e-6)
@@ -203,12 +197,6 @@ def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
     reference = StreamLearner("cmomks", 6, 4, params, seed=settings.seed)
     reference.learn(pairs)
     assert restored.pairs_seen == 300
-    probe_i, probe_t = (
-        np.random.default_rng(0).random((5, 6)),
-        np.random.default_rng(1).random((7, 4)),
-    )
-    assert np.array_equal(
-        restored.model.similarity(probe_i, probe_t), reference.model.similarity(probe_i, probe_t)
-    )
+    assert_same_scores(restored.model, reference.model, 6, 4)
     stats = r.hgetall(Keys(settings.namespace).stats("cmomks"))
     assert int(stats[b"pairs_processed"]) == 300 and int(stats[b"mistakes_i2t"]) > 0

@@ -6,7 +6,7 @@ import pytest
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmos import CMOS
-from streamxm.stream.messages import make_pair
+from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import iter_pairs, load_dataset
 from tests.conftest import SHARED_WIKI, class_stream
 
@@ -63,12 +63,17 @@ def test_mistake_means_positive_not_above_negative_before_update() -> None:
     assert stats.loss["i2t"] == pytest.approx(1.0 + (1 - 2 * 0.05))
 
 
-def test_learning_does_not_depend_on_batch_boundaries() -> None:
-    rng = np.random.default_rng(3)
-    pairs = [
+def _random_pairs(n: int, seed: int) -> list[Pair]:
+    """``n`` pairs of uniform random 6-d images and 4-d texts, each with one of three labels."""
+    rng = np.random.default_rng(seed)
+    return [
         make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
-        for i in range(300)
+        for i in range(n)
     ]
+
+
+def test_learning_does_not_depend_on_batch_boundaries() -> None:
+    pairs = _random_pairs(300, seed=3)
     one = StreamLearner("cmos", 6, 4, seed=7)
     one.learn(pairs)
     many = StreamLearner("cmos", 6, 4, seed=7)
@@ -79,11 +84,7 @@ def test_learning_does_not_depend_on_batch_boundaries() -> None:
 
 
 def test_state_round_trip_continues_identically() -> None:
-    rng = np.random.default_rng(4)
-    pairs = [
-        make_pair(str(i), rng.random(6), rng.random(4), labels=[int(rng.integers(3))])
-        for i in range(200)
-    ]
+    pairs = _random_pairs(200, seed=4)
     a = StreamLearner("cmos", 6, 4, seed=1)
     a.learn(pairs[:120])
     b = StreamLearner.from_state(*a.state())

@@ -11,7 +11,6 @@ from threadpoolctl import threadpool_limits
 
 from streamxm.config import Settings
 from streamxm.learning.stream_learner import StreamLearner
-from streamxm.service import open_store
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.stream.producer import StreamProducer
@@ -20,14 +19,15 @@ from streamxm.tools.bench_ranks import distributed
 from streamxm.tools.datasets import iter_pairs, load_dataset, synthetic_pairs
 from streamxm.tools.processes import Child
 from streamxm.tools.waiting import wait_for
-from tests.conftest import ApiServer, assert_same_learner, metric, stats, worker_env
+from tests.conftest import ApiServer, assert_same_learner, latest, metric, stats, worker_env
 
 pytestmark = pytest.mark.slow
 
 
-def _ranks(settings: Settings, model: str, world: int, *params: str, **env: str) -> list[Child]:
-    """``world`` ranks of ``model`` as ``streamxm worker --world-size --rank`` processes."""
-    environment = worker_env(
+def _rank_env(settings: Settings, **env: str) -> dict[str, str]:
+    """A rank's environment: the ranks meet on loopback, give up on a silent peer after 20 s,
+    checkpoint every 0.2 s and compute on one thread; ``env`` adds to or replaces these."""
+    return worker_env(
         settings,
         **{
             "STREAMXM_DIST_HOST": "127.0.0.1",
@@ -37,6 +37,11 @@ def _ranks(settings: Settings, model: str, world: int, *params: str, **env: str)
             **env,
         },
     )
+
+
+def _ranks(settings: Settings, model: str, world: int, *params: str, **env: str) -> list[Child]:
+    """``world`` ranks of ``model`` as ``streamxm worker --world-size --rank`` processes."""
+    environment = _rank_env(settings, **env)
     extra = [arg for p in params for arg in ("--param", p)]
     return [_rank(environment, model, world, rank, extra) for rank in range(world)]
 
@@ -65,12 +70,6 @@ def _learned(
         return int(stats(r, keys, model).get("pairs_processed", 0)) >= n
 
     wait_for(done, timeout, f"{n} pairs learned by the ranks of {model}")
-
-
-def _latest(settings: Settings, r: redis.Redis, model: str) -> StreamLearner:
-    ckpt = open_store(settings, r).load_latest(model)
-    assert ckpt is not None
-    return StreamLearner.from_state(ckpt.arrays, ckpt.meta)
 
 
 def _one_learner(model: str, pairs: list[Pair], params: dict[str, object]) -> StreamLearner:
@@ -103,7 +102,7 @@ def test_sum_models_two_ranks_equal_one_learner(
             child.stop()
     split_rounds = int(stats(r, Keys(settings.namespace), model)["dist_split_rounds"])
     assert split_rounds >= 3  # the ranks did share the work
-    got = _latest(settings, r, model)
+    got = latest(settings, r, model)
     want = _one_learner(model, pairs, dict(params))
     assert got.pairs_seen == want.pairs_seen == len(pairs)
     # Mistake counts are not compared: each rank scores triplets with the model it holds, and
@@ -169,7 +168,7 @@ def test_unsplit_models_learn_on_rank_zero_exactly_as_one_learner(
         want.learn(pairs)
     if model == "cmomks":
         assert want.model.projected > 0  # type: ignore[attr-defined]
-    assert_same_learner(_latest(settings, r, model), want)
+    assert_same_learner(latest(settings, r, model), want)
 
 
 def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings, r: redis.Redis) -> None:
@@ -178,15 +177,7 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings, r: re
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(4000, 64, 32, seed=3)
     StreamProducer(r, settings.namespace).push_pairs(pairs)
-    env = worker_env(
-        settings,
-        STREAMXM_DIST_HOST="127.0.0.1",
-        STREAMXM_DIST_TIMEOUT_S="20",
-        STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2",
-        STREAMXM_READ_BATCH="32",
-        STREAMXM_EVAL_EVERY="1",
-        OMP_NUM_THREADS="1",
-    )
+    env = _rank_env(settings, STREAMXM_READ_BATCH="32", STREAMXM_EVAL_EVERY="1")
     children = [_rank(env, "cmos", 2, rank, []) for rank in range(2)]
     try:
         _learned(r, keys, "cmos", 600, children)
@@ -200,7 +191,7 @@ def test_rank_killed_mid_round_every_pair_counted_once(settings: Settings, r: re
     finally:
         for child in children:
             child.stop()
-    learner = _latest(settings, r, "cmos")
+    learner = latest(settings, r, "cmos")
     assert learner.pairs_seen == len(pairs)
     model = learner.model
     assert model.n_seen == len(pairs)  # type: ignore[attr-defined]
@@ -264,14 +255,11 @@ def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
     try:
         wait_for(lambda: learned(1000), 120, "1000 pairs learned", interval=0.01)
         children[0].kill()
-        env = worker_env(
+        env = _rank_env(
             settings,
-            STREAMXM_DIST_HOST="127.0.0.1",
-            STREAMXM_DIST_TIMEOUT_S="20",
             STREAMXM_CHECKPOINT_EVERY_SECONDS="0.5",
             STREAMXM_READ_BATCH="640",
             STREAMXM_EVAL_EVERY="10",
-            OMP_NUM_THREADS="1",
         )
         children[0] = _rank(env, "sam", 2, 0, [])
         wait_for(lambda: learned(len(pairs)), 120, "every pair learned", interval=0.01)
@@ -279,7 +267,7 @@ def test_rounds_shorter_than_a_read_commit_only_what_the_read_covers(
         for child in children:
             child.stop()
     assert len(seen) >= 3
-    learner = _latest(settings, r, "sam")
+    learner = latest(settings, r, "sam")
     assert learner.pairs_seen == len(pairs)
     assert int(stats(r, keys, "sam")["dist_split_rounds"]) > 0
     for last_id, processed in seen:
@@ -306,7 +294,7 @@ def test_poison_pair_on_any_rank_is_dead_lettered_once(settings: Settings, r: re
     ((_, letter),) = r.xrange(keys.dead)
     assert text(letter[b"reason"]) == "learn_error"
     assert "s900" in text(letter[b"detail"]) or "rank" in text(letter[b"detail"])
-    learner = _latest(settings, r, "cmos")
+    learner = latest(settings, r, "cmos")
     assert learner.pairs_seen == len(pairs) - 1
     assert r.xpending(keys.pairs, keys.group("cmos"))["pending"] == 0
 
@@ -386,14 +374,7 @@ def test_process_without_redis_credentials_cannot_join_the_ranks(
     keys = Keys(settings.namespace)
     pairs = synthetic_pairs(1500, 32, 16, seed=11)
     StreamProducer(r, settings.namespace).push_pairs(pairs)
-    env = worker_env(
-        settings,
-        STREAMXM_DIST_HOST="127.0.0.1",
-        STREAMXM_DIST_TIMEOUT_S="20",
-        STREAMXM_CHECKPOINT_EVERY_SECONDS="0.2",
-        STREAMXM_READ_BATCH="32",
-        OMP_NUM_THREADS="1",
-    )
+    env = _rank_env(settings, STREAMXM_READ_BATCH="32")
     children = [_rank(env, "cmos", 2, 0, [])]
     listening: set[str] = set()
     try:
@@ -421,4 +402,4 @@ def test_process_without_redis_credentials_cannot_join_the_ranks(
             child.stop()
     assert listening == {"127.0.0.1"}, listening
     assert int(stats(r, keys, "cmos")["dist_split_rounds"]) > 0
-    assert _latest(settings, r, "cmos").pairs_seen == len(pairs)
+    assert latest(settings, r, "cmos").pairs_seen == len(pairs)

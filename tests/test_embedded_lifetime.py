@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 
 from streamxm.stream.redis_conn import EmbeddedRedis
 from streamxm.tools.processes import Child
-from tests.conftest import PY, free_port, wait_for
+from tests.conftest import free_port, run_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -61,33 +60,17 @@ def test_the_last_process_to_exit_stops_the_embedded_redis(tmp_path: Path) -> No
 def test_a_redis_started_on_purpose_keeps_running(tmp_path: Path) -> None:
     data = tmp_path / "d"
     server = EmbeddedRedis(data / "redis")
-    started = subprocess.run(
-        [*PY, "redis", "start"], env=_env(data), capture_output=True, text=True, timeout=60
-    )
+    started = run_cli("redis", "start", env=_env(data))
     assert started.returncode == 0, started.stderr
     try:
-        pushed = subprocess.run(
-            [*PY, "push", "--dataset", "wiki", "--limit", "20"],
-            env=_env(data),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        pushed = run_cli("push", "--dataset", "wiki", "--limit", "20", env=_env(data), timeout=120)
         assert pushed.returncode == 0, pushed.stderr
         assert "`streamxm redis start` started it" in pushed.stderr
         assert server.is_running()
-        stopped = subprocess.run(
-            [*PY, "redis", "stop"], env=_env(data), capture_output=True, text=True, timeout=60
-        )
+        stopped = run_cli("redis", "stop", env=_env(data))
         assert "stopped the embedded Redis" in stopped.stdout and not server.is_running()
         # Without the pin, a push that started it stops it when done.
-        pushed = subprocess.run(
-            [*PY, "push", "--dataset", "wiki", "--limit", "20"],
-            env=_env(data),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        pushed = run_cli("push", "--dataset", "wiki", "--limit", "20", env=_env(data), timeout=120)
         assert pushed.returncode == 0 and "stopped the embedded Redis" in pushed.stderr
         assert not server.is_running()
     finally:

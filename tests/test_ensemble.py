@@ -10,8 +10,8 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.models.ensemble import REFERENCE_ITEMS, parse_ensemble
+from streamxm.models.heads import RbfFeatures
 from streamxm.service import build_worker, open_store
-from streamxm.serving import served as served_module
 from streamxm.serving.served import (
     EnsembleUnsupported,
     InvalidModelName,
@@ -47,7 +47,7 @@ def test_ensemble_search_is_the_fused_ranking_of_the_gallery(
     """Also as a large gallery keeps sdsrl's kernel rows (float16): its member's index then
     only bounds its scores and the ensemble fuses member by member."""
     if compact:
-        monkeypatch.setattr(served_module, "COMPACT_FEATURES_ROWS", 1)
+        monkeypatch.setattr(RbfFeatures, "compact_from_rows", 1)
     settings, pairs = learned
     # Candidates >= gallery: the union of the members' candidates is the whole gallery, so the
     # answer must be the brute-force fused ranking, scored as /v1/similarity scores.
@@ -97,7 +97,7 @@ def test_sdsrl_from_float16_kernel_rows_answers_its_exact_ranking(
     bound the version's, so a search proves its few candidates complete by the kept rows'
     rounding bound and scores them from the raw vectors: the answer is the exact ranking,
     with the version's own scores."""
-    monkeypatch.setattr(served_module, "COMPACT_FEATURES_ROWS", 1)
+    monkeypatch.setattr(RbfFeatures, "compact_from_rows", 1)
     settings, pairs = learned
     server = ModelServer(r, open_store(settings, r), settings.namespace, candidates=1)
     server.refresh()

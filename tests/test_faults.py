@@ -32,10 +32,16 @@ from tests.conftest import (
     ApiServer,
     WorkerProcess,
     assert_same_learner,
+    checkpoints_every,
     class_stream,
     free_port,
+    frozen_worker,
+    kill_at_progress,
+    last_worker,
     latest,
+    local_settings,
     processed,
+    push_slowly,
     reference,
     stats,
     wait_for,
@@ -43,19 +49,6 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
-
-
-def push_slowly(
-    client: StreamProducer, pairs: list[Pair], chunk: int = 100, pause: float = 0.02
-) -> threading.Thread:
-    def run() -> None:
-        for start in range(0, len(pairs), chunk):
-            client.push_pairs(pairs[start : start + chunk])
-            time.sleep(pause)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
 
 
 # (kind, fail points to kill at): the directory store has two windows inside a checkpoint
@@ -98,23 +91,16 @@ def test_sigkill_at_random_points_applies_every_pair_exactly_once(
     kills = 0
     for what, arg in plan:
         if what == "fail":
-            worker = WorkerProcess({**env, "STREAMXM_FAULT_PAUSE": f"{arg}:30"})
-            wait_for(lambda w=worker: w.saw("fail point"), 60, f"fail point {arg}")
+            worker = frozen_worker(env, arg, f"fail point {arg}")
             if arg == "checkpoint.partial_write":
                 assert list(ckpt_dir.rglob("*.tmp")), "no half-written checkpoint on disk"
+            worker.kill()
         else:
-            worker = WorkerProcess(env)
-            wait_for(lambda t=arg: processed(r, keys) >= t, 60, f"{arg} pairs")
-            time.sleep(float(rng.uniform(0, 0.3)))
-        worker.kill()
+            kill_at_progress(env, r, keys, arg, rng, 0.3, f"{arg} pairs")
         kills += 1
     producer.join(timeout=120)
-    final = WorkerProcess(env)
-    try:
-        wait_for(lambda: processed(r, keys) == n, 120, "all pairs")
+    with last_worker(env, r, keys, n):
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
-    finally:
-        assert final.stop() == 0, final.tail()
     assert kills >= 6
     settings_kind = settings.model_copy(
         update={"checkpoint_store": kind, "checkpoint_dir": ckpt_dir}
@@ -181,15 +167,7 @@ def test_redis_killed_and_restarted_loses_no_acknowledged_pair(
 ) -> None:
     server = EmbeddedRedis(tmp_path / "redis")  # AOF on: appendonly yes, everysec
     url = server.start()
-    settings = Settings(
-        redis_url=url,
-        namespace=namespace,
-        data_dir=tmp_path / "data",
-        checkpoint_every_seconds=0.2,
-        block_ms=50,
-        lease_ttl_ms=3000,
-        _env_file=None,
-    )  # type: ignore[call-arg]
+    settings = local_settings(url, namespace, tmp_path, lease_ttl_ms=3000)
     keys = Keys(namespace)
     r = connect(settings)
     n = 3000
@@ -342,14 +320,7 @@ def test_corrupt_checkpoint_falls_back_replays_and_counts(
     pairs = class_stream(900, IMG, TXT, seed=7)
     client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:600])
-    every = settings.model_copy(
-        update={
-            "checkpoint_every_pairs": 150,
-            "read_batch": 50,
-            "checkpoint_every_seconds": 60.0,
-            "checkpoint_max_share": 1.0,
-        }
-    )  # every 150, no hold-back
+    every = checkpoints_every(settings, 150, read_batch=50, checkpoint_every_seconds=60.0)
     build_worker(every, r, "cmos").run(until_idle=True)
     store = RedisCheckpointStore(r, keys)
     head = store.head("cmos")
@@ -360,7 +331,7 @@ def test_corrupt_checkpoint_falls_back_replays_and_counts(
     r.set(keys.checkpoint_blob("cmos", newest), blob[: len(blob) // 2])  # truncated
     # The API serves the previous good version and counts the bad one.
     with ApiServer(settings) as api:
-        wait_for(lambda: httpx.get(f"{api.url}/readyz").status_code == 200, 30, "ready")
+        api.wait_ready()
         served = httpx.get(f"{api.url}/v1/models").json()["models"][0]["version"]
         assert served == newest - 1
         metrics = httpx.get(f"{api.url}/metrics").text

@@ -22,10 +22,8 @@ from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from streamxm.config import Settings
-from streamxm.service import build_worker
 from streamxm.stream.messages import FRAMES_MEDIA_TYPE
-from streamxm.stream.producer import StreamProducer
-from tests.conftest import ApiServer, class_stream, wait_for
+from tests.conftest import ApiServer, serve_cmos
 
 # The frames route takes raw bytes: schemathesis sends what it generates for a binary body.
 schemathesis.serializer.alias(FRAMES_MEDIA_TYPE, "application/octet-stream")
@@ -37,14 +35,25 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture
 def api(r: redis.Redis, settings: Settings) -> Iterator[ApiServer]:
     """An API serving a CMOS model over a 300-pair gallery; writes need the token."""
-    StreamProducer(r, settings.namespace).push_pairs(class_stream(300, 8, 4, seed=1))
-    build_worker(settings, r, "cmos").run(until_idle=True)
+    serve_cmos(r, settings, 300)
     secured = settings.model_copy(
         update={"api_token": SecretStr(TOKEN), "max_k": 50, "max_batch": 64}
     )
     with ApiServer(secured) as server:
-        wait_for(lambda: httpx.get(f"{server.url}/readyz").status_code == 200, 30, "ready")
+        server.wait_ready()
         yield server
+
+
+def derandomized(max_examples: int) -> examples:
+    """Hypothesis settings for a fuzz run that CI can reproduce: derandomized, no example
+    database, no deadline and no health check (the calls go over real HTTP)."""
+    return examples(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 def fuzz(operation: Any, mode: GenerationMode, base_url: str, problems: list[str]) -> int:
@@ -54,13 +63,7 @@ def fuzz(operation: Any, mode: GenerationMode, base_url: str, problems: list[str
     schemathesis's own CLI against a dev server (README)."""
     calls = 0
 
-    @examples(
-        max_examples=60,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @derandomized(60)
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
         nonlocal calls
@@ -144,13 +147,7 @@ def test_hostile_bodies_get_small_answers_and_never_a_500(api: ApiServer) -> Non
     """Issue 17: whatever a client sends, the answer is a 4xx of at most 64 KB."""
     seen: set[int] = set()
 
-    @examples(
-        max_examples=40,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @derandomized(40)
     @given(case=hostile_body())
     def run(case: tuple[str, bytes]) -> None:
         path, body = case

@@ -227,11 +227,7 @@ def test_a_corrupt_segment_is_quarantined_and_the_rest_of_the_gallery_served(
             build_worker(cfg, r, "cmos").run(until_idle=True)
             models = http.get("/v1/models").json()
             assert models["gallery"]["degraded"] and models["gallery"]["rows_lost"] == 700
-            fx.wait_for(
-                lambda: http.get("/v1/models").json()["models"][0]["gallery_items"] == 100,
-                30,
-                "the rest of the gallery served",
-            )
+            fx.wait_gallery_items(http, 100, "the rest of the gallery served")
             hits = http.post(
                 "/v1/search", json={"modality": "image", "k": 1000, "vector": pairs[0].img.tolist()}
             ).json()

@@ -16,19 +16,7 @@ from streamxm.service import open_store
 from streamxm.stream.keys import Keys
 from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import str_hash
-from tests.conftest import (
-    IMG,
-    TXT,
-    WorkerProcess,
-    assert_same_learner,
-    class_stream,
-    latest,
-    processed,
-    reference,
-    stats,
-    wait_for,
-    worker_env,
-)
+from tests import conftest as fx
 
 pytestmark = pytest.mark.slow  # real processes and fault windows: minutes
 
@@ -47,36 +35,36 @@ def test_a_transient_learning_failure_mid_batch_loses_nothing(
     committed the whole batch with a third of it learned; now it reloads, replays and ends
     bit-identical to an uninterrupted run."""
     keys = Keys(settings.namespace)
-    pairs = class_stream(300, IMG, TXT, seed=21)
+    pairs = fx.class_stream(300, fx.IMG, fx.TXT, seed=21)
     StreamProducer(r, settings.namespace).push_pairs(pairs)
-    env = worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100*1")
-    worker = WorkerProcess(env)
+    env = fx.worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100*1")
+    worker = fx.WorkerProcess(env)
     try:
-        wait_for(
-            lambda: processed(r, keys) == 300 and worker.alive(),
+        fx.wait_for(
+            lambda: fx.processed(r, keys) == 300 and worker.alive(),
             60,
             "every pair learned by a living worker",
         )
-        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+        fx.wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
     finally:
         code = worker.stop() if worker.alive() else worker.proc.returncode
     assert code == 0, worker.tail()
     assert any("learning entry" in line and "attempt 1 of 3" in line for line in worker.lines)
     assert r.xlen(keys.dead) == 0
-    assert_same_learner(latest(settings, r), reference(pairs))
+    fx.assert_same_learner(fx.latest(settings, r), fx.reference(pairs))
 
 
 def test_an_entry_that_always_fails_is_dead_lettered_after_three_attempts(
     r: redis.Redis, settings: Settings
 ) -> None:
     keys = Keys(settings.namespace)
-    pairs = class_stream(300, IMG, TXT, seed=22)
+    pairs = fx.class_stream(300, fx.IMG, fx.TXT, seed=22)
     ids = StreamProducer(r, settings.namespace).push_pairs(pairs)
-    env = worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100")
-    worker = WorkerProcess(env)
+    env = fx.worker_env(settings, STREAMXM_READ_BATCH="300", STREAMXM_FAULT_RAISE="learn:100")
+    worker = fx.WorkerProcess(env)
     try:
-        wait_for(lambda: processed(r, keys) == 299, 60, "every other pair learned")
-        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+        fx.wait_for(lambda: fx.processed(r, keys) == 299, 60, "every other pair learned")
+        fx.wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
         assert worker.alive(), worker.tail()
     finally:
         worker.stop()
@@ -88,7 +76,7 @@ def test_an_entry_that_always_fails_is_dead_lettered_after_three_attempts(
     assert letter["orig.id"] == "100"
     assert sum("learning entry" in line for line in worker.lines) == 3
     assert str_hash(r.hgetall(keys.dead_counts)) == {"cmos|learn_error": "1"}
-    assert_same_learner(latest(settings, r), reference(pairs[:100] + pairs[101:]))
+    fx.assert_same_learner(fx.latest(settings, r), fx.reference(pairs[:100] + pairs[101:]))
 
 
 def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
@@ -99,34 +87,34 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
     must not land in b's files, it must not make its version current, and it must live on."""
     keys = Keys(settings.namespace)
     ckpt_dir = tmp_path / "ckpt"
-    pairs = class_stream(1500, IMG, TXT, seed=23)
+    pairs = fx.class_stream(1500, fx.IMG, fx.TXT, seed=23)
     client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:500])
     # The whole process freezes: with its checkpoint written on the learning path, the pause
     # in the write stops the loop that refreshes the lease too.
-    env = worker_env(
+    env = fx.worker_env(
         settings,
         STREAMXM_CHECKPOINT_STORE="dir",
         STREAMXM_CHECKPOINT_DIR=str(ckpt_dir),
         STREAMXM_READ_BATCH="50",
         STREAMXM_CHECKPOINT_IN_BACKGROUND="false",
     )
-    stale = WorkerProcess(
+    stale = fx.WorkerProcess(
         {**env, "STREAMXM_CONSUMER": "a", "STREAMXM_FAULT_PAUSE": "checkpoint.partial_write:8"}
     )
     successor = None
     try:
-        wait_for(lambda: stale.saw("fail point"), 60, "worker a to freeze mid-write")
-        successor = WorkerProcess({**env, "STREAMXM_CONSUMER": "b"})
-        wait_for(lambda: stats(r, keys).get("consumer") == "b", 30, "b to commit")
+        fx.wait_for(lambda: stale.saw("fail point"), 60, "worker a to freeze mid-write")
+        successor = fx.WorkerProcess({**env, "STREAMXM_CONSUMER": "b"})
+        fx.wait_for(lambda: fx.stats(r, keys).get("consumer") == "b", 30, "b to commit")
         client.push_pairs(pairs[500:])
-        wait_for(lambda: processed(r, keys) == 1500, 60, "b to learn every pair")
+        fx.wait_for(lambda: fx.processed(r, keys) == 1500, 60, "b to learn every pair")
         # a wakes up (8 s after freezing), finds the lease gone and stands by.
-        wait_for(lambda: stale.saw("lost the lease"), 30, "a to notice it lost the lease")
+        fx.wait_for(lambda: stale.saw("lost the lease"), 30, "a to notice it lost the lease")
         time.sleep(0.5)
         assert stale.alive(), stale.tail()
         assert r.get(keys.lease("cmos")) == b"b"
-        wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
+        fx.wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
     finally:
         for w in (stale, successor):
             if w is not None:
@@ -143,4 +131,4 @@ def test_a_worker_paused_past_its_lease_mid_write_cannot_damage_its_successor(
         assert blob is not None
         assert hashlib.sha256(blob).hexdigest() == sha, version
     assert store.corrupt_count("cmos") == 0
-    assert_same_learner(latest(dir_settings, r), reference(pairs))
+    fx.assert_same_learner(fx.latest(dir_settings, r), fx.reference(pairs))

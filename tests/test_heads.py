@@ -11,8 +11,8 @@ import pytest
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.heads import RbfFeatures, SlotFeatures, power_features
+from streamxm.serving.candidates import scan_margin
 from streamxm.serving.gallery import GalleryChunk
-from streamxm.serving.search import scan_margin
 from tests.conftest import IMG, TXT, class_stream
 from tests.test_model_contract import SMALL
 

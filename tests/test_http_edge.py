@@ -6,26 +6,15 @@ connection closed, so nothing after it is answered as a request of its own."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 
-import httpx
 import pytest
 import redis
 
 from streamxm.config import Settings
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import FRAMES_MEDIA_TYPE, encode_frames, make_pair
-from streamxm.tools.waiting import wait_for
 from tests.conftest import ApiServer
-from tests.test_api_hostile import _closed_by_server, _connect, _serving
-
-
-@pytest.fixture
-def api(r: redis.Redis, settings: Settings) -> Iterator[ApiServer]:
-    _serving(r, settings)
-    with ApiServer(settings) as server:
-        wait_for(lambda: httpx.get(f"{server.url}/readyz").status_code == 200, 30, "ready")
-        yield server
+from tests.test_api_hostile import _closed_by_server, _connect
 
 
 def _frames() -> bytes:

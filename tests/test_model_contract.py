@@ -133,8 +133,9 @@ def test_embeddings_inner_products_are_the_similarity(model: str) -> None:
 
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_index_rows_against_index_queries_are_the_similarity(model: str) -> None:
-    """What a server's embedded index keeps (``index_rows``) scores against a query of the other
-    modality (``index_query``) as the similarity does, both ways."""
+    """What a server's index keeps (the embedding kind's ``rows``) scores against a query of
+    the other modality (its ``query``; a fixed space's query moved into the unit rows) as the
+    similarity does, both ways."""
     pairs = class_stream(240, IMG, TXT, seed=0)
     learner = StreamLearner(model, IMG, TXT, SMALL.get(model, {}), seed=0)
     learner.learn(pairs)
@@ -143,16 +144,29 @@ def test_index_rows_against_index_queries_are_the_similarity(model: str) -> None
     probe_i = np.stack([p.img for p in pairs[:7]]) + 0.01
     probe_t = np.stack([p.txt for p in pairs[:9]]) + 0.01
     want = m.similarity(probe_i, probe_t)
+    kind = m.embedding()
     i2t = (
-        m.index_query("image", probe_i).astype(np.float64)
-        @ m.index_rows("text", probe_t).astype(np.float64).T
+        kind.query("image", probe_i).astype(np.float64)
+        @ kind.rows("text", probe_t).astype(np.float64).T
     )
     t2i = (
-        m.index_rows("image", probe_i).astype(np.float64)
-        @ m.index_query("text", probe_t).astype(np.float64).T
+        kind.rows("image", probe_i).astype(np.float64)
+        @ kind.query("text", probe_t).astype(np.float64).T
     )
     np.testing.assert_allclose(i2t, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(t2i, want, rtol=1e-4, atol=1e-5)
+    for modality, target, vectors, items in (
+        ("image", "text", probe_i, probe_t),
+        ("text", "image", probe_t, probe_i),
+    ):
+        units = items / np.linalg.norm(items, axis=1, keepdims=True)
+        scanned = []
+        for vector in vectors.astype(np.float32):
+            query, constant = kind.scan_query(modality, target, vector)
+            row_of = units if kind.fixed else kind.rows(target, items)
+            scanned.append(row_of.astype(np.float64) @ query.astype(np.float64) + constant)
+        got = np.array(scanned) if modality == "image" else np.array(scanned).T
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("model", MODEL_NAMES)

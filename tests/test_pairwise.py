@@ -21,7 +21,7 @@ from streamxm.stream.messages import make_pair
 from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import quality
 from streamxm.tools.datasets import PUBLISHED_WIKI
-from tests.conftest import SHARED_WIKI, class_stream
+from tests.conftest import SHARED_WIKI, assert_same_scores, class_stream
 
 VARIANTS = ["pairwise", "pairwise:bipartite", "pairwise:marginal", "cca"]
 
@@ -237,13 +237,7 @@ def test_state_round_trip_continues_identically(name: str) -> None:
     b = StreamLearner.from_state(*a.state())
     a.learn(pairs[130:])
     b.learn(pairs[130:])
-    probe_i, probe_t = (
-        np.random.default_rng(0).random((5, 6)),
-        np.random.default_rng(1).random((7, 4)),
-    )
-    assert np.array_equal(
-        a.model.similarity(probe_i, probe_t), b.model.similarity(probe_i, probe_t)
-    )
+    probe_i, probe_t = assert_same_scores(a.model, b.model, 6, 4)
     assert a.stats.as_dict() == b.stats.as_dict() and a.rolling_map() == b.rolling_map()
     emb = a.model.embed_images(probe_i).astype(np.float64) @ a.model.embed_texts(probe_t).T
     np.testing.assert_allclose(emb, a.model.similarity(probe_i, probe_t), rtol=1e-5, atol=1e-6)
@@ -265,13 +259,7 @@ def test_the_worker_learns_a_variant_and_resumes_from_its_checkpoint(
     reference = StreamLearner(name, 6, 4, seed=settings.seed)
     reference.learn(pairs)
     assert restored.pairs_seen == 240 and restored.stats.as_dict() == reference.stats.as_dict()
-    probe_i, probe_t = (
-        np.random.default_rng(0).random((5, 6)),
-        np.random.default_rng(1).random((7, 4)),
-    )
-    assert np.array_equal(
-        restored.model.similarity(probe_i, probe_t), reference.model.similarity(probe_i, probe_t)
-    )
+    assert_same_scores(restored.model, reference.model, 6, 4)
 
 
 PAPER = {

@@ -8,6 +8,7 @@ import pytest
 from streamxm.cli import main
 from streamxm.learning.evaluation import label_relevance
 from streamxm.tools.report import interpolated_pr, report
+from tests.conftest import save_benchmark
 
 
 def write_dataset(path: Path, seed: int = 0) -> Path:
@@ -22,18 +23,7 @@ def write_dataset(path: Path, seed: int = 0) -> Path:
             y,
         )
 
-    img_train, txt_train, y_train = split(300)
-    img_test, txt_test, y_test = split(90)
-    np.savez(
-        path,
-        img_train=img_train,
-        txt_train=txt_train,
-        y_train=y_train,
-        img_test=img_test,
-        txt_test=txt_test,
-        y_test=y_test,
-    )
-    return path
+    return save_benchmark(path, split(300), split(90))
 
 
 def test_report_writes_plots_summary_and_curves(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ middle of a trim."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -26,18 +25,9 @@ def _learn_all(settings: Settings, r: redis.Redis, model: str = "cmos") -> None:
 
 
 def test_the_stream_is_trimmed_to_what_learners_and_gallery_need(
-    r: redis.Redis, settings: Settings
+    r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
-    keys = Keys(settings.namespace)
-    # A checkpoint every 97 pairs: no hold-back after a slow write (share 1).
-    cfg = settings.model_copy(
-        update={
-            "gallery_max": 300,
-            "checkpoint_every_pairs": 97,
-            "checkpoint_keep": 3,
-            "checkpoint_max_share": 1.0,
-        }
-    )
+    cfg = fx.checkpoints_every(settings, 97, gallery_max=300, checkpoint_keep=3)
     pairs = fx.class_stream(2000, fx.IMG, fx.TXT, seed=5)
     StreamProducer(r, settings.namespace).push_pairs(pairs)
     _learn_all(cfg, r)
@@ -62,9 +52,8 @@ def test_the_stream_is_trimmed_to_what_learners_and_gallery_need(
 
 
 def test_nothing_is_trimmed_while_a_registered_learner_has_no_checkpoint(
-    r: redis.Redis, settings: Settings
+    r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
-    keys = Keys(settings.namespace)
     cfg = settings.model_copy(update={"gallery_max": 100, "checkpoint_every_pairs": 50})
     StreamProducer(r, settings.namespace).push_pairs(fx.class_stream(600, fx.IMG, fx.TXT, seed=6))
     r.sadd(keys.models, "pairwise")  # a second learner that has not started: it needs all
@@ -76,8 +65,7 @@ def test_nothing_is_trimmed_while_a_registered_learner_has_no_checkpoint(
     assert trim_stream(r, keys, 100) == 0  # already as short as allowed
 
 
-def test_a_pending_entry_bounds_the_trim(r: redis.Redis, settings: Settings) -> None:
-    keys = Keys(settings.namespace)
+def test_a_pending_entry_bounds_the_trim(r: redis.Redis, settings: Settings, keys: Keys) -> None:
     cfg = settings.model_copy(update={"gallery_max": 10, "checkpoint_every_pairs": 20})
     client = StreamProducer(r, settings.namespace)
     client.push_pairs(fx.class_stream(200, fx.IMG, fx.TXT, seed=7))
@@ -93,10 +81,9 @@ def test_a_pending_entry_bounds_the_trim(r: redis.Redis, settings: Settings) -> 
 
 @pytest.mark.slow
 def test_sigkill_while_learning_and_while_trimming_loses_nothing(
-    r: redis.Redis, settings: Settings
+    r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
     n = 3000
-    keys = Keys(settings.namespace)
     pairs = fx.class_stream(n, fx.IMG, fx.TXT, seed=9)
     # A checkpoint every 89 pairs, with no hold-back after a slow write (share 1): the bound on
     # the trimmed stream below counts on it.
@@ -108,35 +95,19 @@ def test_sigkill_while_learning_and_while_trimming_loses_nothing(
         STREAMXM_CHECKPOINT_KEEP="2",
         STREAMXM_CHECKPOINT_MAX_SHARE="1",
     )
-    client = StreamProducer(r, settings.namespace)
-
-    def produce() -> None:
-        for start in range(0, n, 100):
-            client.push_pairs(pairs[start : start + 100])
-            time.sleep(0.03)
-
-    producer = threading.Thread(target=produce, daemon=True)
-    producer.start()
+    producer = fx.push_slowly(StreamProducer(r, settings.namespace), pairs, pause=0.03)
     rng = np.random.default_rng(2)
     kills = 0
     for step in range(4):
         if step % 2:  # frozen between computing the bound and trimming
-            worker = fx.WorkerProcess({**env, "STREAMXM_FAULT_PAUSE": f"{BEFORE_TRIM}:30"})
-            fx.wait_for(lambda w=worker: w.saw("fail point"), 60, "the trim fail point")
+            fx.frozen_worker(env, BEFORE_TRIM, "the trim fail point").kill()
         else:
             target = fx.processed(r, keys) + int(rng.integers(300, 600))
-            worker = fx.WorkerProcess(env)
-            fx.wait_for(lambda t=target: fx.processed(r, keys) >= min(t, n), 60, "progress")
-            time.sleep(float(rng.uniform(0, 0.2)))
-        worker.kill()
+            fx.kill_at_progress(env, r, keys, min(target, n), rng, 0.2, "progress")
         kills += 1
     producer.join(timeout=120)
-    final = fx.WorkerProcess(env)
-    try:
-        fx.wait_for(lambda: fx.processed(r, keys) == n, 120, "all pairs")
+    with fx.last_worker(env, r, keys, n):
         fx.wait_for(lambda: r.xlen(keys.pairs) <= 150 + 2 * 89 + 40, 30, "the stream trimmed")
-    finally:
-        assert final.stop() == 0, final.tail()
     assert kills == 4
     assert int(str_hash(r.hgetall(keys.retention))["trimmed_total"]) > n // 2
     cfg = settings.model_copy(update={"gallery_max": 150})

@@ -535,7 +535,8 @@ def test_api_serves_sam_and_reembeds_its_gallery_on_swap(
             first = wait_for(lambda: serving(120), 60, "SAM after 120 pairs")
             query = pairs[7]
 
-            def check_search() -> None:
+            def search(**extra: str) -> httpx.Response:
+                """SAM's five best for the image query (texts unless ``target`` says)."""
                 reply = http.post(
                     "/v1/search",
                     json={
@@ -543,10 +544,14 @@ def test_api_serves_sam_and_reembeds_its_gallery_on_swap(
                         "modality": "image",
                         "vector": query.img.tolist(),
                         "k": 5,
+                        **extra,
                     },
                 )
                 assert reply.status_code == 200, reply.text
-                best = reply.json()["results"][0]
+                return reply
+
+            def check_search() -> None:
+                best = search().json()["results"][0]
                 text = next(p for p in pairs if p.id == best["id"]).txt
                 sim = http.post(
                     "/v1/similarity",
@@ -554,17 +559,7 @@ def test_api_serves_sam_and_reembeds_its_gallery_on_swap(
                 ).json()["scores"][0]
                 assert sim == pytest.approx(best["score"], abs=1e-5)
                 # A shared space: image -> image search finds the query itself first.
-                reply = http.post(
-                    "/v1/search",
-                    json={
-                        "model": "sam",
-                        "modality": "image",
-                        "vector": query.img.tolist(),
-                        "k": 5,
-                        "target": "image",
-                    },
-                )
-                assert reply.status_code == 200, reply.text
+                reply = search(target="image")
                 assert reply.json()["results"][0]["id"] == query.id
                 assert reply.json()["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from streamxm.serving.candidates import proven_complete
 from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.index import (
     QueryCoalescer,
@@ -15,7 +16,6 @@ from streamxm.serving.index import (
     top_k,
     top_k_bounded,
 )
-from streamxm.serving.search import _proven_complete
 
 torch = pytest.importorskip("torch")
 
@@ -79,14 +79,14 @@ def test_the_completeness_proof_fails_when_scores_are_flatter_than_the_scan(prec
     q = rng.normal(size=32).astype(np.float32)
     blocks = [index_block(rows, precision)]
     _, got, ceiling = top_k_bounded(q[None, :], blocks, 100)
-    assert not _proven_complete(float(ceiling[0]), rows[got[0]], q, 10, blocks)
+    assert not proven_complete(float(ceiling[0]), rows[got[0]], q, 10, blocks)
     # Spread scores: proven.
     rows = _unit(rng.random((3000, 32)) ** 4)
     blocks = [index_block(rows, precision)]
     _, got, ceiling = top_k_bounded(q[None, :], blocks, 100)
-    assert _proven_complete(float(ceiling[0]), rows[got[0]], q, 10, blocks)
+    assert proven_complete(float(ceiling[0]), rows[got[0]], q, 10, blocks)
     # float32 blocks need no proof.
-    assert _proven_complete(float(ceiling[0]), rows[got[0]], q, 10, [rows])
+    assert proven_complete(float(ceiling[0]), rows[got[0]], q, 10, [rows])
 
 
 def test_chunks_offering_fewer_rows_bound_what_they_leave_out() -> None:

@@ -152,8 +152,8 @@ def test_a_raw_vector_index_carries_the_embeddings_of_rows_it_holds() -> None:
     learner = StreamLearner("sam", 8, 4, SMALL["sam"], seed=0)
     learner.learn(pairs[:200])
     learner.flush()
-    model = learner.model
-    assert model.linear_head("image") is None  # embeds raw vectors
+    kind = learner.model.embedding()
+    assert kind.reembeds_raw_vectors and kind.head("image") is None  # sam's towers
 
     def chunk(rows: list[Pair]) -> GalleryChunk:
         return GalleryChunk.of(
@@ -163,19 +163,19 @@ def test_a_raw_vector_index_carries_the_embeddings_of_rows_it_holds() -> None:
         )
 
     old = [chunk(pairs[:100]), chunk(pairs[100:150])]
-    index = EmbeddedGallery.build(1, model, Gallery(tuple(old)))
+    index = EmbeddedGallery.build(1, kind, Gallery(tuple(old)))
     embedded: list[int] = []
-    embed_images = model.embed_images
+    embed_images = kind.embed_images
 
     def counted(x: np.ndarray) -> np.ndarray:
         embedded.append(len(x))
         return embed_images(x)
 
-    object.__setattr__(model, "embed_images", counted)
+    object.__setattr__(kind, "embed_images", counted)
     merged = GalleryChunk.joined([*old, chunk(pairs[150:160])])
     covered = index.covering(Gallery((merged,)))
     assert sum(embedded) == 10
-    fresh = EmbeddedGallery.build(1, learner.model, Gallery((merged,)))
+    fresh = EmbeddedGallery.build(1, learner.model.embedding(), Gallery((merged,)))
     for modality in ("image", "text"):
         np.testing.assert_allclose(
             covered.blocks(modality)[0], fresh.blocks(modality)[0], rtol=1e-5, atol=1e-6
@@ -201,7 +201,7 @@ def test_cmomks_builds_a_new_version_index_from_the_earlier_versions_rows() -> N
         )
 
     held = chunk(pairs[200:300])
-    index = EmbeddedGallery.build(1, earlier, Gallery((held,)))
+    index = EmbeddedGallery.build(1, earlier.embedding(), Gallery((held,)))
     gallery = Gallery((held, chunk(pairs[300:])))
     computed: list[int] = []
     index_rows = later.index_rows
@@ -211,9 +211,9 @@ def test_cmomks_builds_a_new_version_index_from_the_earlier_versions_rows() -> N
         return index_rows(modality, x)
 
     object.__setattr__(later, "index_rows", counted)
-    since = EmbeddedGallery.build(2, later, gallery, index)
+    since = EmbeddedGallery.build(2, later.embedding(), gallery, index)
     assert computed == [100, 100]  # the new chunk's rows, both modalities: the held one updated
-    fresh = EmbeddedGallery.build(2, later, gallery)
+    fresh = EmbeddedGallery.build(2, later.embedding(), gallery)
     for modality in ("image", "text"):
         for got, want in zip(since.blocks(modality), fresh.blocks(modality), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -4,7 +4,6 @@ memory of the replay buffer (bounded, balanced, checkpointed exactly)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,13 @@ from streamxm.models.sam import SAM
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.tools.datasets import load_dataset, noisy_labels, stream_order
-from tests.conftest import PY, assert_same_learner, class_stream
+from tests.conftest import (
+    assert_same_learner,
+    class_stream,
+    cli_json,
+    run_cli,
+    three_class_benchmark,
+)
 
 
 def test_class_order_is_stable_and_noise_changes_exactly_the_asked_fraction() -> None:
@@ -87,65 +92,17 @@ def test_a_learner_with_memory_continues_exactly_after_a_checkpoint() -> None:
 
 
 def test_bench_quality_streams_in_the_asked_order_with_noise(tmp_path: Path) -> None:
-    rng = np.random.default_rng(0)
-    centres = rng.normal(size=(3, 8))
-    y = rng.integers(3, size=150)
-    img, txt = (
-        centres[y] + 0.5 * rng.normal(size=(150, 8)),
-        centres[y, :5] + 0.5 * rng.normal(size=(150, 5)),
-    )
-    path = tmp_path / "tiny.npz"
-    np.savez(
-        path,
-        img_train=img[:120],
-        txt_train=txt[:120],
-        y_train=y[:120],
-        img_test=img[120:],
-        txt_test=txt[120:],
-        y_test=y[120:],
-    )
+    path = three_class_benchmark(tmp_path / "tiny.npz", seed=0, n=150, n_train=120)
     assert len(load_dataset(path).y_train) == 120
-    out = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "quality",
-            "--dataset",
-            str(path),
-            "--model",
-            "cmos",
-            "--order",
-            "class",
-            "--label-noise",
-            "0.2",
-            "--buffer-memory",
-            "100",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    quality = ("bench", "quality", "--dataset", str(path), "--model", "cmos")
+    result = cli_json(
+        *quality,
+        *("--order", "class", "--label-noise", "0.2", "--buffer-memory", "100", "--json"),
         timeout=120,
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
     assert (result["order"], result["label_noise"], result["buffer_memory"]) == ("class", 0.2, 100)
     assert isinstance(result["drift_detections"], int) and result["map_i2t"] > 0
-    bad = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "quality",
-            "--dataset",
-            str(path),
-            "--model",
-            "cmos",
-            "--label-noise",
-            "1.5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = run_cli(*quality, "--label-noise", "1.5")
     assert bad.returncode == 2 and "fraction" in bad.stderr
 
 
@@ -162,26 +119,14 @@ def burst_pairs(pairs: list[Pair], ring: int, memory: int) -> int:
 
 def test_cmos_replays_remembered_queries_during_a_burst_only() -> None:
     pairs = sorted(class_stream(600, 8, 4, seed=6), key=lambda p: p.labels[0])
-    plain = StreamLearner(
-        "cmos",
-        8,
-        4,
-        {"triplets_per_pair": 2, "replay": 0},
-        seed=0,
-        buffer_capacity=120,
-        buffer_memory=80,
-    )
-    plain.learn(pairs)
-    rehearsed = StreamLearner(
-        "cmos",
-        8,
-        4,
-        {"triplets_per_pair": 2, "replay": 2},
-        seed=0,
-        buffer_capacity=120,
-        buffer_memory=80,
-    )
-    rehearsed.learn(pairs)
+
+    def learned(replay: int) -> StreamLearner:
+        params = {"triplets_per_pair": 2, "replay": replay}
+        learner = StreamLearner("cmos", 8, 4, params, seed=0, buffer_capacity=120, buffer_memory=80)
+        learner.learn(pairs)
+        return learner
+
+    plain, rehearsed = learned(0), learned(2)
     # Up to two more triplets per pair that arrives in a burst (fewer where a remembered query
     # finds no negative), none otherwise.
     bursts = burst_pairs(pairs, 120, 80)
@@ -346,44 +291,12 @@ def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
     """``streamxm bench order --seeds`` runs each model in file order, class order and with
     wrong labels (only where the model reads labels) per seed, and derives every mean, share and
     check from the per-seed figures it prints."""
-    rng = np.random.default_rng(1)
-    centres = rng.normal(size=(3, 8))
-    y = rng.integers(3, size=150)
-    img = centres[y] + 0.5 * rng.normal(size=(150, 8))
-    txt = centres[y, :5] + 0.5 * rng.normal(size=(150, 5))
-    path = tmp_path / "tiny.npz"
-    np.savez(
-        path,
-        img_train=img[:120],
-        txt_train=txt[:120],
-        y_train=y[:120],
-        img_test=img[120:],
-        txt_test=txt[120:],
-        y_test=y[120:],
-    )
-    out = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "order",
-            "--dataset",
-            str(path),
-            "--model",
-            "cmos",
-            "--model",
-            "scsm",
-            "--label-noise",
-            "0.3",
-            "--seeds",
-            "0,1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    path = three_class_benchmark(tmp_path / "tiny.npz", seed=1, n=150, n_train=120)
+    result = cli_json(
+        *("bench", "order", "--dataset", str(path), "--model", "cmos", "--model", "scsm"),
+        *("--label-noise", "0.3", "--seeds", "0,1", "--json"),
         timeout=300,
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
     assert (result["benchmark"], result["label_noise"], result["seeds"]) == (
         "stream-order",
         0.3,
@@ -424,19 +337,9 @@ def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
         for d in ("map_i2t", "map_t2i")
     )
     assert result["all_met"] == all(row["met"] for row in rows.values())
-    bad = subprocess.run(
-        [*PY, "bench", "order", "--dataset", str(path), "--model", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = run_cli("bench", "order", "--dataset", str(path), "--model", "nope")
     assert bad.returncode == 2 and "unknown model" in bad.stderr
-    twice = subprocess.run(
-        [*PY, "bench", "order", "--dataset", str(path), "--seeds", "1,1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    twice = run_cli("bench", "order", "--dataset", str(path), "--seeds", "1,1")
     assert twice.returncode == 2 and "repeats a seed" in twice.stderr
 
 

@@ -4,8 +4,6 @@ wrong labels; each seeded, on the bundled Wikipedia training split."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ from streamxm.tools.datasets import (
     load_dataset,
     stream_order,
 )
-from tests.conftest import PY
+from tests.conftest import cli_json, run_cli, save_benchmark
 
 SEEDS = range(6)
 
@@ -145,37 +143,15 @@ def test_bench_order_runs_every_order_and_checks_each(tmp_path: Path) -> None:
     """``bench order`` on a small slice of the Wikipedia split: file order, each of the
     orders and wrong labels per seed, a share and a check for each."""
     ds = load_dataset("wiki")
-    path = tmp_path / "wiki_slice.npz"
-    np.savez(
-        path,
-        img_train=ds.img_train[:400],
-        txt_train=ds.txt_train[:400],
-        y_train=ds.y_train[:400],
-        img_test=ds.img_test[:150],
-        txt_test=ds.txt_test[:150],
-        y_test=ds.y_test[:150],
+    path = save_benchmark(
+        tmp_path / "wiki_slice.npz",
+        (ds.img_train[:400], ds.txt_train[:400], ds.y_train[:400]),
+        (ds.img_test[:150], ds.txt_test[:150], ds.y_test[:150]),
     )
-    out = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "order",
-            "--dataset",
-            str(path),
-            "--model",
-            "cmos",
-            "--seeds",
-            "0,1",
-            "--burst-run",
-            "20,60",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    order = ("bench", "order", "--dataset", str(path))
+    result = cli_json(
+        *order, "--model", "cmos", "--seeds", "0,1", "--burst-run", "20,60", "--json", timeout=300
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
     assert result["orders"] == ["class", "bursts", "class-shuffled"]
     assert result["burst_run"] == [20, 60] and result["seeds"] == [0, 1]
     assert (result["order_share"], result["noise_share"]) == (0.97, 0.93)
@@ -205,56 +181,18 @@ def test_bench_order_runs_every_order_and_checks_each(tmp_path: Path) -> None:
     # The seeds' orders differ: so do the figures they give.
     assert all(row[name]["std"]["map_i2t"] > 0 for name in ("bursts", "class-shuffled"))
 
-    one = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "order",
-            "--dataset",
-            str(path),
-            "--model",
-            "cca",
-            "--order",
-            "bursts",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert one.returncode == 0, one.stderr[-2000:]
-    cca = json.loads(one.stdout)
+    cca = cli_json(*order, "--model", "cca", "--order", "bursts", "--json", timeout=120)
     assert cca["orders"] == ["bursts"] and set(cca["models"][0]["checks"]) == {
         "bursts_keeps_share",
         "noisy_keeps_share",
     }
     assert cca["models"][0]["noisy"] is None  # reads no label
-    quality = subprocess.run(
-        [
-            *PY,
-            "bench",
-            "quality",
-            "--dataset",
-            str(path),
-            "--model",
-            "cca",
-            "--order",
-            "class-shuffled",
-            "--seed",
-            "4",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    quality = cli_json(
+        *("bench", "quality", "--dataset", str(path), "--model", "cca"),
+        *("--order", "class-shuffled", "--seed", "4", "--json"),
         timeout=120,
     )
-    assert quality.returncode == 0, quality.stderr[-2000:]
-    assert json.loads(quality.stdout)["order"] == "class-shuffled"
+    assert quality["order"] == "class-shuffled"
     for bad in (["--burst-run", "60,20"], ["--burst-run", "x"], ["--order", "file"]):
-        wrong = subprocess.run(
-            [*PY, "bench", "order", "--dataset", str(path), *bad],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        wrong = run_cli(*order, *bad)
         assert wrong.returncode == 2, (bad, wrong.stderr)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 import time
 
 import httpx
@@ -22,13 +21,14 @@ from streamxm.stream.producer import StreamProducer
 from streamxm.stream.retention import entry_id_key
 from streamxm.worker.rollback import history, rollback
 from tests.conftest import (
-    PY,
     ApiServer,
     WorkerProcess,
     assert_same_learner,
     class_stream,
+    cli_json,
     latest,
     reference,
+    run_cli,
     wait_for,
     worker_env,
 )
@@ -169,15 +169,7 @@ def test_rollback_under_a_live_worker_replays_the_stream_after_the_kept_version(
         assert target_ckpt is not None
         with pytest.raises(VersionNotKept, match="version 99999 is not kept"):
             rollback(r, store, keys, "cmos", 99999)
-        out = subprocess.run(
-            [*PY, "rollback", "--model", "cmos", "--to", str(target)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        done = json.loads(out.stdout)
+        done = cli_json("rollback", "--model", "cmos", "--to", str(target), env=env)
         assert done["to_version"] == target and done["new_version"] > kept[0]
         assert done["replay_from"] == target_ckpt.last_id
         # The rolled-back state is the newest version, at the kept version's position.
@@ -231,16 +223,8 @@ def test_a_kept_but_corrupt_version_is_named_unreadable_counted_and_listed(
         scrape = http.get("/metrics").text
     assert metric(scrape, "streamxm_checkpoint_corrupt_total", model="cmos") == 1
     env = worker_env(settings)
-    listing = subprocess.run(
-        [*PY, "rollback", "--model", "cmos"], env=env, capture_output=True, text=True, timeout=120
-    )
+    listing = run_cli("rollback", "--model", "cmos", env=env, timeout=120)
     assert json.loads(listing.stdout)["unreadable"] == {str(oldest): "checksum mismatch"}
-    refused = subprocess.run(
-        [*PY, "rollback", "--model", "cmos", "--to", str(oldest)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refused = run_cli("rollback", "--model", "cmos", "--to", str(oldest), env=env, timeout=120)
     assert refused.returncode == 2 and "kept but unreadable" in refused.stderr
     assert _kept(settings, r)[0] == newest  # nothing was rolled back

@@ -24,13 +24,10 @@ from tests.conftest import (
     latest,
     processed,
     reference,
+    stats,
     wait_for,
     worker_env,
 )
-
-
-def _stats(r: redis.Redis, keys: Keys) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in r.hgetall(keys.stats("cmos")).items()}  # type: ignore[union-attr]
 
 
 def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_going(
@@ -61,16 +58,10 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_going(
     reasons = [fields[b"reason"].decode() for _, fields in letters]
     assert reasons == ["dim_mismatch", "non_finite", "missing_field", "missing_field"]
     assert letters[0][1][b"orig.id"] == b"short"
-    assert _stats(r, keys)["pairs_processed"] == "2"
+    assert stats(r, keys)["pairs_processed"] == "2"
     assert r.xpending(keys.pairs, "cmos")["pending"] == 0
     counts = r.hgetall(keys.dead_counts)
     assert counts[b"cmos|missing_field"] == b"2"
-
-
-def _reference(pairs: list, seed: int = 0) -> StreamLearner:  # type: ignore[type-arg]
-    learner = StreamLearner("cmos", 128, 10, seed=seed)
-    learner.learn(pairs)
-    return learner
 
 
 def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
@@ -90,7 +81,7 @@ def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
             stderr=subprocess.DEVNULL,
         )
         wait_for(
-            lambda t=threshold: int(_stats(r, keys).get("pairs_processed", 0)) >= t,
+            lambda t=threshold: int(stats(r, keys).get("pairs_processed", 0)) >= t,
             60,
             f"{threshold} pairs",
         )
@@ -104,7 +95,7 @@ def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(lambda: _stats(r, keys).get("pairs_processed") == "1500", 60, "all pairs")
+        wait_for(lambda: stats(r, keys).get("pairs_processed") == "1500", 60, "all pairs")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
         # The killed workers may have committed every pair: the last must be running (its
         # SIGTERM handler installed) before it is asked to stop.
@@ -117,14 +108,12 @@ def test_sigkill_and_restart_lose_nothing_and_apply_nothing_twice(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     assert kills == 3
-    ckpt = open_store(settings, r).load_latest("cmos")
-    assert ckpt is not None
-    restored = StreamLearner.from_state(ckpt.arrays, ckpt.meta)
-    reference = _reference(pairs)
+    restored = latest(settings, r)
+    want = reference(pairs)
     assert restored.pairs_seen == 1500
     # Bit for bit the model of an uninterrupted run over the same stream.
-    assert np.array_equal(restored.model.W, reference.model.W)  # type: ignore[attr-defined]
-    assert restored.stats.as_dict() == reference.stats.as_dict()
+    assert np.array_equal(restored.model.W, want.model.W)  # type: ignore[attr-defined]
+    assert restored.stats.as_dict() == want.stats.as_dict()
     # Several consumers took part (each restart is a new consumer). Not one per process: a
     # worker that checkpoints in the background reads ahead of its last checkpoint, and its
     # successor may replay (XRANGE, no consumer) all it needs before the next kill.
@@ -146,12 +135,12 @@ def test_standby_takes_over_and_reclaims_pending(r: redis.Redis, settings: Setti
     thread = threading.Thread(target=worker.run, args=(stop,))
     thread.start()
     try:
-        wait_for(lambda: _stats(r, keys).get("pairs_processed") == "300", 30, "all pairs")
+        wait_for(lambda: stats(r, keys).get("pairs_processed") == "300", 30, "all pairs")
         wait_for(lambda: r.xpending(keys.pairs, "cmos")["pending"] == 0, 30, "all acks")
     finally:
         stop.set()
         thread.join()
-    assert np.array_equal(worker.learner.model.W, _reference(pairs).model.W)  # type: ignore[union-attr, attr-defined]
+    assert np.array_equal(worker.learner.model.W, reference(pairs).model.W)  # type: ignore[union-attr, attr-defined]
 
 
 def test_directory_checkpoints_resume_too(r: redis.Redis, settings: Settings) -> None:
@@ -166,7 +155,7 @@ def test_directory_checkpoints_resume_too(r: redis.Redis, settings: Settings) ->
     second = build_worker(dir_settings, r, "cmos")
     second.run(until_idle=True)
     assert second.learner is not None and second.learner.pairs_seen == 400
-    assert np.array_equal(second.learner.model.W, _reference(pairs).model.W)  # type: ignore[attr-defined]
+    assert np.array_equal(second.learner.model.W, reference(pairs).model.W)  # type: ignore[attr-defined]
     assert r.xpending(keys.pairs, "cmos")["pending"] == 0
 
 
