@@ -24,6 +24,7 @@ from streamxm.serving.champion import ChampionRule
 from streamxm.serving.httpserver import freeze_startup_objects
 from streamxm.serving.metrics import ApiMetrics, method_label
 from streamxm.serving.server import ModelServer
+from streamxm.serving.shard import ShardedGallery
 from streamxm.stream.keys import Keys
 from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import UNAVAILABLE, Replication, connect, resolve_url
@@ -169,6 +170,21 @@ def create_app(settings: Settings | None = None, client: redis.Redis | None = No
 _CHAMPION = ("min_pairs", "margin", "confirmations")
 
 
+def _shards(settings: Settings, url: str) -> ShardedGallery | None:
+    """The ``ray`` gallery backend's shards (imported only when chosen), or ``None``."""
+    if settings.gallery_backend != "ray" or settings.api_role == "ingest":
+        return None
+    from streamxm.ray_gallery import RayGallery
+
+    return RayGallery(
+        settings,
+        url,
+        settings.ray_address,
+        settings.gallery_shards,
+        settings.shard_timeout_seconds,
+    )
+
+
 def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
     """The app's parts: Redis connections, the model server, metrics, the producer."""
     # Two connections: a request waiting on Redis gets a 503 within the short timeout, while the
@@ -192,6 +208,7 @@ def _context(settings: Settings, client: redis.Redis | None) -> ApiContext:
         champion=ChampionRule(**settings_group(settings, "champion_", _CHAMPION)),
         request_client=r,
         wait_for_index=settings.wait_for_index,
+        shards=_shards(settings, url),
     )
     metrics = ApiMetrics(r, server, keys, timeout=settings.metrics_timeout_seconds)
     return ApiContext(

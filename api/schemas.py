@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     ValidatorFunctionWrapHandler,
@@ -275,6 +276,11 @@ class SearchIn(_Strict):
     )
     vector: Vector
     k: StrictInt = Field(default=10, ge=1, le=MAX_K_CEILING)
+    partial: StrictBool = Field(
+        default=False,
+        description="with a sharded gallery, answer from the shards that answer in time when "
+        "some do not (`covered` says how much of the gallery that is) instead of a 503",
+    )
 
     @field_validator("vector", mode="before")
     @classmethod
@@ -305,6 +311,11 @@ class SearchOut(BaseModel):
         "`version` (the answer is its exact ranking), or an earlier one while a model that "
         "embeds raw vectors (sam, cmomks) embeds the gallery with `version` (its best "
         "candidates re-ranked by `version`'s exact scores); null for an ensemble"
+    )
+    covered: float = Field(
+        default=1.0,
+        description="share of the gallery the results cover: 1.0, or less for a partial "
+        "answer (`partial: true`) while some gallery shards do not answer",
     )
     results: list[Hit]
 

@@ -189,6 +189,25 @@ class Settings(BaseSettings):
         "candidates (search_candidates) from the newest embedded index re-ranked by its "
         "exact scores (the answer's index_version names that index; approximate)",
     )
+    gallery_backend: Literal["local", "ray"] = Field(
+        default="local",
+        description="where the API's gallery lives: `local` (this process) or `ray` (shard "
+        "actors on a Ray cluster, each holding a part: `pip install 'streamxm[ray]'`)",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="the Ray cluster the `ray` backend joins (`ray.init(address=...)`); unset "
+        "starts one on this machine",
+    )
+    gallery_shards: int = Field(
+        default=2, ge=1, le=1024, description="shard actors of the `ray` gallery backend"
+    )
+    shard_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="how long a search waits for every gallery shard before it answers 503 "
+        "(or, when the request asks for it, a partial answer)",
+    )
     reload_interval_seconds: float = Field(default=0.25, gt=0)
     query_threads: int = Field(
         default=32,

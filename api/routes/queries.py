@@ -99,7 +99,7 @@ async def search(body: SearchIn, context: Context) -> SearchOut:
     target = body.target or other_modality(body.modality)
     try:
         answer = await context.server.search_async(
-            name, body.modality, vector, body.k, context.compute, target, body.version
+            name, body.modality, vector, body.k, context.compute, target, body.version, body.partial
         )
     except SameModalityUnsupported as exc:
         raise unprocessable(["target"], "not_shared_space", str(exc)) from None
@@ -116,6 +116,7 @@ async def search(body: SearchIn, context: Context) -> SearchOut:
         target=target,
         version_lag_s=round(answer.version_lag_s, 3),
         index_version=answer.index_version,
+        covered=answer.covered,
         results=[Hit(id=i, score=s) for i, s in answer.hits],
     )
 

@@ -11,8 +11,10 @@ import logging
 
 import numpy as np
 import redis
+from numpy.typing import NDArray
 
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
+from streamxm.serving.sharding import ShardPart
 from streamxm.storage.checkpoint import CheckpointStore
 from streamxm.storage.segments import CorruptSegments, Manifest, open_segment, read_manifest
 from streamxm.stream.keys import Keys
@@ -41,6 +43,9 @@ class GalleryFollower:
         skipped: the learners dead-letter them).
     read_count
         Stream entries read per ``XREAD``.
+    part
+        The items to keep (a gallery shard's part: :mod:`streamxm.serving.sharding`);
+        ``None``: every item.
     """
 
     def __init__(
@@ -51,8 +56,9 @@ class GalleryFollower:
         gallery_max: int,
         limits: Limits,
         read_count: int,
+        part: ShardPart | None = None,
     ) -> None:
-        self.r, self.store, self.keys = client, store, keys
+        self.r, self.store, self.keys, self.part = client, store, keys, part
         self.gallery_max, self.limits, self.read_count = gallery_max, limits, read_count
         self.gallery = Gallery()
         self.last_gallery_id = "0-0"
@@ -61,6 +67,8 @@ class GalleryFollower:
         # chunks made of them (the first one sliced by the manifest's skip).
         self._revision: int | None = None
         self._segments: dict[tuple[int, str], GalleryChunk] = {}
+        # Per open segment: how many of its rows up to each one this follower keeps.
+        self._kept_before: dict[tuple[int, str], tuple[GalleryChunk, NDArray[np.int64]]] = {}
         self._sliced: dict[tuple[int, str, int], GalleryChunk] = {}
         self._segment_chunks: tuple[GalleryChunk, ...] = ()
         self._tail: list[tuple[GalleryChunk, list[str]]] = []  # rows after them, entry ids
@@ -105,17 +113,20 @@ class GalleryFollower:
                     self.corrupt_segments.add(key)
                 else:
                     chunk = GalleryChunk.from_rows(rows)
+                    self._kept_before[key] = self._keep_mine(chunk)
+                    chunk = self._kept_before[key][0]
             if chunk is not None:
                 opened[key] = chunk
         self._segments = opened
+        self._kept_before = {key: self._kept_before[key] for key in opened}
         self.gallery_corrupt = self._corrupt.read()
         chunks = [opened[(r.seq, r.sha)] for r in manifest.segments if (r.seq, r.sha) in opened]
         first = manifest.segments[0] if manifest.segments else None
         if chunks and manifest.skip and first is not None and (first.seq, first.sha) in opened:
             sliced = (first.seq, first.sha, manifest.skip)
-            self._sliced = {
-                sliced: self._sliced.get(sliced) or chunks[0].sliced(slice(manifest.skip, None))
-            }
+            # The skip counts the segment's rows; a shard keeps part of them.
+            skip = int(self._kept_before[(first.seq, first.sha)][1][manifest.skip])
+            self._sliced = {sliced: self._sliced.get(sliced) or chunks[0].sliced(slice(skip, None))}
             chunks[0] = self._sliced[sliced]
         self._segment_chunks = tuple(chunks)
         self._carry(chunks)
@@ -148,8 +159,20 @@ class GalleryFollower:
                 carried = chunk.carry_features(replaced)
                 log.debug("gallery chunk of %d rows: features of %d carried", len(chunk), carried)
 
+    def _keep_mine(self, chunk: GalleryChunk) -> tuple[GalleryChunk, NDArray[np.int64]]:
+        """The rows of a segment's chunk this follower keeps (all but a shard's others), and
+        how many of them come before each row of the segment (to map the manifest's skip)."""
+        if self.part is None:
+            return chunk, np.arange(len(chunk) + 1)
+        mine = self.part.holds(chunk.ids)
+        before = np.concatenate([[0], np.cumsum(mine)])
+        if mine.all():
+            return chunk, before
+        return GalleryChunk.from_rows(chunk.taken(np.flatnonzero(mine))), before
+
     def _publish(self) -> None:
-        self.gallery = Gallery((*self._segment_chunks, *(c for c, _ in self._tail)))
+        chunks = (*self._segment_chunks, *(c for c, _ in self._tail))
+        self.gallery = Gallery(tuple(c for c in chunks if len(c)))
 
     def _read_stream(self, budget: int = 50_000) -> bool:
         """Read up to ``budget`` new stream entries into the gallery."""
@@ -165,6 +188,9 @@ class GalleryFollower:
             pairs, skipped = decode_entries(self.r, self.keys, entries, self.limits)
             self.gallery_skipped += skipped
             self.last_gallery_id = entries[-1][0]
+            if self.part is not None and pairs:
+                mine = self.part.holds([p.id for _, p in pairs])
+                pairs = [pair for pair, keep in zip(pairs, mine.tolist(), strict=True) if keep]
             if pairs:
                 at = [entry_id for entry_id, _ in pairs]
                 chunk = GalleryChunk.of(

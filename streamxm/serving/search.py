@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from functools import partial
 from typing import Any, Protocol
 
@@ -67,7 +67,9 @@ class Catalogue(Protocol):
 
     def pin(self, name: str, version: int) -> ServedModel: ...
 
-    def ensemble(self, name: str, version: int | None = None) -> ServedEnsemble: ...
+    def ensemble(
+        self, name: str, version: int | None = None, members: Mapping[str, int] | None = None
+    ) -> ServedEnsemble: ...
 
     def index_of(self, served: ServedModel) -> EmbeddedGallery: ...
 
@@ -136,6 +138,7 @@ class Searcher:
         k: int,
         target: str | None = None,
         version: int | None = None,
+        members: Mapping[str, int] | None = None,
     ) -> SearchAnswer:
         """The ``k`` best gallery items of modality ``target`` (default: the other modality)
         for one query vector of ``modality``, scored by the served version exactly as
@@ -144,9 +147,10 @@ class Searcher:
         Candidates come from the served version's embedding kind: the gallery's unit rows
         against the query moved into them (a fixed space), or else the newest embedded index.
         Same-modality search needs a model whose embeddings share one space; others raise
-        :class:`SameModalityUnsupported`. ``version`` pins a kept version.
+        :class:`SameModalityUnsupported`. ``version`` pins a kept version; ``members`` an
+        ensemble's members' versions (a gallery shard's search: every shard reads the same).
         """
-        steps = self._steps(name, modality, vector, k, target, version)
+        steps = self._steps(name, modality, vector, k, target, version, members)
         try:
             step = next(steps)
             while True:
@@ -168,13 +172,14 @@ class Searcher:
         offload: Callable[[Callable[[], Any]], Awaitable[Any]],
         target: str | None = None,
         version: int | None = None,
+        members: Mapping[str, int] | None = None,
     ) -> SearchAnswer:
         """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
         of the candidates) run on the loop, the scan is awaited from the coalescing thread,
         and heavy work (loading a pinned version, building a missing index) goes to ``offload``.
         Under load this saves two thread hand-offs per search, a measurable part of the API's
         CPU per search (``docs/benchmarks.md``)."""
-        steps = self._steps(name, modality, vector, k, target, version)
+        steps = self._steps(name, modality, vector, k, target, version, members)
         try:
             step = next(steps)
             while True:
@@ -196,11 +201,13 @@ class Searcher:
         k: int,
         target: str | None,
         version: int | None,
+        members: Mapping[str, int] | None = None,
     ) -> Generator[Step, Any, SearchAnswer]:
         """The search, yielding each scan (and any heavy step) for a driver to run."""
         target = target or other_modality(modality)
         if is_ensemble(name):
-            return (yield from self._ensemble_steps(name, modality, vector, k, target, version))
+            ensemble = self.catalogue.ensemble(name, version, members)
+            return (yield from self._ensemble_steps(ensemble, modality, vector, k, target))
         if version is not None and not self.catalogue.is_loaded(name, version):
             yield Work(partial(self.catalogue.pin, name, version))  # read from the store: heavy
         served = self.catalogue.get(name, version)
@@ -236,18 +243,17 @@ class Searcher:
 
     def _ensemble_steps(
         self,
-        name: str,
+        ensemble: ServedEnsemble,
         modality: str,
         vector: NDArray[np.float32],
         k: int,
         target: str,
-        version: int | None,
     ) -> Generator[Step, Any, SearchAnswer]:
         """An ensemble's search: one scan of the members' rows side by side
         (:class:`~streamxm.serving.fused.FusedSpace`) when every member has exact float32 rows
         over the served gallery, else member by member; either way re-ranked by the fused
         score exactly, with more candidates until no row left out can enter the top ``k``."""
-        ensemble = self.catalogue.ensemble(name, version)
+        name = ensemble.name
         if target == modality:
             raise SameModalityUnsupported(
                 f"ensemble {name!r} answers cross-modal search only (target must be "

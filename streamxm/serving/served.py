@@ -394,3 +394,6 @@ class SearchAnswer:
     #: Version whose gallery index proposed the candidates (the served one; None for an
     #: ensemble, whose members each propose theirs).
     index_version: int | None
+    #: The share of the gallery the answer covers: 1.0, or less for a partial answer of a
+    #: sharded gallery some of whose shards did not answer.
+    covered: float = 1.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -52,6 +52,7 @@ from streamxm.serving.served import (
     ServedModel,
     UnknownModel,
 )
+from streamxm.serving.shard import ShardedGallery, ShardedHits
 from streamxm.serving.versions import ServedVersions
 from streamxm.storage.checkpoint import CheckpointStore
 from streamxm.stream.keys import Keys
@@ -87,6 +88,12 @@ class ModelServer:
     request_client
         The Redis client for what a request waits on (short timeouts: a stalled Redis answers
         503 quickly); default ``client``, which the background threads use.
+    wait_for_index
+        See :class:`~streamxm.serving.versions.ServedVersions`.
+    shards
+        The gallery spread over shards (the ``ray`` backend, :mod:`streamxm.ray_gallery`):
+        this process then holds no gallery, applies each version on every shard and merges
+        their answers; ``None`` (the ``local`` backend): the gallery is this process's.
     """
 
     def __init__(
@@ -101,12 +108,14 @@ class ModelServer:
         champion: ChampionRule | None = None,
         request_client: redis.Redis | None = None,
         wait_for_index: bool = D.WAIT_FOR_INDEX,
+        shards: ShardedGallery | None = None,
     ) -> None:
         self.r = client
+        self.shards = shards
         self.request_r = request_client or client
         self.store = store
         self.keys = Keys(namespace)
-        self.versions = ServedVersions(store, wait_for_index)
+        self.versions = ServedVersions(store, wait_for_index, shards)
         self.following = GalleryFollower(client, store, self.keys, gallery_max, limits, read_count)
         self.pins = PinnedVersions(store)
         self.searcher = Searcher(self, self.versions.lag, candidates)
@@ -177,6 +186,8 @@ class ModelServer:
         for thread in self._threads:
             thread.join(timeout=10)
         self.searcher.close()
+        if self.shards is not None:
+            self.shards.close()
 
     def refresh(self) -> None:
         """Load new checkpoint versions, read new gallery rows (a bounded amount per call),
@@ -192,14 +203,16 @@ class ModelServer:
         names = str_set(self.r.smembers(self.keys.models))
         self.known = frozenset(names)
         self.versions.follow(set(names), lambda: self.gallery)
+        if self.shards is not None:  # restarted shards get the served versions again
+            self.shards.heal({name: s.version for name, s in list(self.served.items())})
         self._judge()
         self._warm_unit_index()
         self.refreshed = True
 
     def refresh_gallery(self) -> None:
         """Read new gallery rows (a bounded amount per call) and embed them for the served
-        versions that need it."""
-        if self.following.read():
+        versions that need it (with shards, the shards read theirs: nothing here)."""
+        if self.shards is None and self.following.read():
             self.versions.cover(self.gallery)
             self._warm_unit_index()
 
@@ -212,7 +225,7 @@ class ModelServer:
     def _warm_unit_index(self) -> None:
         """Make the reduced-precision copy of the unit rows here, in the background, when a
         served model scans them (a fixed space), not in the first query that needs it."""
-        if any(s.embedding.fixed for s in list(self.served.values())):
+        if self.shards is None and any(s.embedding.fixed for s in list(self.served.values())):
             for modality in ("image", "text"):
                 self.gallery.blocks(modality)
 
@@ -281,9 +294,11 @@ class ModelServer:
         self.pins.keep_index(served.name, served.version, index)
         return index
 
-    def ensemble(self, name: str, version: int | None = None) -> ServedEnsemble:
-        """The served version of each member of the ensemble ``name``; an ensemble has no
-        version to pin (pin a member by querying it)."""
+    def ensemble(
+        self, name: str, version: int | None = None, members: Mapping[str, int] | None = None
+    ) -> ServedEnsemble:
+        """The served version of each member of the ensemble ``name`` (``members``: the kept
+        version of those it names); an ensemble has no version of its own to pin."""
         try:
             spec = parse_ensemble(name)
         except ValueError as exc:
@@ -293,7 +308,13 @@ class ModelServer:
                 "version",
                 f"{name!r} has no versions of its own: it answers with its members' newest ones",
             )
-        return ServedEnsemble(spec, tuple(self._served(m) for m in spec.members))
+        members = members or {}
+        return ServedEnsemble(
+            spec,
+            tuple(
+                self.get(m, members[m]) if m in members else self._served(m) for m in spec.members
+            ),
+        )
 
     def dims(self, name: str) -> tuple[int, int]:
         """Image and text dimensions of what answers ``name`` (raises as :meth:`get`)."""
@@ -343,8 +364,16 @@ class ModelServer:
         k: int,
         target: str | None = None,
         version: int | None = None,
+        partial: bool = False,
     ) -> SearchAnswer:
-        """The ``k`` best gallery items (:meth:`~streamxm.serving.search.Searcher.search`)."""
+        """The ``k`` best gallery items (:meth:`~streamxm.serving.search.Searcher.search`;
+        with shards, the merge of their answers; ``partial``: answer from the shards that do
+        when some do not, :attr:`~streamxm.serving.served.SearchAnswer.covered` saying how
+        much of the gallery that is)."""
+        if self.shards is not None:
+            served, versions = self._versions_of(name, version)
+            found = self.shards.search(name, modality, vector, k, target, versions, partial)
+            return self._sharded_answer(served, found)
         return self.searcher.search(name, modality, vector, k, target, version)
 
     async def search_async(
@@ -356,7 +385,38 @@ class ModelServer:
         offload: Callable[[Callable[[], Any]], Awaitable[Any]],
         target: str | None = None,
         version: int | None = None,
+        partial: bool = False,
     ) -> SearchAnswer:
         """:meth:`search` on an event loop
         (:meth:`~streamxm.serving.search.Searcher.search_async`)."""
+        if self.shards is not None:
+            served, versions = self._versions_of(name, version)
+            found = await self.shards.search_async(
+                name, modality, vector, k, target, versions, partial
+            )
+            return self._sharded_answer(served, found)
         return await self.searcher.search_async(name, modality, vector, k, offload, target, version)
+
+    def _versions_of(
+        self, name: str, version: int | None
+    ) -> tuple[ServedModel | ServedEnsemble, dict[str, int]]:
+        """What answers ``name`` and the versions every shard is to read (a pinned one must
+        be among those the shards keep)."""
+        if is_ensemble(name):
+            ensemble = self.ensemble(name, version)
+            return ensemble, ensemble.versions
+        served = self._served(name)
+        if version is not None and version != served.version:
+            served = replace(served, version=version)
+        return served, {name: served.version}
+
+    def _sharded_answer(
+        self, served: ServedModel | ServedEnsemble, found: ShardedHits
+    ) -> SearchAnswer:
+        return SearchAnswer(
+            served,
+            found.hits,
+            self.versions.lag(served),
+            served.version if isinstance(served, ServedModel) else None,
+            covered=found.covered,
+        )

@@ -19,7 +19,8 @@ from streamxm.learning.stream_learner import model_from_state
 from streamxm.models.embedding import EmbeddingKind
 from streamxm.serving.gallery import Gallery
 from streamxm.serving.served import EmbeddedGallery, ServedEnsemble, ServedModel
-from streamxm.storage.checkpoint import CheckpointStore
+from streamxm.serving.shard import ShardedGallery
+from streamxm.storage.checkpoint import Checkpoint, CheckpointStore
 
 __all__ = ["ServedVersions"]
 
@@ -50,11 +51,21 @@ class ServedVersions:
     wait_for_index
         Swap a model that embeds raw vectors in only once its version has embedded the
         gallery, as a linear head is: every answer exact, the lag up to two embedding passes.
+    shards
+        A gallery spread over shards (:mod:`streamxm.serving.shard`): each new version is
+        applied on every shard, which build their parts' indexes at once, and served once every
+        shard holds it; ``None``: the gallery is this process's.
     """
 
-    def __init__(self, store: CheckpointStore, wait_for_index: bool = D.WAIT_FOR_INDEX) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        wait_for_index: bool = D.WAIT_FOR_INDEX,
+        shards: ShardedGallery | None = None,
+    ) -> None:
         self.store = store
         self.wait_for_index = wait_for_index
+        self.shards = shards
         self.served: dict[str, ServedModel] = {}
         self.newest: dict[str, tuple[int, float]] = {}  # model -> (head version, created)
         # Head version last tried per model: a corrupt newest version (served: the previous
@@ -87,6 +98,13 @@ class ServedVersions:
         started = time.perf_counter()
         earlier = self.served.get(name)
         kind = model.embedding()
+        if self.shards is not None:
+            self._apply_to_shards(
+                self.shards,
+                ckpt,
+                ServedModel(name, ckpt.version, model, head, time.time(), embedding=kind),
+            )
+            return
         if earlier is not None and self._embedded_behind(kind, model.img_dim, earlier):
             # The index thread embeds the gallery with it (embed_behind); meanwhile it waits,
             # or answers from the earlier version's index.
@@ -149,6 +167,37 @@ class ServedVersions:
             ckpt.version,
             head["pairs_seen"],
             self.served[name].index_seconds,
+        )
+
+    def _apply_to_shards(
+        self, shards: ShardedGallery, ckpt: Checkpoint, served: ServedModel
+    ) -> None:
+        """Serve ``served`` once every shard holds its version with its part's index built;
+        on a failure (a shard restarting) the version is tried again on the next refresh."""
+        started = time.perf_counter()
+        try:
+            applied = shards.apply(served.name, ckpt)
+        except Exception as exc:
+            self._attempted.pop(served.name, None)
+            log.warning(
+                "%s version %d not applied on every shard (will retry): %s",
+                served.name,
+                served.version,
+                exc,
+            )
+            return
+        took = time.perf_counter() - started
+        with self._swap:
+            self.served[served.name] = replace(
+                served, gallery_items=sum(a.rows for a in applied), index_seconds=took
+            )
+        log.info(
+            "serving %s version %d (%d pairs seen; applied on %d shards in %.2f s)",
+            served.name,
+            served.version,
+            served.head["pairs_seen"],
+            len(applied),
+            took,
         )
 
     def _swap_in(

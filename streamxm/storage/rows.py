@@ -53,6 +53,10 @@ class GalleryRows:
         return unit[rows] * norm[rows, None]
 
     def sliced(self, rows: slice) -> Self:
+        return self.taken(rows)
+
+    def taken(self, rows: slice | NDArray[np.intp]) -> Self:
+        """The rows at ``rows`` (a slice: views; positions: copies)."""
         return type(self)(
             self.ids[rows],
             self.unit_img[rows],

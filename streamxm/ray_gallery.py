@@ -1,0 +1,281 @@
+"""The gallery spread over Ray actors (``STREAMXM_GALLERY_BACKEND=ray``).
+
+The API joins a Ray cluster (``STREAMXM_RAY_ADDRESS``, or starts one on this machine) and runs
+``STREAMXM_GALLERY_SHARDS`` actors, each a :class:`~streamxm.serving.shard.GalleryShard` over
+its part of the gallery (:mod:`streamxm.serving.sharding`). :class:`RayGallery` is what the
+API's :class:`~streamxm.serving.server.ModelServer` talks to:
+
+- **versions**: the API puts a new version's checkpoint state into Ray's object store once and
+  every shard builds its part's index from it at the same time; the API serves the version once
+  every shard holds it (:meth:`RayGallery.apply`);
+- **search**: each shard answers with its part's proven top k by the versions the API names;
+  the merge of those is the exact top k (:func:`~streamxm.serving.sharding.merge_hits`);
+- **faults**: shard actors are restarted by Ray (``max_restarts=-1``); a restarted shard reads
+  its part again and is given the versions the API serves (:meth:`RayGallery.heal`).
+  Meanwhile a search waits at most ``timeout`` seconds and then raises
+  :class:`~streamxm.serving.shard.ShardsUnavailable` (503 with ``Retry-After``), or, when the
+  request accepts it, answers from the shards that did, saying which share of the gallery that
+  covers.
+
+Ray is imported only here, and only when this backend is chosen: the default ``local`` backend
+starts and imports nothing of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from streamxm.config import Settings
+from streamxm.service import limits_from, open_store
+from streamxm.serving.shard import (
+    AppliedVersion,
+    GalleryShard,
+    ShardAnswer,
+    ShardedHits,
+    ShardStatus,
+    ShardsUnavailable,
+)
+from streamxm.serving.sharding import ShardPart, merge_hits
+from streamxm.storage.checkpoint import Checkpoint
+from streamxm.stream.keys import Keys
+from streamxm.stream.redis_conn import connect
+
+__all__ = ["RayGallery", "ShardHost"]
+
+log = logging.getLogger(__name__)
+
+
+def import_ray() -> Any:
+    """Ray, or a clear error naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError(
+            "STREAMXM_GALLERY_BACKEND=ray needs Ray: pip install 'streamxm[ray]'"
+        ) from None
+    return ray
+
+
+class ShardHost:
+    """The body of a shard actor: a :class:`~streamxm.serving.shard.GalleryShard` built in
+    the actor's process from the API's settings (``settings_json``, with the resolved Redis
+    URL), following its part of the gallery on a thread of its own."""
+
+    def __init__(self, settings_json: str, index: int, count: int) -> None:
+        settings = Settings.model_validate_json(settings_json)
+        assert settings.redis_url is not None, "the API hands shards a resolved Redis URL"
+        client = connect(settings, settings.redis_url, retries=2, timeout=30.0)
+        self.shard = GalleryShard(
+            client,
+            open_store(settings, client),
+            Keys(settings.namespace),
+            ShardPart(index, count),
+            gallery_max=settings.gallery_max,
+            limits=limits_from(settings),
+            candidates=settings.search_candidates,
+        )
+        self.shard.start()
+
+    def apply(
+        self, name: str, version: int, state: tuple[dict[str, Any], dict[str, Any]]
+    ) -> AppliedVersion:
+        return self.shard.apply(name, version, state)
+
+    def search(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None,
+        versions: Mapping[str, int],
+    ) -> ShardAnswer:
+        return self.shard.search(name, modality, vector, k, target, versions)
+
+    def status(self) -> ShardStatus:
+        return self.shard.status()
+
+
+class RayGallery:
+    """The API's side of the sharded gallery: the shard actors, the versions applied to them
+    and the merge of their answers.
+
+    Parameters
+    ----------
+    settings
+        The API's settings (shards read the same namespace and store).
+    redis_url
+        The Redis URL the API resolved (an embedded server's too).
+    address
+        A Ray cluster to join (``ray.init(address=...)``); ``None`` starts one here.
+    shards
+        Shard actors (``STREAMXM_GALLERY_SHARDS``).
+    timeout
+        Seconds a search waits for every shard before it fails or answers partially.
+    apply_timeout
+        Seconds a new version may take to be applied on every shard.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        redis_url: str,
+        address: str | None,
+        shards: int,
+        timeout: float,
+        apply_timeout: float = 600.0,
+    ) -> None:
+        self.ray = import_ray()
+        self.started_ray = not self.ray.is_initialized()
+        if self.started_ray:
+            self.ray.init(
+                address=address,
+                namespace=f"streamxm-{settings.namespace}",
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        host = self.ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=16)(ShardHost)
+        payload = settings.model_copy(update={"redis_url": redis_url}).model_dump_json()
+        self.parts = [ShardPart(i, shards) for i in range(shards)]
+        self.actors = [
+            host.options(
+                num_cpus=1,
+                name=f"shard-{i}-of-{shards}",
+                get_if_exists=True,
+                scheduling_strategy="SPREAD",  # one node's loss takes as few parts as it can
+            ).remote(payload, i, shards)
+            for i in range(shards)
+        ]
+        self.timeout, self.apply_timeout = timeout, apply_timeout
+        # The newest state applied per model: (version, object ref), for restarted shards.
+        self.applied: dict[str, tuple[int, Any]] = {}
+        self.statuses: list[ShardStatus | None] = [None] * shards
+
+    # -- versions -------------------------------------------------------------------------------
+    def apply(self, name: str, ckpt: Checkpoint) -> list[AppliedVersion]:
+        """Every shard holds ``ckpt``'s version of ``name`` with its part's index built: one
+        copy of the state in the object store, the shards building at the same time."""
+        state = self.ray.put((ckpt.arrays, ckpt.meta))
+        self.applied[name] = (ckpt.version, state)
+        refs = [a.apply.remote(name, ckpt.version, state) for a in self.actors]
+        return list(self.ray.get(refs, timeout=self.apply_timeout))
+
+    def heal(self, served: Mapping[str, int]) -> None:
+        """Give every shard that lacks it (a restarted one) the served version of each model,
+        and refresh what ``/readyz`` and ``/metrics`` show of the shards."""
+        self.statuses = self.status()
+        for actor, status in zip(self.actors, self.statuses, strict=True):
+            if status is None:
+                continue
+            for name, version in served.items():
+                if version in status.versions.get(name, []) or name not in self.applied:
+                    continue
+                held, state = self.applied[name]
+                if held == version:
+                    log.info("shard %d: %s version %d applied again", status.index, name, version)
+                    self.ray.get(
+                        actor.apply.remote(name, version, state), timeout=self.apply_timeout
+                    )
+
+    def status(self) -> list[ShardStatus | None]:
+        """Each shard's status (``None``: it did not answer within the search timeout)."""
+        refs = [a.status.remote() for a in self.actors]
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
+        done = set(ready)
+        out: list[ShardStatus | None] = []
+        for ref in refs:
+            try:
+                out.append(self.ray.get(ref) if ref in done else None)
+            except self.ray.exceptions.RayError:
+                out.append(None)
+        return out
+
+    # -- search ---------------------------------------------------------------------------------
+    async def search_async(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None,
+        versions: Mapping[str, int],
+        partial: bool = False,
+    ) -> ShardedHits:
+        """The merged top ``k`` of every shard's answer (see :meth:`merge`)."""
+        refs = [
+            a.search.remote(name, modality, vector, k, target, dict(versions)) for a in self.actors
+        ]
+        waiting = [asyncio.ensure_future(_awaited(ref)) for ref in refs]
+        done, pending = await asyncio.wait(waiting, timeout=self.timeout)
+        for task in pending:
+            task.cancel()
+        answers = [
+            t.result() if t in done and t.exception() is None else t.exception() or None
+            for t in waiting
+        ]
+        return self.merge(answers, k, partial)
+
+    def search(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None,
+        versions: Mapping[str, int],
+        partial: bool = False,
+    ) -> ShardedHits:
+        """:meth:`search_async` from a thread."""
+        refs = [
+            a.search.remote(name, modality, vector, k, target, dict(versions)) for a in self.actors
+        ]
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
+        answers: list[ShardAnswer | BaseException | None] = []
+        for ref in refs:
+            try:
+                answers.append(self.ray.get(ref) if ref in ready else None)
+            except Exception as exc:  # the shard's error, or its actor died
+                answers.append(exc)
+        return self.merge(answers, k, partial)
+
+    def merge(
+        self, answers: list[ShardAnswer | BaseException | None], k: int, partial: bool
+    ) -> ShardedHits:
+        """The shards' answers as one: every shard's, or with ``partial`` those that came,
+        saying which share of the item space they cover; else
+        :class:`~streamxm.serving.shard.ShardsUnavailable` naming the shards missing."""
+        missing = [i for i, a in enumerate(answers) if not isinstance(a, ShardAnswer)]
+        if missing and not partial:
+            first = next(a for a in answers if not isinstance(a, ShardAnswer))
+            why = "no answer in time" if first is None else f"{type(first).__name__}: {first}"
+            raise ShardsUnavailable(missing, len(answers), why)
+        got = [a for a in answers if isinstance(a, ShardAnswer)]
+        covered = sum(p.share for p, a in zip(self.parts, answers, strict=True) if a in got)
+        return ShardedHits(merge_hits([a.hits for a in got], k), covered, missing)
+
+    def close(self) -> None:
+        if self.started_ray:
+            self.ray.shutdown()
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+def wait_for_shards(gallery: RayGallery, seconds: float) -> None:
+    """Block until every shard has read its part of the gallery (or ``seconds`` pass)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        statuses = gallery.status()
+        if all(s is not None and s.caught_up for s in statuses):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"shards not caught up after {seconds} s: {gallery.status()}")

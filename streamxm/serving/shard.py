@@ -1,0 +1,347 @@
+"""One shard of a gallery spread over processes: its part of the items, and each applied model
+version's index of that part.
+
+A :class:`GalleryShard` follows the namespace's segments and stream as a single server does
+(:class:`~streamxm.serving.following.GalleryFollower`), keeping only the items its
+:class:`~streamxm.serving.sharding.ShardPart` owns. It never loads a version by itself: the
+coordinator hands it each new version's checkpoint state (:meth:`GalleryShard.apply`, every
+shard at once), and names the version each search reads, so the shards of one answer always
+read the same versions. A shard keeps the few newest versions it was given, so the version
+served while a newer one is applied elsewhere still answers.
+
+Searches run the single-process pipeline (:class:`~streamxm.serving.search.Searcher`) on the
+shard's part: each shard's answer is its part's proven top k, which is what
+:func:`~streamxm.serving.sharding.merge_hits` needs. Nothing here imports Ray: the Ray
+backend (:mod:`streamxm.ray_gallery`) hosts this class in an actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+import redis
+from numpy.typing import NDArray
+
+from streamxm import defaults as D
+from streamxm.learning.stream_learner import model_from_state
+from streamxm.models.ensemble import EnsembleSpec, parse_ensemble
+from streamxm.serving.following import GalleryFollower
+from streamxm.serving.gallery import Gallery
+from streamxm.serving.search import Searcher
+from streamxm.serving.served import (
+    EmbeddedGallery,
+    InvalidModelName,
+    ModelNotReady,
+    ServedEnsemble,
+    ServedModel,
+)
+from streamxm.serving.sharding import ShardPart
+from streamxm.storage.checkpoint import Checkpoint, CheckpointStore
+from streamxm.stream.keys import Keys
+from streamxm.stream.messages import Limits
+
+__all__ = [
+    "AppliedVersion",
+    "GalleryShard",
+    "ShardAnswer",
+    "ShardStatus",
+    "ShardedGallery",
+    "ShardedHits",
+    "ShardsUnavailable",
+    "resident_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+#: Versions of each model a shard keeps: the served one and those being applied after it.
+KEPT_VERSIONS = 3
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux ``/proc``; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(frozen=True)
+class AppliedVersion:
+    """What applying one version cost a shard."""
+
+    name: str
+    version: int
+    build_seconds: float
+    rows: int
+
+
+@dataclass(frozen=True)
+class ShardAnswer:
+    """A shard's top k of its part, best first, and the versions that scored it."""
+
+    hits: list[tuple[str, float]]
+    versions: dict[str, int]
+    rows: int
+
+
+@dataclass(frozen=True)
+class ShardedHits:
+    """The shards' answers merged: hits best first, the share of the item space they cover
+    (1.0: every shard answered) and the shards that did not."""
+
+    hits: list[tuple[str, float]]
+    covered: float
+    missing: list[int]
+
+
+class ShardsUnavailable(ModelNotReady):
+    """Some shards gave no answer in time (restarting, or their node gone): a search never
+    answers from part of the gallery unless the request asks for it."""
+
+    def __init__(self, missing: list[int], count: int, why: str) -> None:
+        super().__init__(
+            f"gallery shards {missing} of {count} did not answer ({why}); retry, or ask for a "
+            "partial answer (`partial: true`)"
+        )
+        self.missing = missing
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """What ``/readyz`` and ``/metrics`` show of a shard."""
+
+    index: int
+    count: int
+    rows: int
+    caught_up: bool
+    versions: dict[str, list[int]]
+    build_seconds: dict[str, float]
+    resident_bytes: int
+    pid: int = field(default_factory=os.getpid)
+
+
+class GalleryShard:
+    """A part of the gallery and the versions applied to it.
+
+    Parameters
+    ----------
+    client, store, keys
+        Redis, the store the segments live in, the namespace's keys.
+    part
+        The items this shard owns.
+    gallery_max
+        Cap of this shard's part when the gallery is read from the stream alone.
+    limits, read_count
+        As :class:`~streamxm.serving.following.GalleryFollower` takes them.
+    candidates
+        Candidates re-ranked per query (:class:`~streamxm.serving.search.Searcher`).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        store: CheckpointStore,
+        keys: Keys,
+        part: ShardPart,
+        gallery_max: int = D.GALLERY_MAX,
+        limits: Limits = Limits(),
+        read_count: int = D.GALLERY_READ_COUNT,
+        candidates: int = D.SEARCH_CANDIDATES,
+    ) -> None:
+        self.part = part
+        self.following = GalleryFollower(
+            client, store, keys, gallery_max, limits, read_count, part=part
+        )
+        self.held: dict[str, dict[int, ServedModel]] = {}
+        self.build_seconds: dict[str, float] = {}
+        self.caught_up = False
+        self._lock = threading.Lock()  # applies and covers swap `held` entries
+        self.searcher = Searcher(self, lambda _: 0.0, candidates)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the catalogue a search reads (streamxm.serving.search.Catalogue) ----------------------
+    @property
+    def gallery(self) -> Gallery:
+        return self.following.gallery
+
+    def get(self, name: str, version: int | None = None) -> ServedModel:
+        versions = self.held.get(name, {})
+        chosen = version if version is not None else max(versions, default=None)
+        if chosen is None or chosen not in versions:
+            raise ModelNotReady(f"shard {self.part.index} holds no version {chosen} of {name!r}")
+        return versions[chosen]
+
+    def is_loaded(self, name: str, version: int | None) -> bool:
+        return version is None or version in self.held.get(name, {})
+
+    def pin(self, name: str, version: int) -> ServedModel:
+        return self.get(name, version)
+
+    def ensemble(
+        self, name: str, version: int | None = None, members: Mapping[str, int] | None = None
+    ) -> ServedEnsemble:
+        try:
+            spec: EnsembleSpec = parse_ensemble(name)
+        except ValueError as exc:
+            raise InvalidModelName(str(exc)) from None
+        members = members or {}
+        return ServedEnsemble(spec, tuple(self.get(m, members.get(m)) for m in spec.members))
+
+    def index_of(self, served: ServedModel) -> EmbeddedGallery:
+        index = served.index
+        if index is not None and index.version == served.version:
+            return index.covering(self.gallery)
+        return EmbeddedGallery.build(served.version, served.embedding, self.gallery)
+
+    # -- what the coordinator asks -------------------------------------------------------------
+    def apply(
+        self, name: str, version: int, state: tuple[dict[str, Any], dict[str, Any]]
+    ) -> AppliedVersion:
+        """Hold ``version`` of ``name`` made from its checkpoint ``state`` (arrays, meta), with
+        its index of this shard's part built (from the newest held version's, where the kind
+        recomputes only what changed)."""
+        held = self.held.get(name, {})
+        if version in held:
+            return AppliedVersion(
+                name, version, self.build_seconds.get(name, 0.0), len(self.gallery)
+            )
+        started = time.perf_counter()
+        model = model_from_state(*state)
+        kind = model.embedding()
+        gallery = self.gallery
+        earlier = held[max(held)].index if held else None
+        index = None if kind.fixed else EmbeddedGallery.build(version, kind, gallery, earlier)
+        served = ServedModel(
+            name=name,
+            version=version,
+            model=model,
+            head={},
+            loaded_at=time.time(),
+            index=index,
+            gallery_items=len(gallery),
+            embedding=kind,
+        )
+        took = time.perf_counter() - started
+        with self._lock:
+            versions = dict(self.held.get(name, {}))
+            versions[version] = served
+            for old in sorted(versions)[:-KEPT_VERSIONS]:
+                del versions[old]
+            self.held[name] = versions
+            self.build_seconds[name] = took
+        log.info("shard %d: %s version %d applied in %.2f s", self.part.index, name, version, took)
+        return AppliedVersion(name, version, took, len(gallery))
+
+    def search(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None,
+        versions: Mapping[str, int],
+    ) -> ShardAnswer:
+        """This part's top ``k`` by the named versions (``versions``: a model's, or every
+        ensemble member's)."""
+        if not self.caught_up:
+            raise ModelNotReady(f"shard {self.part.index} is still reading its part of the gallery")
+        version = versions.get(name)
+        answer = self.searcher.search(name, modality, vector, k, target, version, versions)
+        return ShardAnswer(answer.hits, dict(answer.served.versions), len(self.gallery))
+
+    def status(self) -> ShardStatus:
+        return ShardStatus(
+            index=self.part.index,
+            count=self.part.count,
+            rows=len(self.gallery),
+            caught_up=self.caught_up,
+            versions={name: sorted(v) for name, v in self.held.items()},
+            build_seconds=dict(self.build_seconds),
+            resident_bytes=resident_bytes(),
+        )
+
+    # -- following the gallery -----------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read new gallery rows (until the stream's end on the first call) and have every
+        held version's index cover them."""
+        while self.following.read() and not self.caught_up:
+            pass
+        self.caught_up = True
+        gallery = self.gallery
+        with self._lock:
+            for name, versions in list(self.held.items()):
+                self.held[name] = {
+                    v: served if served.index is None else _covering(served, gallery)
+                    for v, served in versions.items()
+                }
+
+    def start(self, interval: float = 0.25) -> None:
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.refresh()
+                except redis.RedisError as exc:
+                    log.warning(
+                        "shard %d gallery read failed (will retry): %s", self.part.index, exc
+                    )
+                except Exception:
+                    log.exception("shard %d gallery read failed (will retry)", self.part.index)
+                self._stop.wait(interval)
+
+        self._thread = threading.Thread(target=loop, name="streamxm-shard", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.searcher.close()
+
+
+def _covering(served: ServedModel, gallery: Gallery) -> ServedModel:
+    assert served.index is not None
+    return replace(served, index=served.index.covering(gallery), gallery_items=len(gallery))
+
+
+class ShardedGallery(Protocol):
+    """What the API's model server asks of a gallery spread over shards (the Ray backend,
+    :class:`streamxm.ray_gallery.RayGallery`)."""
+
+    statuses: list[ShardStatus | None]
+
+    def apply(self, name: str, ckpt: Checkpoint) -> list[AppliedVersion]: ...
+
+    def heal(self, served: Mapping[str, int]) -> None: ...
+
+    def search(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None,
+        versions: Mapping[str, int],
+        partial: bool = False,
+    ) -> ShardedHits: ...
+
+    async def search_async(
+        self,
+        name: str,
+        modality: str,
+        vector: NDArray[np.float32],
+        k: int,
+        target: str | None,
+        versions: Mapping[str, int],
+        partial: bool = False,
+    ) -> ShardedHits: ...
+
+    def close(self) -> None: ...

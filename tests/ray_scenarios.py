@@ -1,0 +1,265 @@
+"""Scenarios of the ``ray`` gallery backend, run by ``tests/test_ray_gallery.py`` inside a
+network namespace that has only loopback (``unshare -rn``): a Ray cluster of two nodes on this
+machine, started here, and every Ray process bound to 127.0.0.1.
+
+``python -m tests.ray_scenarios NAME SETTINGS_JSON`` runs one and prints a JSON summary; a
+failed check raises (exit status 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from streamxm.config import Settings
+from streamxm.models import MODEL_NAMES
+from streamxm.ray_gallery import RayGallery, wait_for_shards
+from streamxm.service import build_worker, open_store
+from streamxm.serving.server import ModelServer
+from streamxm.serving.shard import ShardsUnavailable
+from streamxm.stream.producer import StreamProducer
+from streamxm.stream.redis_conn import connect
+from tests.conftest import class_stream
+
+#: Small settings of the slower models (as the contract tests use).
+PARAMS: dict[str, dict[str, Any]] = {
+    "cmomks": {"budget": 60, "landmarks": 40, "triplets_per_pair": 2},
+    "sam": {"hidden": 32, "dim": 8, "batch_size": 20, "replay": 100, "epoch_pairs": 100},
+    "sdsrl": {"m_img": 30, "m_txt": 16, "landmark_pool": 60, "solve_every": 50},
+    "scsm": {"window": 120, "solve_every": 50},
+    "cca": {"solve_every": 50},
+}
+IMG, TXT = 12, 6
+
+
+@contextmanager
+def ray_cluster(nodes: int = 2) -> Iterator[str]:
+    """A Ray cluster of ``nodes`` nodes on 127.0.0.1, one logical CPU each."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    try:
+        yield str(cluster.address)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def listeners() -> list[str]:
+    """Local addresses of every listening TCP socket (``ss -ltnH``)."""
+    out = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if line.strip()]
+
+
+#: The stream the scenarios push, a part at a time.
+STREAM = class_stream(1200, IMG, TXT, seed=11)
+
+
+def learn(settings: Settings, models: list[str], part: slice) -> None:
+    """Push ``STREAM[part]`` and let a worker of each model learn every pair pushed."""
+    r = connect(settings, settings.redis_url or "", retries=1, timeout=30)
+    StreamProducer(r, settings.namespace).push_pairs(STREAM[part])
+    for model in models:
+        build_worker(settings, r, model, PARAMS.get(model)).run(until_idle=True)
+
+
+def queries(seed: int, n: int) -> list[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        ("image", rng.random(IMG).astype(np.float32))
+        if i % 2
+        else ("text", rng.random(TXT).astype(np.float32))
+        for i in range(n)
+    ]
+
+
+def same_answers(local: ModelServer, sharded: ModelServer, model: str, k: int) -> int:
+    """Every query's sharded answer equals the local one: ids, order, version, scores."""
+    compared = 0
+    for modality, vector in queries(hash(model) % 1000, 6):
+        want = local.search(model, modality, vector, k)
+        got = sharded.search(model, modality, vector, k)
+        assert got.served.versions == want.served.versions, (model, got.served.versions)
+        assert [i for i, _ in got.hits] == [i for i, _ in want.hits], (model, got.hits, want.hits)
+        np.testing.assert_allclose(
+            [s for _, s in got.hits], [s for _, s in want.hits], rtol=2e-6, atol=1e-6
+        )
+        compared += 1
+    return compared
+
+
+def servers(
+    settings: Settings, address: str, shards: int, timeout: float = 30.0
+) -> tuple[ModelServer, ModelServer]:
+    r = connect(settings, settings.redis_url or "", retries=1, timeout=30)
+    local = ModelServer(r, open_store(settings, r), settings.namespace)
+    gallery = RayGallery(settings, settings.redis_url or "", address, shards, timeout=timeout)
+    sharded = ModelServer(r, open_store(settings, r), settings.namespace, shards=gallery)
+    wait_for_shards(gallery, 120)
+    return local, sharded
+
+
+def settle(local: ModelServer, sharded: ModelServer, rows: int) -> None:
+    """Both servers hold the newest versions and ``rows`` gallery items."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        local.refresh()
+        sharded.refresh()
+        shard_rows = sum(s.rows for s in sharded.shards.status() if s is not None)  # type: ignore[union-attr]
+        if (
+            len(local.gallery) == rows
+            and shard_rows == rows
+            and {n: s.version for n, s in local.served.items()}
+            == {n: s.version for n, s in sharded.served.items()}
+        ):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the local and sharded servers did not settle")
+
+
+def answers_equal(settings: Settings) -> dict[str, Any]:
+    """After each of three versions, every model's sharded answers equal the local ones."""
+    models = list(MODEL_NAMES)
+    with ray_cluster() as address:
+        local, sharded = servers(settings, address, 2)
+        compared, rows = 0, 0
+        for _ in range(3):
+            learn(settings, models, slice(rows, rows + 120))
+            rows += 120
+            settle(local, sharded, rows)
+            for model in models:
+                compared += same_answers(local, sharded, model, k=7)
+        outside = [
+            a for a in listeners() if not a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:"))
+        ]
+        assert not outside, f"listening beyond loopback: {outside}"
+        statuses = sharded.shards.status()  # type: ignore[union-attr]
+        sharded.stop()
+        local.stop()
+    return {"compared": compared, "rows": [s.rows for s in statuses if s is not None]}
+
+
+class QueryLoad:
+    """Searches of the sharded server on a thread, each checked against the local answer: an
+    answer is right, refused (:class:`ShardsUnavailable`), or wrong; a partial one must say it
+    covers less than the whole gallery and hold only right hits."""
+
+    def __init__(self, local: ModelServer, sharded: ModelServer, models: list[str]) -> None:
+        self.sharded = sharded
+        self.asked = [
+            (model, modality, vector, local.search(model, modality, vector, 5).hits)
+            for model in models
+            for modality, vector in queries(7, 4)
+        ]
+        self.counts = {"right": 0, "refused": 0, "wrong": 0, "partial": 0}
+        self.last_refused = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> QueryLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        at = 0
+        while not self._stop.is_set():
+            model, modality, vector, want = self.asked[at % len(self.asked)]
+            at += 1
+            try:
+                got = self.sharded.search(model, modality, vector, 5, partial=at % 3 == 0)
+            except ShardsUnavailable:
+                self.counts["refused"] += 1
+                self.last_refused = time.monotonic()
+                continue
+            if got.covered < 1.0:
+                right = dict(want)
+                ok = all(i in right or s <= want[-1][1] for i, s in got.hits)
+                self.counts["partial" if ok and got.covered > 0 else "wrong"] += 1
+            elif got.hits == want or _close(got.hits, want):
+                self.counts["right"] += 1
+            else:
+                self.counts["wrong"] += 1
+
+
+def _close(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> bool:
+    return [i for i, _ in got] == [i for i, _ in want] and bool(
+        np.allclose([s for _, s in got], [s for _, s in want], rtol=2e-6, atol=1e-6)
+    )
+
+
+def shard_killed(settings: Settings) -> dict[str, Any]:
+    """A shard SIGKILLed under query load: no wrong answer and no silently partial one; Ray
+    restarts it, it reads its part again and is given the served versions; then every answer
+    is right again and no row is lost."""
+    models = ["cmos", "sdsrl", "sam"]
+    with ray_cluster() as address:
+        local, sharded = servers(settings, address, 2, timeout=2.0)
+        learn(settings, models, slice(0, 240))
+        settle(local, sharded, 240)
+        sharded.start()
+        victim = sharded.shards.status()[0]  # type: ignore[union-attr]
+        assert victim is not None
+        with QueryLoad(local, sharded, models) as load:
+            time.sleep(1.0)
+            before = dict(load.counts)
+            killed = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            back = None
+            while time.monotonic() - killed < 120:
+                status = sharded.shards.status()[0]  # type: ignore[union-attr]
+                if (
+                    status is not None
+                    and status.pid != victim.pid
+                    and all(sharded.served[m].version in status.versions.get(m, []) for m in models)
+                ):
+                    back = time.monotonic() - killed
+                    break
+                time.sleep(0.1)
+            assert back is not None, "the killed shard did not come back"
+            time.sleep(1.0)
+            after_back = dict(load.counts)
+        assert load.counts["wrong"] == 0, load.counts
+        assert load.counts["refused"] > before["refused"], (before, load.counts)
+        assert load.counts["right"] > after_back["right"] - 1  # answers flow after the return
+        rows = [s.rows for s in sharded.shards.status() if s is not None]  # type: ignore[union-attr]
+        assert sum(rows) == 240, rows
+        compared = sum(same_answers(local, sharded, m, k=7) for m in models)
+        sharded.stop()
+        local.stop()
+    return {"counts": load.counts, "back_s": round(back, 2), "rows": rows, "compared": compared}
+
+
+SCENARIOS: dict[str, Callable[[Settings], dict[str, Any]]] = {
+    "answers_equal": answers_equal,
+    "shard_killed": shard_killed,
+}
+
+
+def main() -> None:
+    name, settings_json = sys.argv[1], sys.argv[2]
+    settings = Settings.model_validate_json(settings_json)
+    print(json.dumps(SCENARIOS[name](settings)))
+
+
+if __name__ == "__main__":
+    main()
