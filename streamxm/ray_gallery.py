@@ -33,6 +33,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.config import Settings
+from streamxm.models.ensemble import REFERENCE_ITEMS
 from streamxm.service import limits_from, open_store
 from streamxm.serving.shard import (
     AppliedVersion,
@@ -42,8 +43,9 @@ from streamxm.serving.shard import (
     ShardStatus,
     ShardsUnavailable,
 )
-from streamxm.serving.sharding import ShardPart, merge_hits
+from streamxm.serving.sharding import ShardPart, merge_hits, reference_keys, smallest
 from streamxm.storage.checkpoint import Checkpoint
+from streamxm.storage.rows import GalleryRows
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import connect
 
@@ -102,6 +104,12 @@ class ShardHost:
     def status(self) -> ShardStatus:
         return self.shard.status()
 
+    def reference_candidates(self) -> GalleryRows:
+        return self.shard.reference_candidates()
+
+    def set_reference(self, sample: GalleryRows) -> None:
+        self.shard.set_reference(sample)
+
 
 class RayGallery:
     """The API's side of the sharded gallery: the shard actors, the versions applied to them
@@ -158,6 +166,9 @@ class RayGallery:
         # The newest state applied per model: (version, object ref), for restarted shards.
         self.applied: dict[str, tuple[int, Any]] = {}
         self.statuses: list[ShardStatus | None] = [None] * shards
+        #: The whole gallery's reference sample, and the shards' digests it was made from.
+        self.reference: GalleryRows | None = None
+        self._reference_from: list[str] = []
 
     # -- versions -------------------------------------------------------------------------------
     def apply(self, name: str, ckpt: Checkpoint) -> list[AppliedVersion]:
@@ -170,8 +181,10 @@ class RayGallery:
 
     def heal(self, served: Mapping[str, int]) -> None:
         """Give every shard that lacks it (a restarted one) the served version of each model,
-        and refresh what ``/readyz`` and ``/metrics`` show of the shards."""
+        gather the reference sample again when a shard's part of it changed, and refresh what
+        ``/readyz`` and ``/metrics`` show of the shards."""
         self.statuses = self.status()
+        self._gather_reference(self.statuses)
         for actor, status in zip(self.actors, self.statuses, strict=True):
             if status is None:
                 continue
@@ -184,6 +197,20 @@ class RayGallery:
                     self.ray.get(
                         actor.apply.remote(name, version, state), timeout=self.apply_timeout
                     )
+
+    def _gather_reference(self, statuses: list[ShardStatus | None]) -> None:
+        """The whole gallery's reference sample from the shards' candidates (the smallest
+        reference keys of their union, as one server picks them), given to every shard."""
+        digests = [s.reference_digest if s is not None else "" for s in statuses]
+        if "" in digests or digests == self._reference_from:
+            return
+        parts = self.ray.get(
+            [a.reference_candidates.remote() for a in self.actors], timeout=self.timeout
+        )
+        union = GalleryRows.joined(parts)
+        sample = union.taken(smallest(reference_keys(union.ids), REFERENCE_ITEMS))
+        self.ray.get([a.set_reference.remote(sample) for a in self.actors], timeout=self.timeout)
+        self.reference, self._reference_from = sample, digests
 
     def status(self) -> list[ShardStatus | None]:
         """Each shard's status (``None``: it did not answer within the search timeout)."""

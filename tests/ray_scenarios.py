@@ -40,6 +40,7 @@ PARAMS: dict[str, dict[str, Any]] = {
     "cca": {"solve_every": 50},
 }
 IMG, TXT = 12, 6
+ENSEMBLE = "ensemble:sdsrl+pairwise:marginal+sam"
 
 
 @contextmanager
@@ -143,7 +144,7 @@ def answers_equal(settings: Settings) -> dict[str, Any]:
             learn(settings, models, slice(rows, rows + 120))
             rows += 120
             settle(local, sharded, rows)
-            for model in models:
+            for model in [*models, ENSEMBLE]:
                 compared += same_answers(local, sharded, model, k=7)
         outside = [
             a for a in listeners() if not a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:"))

@@ -12,6 +12,7 @@ from streamxm.config import Settings
 from streamxm.models.ensemble import REFERENCE_ITEMS, parse_ensemble
 from streamxm.models.heads import RbfFeatures
 from streamxm.service import build_worker, open_store
+from streamxm.serving.gallery import reference_rows
 from streamxm.serving.served import (
     EnsembleUnsupported,
     InvalidModelName,
@@ -56,7 +57,7 @@ def test_ensemble_search_is_the_fused_ranking_of_the_gallery(
     cmos, sdsrl = server.get("cmos").model, server.get("sdsrl").model
     img = np.stack([p.img for p in pairs])
     txt = np.stack([p.txt for p in pairs])
-    strided = np.unique(np.linspace(0, len(pairs) - 1, REFERENCE_ITEMS).astype(int))
+    sample = reference_rows([p.id for p in pairs], REFERENCE_ITEMS)  # all 300 here
     for modality, vector, direction, items in (
         ("image", pairs[7].img, "i2t", txt),
         ("text", pairs[9].txt, "t2i", img),
@@ -66,7 +67,7 @@ def test_ensemble_search_is_the_fused_ranking_of_the_gallery(
             raw = [m.similarity(vector[None, :], items) for m in (cmos, sdsrl)]
         else:
             raw = [m.similarity(items, vector[None, :]).T for m in (cmos, sdsrl)]
-        want = sum(_z(s, s[:, strided]) for s in raw)[0]
+        want = sum(_z(s, s[:, sample]) for s in raw)[0]
         order = np.argsort(-want, kind="stable")[:10]
         assert [h[0] for h in answer.hits] == [pairs[i].id for i in order]
         np.testing.assert_allclose([h[1] for h in answer.hits], want[order], rtol=1e-6)

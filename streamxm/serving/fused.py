@@ -11,13 +11,14 @@ standardisers`) is then ``[row_1(x), row_2(x), ...] . [query_1 / scale_1, query_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.models.ensemble import REFERENCE_ITEMS
-from streamxm.serving.gallery import Gallery, largest_norm
+from streamxm.models.embedding import EmbeddingKind
+from streamxm.serving.gallery import Gallery, GalleryRows, largest_norm
 from streamxm.serving.served import EmbeddedGallery, ServedEnsemble
 
 __all__ = ["FusedSpace"]
@@ -36,30 +37,58 @@ class FusedSpace:
 
     sources: tuple[object, ...]
     gallery: Gallery
+    target: str
     blocks: tuple[F32, ...]
     widths: tuple[int, ...]
     norms: tuple[float, ...]
-    #: The rows of the gallery's reference sample (what members' scores are standardised
-    #: over: :meth:`~streamxm.serving.gallery.Gallery.reference`).
-    reference: F32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_reference", {})  # "rows" -> (sample, its rows)
+
+    def reference_rows(self, kinds: Sequence[EmbeddingKind], sample: GalleryRows) -> F32:
+        """The members' rows of the reference sample (what their scores are standardised
+        over: :meth:`~streamxm.serving.gallery.Gallery.reference_sample`) side by side: a
+        fixed space's unit rows, the other kinds' rows of the raw vectors (computed once per
+        sample, the same on one server and on every gallery shard)."""
+        found = self.kept_reference(sample)
+        if found is not None:
+            return found
+        parts = [
+            sample.unit(self.target)
+            if kind.fixed
+            else kind.rows(self.target, sample.raw(self.target)).astype(np.float32)
+            for kind in kinds
+        ]
+        rows = np.hstack(parts).astype(np.float32)
+        self._reference["rows"] = (sample, rows)  # type: ignore[attr-defined]
+        return rows
+
+    def kept_reference(self, sample: GalleryRows) -> F32 | None:
+        """:meth:`reference_rows` of ``sample`` when they are made already (for the same
+        items: a new gallery snapshot usually has the same sample)."""
+        found: tuple[GalleryRows, F32] | None = self._reference.get("rows")  # type: ignore
+        if found is None or not np.array_equal(found[0].ids, sample.ids):
+            return None
+        return found[1]
 
     def rows_at(self, rows: NDArray[np.int64]) -> F32:
         """The side-by-side rows at global row positions."""
         return self.gallery.gather(self.blocks, rows, (sum(self.widths),))
 
     def standardised(
-        self, queries: list[tuple[F32, float]], weights: tuple[float, ...]
+        self, queries: list[tuple[F32, float]], weights: tuple[float, ...], reference: F32
     ) -> tuple[F32, float, float]:
         """The scan query of one search and its constant: each member's query divided by
         its scale, where offset and scale are the mean and standard deviation (1 when 0) of
-        its scores over the reference rows, the scale divided by the member's weight, as
+        its scores over the ``reference`` rows (:meth:`reference_rows`), the scale divided by
+        the member's weight, as
         :meth:`~streamxm.models.ensemble.Ensemble.standardisers`; and the largest term any
         row can contribute (for the rounding margin)."""
         parts, constant, reach, at = [], 0.0, 0.0, 0
         for (query, c), width, norm, weight in zip(
             queries, self.widths, self.norms, weights, strict=True
         ):
-            scores = self.reference[:, at : at + width].astype(np.float64) @ query + c
+            scores = reference[:, at : at + width].astype(np.float64) @ query + c
             at += width
             std = float(scores.std())
             scale = (std if std > 0 else 1.0) / weight
@@ -105,10 +134,4 @@ class FusedSpace:
         blocks = tuple(np.hstack(chunk_parts) for chunk_parts in zip(*parts, strict=True))
         widths = tuple(int(p[0].shape[1]) if p else 0 for p in parts)
         norms = tuple(largest_norm(p) for p in parts)
-        space = cls(
-            sources, gallery, blocks, widths, norms, np.empty((0, sum(widths)), dtype=np.float32)
-        )
-        object.__setattr__(
-            space, "reference", space.rows_at(gallery.reference_rows(REFERENCE_ITEMS))
-        )
-        return space
+        return cls(sources, gallery, target, blocks, widths, norms)

@@ -12,6 +12,7 @@ from numpy.typing import NDArray
 
 from streamxm.models.heads import FeatureMap
 from streamxm.serving.index import Block, index_block
+from streamxm.serving.sharding import reference_keys, smallest
 from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
 
 _Value = TypeVar("_Value", bound=np.generic)
@@ -27,10 +28,12 @@ __all__ = [
 ]
 
 
-def reference_rows(size: int, items: int) -> NDArray[np.int64]:
-    """At most ``items`` row positions of ``size`` rows, evenly strided, first and last
-    included: the sample an ensemble standardises its members' scores over."""
-    return np.unique(np.linspace(0, size - 1, min(size, items)).astype(np.int64))
+def reference_rows(ids: Sequence[str] | NDArray[np.str_], items: int) -> NDArray[np.int64]:
+    """Positions of at most ``items`` of the items ``ids``: the sample an ensemble standardises
+    its members' scores over, those of the smallest reference keys
+    (:func:`~streamxm.serving.sharding.reference_keys`), in key order. A uniform sample, and
+    the same one however the gallery is split into shards or chunks."""
+    return smallest(reference_keys(ids), items)
 
 
 def largest_norm(blocks: Iterable[Block]) -> float:
@@ -193,6 +196,15 @@ class GalleryChunk(GalleryRows):
         """The stored rows (a segment) indexed for search."""
         return cls(rows.ids, rows.unit_img, rows.unit_txt, rows.norm_img, rows.norm_txt)
 
+    def reference_keys(self) -> NDArray[np.uint64]:
+        """Each row's reference key (:func:`~streamxm.serving.sharding.reference_keys`),
+        computed once."""
+        found: NDArray[np.uint64] | None = getattr(self, "_reference_keys", None)
+        if found is None:
+            found = reference_keys(self.ids)
+            object.__setattr__(self, "_reference_keys", found)
+        return found
+
     def index(self, modality: str) -> Block:
         """The unit rows as the search backend scans them, made on first use (only the models
         with a fixed space scan them: a gallery served to others never pays for them)."""
@@ -272,20 +284,37 @@ class Gallery:
         return units * norms[:, None]
 
     def reference(self, modality: str, items: int) -> NDArray[np.float32]:
-        """At most ``items`` raw vectors of ``modality``, evenly strided over the gallery (the
-        same ones for every query against this snapshot: computed once)."""
-        cache: dict[tuple[str, int], NDArray[np.float32]] = self._references  # type: ignore
-        if (modality, items) not in cache:
-            cache[(modality, items)] = (
-                self.vectors_at(self.reference_rows(items), modality)
-                if len(self)
-                else np.empty((0, 0), dtype=np.float32)
+        """At most ``items`` raw vectors of ``modality``, the gallery's reference sample
+        (:meth:`reference_sample`)."""
+        return self.reference_sample(items).raw(modality)
+
+    def reference_sample(self, items: int) -> GalleryRows:
+        """The rows of :meth:`reference_rows` (unit rows and norms of both modalities, in key
+        order; computed once per snapshot)."""
+        cache: dict[tuple[str, int], GalleryRows] = self._references  # type: ignore
+        if ("sample", items) not in cache:
+            rows = self.reference_rows(items)
+            units = [self.locate(rows, m) for m in ("image", "text")]
+            cache[("sample", items)] = GalleryRows(
+                np.asarray(self.ids_at(rows), dtype=np.str_),
+                units[0][0],
+                units[1][0],
+                units[0][1],
+                units[1][1],
             )
-        return cache[(modality, items)]
+        return cache[("sample", items)]
 
     def reference_rows(self, items: int) -> NDArray[np.int64]:
         """The row positions of :meth:`reference` (:func:`reference_rows`)."""
-        return reference_rows(len(self), items)
+        keys = [c.reference_keys() for c in self.chunks]
+        return smallest(np.concatenate(keys) if keys else np.empty(0, np.uint64), items)
+
+    def reference_candidates(self, items: int) -> tuple[NDArray[np.uint64], list[str]]:
+        """The reference keys and ids of this gallery's :meth:`reference_rows`: what a shard
+        offers the global sample."""
+        rows = self.reference_rows(items)
+        keys = np.concatenate([c.reference_keys() for c in self.chunks]) if self.chunks else None
+        return (keys[rows] if keys is not None else np.empty(0, np.uint64)), self.ids_at(rows)
 
     def ids_at(self, rows: NDArray[np.int64]) -> list[str]:
         """Item ids at global row positions."""

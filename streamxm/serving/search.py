@@ -26,7 +26,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm import defaults as D
-from streamxm.models.ensemble import REFERENCE_ITEMS, is_ensemble
+from streamxm.models.ensemble import is_ensemble
 from streamxm.serving.candidates import (
     Candidates,
     CandidateScans,
@@ -39,7 +39,7 @@ from streamxm.serving.candidates import (
     raised,
 )
 from streamxm.serving.fused import FusedSpace
-from streamxm.serving.gallery import Gallery
+from streamxm.serving.gallery import Gallery, GalleryRows
 from streamxm.serving.index import QueryCoalescer
 from streamxm.serving.served import (
     EmbeddedGallery,
@@ -73,16 +73,19 @@ class Catalogue(Protocol):
 
     def index_of(self, served: ServedModel) -> EmbeddedGallery: ...
 
+    def reference_sample(self) -> GalleryRows: ...
 
-def ensemble_reference(gallery: Gallery, modality: str) -> NDArray[np.float32]:
-    """The gallery items an ensemble's member scores are standardised over (per query)."""
-    reference = gallery.reference(modality, REFERENCE_ITEMS)
-    if len(reference) < 2:
+
+def ensemble_reference(sample: GalleryRows, modality: str) -> NDArray[np.float32]:
+    """The raw vectors of ``modality`` an ensemble's member scores are standardised over (per
+    query): the gallery's reference sample
+    (:meth:`~streamxm.serving.gallery.Gallery.reference_sample`)."""
+    if len(sample) < 2:
         raise ModelNotReady(
             "an ensemble standardises its members' scores over the gallery, "
             "which has fewer than 2 items yet"
         )
-    return reference
+    return sample.raw(modality)
 
 
 class Searcher:
@@ -263,7 +266,8 @@ class Searcher:
         gallery = self.catalogue.gallery
         if len(gallery) == 0:
             return SearchAnswer(ensemble, [], lag, None)
-        reference = ensemble_reference(gallery, target)
+        sample = self.catalogue.reference_sample()
+        reference = ensemble_reference(sample, target)
         sources = FusedSpace.sources_of(ensemble, gallery, target)
         if sources is None:
             hits = yield from self._members_steps(ensemble, modality, vector, k, target, reference)
@@ -271,7 +275,11 @@ class Searcher:
             space = self._fused.get((name, target))
             if space is None or not space.current(sources):
                 space = yield Work(partial(self._fused_space, name, sources, gallery, target))
-            hits = yield from self._fused_steps(ensemble, space, modality, vector, k, target)
+            kinds = [m.embedding for m in ensemble.members]
+            rows = space.kept_reference(sample)
+            if rows is None:  # towers or kernel terms over the sample: off the event loop
+                rows = yield Work(partial(space.reference_rows, kinds, sample))
+            hits = yield from self._fused_steps(ensemble, space, rows, modality, vector, k)
         return SearchAnswer(ensemble, hits, lag, None)
 
     def _fused_space(
@@ -290,18 +298,20 @@ class Searcher:
         self,
         ensemble: ServedEnsemble,
         space: FusedSpace,
+        reference: NDArray[np.float32],
         modality: str,
         vector: NDArray[np.float32],
         k: int,
-        target: str,
     ) -> Generator[Step, Any, list[tuple[str, float]]]:
         """The fused top ``k`` from scans of ``space``: its float32 score is the fused score
         less a constant per query, to rounding (a margin scaled by each member's largest
         possible term); the candidates are scored from the same rows in float64, the members
-        standardised over the rows of the reference sample."""
-        weights = ensemble.spec.weights
+        standardised over their ``reference`` rows (:meth:`FusedSpace.reference_rows`)."""
+        weights, target = ensemble.spec.weights, space.target
         query, constant, reach = space.standardised(
-            [m.embedding.scan_query(modality, target, vector) for m in ensemble.members], weights
+            [m.embedding.scan_query(modality, target, vector) for m in ensemble.members],
+            weights,
+            reference,
         )
         gallery = space.gallery
 

@@ -32,13 +32,14 @@ from streamxm import defaults as D
 from streamxm.learning.stats import WorkerStats
 from streamxm.models import DIRECTIONS, split_name
 from streamxm.models.ensemble import (
+    REFERENCE_ITEMS,
     is_ensemble,
     member_scores,
     parse_ensemble,
 )
 from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.following import GalleryFollower
-from streamxm.serving.gallery import Gallery
+from streamxm.serving.gallery import Gallery, GalleryRows
 from streamxm.serving.pins import PinnedVersions
 from streamxm.serving.search import Searcher, ensemble_reference
 from streamxm.serving.served import (
@@ -283,6 +284,13 @@ class ModelServer:
         self._served(name)
         return self.pins.load(name, version)
 
+    def reference_sample(self) -> GalleryRows:
+        """The gallery's reference sample an ensemble standardises over (with shards: the one
+        gathered from them, :attr:`~streamxm.serving.shard.ShardedGallery.reference`)."""
+        if self.shards is not None:
+            return self.shards.reference or GalleryRows.empty()
+        return self.gallery.reference_sample(REFERENCE_ITEMS)
+
     def index_of(self, served: ServedModel) -> EmbeddedGallery:
         """The gallery embedded by ``served``'s version (a pinned version's: built on its
         first search and kept with it; new rows are embedded as they arrive)."""
@@ -350,7 +358,8 @@ class ModelServer:
         if is_ensemble(name):
             ensemble = self.ensemble(name, version)
             queries, items = (images, texts) if direction == "i2t" else (texts, images)
-            reference = ensemble_reference(self.gallery, "text" if direction == "i2t" else "image")
+            target = "text" if direction == "i2t" else "image"
+            reference = ensemble_reference(self.reference_sample(), target)
             scores = ensemble.fused.scores(direction, queries, items, reference, not matrix)
             return ensemble, scores.T if matrix and direction == "t2i" else scores
         served = self.get(name, version)

@@ -17,6 +17,7 @@ backend (:mod:`streamxm.ray_gallery`) hosts this class in an actor.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -31,9 +32,9 @@ from numpy.typing import NDArray
 
 from streamxm import defaults as D
 from streamxm.learning.stream_learner import model_from_state
-from streamxm.models.ensemble import EnsembleSpec, parse_ensemble
+from streamxm.models.ensemble import REFERENCE_ITEMS, EnsembleSpec, parse_ensemble
 from streamxm.serving.following import GalleryFollower
-from streamxm.serving.gallery import Gallery
+from streamxm.serving.gallery import Gallery, GalleryRows
 from streamxm.serving.search import Searcher
 from streamxm.serving.served import (
     EmbeddedGallery,
@@ -125,6 +126,9 @@ class ShardStatus:
     versions: dict[str, list[int]]
     build_seconds: dict[str, float]
     resident_bytes: int
+    #: A digest of the shard's candidates for the ensembles' reference sample: the
+    #: coordinator gathers them again when it changes.
+    reference_digest: str = ""
     pid: int = field(default_factory=os.getpid)
 
 
@@ -163,6 +167,8 @@ class GalleryShard:
         self.held: dict[str, dict[int, ServedModel]] = {}
         self.build_seconds: dict[str, float] = {}
         self.caught_up = False
+        #: The whole gallery's reference sample, gathered by the coordinator from every shard.
+        self.reference: GalleryRows | None = None
         self._lock = threading.Lock()  # applies and covers swap `held` entries
         self.searcher = Searcher(self, lambda _: 0.0, candidates)
         self._stop = threading.Event()
@@ -195,6 +201,17 @@ class GalleryShard:
             raise InvalidModelName(str(exc)) from None
         members = members or {}
         return ServedEnsemble(spec, tuple(self.get(m, members.get(m)) for m in spec.members))
+
+    def reference_sample(self) -> GalleryRows:
+        return self.reference or GalleryRows.empty()
+
+    def reference_candidates(self) -> GalleryRows:
+        """This part's reference sample: the whole gallery's is the smallest keys of all
+        the shards' (:func:`~streamxm.serving.sharding.smallest`)."""
+        return self.gallery.reference_sample(REFERENCE_ITEMS)
+
+    def set_reference(self, sample: GalleryRows) -> None:
+        self.reference = sample
 
     def index_of(self, served: ServedModel) -> EmbeddedGallery:
         index = served.index
@@ -267,6 +284,7 @@ class GalleryShard:
             versions={name: sorted(v) for name, v in self.held.items()},
             build_seconds=dict(self.build_seconds),
             resident_bytes=resident_bytes(),
+            reference_digest=_digest(self.reference_candidates().ids),
         )
 
     # -- following the gallery -----------------------------------------------------------------
@@ -307,6 +325,10 @@ class GalleryShard:
         self.searcher.close()
 
 
+def _digest(ids: NDArray[np.str_]) -> str:
+    return hashlib.blake2b("\n".join(ids.tolist()).encode(), digest_size=12).hexdigest()
+
+
 def _covering(served: ServedModel, gallery: Gallery) -> ServedModel:
     assert served.index is not None
     return replace(served, index=served.index.covering(gallery), gallery_items=len(gallery))
@@ -317,6 +339,8 @@ class ShardedGallery(Protocol):
     :class:`streamxm.ray_gallery.RayGallery`)."""
 
     statuses: list[ShardStatus | None]
+    #: The whole gallery's reference sample (:meth:`GalleryShard.reference_candidates`).
+    reference: GalleryRows | None
 
     def apply(self, name: str, ckpt: Checkpoint) -> list[AppliedVersion]: ...
 

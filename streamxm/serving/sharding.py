@@ -1,7 +1,7 @@
 """Which gallery shard owns an item, and how the shards' answers make one.
 
-An item belongs to a *slot*, a hash of its id into :data:`SLOTS` values, decided once for
-every process and version. Shard ``i`` of ``n`` owns the contiguous run of slots
+An item belongs to a *slot*, the top bits of a 64-bit key of its id (:func:`item_keys`),
+decided once for every process and version. Shard ``i`` of ``n`` owns the contiguous run of slots
 ``[i * SLOTS // n, (i + 1) * SLOTS // n)``, so a shard can later be split in two without
 moving an item of any other shard.
 
@@ -10,15 +10,14 @@ item of the global top k is in its own shard's top k), so merging the shards' an
 gives the exact answer. Equal scores keep shard order, then each shard's order.
 
 >>> part = ShardPart(0, 2)
->>> part.holds(np.array(["a", "b", "c", "d"])).tolist()
-[True, False, True, False]
+>>> slots_of(["a", "e"]).tolist(), part.holds(["a", "e"]).tolist()
+([704, 45002], [True, False])
 >>> merge_hits([[("a", 0.9), ("c", 0.1)], [("b", 0.5)]], k=2)
 [('a', 0.9), ('b', 0.5)]
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,22 +25,70 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["SLOTS", "ShardPart", "merge_hits", "slots_of"]
+__all__ = [
+    "SLOTS",
+    "ShardPart",
+    "item_keys",
+    "merge_hits",
+    "reference_keys",
+    "slots_of",
+    "smallest",
+]
 
 #: Hash slots of the item space: shards own contiguous runs of them.
-SLOTS = 1 << 16
+SLOT_BITS = 16
+SLOTS = 1 << SLOT_BITS
 
 
-def slots_of(ids: Iterable[str]) -> NDArray[np.int64]:
-    """Each id's slot: the first 8 bytes of its BLAKE2b digest modulo :data:`SLOTS` (the same
-    on every machine and Python version, unlike ``hash``)."""
-    return np.fromiter(
-        (
-            int.from_bytes(hashlib.blake2b(str(i).encode(), digest_size=8).digest(), "big") % SLOTS
-            for i in ids
-        ),
-        dtype=np.int64,
-    )
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mixed(z: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """SplitMix64's finaliser: every input bit moves every output bit."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def item_keys(ids: Iterable[str] | NDArray[np.str_]) -> NDArray[np.uint64]:
+    """Each id's 64-bit key: FNV-1a over its characters, mixed (:func:`_mixed`); the same on
+    every machine and Python version (unlike ``hash``), vectorised over the ids' code points
+    (the padding of a fixed-width array does not count)."""
+    codes = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.str_)
+    width = codes.dtype.itemsize // 4
+    points = codes.reshape(-1).view(np.uint32).reshape(-1, width) if width else None
+    key = np.full(len(codes.reshape(-1)), _FNV_OFFSET, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for column in range(width):
+            point = points[:, column].astype(np.uint64)  # type: ignore[index]
+            key = np.where(point != 0, (key ^ point) * _FNV_PRIME, key)
+        return _mixed(key)
+
+
+def slots_of(ids: Iterable[str] | NDArray[np.str_]) -> NDArray[np.int64]:
+    """Each id's slot: the top 16 bits of its key."""
+    return (item_keys(ids) >> np.uint64(64 - SLOT_BITS)).astype(np.int64)
+
+
+def reference_keys(ids: Iterable[str] | NDArray[np.str_]) -> NDArray[np.uint64]:
+    """Keys of the ensembles' reference sample (:func:`smallest`), independent of the slots
+    (else the sample would be the first shard's items)."""
+    with np.errstate(over="ignore"):
+        return _mixed(item_keys(ids) ^ _GOLDEN)
+
+
+def smallest(keys: NDArray[np.uint64], items: int) -> NDArray[np.int64]:
+    """Positions of the ``items`` smallest ``keys``, in key order (equal keys: position
+    order): a uniform sample that is the same however the items are split or ordered."""
+    if len(keys) > items > 0:
+        kth = np.partition(keys, items - 1)[items - 1]
+        positions = np.flatnonzero(keys <= kth)
+    else:
+        positions = np.arange(len(keys))
+    order = np.lexsort((positions, keys[positions]))
+    return positions[order][:items].astype(np.int64)
 
 
 @dataclass(frozen=True)

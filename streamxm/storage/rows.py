@@ -39,6 +39,12 @@ class GalleryRows:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @classmethod
+    def empty(cls) -> Self:
+        """No rows."""
+        none = np.empty((0, 0), dtype=np.float32)
+        return cls(np.empty(0, dtype=np.str_), none, none, none[:, 0], none[:, 0])
+
     def unit(self, modality: str) -> NDArray[np.float32]:
         return self.unit_img if modality == "image" else self.unit_txt
 

@@ -128,6 +128,8 @@ class _ExactScores:
         self.model, self.models = model, models
         self.items = {"image": imgs, "text": txts}
         self._embedded: dict[tuple[str, str], NDArray[np.float64]] = {}
+        # The gallery's ids are "s<row>" (_fill_gallery).
+        self.reference = reference_rows([f"s{i}" for i in range(len(imgs))], REFERENCE_ITEMS)
 
     def _gallery(self, member: str, target: str) -> NDArray[np.float64]:
         if (member, target) not in self._embedded:
@@ -155,7 +157,7 @@ class _ExactScores:
             return self._member(self.model, modality, vector)
         target = "text" if modality == "image" else "image"
         items = self.items[target]
-        rows = reference_rows(len(items), REFERENCE_ITEMS)  # the API's sample
+        rows = self.reference  # the API's sample
         fused = Ensemble(parse_ensemble(self.model), self.models)
         direction = "i2t" if modality == "image" else "t2i"
         standards = fused.standardisers(direction, vector[None, :], items[rows])
