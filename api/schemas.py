@@ -399,10 +399,26 @@ class HealthOut(BaseModel):
     status: str
 
 
+class ShardHealth(BaseModel):
+    shard: int
+    up: bool = Field(description="the shard answered the last refresh and has read its part")
+    rows: int | None = None
+    versions: dict[str, int] | None = Field(
+        default=None, description="newest version of each model the shard holds"
+    )
+    build_seconds: dict[str, float] | None = Field(
+        default=None, description="seconds its part's index of that version took"
+    )
+    resident_bytes: int | None = None
+
+
 class ReadyOut(BaseModel):
     status: str
     models: list[str] = Field(default_factory=list, description="models being served")
     gallery: GalleryHealth = Field(default_factory=GalleryHealth)
+    shards: list[ShardHealth] | None = Field(
+        default=None, description="each gallery shard (the `ray` backend only)"
+    )
 
 
 _ERRORS = {

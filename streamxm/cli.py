@@ -877,6 +877,13 @@ def _bench_query_command(bench_sub: _Commands) -> argparse.ArgumentParser:
         help="STREAMXM_WAIT_FOR_INDEX=false: sam and cmomks serve a version at "
         "once, candidates from the earlier version's index",
     )
+    qry.add_argument(
+        "--gallery-backend",
+        choices=("local", "ray"),
+        default="local",
+        help="STREAMXM_GALLERY_BACKEND of the API (ray: run under unshare -rn, loopback only)",
+    )
+    qry.add_argument("--shards", type=int, default=2, help="STREAMXM_GALLERY_SHARDS (ray)")
     return qry
 
 

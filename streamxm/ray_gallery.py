@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -143,8 +144,12 @@ class RayGallery:
         self.ray = import_ray()
         self.started_ray = not self.ray.is_initialized()
         if self.started_ray:
+            # A cluster of this machine alone: one logical CPU per shard at least (they share
+            # the cores; each shard's work is a scan or an index build at a time).
+            cpus = None if address else max(os.cpu_count() or 1, shards)
             self.ray.init(
                 address=address,
+                num_cpus=cpus,
                 namespace=f"streamxm-{settings.namespace}",
                 include_dashboard=False,
                 log_to_driver=False,
@@ -244,9 +249,8 @@ class RayGallery:
         done, pending = await asyncio.wait(waiting, timeout=self.timeout)
         for task in pending:
             task.cancel()
-        answers = [
-            t.result() if t in done and t.exception() is None else t.exception() or None
-            for t in waiting
+        answers: list[ShardAnswer | BaseException | None] = [
+            (t.exception() or t.result()) if t in done else None for t in waiting
         ]
         return self.merge(answers, k, partial)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import numpy as np
 
 from streamxm.config import Settings
@@ -29,7 +30,7 @@ from streamxm.serving.server import ModelServer
 from streamxm.serving.shard import ShardsUnavailable
 from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import connect
-from tests.conftest import class_stream
+from tests.conftest import ApiServer, class_stream, metric, wait_for
 
 #: Small settings of the slower models (as the contract tests use).
 PARAMS: dict[str, dict[str, Any]] = {
@@ -250,9 +251,68 @@ def shard_killed(settings: Settings) -> dict[str, Any]:
     return {"counts": load.counts, "back_s": round(back, 2), "rows": rows, "compared": compared}
 
 
+def http_api(settings: Settings) -> dict[str, Any]:
+    """The API with ``STREAMXM_GALLERY_BACKEND=ray`` over HTTP: answers equal the local
+    backend's, ``/readyz`` and ``/metrics`` name each shard, and while a killed shard is away
+    a search is a 503 with ``Retry-After``, or with ``partial`` an answer covering half."""
+    with ray_cluster() as address:
+        learn(settings, ["cmos"], slice(0, 200))
+        r = connect(settings, settings.redis_url or "", retries=1, timeout=30)
+        local = ModelServer(r, open_store(settings, r), settings.namespace)
+        local.refresh()
+        changes = {
+            "gallery_backend": "ray",
+            "ray_address": address,
+            "gallery_shards": 2,
+            "shard_timeout_seconds": 1.0,
+        }
+        with (
+            ApiServer(settings.model_copy(update=changes)) as api,
+            httpx.Client(base_url=api.url, timeout=30) as http,
+        ):
+            wait_for(lambda: _shards_up(http) == 2, 120, "two shards up")
+            ready = http.get("/readyz").json()
+            for modality, vector in queries(3, 6):
+                got = _search(http, modality, vector)
+                assert got.status_code == 200, got.text
+                want = local.search("cmos", modality, vector, 5)
+                assert _close([(h["id"], h["score"]) for h in got.json()["results"]], want.hits)
+                assert got.json()["covered"] == 1.0
+            scrape = http.get("/metrics").text
+            assert metric(scrape, "streamxm_gallery_shard_rows", shard="0")
+            shards = api.app.state.context.server.shards
+            os.kill(shards.statuses[0].pid, signal.SIGKILL)
+            seen: dict[str, Any] = {}
+            modality, vector = queries(3, 1)[0]
+            deadline = time.monotonic() + 60
+            while len(seen) < 2 and time.monotonic() < deadline:
+                refused = _search(http, modality, vector)
+                if refused.status_code == 503:
+                    seen["retry_after"] = refused.headers.get("retry-after")
+                partial = _search(http, modality, vector, partial=True)
+                if partial.status_code == 200 and partial.json()["covered"] < 1.0:
+                    seen["covered"] = partial.json()["covered"]
+            wait_for(lambda: _search(http, modality, vector).status_code == 200, 120, "back")
+    return {"ready": ready, "seen": seen}
+
+
+def _shards_up(http: httpx.Client) -> int:
+    ready = http.get("/readyz")
+    shards = ready.json().get("shards") or [] if ready.status_code == 200 else []
+    return sum(1 for s in shards if s["up"])
+
+
+def _search(
+    http: httpx.Client, modality: str, vector: np.ndarray, partial: bool = False
+) -> httpx.Response:
+    body = {"model": "cmos", "modality": modality, "vector": vector.tolist(), "k": 5}
+    return http.post("/v1/search", json={**body, "partial": partial})
+
+
 SCENARIOS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "answers_equal": answers_equal,
     "shard_killed": shard_killed,
+    "http_api": http_api,
 }
 
 

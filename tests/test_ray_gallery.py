@@ -67,3 +67,19 @@ def test_a_shard_killed_under_load_gives_no_wrong_or_silently_partial_answer(
     assert counts["wrong"] == 0 and counts["refused"] > 0 and counts["partial"] > 0
     assert summary["rows"] is not None and sum(summary["rows"]) == 240  # type: ignore[arg-type]
     assert summary["compared"] == 18
+
+
+def test_the_api_on_the_ray_backend_answers_names_its_shards_and_refuses_partial_answers(
+    settings: Settings,
+) -> None:
+    """Over HTTP: the answers equal the local backend's, ``/readyz`` names each shard with its
+    rows and versions, and while a killed shard is away a search is a 503 with ``Retry-After``
+    or, asked for, a partial answer that covers half the gallery."""
+    summary = run_scenario("http_api", settings)
+    ready = summary["ready"]
+    assert isinstance(ready, dict) and ready["status"] == "ready"
+    shards = ready["shards"]
+    assert [s["shard"] for s in shards] == [0, 1] and all(s["up"] for s in shards)
+    assert sum(s["rows"] for s in shards) == 200 and all(s["rows"] < 200 for s in shards)
+    assert all(s["versions"]["cmos"] >= 1 for s in shards)
+    assert summary["seen"] == {"retry_after": "1", "covered": 0.5}

@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import AppSettings, Context, Server
 from api.schemas import GalleryHealth, HealthOut, ReadyOut
+from streamxm.serving.server import ModelServer
 
 router = APIRouter(tags=["probes"])
 
@@ -31,13 +32,16 @@ async def readyz(server: Server, settings: AppSettings) -> JSONResponse:
     if server.ready:
         # Ready but degraded: search serves every segment but the corrupt ones (named).
         gallery = GalleryHealth.of(server.gallery_corrupt)
-        return JSONResponse(
-            {
-                "status": "degraded" if gallery.degraded else "ready",
-                "models": sorted(server.served),
-                "gallery": gallery.model_dump(),
-            }
-        )
+        shards = _shards(server)
+        degraded = gallery.degraded or any(not s["up"] for s in shards)
+        body: dict[str, object] = {
+            "status": "degraded" if degraded else "ready",
+            "models": sorted(server.served),
+            "gallery": gallery.model_dump(),
+        }
+        if server.shards is not None:
+            body["shards"] = shards
+        return JSONResponse(body)
     return JSONResponse({"status": "waiting for a model checkpoint", "models": []}, status_code=503)
 
 
@@ -51,3 +55,25 @@ async def prometheus_metrics(context: Context) -> Response:
         generate_latest, context.metrics.registry, limiter=context.scrape_threads
     )
     return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def _shards(server: ModelServer) -> list[dict[str, object]]:
+    """Each gallery shard of the ``ray`` backend as the last refresh saw it (none: local)."""
+    if server.shards is None:
+        return []
+    out: list[dict[str, object]] = []
+    for index, status in enumerate(server.shards.statuses):
+        if status is None:
+            out.append({"shard": index, "up": False})
+            continue
+        out.append(
+            {
+                "shard": index,
+                "up": status.caught_up,
+                "rows": status.rows,
+                "versions": {m: max(v) for m, v in status.versions.items() if v},
+                "build_seconds": {m: round(t, 3) for m, t in status.build_seconds.items()},
+                "resident_bytes": status.resident_bytes,
+            }
+        )
+    return out

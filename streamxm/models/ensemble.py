@@ -11,8 +11,10 @@ items of ``x``'s modality::
 Per-query standardisation makes members with different score scales (a bilinear form, a cosine,
 a class-probability product) commensurable, and drops what is constant per query, which never
 affects a ranking. In ``streamxm bench quality`` the reference is the test gallery that is ranked
-(exactly the z-score of each member's row of scores); the API uses an evenly strided sample of at
-most :data:`REFERENCE_ITEMS` items of the served gallery (a sample of that size leaves the
+(exactly the z-score of each member's row of scores); the API uses a uniform sample of at most
+:data:`REFERENCE_ITEMS` items of the served gallery, those of the smallest hash keys of their
+ids (the same sample whether one process or many shards hold the gallery,
+:mod:`streamxm.serving.sharding`; a sample of that size leaves the
 fused mAP on the Wikipedia features practically where the whole gallery puts it,
 ``docs/benchmarks.md``). A member whose reference scores are all equal
 contributes its unscaled deviations (std taken as 1).

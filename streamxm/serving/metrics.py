@@ -177,6 +177,45 @@ class StreamCollector(Collector):
         yield from self._serving_families(models)
         yield from self._distributed_families(stats)
         yield from self._failure_families(models)
+        yield from self._shard_families()
+
+    def _shard_families(self) -> Iterator[Metric]:
+        """Each gallery shard of the ``ray`` backend, as the last refresh saw it."""
+        shards = self.server.shards
+        if shards is None:
+            return
+        up = GaugeMetricFamily(
+            "streamxm_gallery_shard_up", "1 if the gallery shard answered", labels=["shard"]
+        )
+        rows = GaugeMetricFamily(
+            "streamxm_gallery_shard_rows", "gallery items the shard holds", labels=["shard"]
+        )
+        memory = GaugeMetricFamily(
+            "streamxm_gallery_shard_resident_bytes",
+            "resident memory of the shard's process",
+            labels=["shard"],
+        )
+        version = GaugeMetricFamily(
+            "streamxm_gallery_shard_version",
+            "newest version of a model the shard holds",
+            labels=["shard", "model"],
+        )
+        build = GaugeMetricFamily(
+            "streamxm_gallery_shard_build_seconds",
+            "seconds the shard took to build its part's index of the newest version",
+            labels=["shard", "model"],
+        )
+        for index, status in enumerate(shards.statuses):
+            shard = str(index)
+            up.add_metric([shard], float(status is not None and status.caught_up))
+            if status is None:
+                continue
+            rows.add_metric([shard], status.rows)
+            memory.add_metric([shard], status.resident_bytes)
+            for model, held in status.versions.items():
+                version.add_metric([shard, model], max(held))
+                build.add_metric([shard, model], status.build_seconds.get(model, 0.0))
+        yield from (up, rows, memory, version, build)
 
     def _stream_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
         """The stream: pairs ingested, its length and each model's lag in it, retention (and

@@ -206,6 +206,9 @@ class ModelServer:
         self.versions.follow(set(names), lambda: self.gallery)
         if self.shards is not None:  # restarted shards get the served versions again
             self.shards.heal({name: s.version for name, s in list(self.served.items())})
+            self.versions.count_items(
+                sum(s.rows for s in self.shards.statuses if s is not None and s.caught_up)
+            )
         self._judge()
         self._warm_unit_index()
         self.refreshed = True

@@ -287,6 +287,12 @@ class ServedVersions:
         version, created = self.newest.get(served.name, (served.version, 0.0))
         return max(0.0, time.time() - created) if version > served.version else 0.0
 
+    def count_items(self, items: int) -> None:
+        """Every served version's gallery size as ``items`` (the shards' rows together)."""
+        with self._swap:
+            for name, served in list(self.served.items()):
+                self.served[name] = replace(served, gallery_items=items)
+
     def cover(self, gallery: Gallery) -> None:
         """Every served model's index over ``gallery`` (only new chunks are embedded)."""
         for name in list(self.served):

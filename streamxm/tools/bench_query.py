@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -179,6 +180,8 @@ def query(
     candidates: int = 100,
     seed: int = 0,
     wait_for_index: bool = True,
+    gallery_backend: str = "local",
+    shards: int = 2,
 ) -> dict[str, Any]:
     """``/v1/search`` under ``clients`` concurrent connections for ``seconds`` while a worker
     learns from the stream and checkpoints every 2 s; image and text queries alternate.
@@ -191,7 +194,15 @@ def query(
     the same data and timed until it serves the whole gallery (``replica_ready_s``), and a
     sample of answers is compared with the exact ranking of the version that served each
     (``recall_at_10``).
+
+    ``gallery_backend="ray"``: the API holds the gallery in ``shards`` shard actors on a Ray
+    cluster it starts on this machine (:mod:`streamxm.ray_gallery`); ``shard_rss_mb`` is each
+    shard's resident memory. Ray must stay on loopback, so this runs only in a network
+    namespace that has no other interface (``unshare -rn``); no replica is timed (a second
+    API would start a cluster of its own).
     """
+    if gallery_backend == "ray":
+        require_loopback_only()
     imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
     queries = _search_queries(imgs, txts, seed)
     bodies = [
@@ -206,6 +217,9 @@ def query(
         checkpoint_store="dir",
         search_candidates=candidates,
         wait_for_index=wait_for_index,
+        gallery_backend=gallery_backend,
+        gallery_shards=shards,
+        shard_timeout_seconds=30.0,
     ) as st:
         _fill_gallery(st, imgs, txts, classes)
         members = parse_ensemble(model).members if is_ensemble(model) else (model,)
@@ -218,7 +232,11 @@ def query(
         exact_scans = metric_value(
             httpx.get(f"{url}/metrics", timeout=30).text, "streamxm_search_exact_scans_total"
         )
-        replica_ready = _replica_ready_seconds(st, served)
+        shard_rss = [
+            round(s["resident_bytes"] / 2**20, 1)
+            for s in httpx.get(f"{url}/readyz", timeout=30).json().get("shards") or []
+        ]
+        replica_ready = _replica_ready_seconds(st, served) if gallery_backend == "local" else None
         recall = _recall(st, model, load.answers, queries, imgs, txts, k, recall_sample, seed)
     lags = [a.lag_s for a in load.answers]
     return {
@@ -231,18 +249,33 @@ def query(
         "clients": clients,
         "candidates": candidates,
         "wait_for_index": wait_for_index,
+        "gallery_backend": gallery_backend,
+        "shards": shards if gallery_backend == "ray" else None,
         **load.latency_figures(),
         "recall_at_10": recall,
         "served_version_lag_p99_s": round(percentile(lags, 99), 3) if lags else None,
         "model_versions_served": len({a.versions for a in load.answers}),
         "pairs_learned_meanwhile": learned,
         "api_rss_mb": round(api_rss, 1),
+        "shard_rss_mb": shard_rss or None,
         "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
-        "replica_ready_s": round(replica_ready, 2),
+        "replica_ready_s": round(replica_ready, 2) if replica_ready is not None else None,
         **load.cpu_figures(),
         # Searches whose int8/bfloat16 candidates were not proven complete: a float32 scan answered.
         "exact_scans": exact_scans,
     }
+
+
+def require_loopback_only() -> None:
+    """Refuse to start Ray where it could listen beyond this machine: every network interface
+    but loopback must be absent (run the benchmark under ``unshare -rn``)."""
+    interfaces = sorted(name for _, name in socket.if_nameindex())
+    if interfaces != ["lo"]:
+        raise SystemExit(
+            f"the ray gallery backend starts Ray, which listens on {interfaces}: run the "
+            "benchmark in a network namespace with loopback only: unshare -rn sh -c 'ip link "
+            "set lo up && streamxm bench query --gallery-backend ray ...'"
+        )
 
 
 def _search_queries(
