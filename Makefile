@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-long lint install clean
+.PHONY: demo test test-long lint install clean gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: install
 # The long tests (quality on the benchmark data, long streams): CI runs them after `make test`.
 test-long: install
 	$(PY) -m pytest -q -m long
+
+# On a machine with CUDA: SAM learning and a shard's tower rebuild on CUDA against the CPU.
+gpu-check: install
+	$(PY) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .streamxm

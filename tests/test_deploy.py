@@ -504,6 +504,30 @@ def test_distributed_override_runs_sam_as_ranks_under_torchrun() -> None:
     assert args.model == "sam" and args.world_size is None and args.rank is None
 
 
+def test_ray_override_runs_the_gallery_on_shards_of_a_ray_cluster() -> None:
+    """``docker-compose.ray.yml`` over the base file: a Ray head and worker nodes built with the
+    ``ray`` extra, no Ray port published on the host, and the API joining the cluster before it
+    starts with the ray gallery backend, the settings parsing as the API will read them."""
+    base = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    override = yaml.safe_load((DEPLOY / "docker-compose.ray.yml").read_text())
+    services = override["services"]
+    for name in ("ray-head", "ray-worker", "api"):
+        assert services[name]["build"]["args"]["EXTRAS"] == "sam,ray"
+        assert "ports" not in services[name]
+    assert "ARG EXTRAS=sam" in (DEPLOY / "Dockerfile").read_text()
+    assert services["ray-head"]["command"][:3] == ["ray", "start", "--head"]
+    assert "--address=ray-head:6380" in services["ray-worker"]["command"]
+    api = services["api"]
+    assert api["command"][-1].endswith("exec streamxm api --host 0.0.0.0 --port 8000")
+    env = {**base["x-streamxm"]["environment"], **api["environment"]}
+    env = {k: v for k, v in env.items() if "${" not in v}  # the secrets come from deploy/.env
+    settings = Settings(
+        _env_file=None, **{k.removeprefix("STREAMXM_").lower(): v for k, v in env.items()}
+    )  # type: ignore[call-arg]
+    assert settings.gallery_backend == "ray" and settings.gallery_shards == 2
+    assert settings.ray_address == "auto"
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"[`*_]", "", heading.strip().lower())
