@@ -27,7 +27,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ from streamxm.serving.shard import (
     GalleryShard,
     ShardAnswer,
     ShardedHits,
+    ShardError,
+    ShardQuery,
     ShardStatus,
     ShardsUnavailable,
 )
@@ -83,24 +86,26 @@ class ShardHost:
             gallery_max=settings.gallery_max,
             limits=limits_from(settings),
             candidates=settings.search_candidates,
+            grace=2 * settings.shard_timeout_seconds,
         )
         self.shard.start()
+        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="streamxm-shard-search")
 
     def apply(
         self, name: str, version: int, state: tuple[dict[str, Any], dict[str, Any]]
     ) -> AppliedVersion:
         return self.shard.apply(name, version, state)
 
-    def search(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None,
-        versions: Mapping[str, int],
-    ) -> ShardAnswer:
-        return self.shard.search(name, modality, vector, k, target, versions)
+    def search_batch(self, queries: list[ShardQuery]) -> list[ShardAnswer | ShardError]:
+        """Each query's answer from this shard, the queries run at once (their scans share
+        the shard's coalesced passes over its rows); a query's error is its answer."""
+        return list(self.pool.map(self._one, queries))
+
+    def _one(self, query: ShardQuery) -> ShardAnswer | ShardError:
+        try:
+            return self.shard.search(*query)
+        except Exception as exc:  # sent back as data: the API decides (503, partial, 4xx)
+            return ShardError(type(exc).__name__, str(exc))
 
     def status(self) -> ShardStatus:
         return self.shard.status()
@@ -171,6 +176,7 @@ class RayGallery:
         # The newest state applied per model: (version, object ref), for restarted shards.
         self.applied: dict[str, tuple[int, Any]] = {}
         self.statuses: list[ShardStatus | None] = [None] * shards
+        self._batches: dict[asyncio.AbstractEventLoop, _Batches] = {}
         #: The whole gallery's reference sample, and the shards' digests it was made from.
         self.reference: GalleryRows | None = None
         self._reference_from: list[str] = []
@@ -241,18 +247,15 @@ class RayGallery:
         versions: Mapping[str, int],
         partial: bool = False,
     ) -> ShardedHits:
-        """The merged top ``k`` of every shard's answer (see :meth:`merge`)."""
-        refs = [
-            a.search.remote(name, modality, vector, k, target, dict(versions)) for a in self.actors
-        ]
-        waiting = [asyncio.ensure_future(_awaited(ref)) for ref in refs]
-        done, pending = await asyncio.wait(waiting, timeout=self.timeout)
-        for task in pending:
-            task.cancel()
-        answers: list[ShardAnswer | BaseException | None] = [
-            (t.exception() or t.result()) if t in done else None for t in waiting
-        ]
-        return self.merge(answers, k, partial)
+        """The merged top ``k`` of every shard's answer (see :meth:`merge`). Concurrent
+        searches go to each shard together (:class:`_Batches`): one call per shard carries
+        every search that arrived while the previous call was out."""
+        loop = asyncio.get_running_loop()
+        batches = self._batches.get(loop)
+        if batches is None:
+            batches = self._batches[loop] = _Batches(self.actors, self.timeout)
+        query = ShardQuery(name, modality, vector, k, target, dict(versions))
+        return self.merge(await batches.ask(query), k, partial)
 
     def search(
         self,
@@ -264,32 +267,42 @@ class RayGallery:
         versions: Mapping[str, int],
         partial: bool = False,
     ) -> ShardedHits:
-        """:meth:`search_async` from a thread."""
-        refs = [
-            a.search.remote(name, modality, vector, k, target, dict(versions)) for a in self.actors
-        ]
+        """:meth:`search_async` from a thread (one call per shard)."""
+        query = ShardQuery(name, modality, vector, k, target, dict(versions))
+        refs = [a.search_batch.remote([query]) for a in self.actors]
         ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
-        answers: list[ShardAnswer | BaseException | None] = []
+        answers: list[ShardAnswer | ShardError | BaseException | None] = []
         for ref in refs:
             try:
-                answers.append(self.ray.get(ref) if ref in ready else None)
-            except Exception as exc:  # the shard's error, or its actor died
+                answers.append(self.ray.get(ref)[0] if ref in ready else None)
+            except Exception as exc:  # its actor died
                 answers.append(exc)
         return self.merge(answers, k, partial)
 
     def merge(
-        self, answers: list[ShardAnswer | BaseException | None], k: int, partial: bool
+        self,
+        answers: Sequence[ShardAnswer | ShardError | BaseException | None],
+        k: int,
+        partial: bool,
     ) -> ShardedHits:
         """The shards' answers as one: every shard's, or with ``partial`` those that came,
         saying which share of the item space they cover; else
         :class:`~streamxm.serving.shard.ShardsUnavailable` naming the shards missing."""
         missing = [i for i, a in enumerate(answers) if not isinstance(a, ShardAnswer)]
         if missing and not partial:
-            first = next(a for a in answers if not isinstance(a, ShardAnswer))
-            why = "no answer in time" if first is None else f"{type(first).__name__}: {first}"
+            first = answers[missing[0]]
+            why = (
+                "no answer in time"
+                if first is None
+                else str(first)
+                if isinstance(first, ShardError)
+                else f"{type(first).__name__}: {first}"
+            )
             raise ShardsUnavailable(missing, len(answers), why)
         got = [a for a in answers if isinstance(a, ShardAnswer)]
-        covered = sum(p.share for p, a in zip(self.parts, answers, strict=True) if a in got)
+        covered = sum(
+            p.share for p, a in zip(self.parts, answers, strict=True) if isinstance(a, ShardAnswer)
+        )
         return ShardedHits(merge_hits([a.hits for a in got], k), covered, missing)
 
     def close(self) -> None:
@@ -299,6 +312,53 @@ class RayGallery:
 
 async def _awaited(ref: Any) -> Any:
     return await ref
+
+
+class _Batches:
+    """Searches of one event loop sent to the shards in batches, as
+    :class:`~streamxm.serving.index.QueryCoalescer` sends scans: the searches that arrive while a
+    batch is out go together in the next, one call per shard (an idle API sends each at once).
+    A shard that does not answer a batch within ``timeout`` answers none of its searches."""
+
+    #: Batches out at once: the next one is gathered while the shards work on the first.
+    IN_FLIGHT = 2
+    MAX_BATCH = 64
+
+    def __init__(self, actors: list[Any], timeout: float) -> None:
+        self.actors, self.timeout = actors, timeout
+        self.waiting: list[tuple[ShardQuery, asyncio.Future[list[Any]]]] = []
+        self.out = 0
+        self.sending: set[asyncio.Future[None]] = set()
+
+    async def ask(self, query: ShardQuery) -> list[ShardAnswer | ShardError | BaseException | None]:
+        """Every shard's answer to ``query``, in shard order."""
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self.waiting.append((query, future))
+        if self.out < self.IN_FLIGHT:
+            self.out += 1
+            task = asyncio.ensure_future(self._send())
+            self.sending.add(task)  # held until done: the loop keeps weak references only
+            task.add_done_callback(self.sending.discard)
+        return await future
+
+    async def _send(self) -> None:
+        try:
+            while self.waiting:
+                batch, self.waiting = self.waiting[: self.MAX_BATCH], self.waiting[self.MAX_BATCH :]
+                queries = [q for q, _ in batch]
+                calls = [
+                    asyncio.ensure_future(_awaited(a.search_batch.remote(queries)))
+                    for a in self.actors
+                ]
+                done, pending = await asyncio.wait(calls, timeout=self.timeout)
+                for call in pending:
+                    call.cancel()
+                per_shard = [(c.exception() or c.result()) if c in done else None for c in calls]
+                for at, (_, future) in enumerate(batch):
+                    if not future.done():
+                        future.set_result([r[at] if isinstance(r, list) else r for r in per_shard])
+        finally:
+            self.out -= 1
 
 
 def wait_for_shards(gallery: RayGallery, seconds: float) -> None:

@@ -278,6 +278,9 @@ def http_api(settings: Settings) -> dict[str, Any]:
                 want = local.search("cmos", modality, vector, 5)
                 assert _close([(h["id"], h["score"]) for h in got.json()["results"]], want.hits)
                 assert got.json()["covered"] == 1.0
+            same = {"model": "cmos", "modality": "image", "target": "image", "k": 5}
+            refused = http.post("/v1/search", json={**same, "vector": [0.5] * IMG})
+            assert refused.status_code == 422, refused.text  # checked before any fan-out
             scrape = http.get("/metrics").text
             assert metric(scrape, "streamxm_gallery_shard_rows", shard="0")
             shards = api.app.state.context.server.shards

@@ -52,7 +52,13 @@ from streamxm.serving.served import (
     other_modality,
 )
 
-__all__ = ["Catalogue", "Searcher", "ensemble_reference", "proof_candidates"]
+__all__ = [
+    "Catalogue",
+    "Searcher",
+    "check_target",
+    "ensemble_reference",
+    "proof_candidates",
+]
 
 
 class Catalogue(Protocol):
@@ -74,6 +80,24 @@ class Catalogue(Protocol):
     def index_of(self, served: ServedModel) -> EmbeddedGallery: ...
 
     def reference_sample(self) -> GalleryRows: ...
+
+
+def check_target(served: ServedModel | ServedEnsemble, modality: str, target: str) -> None:
+    """Refuse a same-modality search where it has no meaning
+    (:class:`~streamxm.serving.served.SameModalityUnsupported`): an ensemble, or a model whose
+    images and texts embed in different spaces."""
+    if target != modality:
+        return
+    if isinstance(served, ServedEnsemble):
+        raise SameModalityUnsupported(
+            f"ensemble {served.name!r} answers cross-modal search only (target must be "
+            f"{other_modality(modality)})"
+        )
+    if not served.embedding.shared_space:
+        raise SameModalityUnsupported(
+            f"model {served.name!r} embeds images and texts in different spaces: it answers "
+            f"cross-modal search only (target must be {other_modality(modality)})"
+        )
 
 
 def ensemble_reference(sample: GalleryRows, modality: str) -> NDArray[np.float32]:
@@ -214,11 +238,7 @@ class Searcher:
         if version is not None and not self.catalogue.is_loaded(name, version):
             yield Work(partial(self.catalogue.pin, name, version))  # read from the store: heavy
         served = self.catalogue.get(name, version)
-        if target == modality and not served.embedding.shared_space:
-            raise SameModalityUnsupported(
-                f"model {name!r} embeds images and texts in different spaces: it answers "
-                f"cross-modal search only (target must be {other_modality(modality)})"
-            )
+        check_target(served, modality, target)
         lag = self.lag(served)
         if len(self.catalogue.gallery) == 0:
             return SearchAnswer(served, [], lag, served.version)
@@ -257,11 +277,7 @@ class Searcher:
         over the served gallery, else member by member; either way re-ranked by the fused
         score exactly, with more candidates until no row left out can enter the top ``k``."""
         name = ensemble.name
-        if target == modality:
-            raise SameModalityUnsupported(
-                f"ensemble {name!r} answers cross-modal search only (target must be "
-                f"{other_modality(modality)})"
-            )
+        check_target(ensemble, modality, target)
         lag = self.lag(ensemble)
         gallery = self.catalogue.gallery
         if len(gallery) == 0:

@@ -41,7 +41,7 @@ from streamxm.serving.champion import ChampionRule, Evidence
 from streamxm.serving.following import GalleryFollower
 from streamxm.serving.gallery import Gallery, GalleryRows
 from streamxm.serving.pins import PinnedVersions
-from streamxm.serving.search import Searcher, ensemble_reference
+from streamxm.serving.search import Searcher, check_target, ensemble_reference
 from streamxm.serving.served import (
     AUTO,
     EmbeddedGallery,
@@ -52,6 +52,7 @@ from streamxm.serving.served import (
     ServedEnsemble,
     ServedModel,
     UnknownModel,
+    other_modality,
 )
 from streamxm.serving.shard import ShardedGallery, ShardedHits
 from streamxm.serving.versions import ServedVersions
@@ -384,6 +385,7 @@ class ModelServer:
         much of the gallery that is)."""
         if self.shards is not None:
             served, versions = self._versions_of(name, version)
+            check_target(served, modality, target or other_modality(modality))
             found = self.shards.search(name, modality, vector, k, target, versions, partial)
             return self._sharded_answer(served, found)
         return self.searcher.search(name, modality, vector, k, target, version)
@@ -403,6 +405,7 @@ class ModelServer:
         (:meth:`~streamxm.serving.search.Searcher.search_async`)."""
         if self.shards is not None:
             served, versions = self._versions_of(name, version)
+            check_target(served, modality, target or other_modality(modality))
             found = await self.shards.search_async(
                 name, modality, vector, k, target, versions, partial
             )

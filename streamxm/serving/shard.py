@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import redis
@@ -52,6 +52,8 @@ __all__ = [
     "AppliedVersion",
     "GalleryShard",
     "ShardAnswer",
+    "ShardError",
+    "ShardQuery",
     "ShardStatus",
     "ShardedGallery",
     "ShardedHits",
@@ -61,8 +63,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Versions of each model a shard keeps: the served one and those being applied after it.
-KEPT_VERSIONS = 3
+#: Most versions of each model a shard keeps.
+KEPT_VERSIONS = 8
 
 
 def resident_bytes() -> int:
@@ -91,6 +93,29 @@ class ShardAnswer:
     hits: list[tuple[str, float]]
     versions: dict[str, int]
     rows: int
+
+
+class ShardQuery(NamedTuple):
+    """One search as a shard runs it (:meth:`GalleryShard.search`'s arguments)."""
+
+    name: str
+    modality: str
+    vector: NDArray[np.float32]
+    k: int
+    target: str | None
+    versions: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ShardError:
+    """A shard's search that failed, sent back as data (exception classes with arguments of
+    their own do not survive pickling)."""
+
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -147,6 +172,9 @@ class GalleryShard:
         As :class:`~streamxm.serving.following.GalleryFollower` takes them.
     candidates
         Candidates re-ranked per query (:class:`~streamxm.serving.search.Searcher`).
+    grace
+        Seconds a version stays held after a newer one was applied (searches the API sent
+        before it served the newer one still name it): at least the API's search timeout.
     """
 
     def __init__(
@@ -159,6 +187,7 @@ class GalleryShard:
         limits: Limits = Limits(),
         read_count: int = D.GALLERY_READ_COUNT,
         candidates: int = D.SEARCH_CANDIDATES,
+        grace: float = 10.0,
     ) -> None:
         self.part = part
         self.following = GalleryFollower(
@@ -167,6 +196,11 @@ class GalleryShard:
         self.held: dict[str, dict[int, ServedModel]] = {}
         self.build_seconds: dict[str, float] = {}
         self.caught_up = False
+        #: Per model, when each held version was superseded by a newer one (None: newest):
+        #: a search the API sent just before it swapped in the newer one still names the
+        #: older, so an older version is dropped only ``grace`` seconds after.
+        self._superseded: dict[str, dict[int, float | None]] = {}
+        self.grace = grace
         #: The whole gallery's reference sample, gathered by the coordinator from every shard.
         self.reference: GalleryRows | None = None
         self._lock = threading.Lock()  # applies and covers swap `held` entries
@@ -251,7 +285,7 @@ class GalleryShard:
         with self._lock:
             versions = dict(self.held.get(name, {}))
             versions[version] = served
-            for old in sorted(versions)[:-KEPT_VERSIONS]:
+            for old in self._stale(name, versions):
                 del versions[old]
             self.held[name] = versions
             self.build_seconds[name] = took
@@ -274,6 +308,20 @@ class GalleryShard:
         version = versions.get(name)
         answer = self.searcher.search(name, modality, vector, k, target, version, versions)
         return ShardAnswer(answer.hits, dict(answer.served.versions), len(self.gallery))
+
+    def _stale(self, name: str, versions: Mapping[int, ServedModel]) -> list[int]:
+        """Held versions no search can name any more: superseded more than ``grace`` seconds
+        ago, and any beyond the :data:`KEPT_VERSIONS` newest (the newest always stays)."""
+        now, newest = time.monotonic(), max(versions)
+        since = self._superseded.setdefault(name, {})
+        for version in versions:
+            if version != newest and since.get(version) is None:
+                since[version] = now
+        stale = [v for v in versions if v != newest and now - (since.get(v) or now) > self.grace]
+        stale += [v for v in sorted(versions)[:-KEPT_VERSIONS] if v not in stale]
+        for version in stale:
+            since.pop(version, None)
+        return stale
 
     def status(self) -> ShardStatus:
         return ShardStatus(
