@@ -330,6 +330,7 @@ class _Load(NamedTuple):
     answers: list[Answer]
     elapsed: float  # seconds the load ran
     cpu: dict[str, float]  # cores each process used meanwhile
+    refusals: dict[str, int]  # non-200 answers by status and detail (the first few kinds)
 
     def latency_figures(self) -> dict[str, Any]:
         ms = [x * 1000 for x in self.latencies]
@@ -343,6 +344,7 @@ class _Load(NamedTuple):
             "max_ms": round(max(ms), 2) if ms else None,
             "errors": sum(n for code, n in self.statuses.items() if code != "200"),
             "statuses": self.statuses,
+            "refusals": self.refusals,
         }
 
     def cpu_figures(self) -> dict[str, Any]:
@@ -362,13 +364,14 @@ def _timed_load(
     cores each process of ``pids`` (None: this one) used meanwhile."""
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     start = time.perf_counter()
-    latencies, statuses, answers = asyncio.run(run_clients(url, bodies, clients, seconds))
+    refusals: dict[str, int] = {}
+    latencies, statuses, answers = asyncio.run(run_clients(url, bodies, clients, seconds, refusals))
     elapsed = time.perf_counter() - start
     cpu = {
         name: round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
         for name, pid in pids.items()
     }
-    return _Load(latencies, statuses, answers, elapsed, cpu)
+    return _Load(latencies, statuses, answers, elapsed, cpu, refusals)
 
 
 def _replica_ready_seconds(st: Stack, served: Callable[[str], bool]) -> float:

@@ -76,9 +76,14 @@ async def post_each(url: str, requests: list[bytes], clients: int) -> float:
 
 
 async def run_clients(
-    url: str, bodies: list[bytes], clients: int, seconds: float
+    url: str,
+    bodies: list[bytes],
+    clients: int,
+    seconds: float,
+    refusals: dict[str, int] | None = None,
 ) -> tuple[list[float], dict[str, int], list[Answer]]:
-    """``clients`` keep-alive connections posting ``bodies`` to ``/v1/search`` in turn.
+    """``clients`` keep-alive connections posting ``bodies`` to ``/v1/search`` in turn;
+    ``refusals`` (when given) counts the first few distinct ``detail``s of non-200 answers.
 
     Written on raw asyncio streams with the requests encoded once, like ``wrk``: the load
     generator shares the machine's two cores with the API and the worker, and an HTTP client
@@ -118,6 +123,8 @@ async def run_clients(
                                 [hit["id"] for hit in found["results"]],
                             )
                         )
+                    elif refusals is not None:
+                        _count_refusal(refusals, status, body)
                 statuses[key] = statuses.get(key, 0) + 1
                 i += clients
         finally:
@@ -125,3 +132,16 @@ async def run_clients(
 
     await asyncio.gather(*(one(w) for w in range(clients)))
     return latencies, statuses, answers
+
+
+def _count_refusal(refusals: dict[str, int], status: int, body: bytes, distinct: int = 5) -> None:
+    """Count a non-200 answer under its status and the start of its ``detail`` (at most
+    ``distinct`` keys; the rest under ``"other"``)."""
+    try:
+        detail = str(json.loads(body).get("detail", ""))[:160]
+    except (ValueError, AttributeError):
+        detail = body[:160].decode("utf-8", "replace")
+    key = f"{status}: {detail}"
+    if key not in refusals and len(refusals) >= distinct:
+        key = "other"
+    refusals[key] = refusals.get(key, 0) + 1
