@@ -384,10 +384,9 @@ class ModelServer:
         when some do not, :attr:`~streamxm.serving.served.SearchAnswer.covered` saying how
         much of the gallery that is)."""
         if self.shards is not None:
-            served, versions = self._versions_of(name, version)
-            check_target(served, modality, target or other_modality(modality))
+            served, versions = _sharded_query(self, name, version, modality, target)
             found = self.shards.search(name, modality, vector, k, target, versions, partial)
-            return self._sharded_answer(served, found)
+            return _sharded_answer(self, served, found)
         return self.searcher.search(name, modality, vector, k, target, version)
 
     async def search_async(
@@ -404,34 +403,36 @@ class ModelServer:
         """:meth:`search` on an event loop
         (:meth:`~streamxm.serving.search.Searcher.search_async`)."""
         if self.shards is not None:
-            served, versions = self._versions_of(name, version)
-            check_target(served, modality, target or other_modality(modality))
+            served, versions = _sharded_query(self, name, version, modality, target)
             found = await self.shards.search_async(
                 name, modality, vector, k, target, versions, partial
             )
-            return self._sharded_answer(served, found)
+            return _sharded_answer(self, served, found)
         return await self.searcher.search_async(name, modality, vector, k, offload, target, version)
 
-    def _versions_of(
-        self, name: str, version: int | None
-    ) -> tuple[ServedModel | ServedEnsemble, dict[str, int]]:
-        """What answers ``name`` and the versions every shard is to read (a pinned one must
-        be among those the shards keep)."""
-        if is_ensemble(name):
-            ensemble = self.ensemble(name, version)
-            return ensemble, ensemble.versions
-        served = self._served(name)
+
+def _sharded_query(
+    server: ModelServer, name: str, version: int | None, modality: str, target: str | None
+) -> tuple[ServedModel | ServedEnsemble, dict[str, int]]:
+    """What answers ``name`` and the versions every shard is to read (a pinned one must be
+    among those the shards keep), the target checked before any shard is asked."""
+    if is_ensemble(name):
+        served: ServedModel | ServedEnsemble = server.ensemble(name, version)
+    else:
+        served = server._served(name)
         if version is not None and version != served.version:
             served = replace(served, version=version)
-        return served, {name: served.version}
+    check_target(served, modality, target or other_modality(modality))
+    return served, dict(served.versions)
 
-    def _sharded_answer(
-        self, served: ServedModel | ServedEnsemble, found: ShardedHits
-    ) -> SearchAnswer:
-        return SearchAnswer(
-            served,
-            found.hits,
-            self.versions.lag(served),
-            served.version if isinstance(served, ServedModel) else None,
-            covered=found.covered,
-        )
+
+def _sharded_answer(
+    server: ModelServer, served: ServedModel | ServedEnsemble, found: ShardedHits
+) -> SearchAnswer:
+    return SearchAnswer(
+        served,
+        found.hits,
+        server.versions.lag(served),
+        served.version if isinstance(served, ServedModel) else None,
+        covered=found.covered,
+    )

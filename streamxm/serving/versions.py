@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -92,9 +93,7 @@ class ServedVersions:
         if ckpt is None:
             return
         model = model_from_state(ckpt.arrays, ckpt.meta)  # flushed: queries only read it
-        head = dict(self.store.head(name) or {})
-        head["pairs_seen"] = int(ckpt.meta["pairs_seen"])
-        head["last_id"] = ckpt.last_id  # the head may already name a newer version
+        head = self._head_of(name, ckpt)
         started = time.perf_counter()
         earlier = self.served.get(name)
         kind = model.embedding()
@@ -168,6 +167,14 @@ class ServedVersions:
             head["pairs_seen"],
             self.served[name].index_seconds,
         )
+
+    def _head_of(self, name: str, ckpt: Checkpoint) -> dict[str, Any]:
+        """The store's head of ``name`` with what ``ckpt`` itself learned (the head may
+        already name a newer version)."""
+        head = dict(self.store.head(name) or {})
+        head["pairs_seen"] = int(ckpt.meta["pairs_seen"])
+        head["last_id"] = ckpt.last_id
+        return head
 
     def _apply_to_shards(
         self, shards: ShardedGallery, ckpt: Checkpoint, served: ServedModel

@@ -201,25 +201,14 @@ def query(
     namespace that has no other interface (``unshare -rn``); no replica is timed (a second
     API would start a cluster of its own).
     """
-    if gallery_backend == "ray":
-        require_loopback_only()
     imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
     queries = _search_queries(imgs, txts, seed)
     bodies = [
         json.dumps({"model": model, "modality": m, "k": k, "vector": v.tolist()}).encode()
         for m, v in queries
     ]
-    # Checkpoints and segments on disk (the directory store): Redis then holds only the stream.
     with stack(
-        gallery_max=gallery,
-        checkpoint_every_seconds=2.0,
-        checkpoint_keep=1000,
-        checkpoint_store="dir",
-        search_candidates=candidates,
-        wait_for_index=wait_for_index,
-        gallery_backend=gallery_backend,
-        gallery_shards=shards,
-        shard_timeout_seconds=30.0,
+        **_stack_settings(gallery, candidates, wait_for_index, gallery_backend, shards)
     ) as st:
         _fill_gallery(st, imgs, txts, classes)
         members = parse_ensemble(model).members if is_ensemble(model) else (model,)
@@ -232,13 +221,9 @@ def query(
         exact_scans = metric_value(
             httpx.get(f"{url}/metrics", timeout=30).text, "streamxm_search_exact_scans_total"
         )
-        shard_rss = [
-            round(s["resident_bytes"] / 2**20, 1)
-            for s in httpx.get(f"{url}/readyz", timeout=30).json().get("shards") or []
-        ]
+        shard_rss = _shard_rss_mb(url)
         replica_ready = _replica_ready_seconds(st, served) if gallery_backend == "local" else None
         recall = _recall(st, model, load.answers, queries, imgs, txts, k, recall_sample, seed)
-    lags = [a.lag_s for a in load.answers]
     return {
         "benchmark": "query",
         "gallery": gallery,
@@ -253,16 +238,51 @@ def query(
         "shards": shards if gallery_backend == "ray" else None,
         **load.latency_figures(),
         "recall_at_10": recall,
-        "served_version_lag_p99_s": round(percentile(lags, 99), 3) if lags else None,
-        "model_versions_served": len({a.versions for a in load.answers}),
+        **_version_figures(load.answers),
         "pairs_learned_meanwhile": learned,
         "api_rss_mb": round(api_rss, 1),
-        "shard_rss_mb": shard_rss or None,
+        "shard_rss_mb": shard_rss,
         "gallery_float32_mb": round(gallery * (img_dim + txt_dim) * 4 / 2**20, 1),
         "replica_ready_s": round(replica_ready, 2) if replica_ready is not None else None,
         **load.cpu_figures(),
         # Searches whose int8/bfloat16 candidates were not proven complete: a float32 scan answered.
         "exact_scans": exact_scans,
+    }
+
+
+def _stack_settings(
+    gallery: int, candidates: int, wait_for_index: bool, gallery_backend: str, shards: int
+) -> dict[str, Any]:
+    """The settings of :func:`query`'s stack. Checkpoints and segments on disk (the
+    directory store): Redis then holds only the stream. Ray's backend only where it cannot
+    listen beyond loopback (:func:`require_loopback_only`)."""
+    if gallery_backend == "ray":
+        require_loopback_only()
+    return {
+        "gallery_max": gallery,
+        "checkpoint_every_seconds": 2.0,
+        "checkpoint_keep": 1000,
+        "checkpoint_store": "dir",
+        "search_candidates": candidates,
+        "wait_for_index": wait_for_index,
+        "gallery_backend": gallery_backend,
+        "gallery_shards": shards,
+        "shard_timeout_seconds": 30.0,
+    }
+
+
+def _shard_rss_mb(url: str) -> list[float] | None:
+    """Each gallery shard's resident memory as ``/readyz`` names it (``None``: no shards)."""
+    shards = httpx.get(f"{url}/readyz", timeout=30).json().get("shards") or []
+    return [round(s["resident_bytes"] / 2**20, 1) for s in shards] or None
+
+
+def _version_figures(answers: list[Answer]) -> dict[str, Any]:
+    """How old the answering versions were, and how many answered."""
+    lags = [a.lag_s for a in answers]
+    return {
+        "served_version_lag_p99_s": round(percentile(lags, 99), 3) if lags else None,
+        "model_versions_served": len({a.versions for a in answers}),
     }
 
 
