@@ -37,6 +37,7 @@ from numpy.typing import NDArray
 from streamxm.config import Settings
 from streamxm.models.ensemble import REFERENCE_ITEMS
 from streamxm.service import limits_from, open_store
+from streamxm.serving.served import ModelNotReady
 from streamxm.serving.shard import (
     AppliedVersion,
     GalleryShard,
@@ -77,6 +78,8 @@ class ShardHost:
     def __init__(self, settings_json: str, index: int, count: int) -> None:
         settings = Settings.model_validate_json(settings_json)
         assert settings.redis_url is not None, "the API hands shards a resolved Redis URL"
+        # The actor's own log (Ray's worker log files): version builds, failed searches.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         client = connect(settings, settings.redis_url, retries=2, timeout=30.0)
         self.shard = GalleryShard(
             client,
@@ -104,7 +107,10 @@ class ShardHost:
     def _one(self, query: ShardQuery) -> ShardAnswer | ShardError:
         try:
             return self.shard.search(*query)
-        except Exception as exc:  # sent back as data: the API decides (503, partial, 4xx)
+        except ModelNotReady as exc:  # a version or the part not there yet: expected
+            return ShardError(type(exc).__name__, str(exc))
+        except Exception as exc:  # sent back as data: the API decides (503, partial)
+            log.exception("shard %d: search of %s failed", self.shard.part.index, query.name)
             return ShardError(type(exc).__name__, str(exc))
 
     def status(self) -> ShardStatus:
@@ -197,7 +203,7 @@ class RayGallery:
         self.statuses = self.status()
         self._gather_reference(self.statuses)
         for actor, status in zip(self.actors, self.statuses, strict=True):
-            if status is None:
+            if status is None or not status.caught_up:  # given versions once it has read
                 continue
             for name, version in served.items():
                 if version in status.versions.get(name, []) or name not in self.applied:

@@ -260,6 +260,8 @@ class GalleryShard:
         """Hold ``version`` of ``name`` made from its checkpoint ``state`` (arrays, meta), with
         its index of this shard's part built (from the newest held version's, where the kind
         recomputes only what changed)."""
+        if not self.caught_up:  # its index would cover part of the part: tried again later
+            raise ModelNotReady(f"shard {self.part.index} is still reading its part")
         held = self.held.get(name, {})
         if version in held:
             return AppliedVersion(
@@ -341,7 +343,6 @@ class GalleryShard:
         held version's index cover them."""
         while self.following.read() and not self.caught_up:
             pass
-        self.caught_up = True
         gallery = self.gallery
         with self._lock:
             for name, versions in list(self.held.items()):
@@ -349,6 +350,9 @@ class GalleryShard:
                     v: served if served.index is None else _covering(served, gallery)
                     for v, served in versions.items()
                 }
+        # Only now: a version applied while the part was being read has an index of less
+        # than the part until it is covered, and a search must not read it before.
+        self.caught_up = True
 
     def start(self, interval: float = 0.25) -> None:
         def loop() -> None:
