@@ -31,9 +31,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-from numpy.typing import NDArray
-
 from streamxm.config import Settings
 from streamxm.models.ensemble import REFERENCE_ITEMS
 from streamxm.service import limits_from, open_store
@@ -106,7 +103,7 @@ class ShardHost:
 
     def _one(self, query: ShardQuery) -> ShardAnswer | ShardError:
         try:
-            return self.shard.search(*query)
+            return self.shard.search(query)
         except ModelNotReady as exc:  # a version or the part not there yet: expected
             return ShardError(type(exc).__name__, str(exc))
         except Exception as exc:  # sent back as data: the API decides (503, partial)
@@ -243,38 +240,18 @@ class RayGallery:
         return out
 
     # -- search ---------------------------------------------------------------------------------
-    async def search_async(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None,
-        versions: Mapping[str, int],
-        partial: bool = False,
-    ) -> ShardedHits:
-        """The merged top ``k`` of every shard's answer (see :meth:`merge`). Concurrent
-        searches go to each shard together (:class:`_Batches`): one call per shard carries
-        every search that arrived while the previous call was out."""
+    async def search_async(self, query: ShardQuery, partial: bool = False) -> ShardedHits:
+        """The merged top ``k`` of every shard's answer to ``query`` (see :meth:`merge`).
+        Concurrent searches go to each shard together (:class:`_Batches`): one call per shard
+        carries every search that arrived while the previous call was out."""
         loop = asyncio.get_running_loop()
         batches = self._batches.get(loop)
         if batches is None:
             batches = self._batches[loop] = _Batches(self.actors, self.timeout)
-        query = ShardQuery(name, modality, vector, k, target, dict(versions))
-        return self.merge(await batches.ask(query), k, partial)
+        return self.merge(await batches.ask(query), query.k, partial)
 
-    def search(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None,
-        versions: Mapping[str, int],
-        partial: bool = False,
-    ) -> ShardedHits:
+    def search(self, query: ShardQuery, partial: bool = False) -> ShardedHits:
         """:meth:`search_async` from a thread (one call per shard)."""
-        query = ShardQuery(name, modality, vector, k, target, dict(versions))
         refs = [a.search_batch.remote([query]) for a in self.actors]
         ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
         answers: list[ShardAnswer | ShardError | BaseException | None] = []
@@ -283,7 +260,7 @@ class RayGallery:
                 answers.append(self.ray.get(ref)[0] if ref in ready else None)
             except Exception as exc:  # its actor died
                 answers.append(exc)
-        return self.merge(answers, k, partial)
+        return self.merge(answers, query.k, partial)
 
     def merge(
         self,

@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 from streamxm.models.embedding import EmbeddingKind
 from streamxm.serving.gallery import CHUNK_MAX, Gallery
 from streamxm.serving.index import Block, Int8Block
-from streamxm.serving.served import EmbeddedGallery, ServedModel
+from streamxm.serving.served import EmbeddedGallery, SearchQuery, ServedModel
 
 __all__ = [
     "CandidateScans",
@@ -235,26 +235,21 @@ class CandidateScans:
         self.earlier_index_scans = 0
 
     def propose(
-        self,
-        served: ServedModel,
-        modality: str,
-        vector: NDArray[np.float32],
-        wanted: int,
-        target: str,
-        k: int | None = None,
+        self, served: ServedModel, search: SearchQuery, wanted: int, k: int | None = None
     ) -> Generator[Step, Any, Candidates]:
-        """The best ``wanted`` rows of a gallery snapshot by the served version's index (more
-        from a reduced-precision scan of a large gallery, :data:`_ROWS_PER_PROOF_CANDIDATE`),
-        in gallery order (so that ties keep it), with the version's exact scores and a bound
-        on the score of every row left out.
+        """The best ``wanted`` rows for ``search``'s vector of a gallery snapshot by the served
+        version's index (more from a reduced-precision scan of a large gallery,
+        :data:`_ROWS_PER_PROOF_CANDIDATE`), in gallery order (so that ties keep it), with the
+        version's exact scores and a bound on the score of every row left out.
 
         A fixed space scans the unit rows against the query moved into them; with ``k``, a
         reduced-precision scan that cannot be proven to hold the exact top ``k`` is redone in
         float32. Other models scan the embeddings their served version made of the gallery
         (:class:`~streamxm.serving.served.EmbeddedGallery`)."""
         kind = served.embedding
+        modality, vector, target = search.modality, search.vector, search.searched
         if kind.fixed and target != modality:
-            return (yield from self._fixed(served, modality, vector, wanted, target, k))
+            return (yield from self._fixed(served, search, wanted, k))
         index = served.index
         if index is None or index.version > served.version:  # a pinned version's first use
             index = yield Work(partial(self.index_of, served))
@@ -283,17 +278,12 @@ class CandidateScans:
         return Candidates(gallery, rows, gallery.vectors_at(rows, target), scores, bound)
 
     def _fixed(
-        self,
-        served: ServedModel,
-        modality: str,
-        vector: NDArray[np.float32],
-        wanted: int,
-        target: str,
-        k: int | None,
+        self, served: ServedModel, search: SearchQuery, wanted: int, k: int | None
     ) -> Generator[Step, Any, Candidates]:
         """:meth:`propose` of a fixed space (scan scores differ from the version's by
         the query's constant ``c``)."""
         gallery, kind = self.gallery(), served.embedding
+        modality, vector, target = search.modality, search.vector, search.searched
         wanted = min(len(gallery), wanted)
         query, c = kind.scan_query(modality, target, vector)
         blocks = gallery.blocks(target)

@@ -551,17 +551,6 @@ class QueryCoalescer:
         self.batches = 0
         self.queries = 0
 
-    def search(
-        self,
-        blocks: Sequence[Block],
-        query: NDArray[np.float32],
-        k: int,
-        per_chunk: int | None = None,
-    ) -> Found:
-        """Block until the query's batch is answered; its scores and rows, best first, and
-        its ceiling (:func:`top_k_bounded`)."""
-        return self.submit(blocks, query, k, per_chunk).result()
-
     def submit(
         self,
         blocks: Sequence[Block],
@@ -569,7 +558,8 @@ class QueryCoalescer:
         k: int,
         per_chunk: int | None = None,
     ) -> Future[Found]:
-        """:meth:`search`'s answer when the query's batch is answered."""
+        """The query's scores and rows, best first, and its ceiling (:func:`top_k_bounded`),
+        once the query's batch is answered."""
         request = _Request(blocks, np.ascontiguousarray(query, dtype=np.float32), k, per_chunk)
         self._queue.put(request)
         return request.future

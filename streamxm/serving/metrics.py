@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -40,6 +41,8 @@ from streamxm.stream.redis_conn import str_hash, str_set, text
 from streamxm.stream.retention import entry_id_key
 
 __all__ = ["ApiMetrics", "StreamCollector", "method_label"]
+
+_Family = TypeVar("_Family", CounterMetricFamily, GaugeMetricFamily)
 
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -105,21 +108,25 @@ def _one_sample(
     return family
 
 
+def _families(kind: type[_Family], labels: list[str], *named: tuple[str, str]) -> list[_Family]:
+    """Families of one ``kind`` and label names, one per (name, documentation)."""
+    return [kind(name, documentation, labels=labels) for name, documentation in named]
+
+
 def _lag_families(
     models: dict[str, WorkerStats], groups: dict[str, dict[str, object]], length: int
 ) -> Iterator[Metric]:
     """Each model's lag in the stream and its entries pending, from its consumer group's
     info in ``groups`` (the stream ``length`` long)."""
-    lag = GaugeMetricFamily(
-        "streamxm_stream_lag",
-        "stream entries, from any producer, the model's learner has not "
-        "yet applied and checkpointed",
-        labels=["model"],
-    )
-    pending = GaugeMetricFamily(
-        "streamxm_stream_pending",
-        "entries delivered to the group but not acknowledged",
-        labels=["model"],
+    lag, pending = _families(
+        GaugeMetricFamily,
+        ["model"],
+        (
+            "streamxm_stream_lag",
+            "stream entries, from any producer, the model's learner has not "
+            "yet applied and checkpointed",
+        ),
+        ("streamxm_stream_pending", "entries delivered to the group but not acknowledged"),
     )
     for model, stats in models.items():
         group = groups.get(model, {})
@@ -184,26 +191,21 @@ class StreamCollector(Collector):
         shards = self.server.shards
         if shards is None:
             return
-        up = GaugeMetricFamily(
-            "streamxm_gallery_shard_up", "1 if the gallery shard answered", labels=["shard"]
+        up, rows, memory = _families(
+            GaugeMetricFamily,
+            ["shard"],
+            ("streamxm_gallery_shard_up", "1 if the gallery shard answered"),
+            ("streamxm_gallery_shard_rows", "gallery items the shard holds"),
+            ("streamxm_gallery_shard_resident_bytes", "resident memory of the shard's process"),
         )
-        rows = GaugeMetricFamily(
-            "streamxm_gallery_shard_rows", "gallery items the shard holds", labels=["shard"]
-        )
-        memory = GaugeMetricFamily(
-            "streamxm_gallery_shard_resident_bytes",
-            "resident memory of the shard's process",
-            labels=["shard"],
-        )
-        version = GaugeMetricFamily(
-            "streamxm_gallery_shard_version",
-            "newest version of a model the shard holds",
-            labels=["shard", "model"],
-        )
-        build = GaugeMetricFamily(
-            "streamxm_gallery_shard_build_seconds",
-            "seconds the shard took to build its part's index of the newest version",
-            labels=["shard", "model"],
+        version, build = _families(
+            GaugeMetricFamily,
+            ["shard", "model"],
+            ("streamxm_gallery_shard_version", "newest version of a model the shard holds"),
+            (
+                "streamxm_gallery_shard_build_seconds",
+                "seconds the shard took to build its part's index of the newest version",
+            ),
         )
         for index, status in enumerate(shards.statuses):
             shard = str(index)
@@ -293,43 +295,36 @@ class StreamCollector(Collector):
 
     def _learning_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
         """What each model's learner wrote with its newest checkpoint."""
-        processed = CounterMetricFamily(
-            "streamxm_pairs_processed", "pairs applied by the model's learner", labels=["model"]
+        processed, drifts, bursts = _families(
+            CounterMetricFamily,
+            ["model"],
+            ("streamxm_pairs_processed", "pairs applied by the model's learner"),
+            ("streamxm_drift_detected", "changes in the mistake rate found by ADWIN"),
+            (
+                "streamxm_pairs_in_burst",
+                "pairs that arrived while the stream was in a burst of few "
+                "classes (the models with a memory of the whole history then also draw from it)",
+            ),
         )
-        triplets = CounterMetricFamily(
-            "streamxm_triplets", "triplets learned from", labels=["model", "direction"]
-        )
-        mistakes = CounterMetricFamily(
-            "streamxm_mistakes",
-            "triplets ranked wrongly before the update (s(q,p)-s(q,n)<=0)",
-            labels=["model", "direction"],
+        triplets, mistakes = _families(
+            CounterMetricFamily,
+            ["model", "direction"],
+            ("streamxm_triplets", "triplets learned from"),
+            ("streamxm_mistakes", "triplets ranked wrongly before the update (s(q,p)-s(q,n)<=0)"),
         )
         rolling = GaugeMetricFamily(
             "streamxm_rolling_map",
             "test-then-train rolling mAP (0..1)",
             labels=["model", "direction"],
         )
-        age = GaugeMetricFamily(
-            "streamxm_checkpoint_age_seconds",
-            "seconds since the newest checkpoint",
-            labels=["model"],
-        )
-        ckpt_version = GaugeMetricFamily(
-            "streamxm_checkpoint_version", "newest checkpoint version", labels=["model"]
+        age, ckpt_version = _families(
+            GaugeMetricFamily,
+            ["model"],
+            ("streamxm_checkpoint_age_seconds", "seconds since the newest checkpoint"),
+            ("streamxm_checkpoint_version", "newest checkpoint version"),
         )
         update = HistogramMetricFamily(
             "streamxm_update_duration_seconds", "time to test-then-train one pair", labels=["model"]
-        )
-        drifts = CounterMetricFamily(
-            "streamxm_drift_detected",
-            "changes in the mistake rate found by ADWIN",
-            labels=["model"],
-        )
-        bursts = CounterMetricFamily(
-            "streamxm_pairs_in_burst",
-            "pairs that arrived while the stream was in a burst of few "
-            "classes (the models with a memory of the whole history then also draw from it)",
-            labels=["model"],
         )
         now = time.time()
         for model, stats in models.items():
@@ -364,29 +359,27 @@ class StreamCollector(Collector):
 
     def _serving_families(self, models: list[str]) -> Iterator[Metric]:
         """What this API serves: versions, gallery sizes, champions."""
-        served_version = GaugeMetricFamily(
-            "streamxm_model_version", "model version the API serves", labels=["model"]
+        served_version, gallery, embedding, index_version = _families(
+            GaugeMetricFamily,
+            ["model"],
+            ("streamxm_model_version", "model version the API serves"),
+            ("streamxm_gallery_items", "items in the search gallery"),
+            (
+                "streamxm_version_embedding_seconds",
+                "seconds the newest embedding of the gallery took (0: a fixed space needs none)",
+            ),
+            (
+                "streamxm_index_version",
+                "version whose embeddings of the gallery propose the "
+                "served version's candidates (below streamxm_model_version while a model that "
+                "embeds raw vectors embeds it again)",
+            ),
         )
         champion = GaugeMetricFamily(
             "streamxm_champion",
             "1 for the model that answers model=auto in a direction (its "
             "rolling mAP leads, with hysteresis), 0 for the other served models",
             labels=["model", "direction"],
-        )
-        gallery = GaugeMetricFamily(
-            "streamxm_gallery_items", "items in the search gallery", labels=["model"]
-        )
-        embedding = GaugeMetricFamily(
-            "streamxm_version_embedding_seconds",
-            "seconds the newest embedding of the gallery took (0: a fixed space needs none)",
-            labels=["model"],
-        )
-        index_version = GaugeMetricFamily(
-            "streamxm_index_version",
-            "version whose embeddings of the gallery propose the "
-            "served version's candidates (below streamxm_model_version while a model that "
-            "embeds raw vectors embeds it again)",
-            labels=["model"],
         )
         for model in models:
             served = self.server.served.get(model)
@@ -409,25 +402,25 @@ class StreamCollector(Collector):
             "ranks of a distributed learner (streamxm worker --world-size)",
             labels=["model"],
         )
-        rounds = CounterMetricFamily(
-            "streamxm_distributed_rounds",
-            "rounds the ranks learned and merged, as of the "
-            "newest checkpoint (since rank 0 started)",
-            labels=["model"],
+        rounds, collective, generations = _families(
+            CounterMetricFamily,
+            ["model"],
+            (
+                "streamxm_distributed_rounds",
+                "rounds the ranks learned and merged, as of the "
+                "newest checkpoint (since rank 0 started)",
+            ),
+            (
+                "streamxm_distributed_collective_seconds",
+                "seconds rank 0 spent in the merge and "
+                "the wait for the slowest rank (since rank 0 started)",
+            ),
+            (
+                "streamxm_distributed_generations",
+                "times the ranks' group was formed: the first, "
+                "then once after every lost or restarted rank",
+            ),
         )
-        collective = CounterMetricFamily(
-            "streamxm_distributed_collective_seconds",
-            "seconds rank 0 spent in the merge and "
-            "the wait for the slowest rank (since rank 0 started)",
-            labels=["model"],
-        )
-        generations = CounterMetricFamily(
-            "streamxm_distributed_generations",
-            "times the ranks' group was formed: the first, "
-            "then once after every lost or restarted rank",
-            labels=["model"],
-        )
-
         for model, raw in stats.items():
             if raw.get("dist_world"):
                 ranks.add_metric([model], int(raw["dist_world"]))

@@ -46,6 +46,7 @@ from streamxm.serving.served import (
     ModelNotReady,
     SameModalityUnsupported,
     SearchAnswer,
+    SearchQuery,
     ServedEnsemble,
     ServedModel,
     direction_of,
@@ -157,56 +158,36 @@ class Searcher:
     def close(self) -> None:
         self.coalescer.close()
 
-    def search(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None = None,
-        version: int | None = None,
-        members: Mapping[str, int] | None = None,
-    ) -> SearchAnswer:
-        """The ``k`` best gallery items of modality ``target`` (default: the other modality)
-        for one query vector of ``modality``, scored by the served version exactly as
+    def search(self, query: SearchQuery) -> SearchAnswer:
+        """The ``query``'s ``k`` best gallery items, scored by the served version exactly as
         :meth:`similarity` scores them, ties in gallery order.
 
         Candidates come from the served version's embedding kind: the gallery's unit rows
         against the query moved into them (a fixed space), or else the newest embedded index.
         Same-modality search needs a model whose embeddings share one space; others raise
-        :class:`SameModalityUnsupported`. ``version`` pins a kept version; ``members`` an
-        ensemble's members' versions (a gallery shard's search: every shard reads the same).
+        :class:`SameModalityUnsupported`.
         """
-        steps = self._steps(name, modality, vector, k, target, version, members)
+        steps = self._steps(query)
         try:
             step = next(steps)
             while True:
                 if isinstance(step, Scan):
-                    step = steps.send(
-                        self.coalescer.search(step.blocks, step.query, step.k, step.per_chunk)
-                    )
+                    scan = self.coalescer.submit(step.blocks, step.query, step.k, step.per_chunk)
+                    step = steps.send(scan.result())
                 else:
                     step = steps.send(step.run())
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
     async def search_async(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        offload: Callable[[Callable[[], Any]], Awaitable[Any]],
-        target: str | None = None,
-        version: int | None = None,
-        members: Mapping[str, int] | None = None,
+        self, query: SearchQuery, offload: Callable[[Callable[[], Any]], Awaitable[Any]]
     ) -> SearchAnswer:
         """:meth:`search` for an event loop: the light steps (query transform, exact re-rank
         of the candidates) run on the loop, the scan is awaited from the coalescing thread,
         and heavy work (loading a pinned version, building a missing index) goes to ``offload``.
         Under load this saves two thread hand-offs per search, a measurable part of the API's
         CPU per search (``docs/benchmarks.md``)."""
-        steps = self._steps(name, modality, vector, k, target, version, members)
+        steps = self._steps(query)
         try:
             step = next(steps)
             while True:
@@ -220,32 +201,21 @@ class Searcher:
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    def _steps(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None,
-        version: int | None,
-        members: Mapping[str, int] | None = None,
-    ) -> Generator[Step, Any, SearchAnswer]:
+    def _steps(self, query: SearchQuery) -> Generator[Step, Any, SearchAnswer]:
         """The search, yielding each scan (and any heavy step) for a driver to run."""
-        target = target or other_modality(modality)
+        name, version, k = query.name, query.version, query.k
         if is_ensemble(name):
-            ensemble = self.catalogue.ensemble(name, version, members)
-            return (yield from self._ensemble_steps(ensemble, modality, vector, k, target))
+            ensemble = self.catalogue.ensemble(name, version, query.members)
+            return (yield from self._ensemble_steps(ensemble, query))
         if version is not None and not self.catalogue.is_loaded(name, version):
             yield Work(partial(self.catalogue.pin, name, version))  # read from the store: heavy
         served = self.catalogue.get(name, version)
-        check_target(served, modality, target)
+        check_target(served, query.modality, query.searched)
         lag = self.lag(served)
         if len(self.catalogue.gallery) == 0:
             return SearchAnswer(served, [], lag, served.version)
         found = yield from self.proven_top(
-            partial(self.scans.propose, served, modality, vector, target=target, k=k),
-            k,
-            len(self.catalogue.gallery),
+            partial(self.scans.propose, served, query, k=k), k, len(self.catalogue.gallery)
         )
         return SearchAnswer(served, found.best(k), lag, served.index_version)
 
@@ -265,19 +235,14 @@ class Searcher:
             wanted = min(found.size, 4 * wanted)
 
     def _ensemble_steps(
-        self,
-        ensemble: ServedEnsemble,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str,
+        self, ensemble: ServedEnsemble, query: SearchQuery
     ) -> Generator[Step, Any, SearchAnswer]:
         """An ensemble's search: one scan of the members' rows side by side
         (:class:`~streamxm.serving.fused.FusedSpace`) when every member has exact float32 rows
         over the served gallery, else member by member; either way re-ranked by the fused
         score exactly, with more candidates until no row left out can enter the top ``k``."""
-        name = ensemble.name
-        check_target(ensemble, modality, target)
+        name, target = ensemble.name, query.searched
+        check_target(ensemble, query.modality, target)
         lag = self.lag(ensemble)
         gallery = self.catalogue.gallery
         if len(gallery) == 0:
@@ -286,7 +251,7 @@ class Searcher:
         reference = ensemble_reference(sample, target)
         sources = FusedSpace.sources_of(ensemble, gallery, target)
         if sources is None:
-            hits = yield from self._members_steps(ensemble, modality, vector, k, target, reference)
+            hits = yield from self._members_steps(ensemble, query, reference)
         else:
             space = self._fused.get((name, target))
             if space is None or not space.current(sources):
@@ -295,7 +260,7 @@ class Searcher:
             rows = space.kept_reference(sample)
             if rows is None:  # towers or kernel terms over the sample: off the event loop
                 rows = yield Work(partial(space.reference_rows, kinds, sample))
-            hits = yield from self._fused_steps(ensemble, space, rows, modality, vector, k)
+            hits = yield from self._fused_steps(ensemble, space, rows, query)
         return SearchAnswer(ensemble, hits, lag, None)
 
     def _fused_space(
@@ -315,48 +280,42 @@ class Searcher:
         ensemble: ServedEnsemble,
         space: FusedSpace,
         reference: NDArray[np.float32],
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
+        query: SearchQuery,
     ) -> Generator[Step, Any, list[tuple[str, float]]]:
         """The fused top ``k`` from scans of ``space``: its float32 score is the fused score
         less a constant per query, to rounding (a margin scaled by each member's largest
         possible term); the candidates are scored from the same rows in float64, the members
         standardised over their ``reference`` rows (:meth:`FusedSpace.reference_rows`)."""
-        weights, target = ensemble.spec.weights, space.target
-        query, constant, reach = space.standardised(
-            [m.embedding.scan_query(modality, target, vector) for m in ensemble.members],
+        weights, target, modality = ensemble.spec.weights, space.target, query.modality
+        fused_query, constant, reach = space.standardised(
+            [m.embedding.scan_query(modality, target, query.vector) for m in ensemble.members],
             weights,
             reference,
         )
         gallery = space.gallery
 
         def propose(wanted: int) -> Generator[Step, Any, Candidates]:
-            _, rows, ceiling = yield Scan(space.blocks, query, wanted)
+            _, rows, ceiling = yield Scan(space.blocks, fused_query, wanted)
             rows = np.sort(rows)
             # The fused scores of the members' own rows, in float64.
-            scores = space.rows_at(rows).astype(np.float64) @ query.astype(np.float64) + constant
+            scores = (
+                space.rows_at(rows).astype(np.float64) @ fused_query.astype(np.float64) + constant
+            )
             no_items = np.empty((0, 0), np.float32)
             return Candidates(gallery, rows, no_items, scores, raised(ceiling, constant, reach))
 
-        found = yield from self.proven_top(propose, k, len(gallery))
-        return found.best(k)
+        found = yield from self.proven_top(propose, query.k, len(gallery))
+        return found.best(query.k)
 
     def _members_steps(
-        self,
-        ensemble: ServedEnsemble,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str,
-        reference: NDArray[np.float32],
+        self, ensemble: ServedEnsemble, query: SearchQuery, reference: NDArray[np.float32]
     ) -> Generator[Step, Any, list[tuple[str, float]]]:
         """Each member proposes its best candidates by its own index, the union is ranked by
         the fused score exactly, and members propose more until the fused k-th best is above
         what any row left out can reach (a threshold-algorithm stop: the fused score increases
         with each member's score, so the members' bounds on rows they left out bound those
         rows' fused score)."""
-        fused, direction = ensemble.fused, direction_of(modality)
+        fused, direction, vector = ensemble.fused, direction_of(query.modality), query.vector
         standards = fused.standardisers(direction, vector[None, :], reference)
         size = len(self.catalogue.gallery)
 
@@ -365,9 +324,7 @@ class Searcher:
             items: list[NDArray[np.float32]] = []
             threshold = 0.0
             for served, (offset, scale) in zip(ensemble.members, standards, strict=True):
-                found = yield from self.scans.propose(
-                    served, modality, vector, wanted, target, None
-                )
+                found = yield from self.scans.propose(served, query, wanted)
                 threshold += (found.bound - offset[0]) / scale[0]
                 ids.extend(found.gallery.ids_at(found.rows))
                 items.append(found.items)
@@ -378,5 +335,5 @@ class Searcher:
             # (an infinite threshold: a member's index cannot bound its scores)
             return Union([ids[i] for i in keep], scores, threshold, size)
 
-        found = yield from self.proven_top(propose, k, size)
-        return found.best(k)
+        found = yield from self.proven_top(propose, query.k, size)
+        return found.best(query.k)

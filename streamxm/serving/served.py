@@ -7,8 +7,9 @@ swap.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -27,6 +28,7 @@ __all__ = [
     "ModelNotReady",
     "SameModalityUnsupported",
     "SearchAnswer",
+    "SearchQuery",
     "ServedEnsemble",
     "ServedModel",
     "UnknownModel",
@@ -379,6 +381,27 @@ class ServedEnsemble:
     @property
     def fused(self) -> Ensemble:
         return Ensemble(self.spec, {m.name: m.embedding for m in self.members})
+
+
+class SearchQuery(NamedTuple):
+    """One top-k search: the ``k`` best gallery items of modality ``target`` (default: the
+    other modality) for ``vector``, a query of ``modality``, by what answers ``name``.
+
+    ``version`` pins a kept version of a model; ``members`` names an ensemble's members'
+    versions (what a gallery shard is asked: every shard of one answer reads the same)."""
+
+    name: str
+    modality: str
+    vector: NDArray[np.float32]
+    k: int
+    target: str | None = None
+    version: int | None = None
+    members: Mapping[str, int] | None = None
+
+    @property
+    def searched(self) -> str:
+        """The modality searched: ``target``, or the other modality."""
+        return self.target or other_modality(self.modality)
 
 
 @dataclass(frozen=True)

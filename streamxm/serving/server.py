@@ -49,10 +49,10 @@ from streamxm.serving.served import (
     InvalidModelName,
     ModelNotReady,
     SearchAnswer,
+    SearchQuery,
     ServedEnsemble,
     ServedModel,
     UnknownModel,
-    other_modality,
 )
 from streamxm.serving.shard import ShardedGallery, ShardedHits
 from streamxm.serving.versions import ServedVersions
@@ -383,11 +383,11 @@ class ModelServer:
         with shards, the merge of their answers; ``partial``: answer from the shards that do
         when some do not, :attr:`~streamxm.serving.served.SearchAnswer.covered` saying how
         much of the gallery that is)."""
+        query = SearchQuery(name, modality, vector, k, target, version)
         if self.shards is not None:
-            served, versions = _sharded_query(self, name, version, modality, target)
-            found = self.shards.search(name, modality, vector, k, target, versions, partial)
-            return _sharded_answer(self, served, found)
-        return self.searcher.search(name, modality, vector, k, target, version)
+            served, sharded = _sharded_query(self, query)
+            return _sharded_answer(self, served, self.shards.search(sharded, partial))
+        return self.searcher.search(query)
 
     async def search_async(
         self,
@@ -402,28 +402,29 @@ class ModelServer:
     ) -> SearchAnswer:
         """:meth:`search` on an event loop
         (:meth:`~streamxm.serving.search.Searcher.search_async`)."""
+        query = SearchQuery(name, modality, vector, k, target, version)
         if self.shards is not None:
-            served, versions = _sharded_query(self, name, version, modality, target)
-            found = await self.shards.search_async(
-                name, modality, vector, k, target, versions, partial
-            )
-            return _sharded_answer(self, served, found)
-        return await self.searcher.search_async(name, modality, vector, k, offload, target, version)
+            served, sharded = _sharded_query(self, query)
+            return _sharded_answer(self, served, await self.shards.search_async(sharded, partial))
+        return await self.searcher.search_async(query, offload)
 
 
 def _sharded_query(
-    server: ModelServer, name: str, version: int | None, modality: str, target: str | None
-) -> tuple[ServedModel | ServedEnsemble, dict[str, int]]:
-    """What answers ``name`` and the versions every shard is to read (a pinned one must be
-    among those the shards keep), the target checked before any shard is asked."""
+    server: ModelServer, query: SearchQuery
+) -> tuple[ServedModel | ServedEnsemble, SearchQuery]:
+    """What answers ``query`` and the query every shard runs: naming the versions every shard
+    is to read (a pinned one must be among those the shards keep), the target checked before
+    any shard is asked."""
+    name, version = query.name, query.version
     if is_ensemble(name):
         served: ServedModel | ServedEnsemble = server.ensemble(name, version)
     else:
         served = server._served(name)
         if version is not None and version != served.version:
             served = replace(served, version=version)
-    check_target(served, modality, target or other_modality(modality))
-    return served, dict(served.versions)
+    check_target(served, query.modality, query.searched)
+    versions = dict(served.versions)
+    return served, query._replace(version=versions.get(name), members=versions)
 
 
 def _sharded_answer(

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import redis
@@ -40,6 +40,7 @@ from streamxm.serving.served import (
     EmbeddedGallery,
     InvalidModelName,
     ModelNotReady,
+    SearchQuery,
     ServedEnsemble,
     ServedModel,
 )
@@ -95,15 +96,9 @@ class ShardAnswer:
     rows: int
 
 
-class ShardQuery(NamedTuple):
-    """One search as a shard runs it (:meth:`GalleryShard.search`'s arguments)."""
-
-    name: str
-    modality: str
-    vector: NDArray[np.float32]
-    k: int
-    target: str | None
-    versions: dict[str, int]
+#: One search as a shard runs it: its ``version`` and ``members`` name the versions every
+#: shard of one answer reads.
+ShardQuery = SearchQuery
 
 
 @dataclass(frozen=True)
@@ -162,14 +157,11 @@ class GalleryShard:
 
     Parameters
     ----------
-    client, store, keys
-        Redis, the store the segments live in, the namespace's keys.
+    client, store, keys, gallery_max, limits, read_count
+        As :class:`~streamxm.serving.following.GalleryFollower` takes them (``gallery_max``
+        caps this shard's part).
     part
         The items this shard owns.
-    gallery_max
-        Cap of this shard's part when the gallery is read from the stream alone.
-    limits, read_count
-        As :class:`~streamxm.serving.following.GalleryFollower` takes them.
     candidates
         Candidates re-ranked per query (:class:`~streamxm.serving.search.Searcher`).
     grace
@@ -294,21 +286,12 @@ class GalleryShard:
         log.info("shard %d: %s version %d applied in %.2f s", self.part.index, name, version, took)
         return AppliedVersion(name, version, took, len(gallery))
 
-    def search(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None,
-        versions: Mapping[str, int],
-    ) -> ShardAnswer:
-        """This part's top ``k`` by the named versions (``versions``: a model's, or every
+    def search(self, query: ShardQuery) -> ShardAnswer:
+        """This part's top ``k`` by the versions ``query`` names (a model's, or every
         ensemble member's)."""
         if not self.caught_up:
             raise ModelNotReady(f"shard {self.part.index} is still reading its part of the gallery")
-        version = versions.get(name)
-        answer = self.searcher.search(name, modality, vector, k, target, version, versions)
+        answer = self.searcher.search(query)
         return ShardAnswer(answer.hits, dict(answer.served.versions), len(self.gallery))
 
     def _stale(self, name: str, versions: Mapping[int, ServedModel]) -> list[int]:
@@ -398,26 +381,8 @@ class ShardedGallery(Protocol):
 
     def heal(self, served: Mapping[str, int]) -> None: ...
 
-    def search(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None,
-        versions: Mapping[str, int],
-        partial: bool = False,
-    ) -> ShardedHits: ...
+    def search(self, query: ShardQuery, partial: bool = False) -> ShardedHits: ...
 
-    async def search_async(
-        self,
-        name: str,
-        modality: str,
-        vector: NDArray[np.float32],
-        k: int,
-        target: str | None,
-        versions: Mapping[str, int],
-        partial: bool = False,
-    ) -> ShardedHits: ...
+    async def search_async(self, query: ShardQuery, partial: bool = False) -> ShardedHits: ...
 
     def close(self) -> None: ...

@@ -97,46 +97,12 @@ class ServedVersions:
         started = time.perf_counter()
         earlier = self.served.get(name)
         kind = model.embedding()
+        served = ServedModel(name, ckpt.version, model, head, time.time(), embedding=kind)
         if self.shards is not None:
-            self._apply_to_shards(
-                self.shards,
-                ckpt,
-                ServedModel(name, ckpt.version, model, head, time.time(), embedding=kind),
-            )
+            self._apply_to_shards(self.shards, ckpt, served)
             return
         if earlier is not None and self._embedded_behind(kind, model.img_dim, earlier):
-            # The index thread embeds the gallery with it (embed_behind); meanwhile it waits,
-            # or answers from the earlier version's index.
-            staged = ServedModel(
-                name=name,
-                version=ckpt.version,
-                model=model,
-                head=head,
-                loaded_at=time.time(),
-                embedding=kind,
-                index=earlier.index,
-                gallery_items=earlier.gallery_items,
-                index_seconds=earlier.index_seconds,
-            )
-            self._staged[name] = staged
-            if not self.wait_for_index:  # with the newest index then (the index thread's)
-                self._swap_in(
-                    name,
-                    lambda current: (
-                        staged,
-                        current.index if current is not None else staged.index,
-                    ),
-                    gallery,
-                )
-            log.info(
-                "%s version %d (%d pairs seen) %s",
-                name,
-                ckpt.version,
-                head["pairs_seen"],
-                "waits for its index"
-                if self.wait_for_index
-                else f"serves candidates from version {staged.index_version}'s index",
-            )
+            self._stage(served, earlier, gallery)
             return
         index = (
             None
@@ -146,14 +112,6 @@ class ServedVersions:
             )
         )
         self._staged.pop(name, None)
-        served = ServedModel(
-            name=name,
-            version=ckpt.version,
-            model=model,
-            head=head,
-            loaded_at=time.time(),
-            embedding=kind,
-        )
         self._swap_in(
             name,
             lambda _: (served, index),
@@ -166,6 +124,38 @@ class ServedVersions:
             ckpt.version,
             head["pairs_seen"],
             self.served[name].index_seconds,
+        )
+
+    def _stage(
+        self, loaded: ServedModel, earlier: ServedModel, gallery: Callable[[], Gallery]
+    ) -> None:
+        """Have the index thread embed the gallery with ``loaded`` (:meth:`embed_behind`);
+        meanwhile it waits, or answers from ``earlier``'s index."""
+        name = loaded.name
+        staged = replace(
+            loaded,
+            index=earlier.index,
+            gallery_items=earlier.gallery_items,
+            index_seconds=earlier.index_seconds,
+        )
+        self._staged[name] = staged
+        if not self.wait_for_index:  # with the newest index then (the index thread's)
+            self._swap_in(
+                name,
+                lambda current: (
+                    staged,
+                    current.index if current is not None else staged.index,
+                ),
+                gallery,
+            )
+        log.info(
+            "%s version %d (%d pairs seen) %s",
+            name,
+            staged.version,
+            staged.head["pairs_seen"],
+            "waits for its index"
+            if self.wait_for_index
+            else f"serves candidates from version {staged.index_version}'s index",
         )
 
     def _head_of(self, name: str, ckpt: Checkpoint) -> dict[str, Any]:
