@@ -34,10 +34,16 @@ from streamxm.models.moments import (
     top_singular,
 )
 from streamxm.models.opt_in import CountsWork, MergesRanks
+from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
+
+#: What a solve sets, kept by a checkpoint beside the running sums.
+_SOLVED: ArrayAttributes = dict.fromkeys(
+    ("proj_x", "proj_y", "mean_x", "mean_y", "correlations"), np.float64
+)
 
 
 class CCA(CountsWork, MergesRanks, name="cca", online=False, shared_space=True):
@@ -251,20 +257,12 @@ class CCA(CountsWork, MergesRanks, name="cca", online=False, shared_space=True):
             self.solve()
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays = {
-            **self.moments.state("moments."),
-            "proj_x": self.proj_x,
-            "proj_y": self.proj_y,
-            "mean_x": self.mean_x,
-            "mean_y": self.mean_y,
-            "correlations": self.correlations,
-        }
+        arrays = {**self.moments.state("moments."), **attribute_arrays(self, _SOLVED)}
         return arrays, {"solves": self.solves}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         self.moments.load_state(arrays, "moments.")
-        for key in ("proj_x", "proj_y", "mean_x", "mean_y", "correlations"):
-            setattr(self, key, np.array(arrays[key], dtype=np.float64))
+        restore_attribute_arrays(self, arrays, _SOLVED)
         self.solves = int(meta["solves"])
 
 

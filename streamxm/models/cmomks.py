@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models import cmomks_state, cmomks_work
+from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.models.cmomks_learning import Triplet, image_terms, learn_pair, triplet_step
 from streamxm.models.cmomks_support import KernelSide
@@ -27,8 +28,6 @@ from streamxm.models.work import Work
 from streamxm.stream.messages import Pair
 
 __all__ = ["CMOMKS", "KernelPair", "default_kernels"]
-
-F64 = NDArray[np.float64]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, TripletSampler
+from streamxm.models.array_types import F64
 from streamxm.models.base import LearnStats
 from streamxm.models.cmomks_support import KernelSide
 from streamxm.stream.messages import Pair
@@ -29,7 +30,6 @@ __all__ = [
     "triplet_step",
 ]
 
-F64 = NDArray[np.float64]
 
 # A triplet as :func:`triplet_step` takes it: image rows, text rows, is_text.
 Triplet = tuple[NDArray[np.float32], NDArray[np.float32], bool]

@@ -14,21 +14,23 @@ import numpy as np
 
 from streamxm.models.base import Arrays
 from streamxm.models.cmomks_learning import Triplet
+from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 
 if TYPE_CHECKING:
     from streamxm.models.cmomks import CMOMKS
 
 __all__ = ["load_state", "model_state"]
 
+#: The model's own learned arrays (the sides keep theirs).
+_LEARNED: ArrayAttributes = {
+    **dict.fromkeys(("tau", "A", "log_theta"), np.float64),
+    "kernel_mistakes": np.int64,
+}
+
 
 def model_state(model: CMOMKS) -> tuple[Arrays, dict[str, Any]]:
     """The checkpoint of ``model``: its arrays and its metadata (JSON-serialisable)."""
-    arrays: Arrays = {
-        "tau": model.tau,
-        "A": model.A,
-        "log_theta": model.log_theta,
-        "kernel_mistakes": model.kernel_mistakes,
-    }
+    arrays = attribute_arrays(model, _LEARNED)
     for name, side in (("img", model.img_side), ("txt", model.txt_side)):
         arrays.update(side.state_arrays(name))
     arrays.update(_waiting_arrays(model._waiting))
@@ -44,10 +46,7 @@ def model_state(model: CMOMKS) -> tuple[Arrays, dict[str, Any]]:
 
 def load_state(model: CMOMKS, arrays: Arrays, meta: dict[str, Any]) -> None:
     """Restore :func:`model_state` into ``model`` (built with the same settings)."""
-    model.tau = np.array(arrays["tau"], dtype=np.float64)
-    model.A = np.array(arrays["A"], dtype=np.float64)
-    model.log_theta = np.array(arrays["log_theta"], dtype=np.float64)
-    model.kernel_mistakes = np.array(arrays["kernel_mistakes"], dtype=np.int64)
+    restore_attribute_arrays(model, arrays, _LEARNED)
     for name, side in (("img", model.img_side), ("txt", model.txt_side)):
         side.load_state_arrays(arrays, name, int(meta["pool_size"]))
     model.support_size, model.head = int(meta["support_size"]), int(meta["head"])

@@ -9,12 +9,11 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays
 from streamxm.models.work import Work, elementwise, gemm
 
 __all__ = ["KernelSide"]
-
-F64 = NDArray[np.float64]
 
 
 class KernelSide:

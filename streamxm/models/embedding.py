@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
-from numpy.typing import NDArray
 
+from streamxm.models.array_types import F32, F64, Vectors
 from streamxm.models.heads import LinearHead
 
 __all__ = [
@@ -57,10 +57,6 @@ __all__ = [
     "Scores",
     "Towers",
 ]
-
-F32 = NDArray[np.float32]
-F64 = NDArray[np.float64]
-Vectors = NDArray[np.floating]
 
 #: ``(kept rows, raw vectors) -> rows``: an earlier version's rows of some items made this
 #: version's (:meth:`EmbeddingKind.updater`).

@@ -28,6 +28,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer
+from streamxm.models.array_types import F32, F64
 from streamxm.models.moments import power_normalize
 from streamxm.models.work import Work, elementwise, gemm
 
@@ -42,8 +43,6 @@ __all__ = [
     "unit_features",
 ]
 
-F32 = NDArray[np.float32]
-F64 = NDArray[np.float64]
 
 #: Rows per product in :meth:`LinearHead.embed` (bounds its float64 temporaries).
 _ROWS = 8192

@@ -21,10 +21,14 @@ from streamxm.models.moments import append_constant, power_normalize, power_norm
 from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.optim import adagrad_step, adagrad_work
 from streamxm.models.slots import SlotRows
+from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["MarginalMatching"]
+
+#: The two softmax models' weights and AdaGrad sums: what the ranks average and a checkpoint keeps.
+_WEIGHTS: ArrayAttributes = dict.fromkeys(("Wx", "Wy", "Gx", "Gy"), np.float64)
 
 
 class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=True):
@@ -289,23 +293,19 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
             self._add_classes(item, arriving=False)
 
     def merge_parts(self) -> MergeParts:
-        parts: MergeParts = {k: ("mean", getattr(self, k)) for k in ("Wx", "Wy", "Gx", "Gy")}
+        parts: MergeParts = {k: ("mean", v) for k, v in attribute_arrays(self, _WEIGHTS).items()}
         parts["skipped_unlabelled"] = ("sum", np.asarray(self.skipped_unlabelled))
         parts["ignored_labels"] = ("sum", np.asarray(self.ignored_labels))
         return parts
 
     def set_merged(self, merged: Arrays) -> None:
-        for key in ("Wx", "Wy", "Gx", "Gy"):
-            setattr(self, key, np.array(merged[key], dtype=np.float64))
+        restore_attribute_arrays(self, merged, _WEIGHTS)
         self.skipped_unlabelled = int(merged["skipped_unlabelled"])
         self.class_index.ignored_labels = int(merged["ignored_labels"])
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
         arrays = {
-            "Wx": self.Wx,
-            "Wy": self.Wy,
-            "Gx": self.Gx,
-            "Gy": self.Gy,
+            **attribute_arrays(self, _WEIGHTS),
             "classes": np.asarray(self.classes, dtype=np.int64),
         }
         return arrays, {
@@ -314,8 +314,7 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
         }
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
-        for key in ("Wx", "Wy", "Gx", "Gy"):
-            setattr(self, key, np.array(arrays[key], dtype=np.float64))
+        restore_attribute_arrays(self, arrays, _WEIGHTS)
         self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
         self.skipped_unlabelled = int(meta["skipped_unlabelled"])
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.models.array_types import F32
 from streamxm.models.compiled import njit
 from streamxm.models.work import Work, elementwise
 
@@ -18,8 +19,6 @@ __all__ = [
     "nesterov_step",
     "nesterov_work",
 ]
-
-F32 = NDArray[np.float32]
 
 
 def adagrad_step(

@@ -27,9 +27,17 @@ from streamxm.models.pairwise_partners import (
     partner_agreement,
 )
 from streamxm.models.pairwise_work import PairwiseWork
+from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.stream.messages import Pair
 
 __all__ = ["PairwiseLogistic"]
+
+#: The learned arrays a checkpoint keeps beside the running sums: the bilinear weights and their
+#: AdaGrad sums (float32), the centring means and the whiteners (float64).
+_LEARNED: ArrayAttributes = {
+    **dict.fromkeys(("W", "G"), np.float32),
+    **dict.fromkeys(("mean_x", "mean_y", "white_x", "white_y"), np.float64),
+}
 
 
 class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwise"):
@@ -315,21 +323,9 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
             self._refresh_whitener()
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays = {
-            **self.moments.state("moments."),
-            "W": self.W,
-            "G": self.G,
-            "mean_x": self.mean_x,
-            "mean_y": self.mean_y,
-            "white_x": self.white_x,
-            "white_y": self.white_y,
-        }
-        return arrays, {}
+        return {**self.moments.state("moments."), **attribute_arrays(self, _LEARNED)}, {}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         self.moments.load_state(arrays, "moments.")
-        self.W = np.array(arrays["W"], dtype=np.float32)
-        self.G = np.array(arrays["G"], dtype=np.float32)
-        for key in ("mean_x", "mean_y", "white_x", "white_y"):
-            setattr(self, key, np.array(arrays[key], dtype=np.float64))
+        restore_attribute_arrays(self, arrays, _LEARNED)
         self._cache.clear()

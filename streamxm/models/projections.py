@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.models.array_types import F64
 from streamxm.models.compiled import njit
 from streamxm.models.work import Work, elementwise, gemm, syrk
 
 __all__ = ["CDResult", "dense_targets", "mpl_cd", "mpl_cd_work", "projection_loss"]
-
-F64 = NDArray[np.float64]
 
 
 def projection_loss(a: F64, b: F64, g: F64, h: F64) -> float:

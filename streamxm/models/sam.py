@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models import sam_state, sam_work
+from streamxm.models.array_types import Vectors
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.moments import FeatureScaler
@@ -33,7 +34,7 @@ from streamxm.models.sam_inputs import (
     pairwise_distances,
     scale_arrivals,
 )
-from streamxm.models.sam_replay import Labels, Vectors, fit_epochs, learn_arrival
+from streamxm.models.sam_replay import Labels, fit_epochs, learn_arrival
 from streamxm.models.sam_step import (
     batch_loss,
     category_matrix,

@@ -16,6 +16,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer, label_tuples
+from streamxm.models.array_types import Vectors
 from streamxm.models.base import LearnStats
 from streamxm.stream.messages import Pair
 
@@ -34,7 +35,6 @@ __all__ = [
     "stream_batch",
 ]
 
-Vectors = NDArray[np.floating]
 #: Each row's labels.
 Labels = list[tuple[int, ...]]
 #: A mini-batch: image rows, text rows, each row's labels and which rows are newly arrived.

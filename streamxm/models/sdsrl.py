@@ -12,6 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer
+from streamxm.models.array_types import F64
 from streamxm.models.base import (
     Arrays,
     LearnStats,
@@ -36,8 +37,6 @@ from streamxm.models.sdsrl_work import SDSRLWork
 from streamxm.stream.messages import Pair
 
 __all__ = ["SDSRL", "NystroemMap", "rbf_kernel"]
-
-F64 = NDArray[np.float64]
 
 
 class SDSRL(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays, CrossModalModel
 from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import rbf_kernel, squared_norms
@@ -24,7 +25,6 @@ __all__ = [
     "restore_maps",
 ]
 
-F64 = NDArray[np.float64]
 
 #: The running statistics' attributes: ``Phi'Phi``, ``Psi'Psi``, ``Phi'L`` and ``Psi'L``.
 STATISTICS = ("gram_img", "gram_txt", "lab_img", "lab_txt")
