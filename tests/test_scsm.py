@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import sparse
 
+from streamxm.learning.evaluation import retrieval_maps, split_of
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.scsm import SCSM
 from streamxm.models.scsm_solver import NormalEquations, Problem, ProblemWork, knn_graph
@@ -386,3 +387,24 @@ def test_auto_image_power_is_hellinger_for_histograms_and_none_for_signed_featur
     given = StreamLearner("scsm", 6, 4, {"power_img": 0.5, "groups": 2, "window": 16})
     given.learn([signed])
     assert given.model.image_power == 0.5  # type: ignore[attr-defined]
+
+
+def test_regrouping_follows_a_stream_that_opens_on_one_topic() -> None:
+    """Classes one after another: the first solve sees one class, so its groups are carved
+    inside it. Carried over (``regroup=0``) the later classes squeeze into them; with Lloyd
+    steps before each solve the groups move to the classes that came (mean over five
+    streams: one of them is better carried over)."""
+
+    def worst_direction(pairs: list[Pair], regroup: int) -> float:
+        params = {"groups": 8, "window": 800, "power_img": 1.0, "regroup": regroup}
+        learner = StreamLearner("scsm", 8, 5, params, seed=0, eval_every=10**9)
+        learner.learn(pairs)
+        maps = retrieval_maps(learner.model, split_of(pairs))
+        return min(maps["map_i2t"], maps["map_t2i"])
+
+    carried, regrouped = [], []
+    for seed in (1, 2, 3, 5, 7):
+        pairs = sorted(clustered_stream(800, seed=seed, classes=8), key=lambda p: p.labels[0])
+        carried.append(worst_direction(pairs, 0))
+        regrouped.append(worst_direction(pairs, 3))
+    assert np.mean(regrouped) > np.mean(carried) + 0.1, (carried, regrouped)

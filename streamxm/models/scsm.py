@@ -7,25 +7,33 @@ alternation itself is in :mod:`streamxm.models.scsm_solver`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import linear_sum_assignment
 
 from streamxm.buffer.replay import ReplayBuffer
+from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays, LearnStats, observe_triplet, require
 from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, power_features
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.opt_in import CountsWork
 from streamxm.models.scsm_solver import Problem, ProblemWork
+from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.models.work import Work, elementwise, gemm
 from streamxm.stream.messages import Pair
 
 __all__ = ["SCSM"]
 
-F64 = NDArray[np.float64]
+#: The arrays a checkpoint keeps: the working set and its groups, the projections and the means.
+_LEARNED: ArrayAttributes = {
+    "xa": np.float64,
+    "xb": np.float64,
+    "y": np.int64,
+    **dict.fromkeys(("ua", "ub", "mean_a", "mean_b"), np.float64),
+}
 
 
 class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
@@ -73,6 +81,13 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         Text power map before L2 normalisation, ``> 0``.
     center : bool, default=True
         Subtract the working set's mean projection before the cosine.
+    regroup : int, default=3
+        Before each warm solve, Lloyd steps of the texts' k-means run from the previous
+        groups (new pairs first join the nearest group), so that groups formed on the stream's
+        first topic move to the topics that came since; ``>= 0``. ``0``: the previous groups
+        are only carried over (the rule before it, under which a stream that opens on one
+        topic keeps groups carved inside it). The paper, offline, starts every solve from
+        k-means on the texts: that is the first solve here.
 
     Attributes
     ----------
@@ -107,6 +122,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
     """
 
     reads_labels = False
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"regroup": 0}  # came later, off
 
     def __init__(
         self,
@@ -125,6 +141,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         power_img: float | Literal["auto"] = "auto",
         power_txt: float = 1.0,
         center: bool = True,
+        regroup: int = 3,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         require(
@@ -137,6 +154,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
             beta="> 0",
             growth=">= 1",
             power_txt="> 0",
+            regroup=">= 0",
         )
         if power_img != "auto":
             require({"power_img": power_img}, power_img="> 0")
@@ -155,6 +173,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         # The image power in use: the given one, or "auto"'s pick at the first pair.
         self.power_img_: float | None = None if power_img == "auto" else float(power_img)
         self.center = bool(center)
+        self.regroup = int(regroup)
         # The working set, a ring: features with the constant appended, and each pair's group
         # (-1 until a solve has placed it).
         self.xa = np.zeros((self.window, img_dim + 1))
@@ -230,7 +249,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         )
         previous = self.y[rows].copy()
         warm = self.solves > 0
-        problem.start(rng, init=previous if warm else None)
+        problem.start(rng, init=previous if warm else None, regroup_steps=self.regroup)
         self.trace = [{"start": problem.objective()}]
         for _ in range(self.iterations):
             self.trace.append(problem.iterate(self.growth))
@@ -289,7 +308,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         - ``W_solve``: :meth:`solve` on ``n`` pairs with ``T = iterations``: the working set
           copied for ``Problem`` (2 passes of ``n (d_a + d_b)``), its construction (the graphs
           and the fixed parts of Eq. 16), the warm start with ``min(solve_every, n)`` unplaced
-          pairs, the objective once and ``T`` outer iterations
+          pairs and ``regroup`` Lloyd steps, the objective once and ``T`` outer iterations
           (:class:`~streamxm.models.scsm_solver.ProblemWork` has each term; the means reuse
           the problem's last projections). The k-means of the first solve is a one-off, not
           counted.
@@ -319,7 +338,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         return (
             copy
             + sizes.construction()
-            + sizes.start(min(self.solve_every, n))
+            + sizes.start(min(self.solve_every, n), self.regroup)
             + sizes.objective()
             + sizes.iterate() * self.iterations
         )
@@ -342,22 +361,11 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays: Arrays = {
-            "xa": self.xa,
-            "xb": self.xb,
-            "y": self.y,
-            "ua": self.ua,
-            "ub": self.ub,
-            "mean_a": self.mean_a,
-            "mean_b": self.mean_b,
-        }
         meta = {"pairs": self.pairs, "solves": self.solves, "trace": self.trace}
-        return arrays, {**meta, "power_img": self.power_img_}
+        return attribute_arrays(self, _LEARNED), {**meta, "power_img": self.power_img_}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
-        for key in ("xa", "xb", "ua", "ub", "mean_a", "mean_b"):
-            setattr(self, key, np.array(arrays[key], dtype=np.float64))
-        self.y = np.array(arrays["y"], dtype=np.int64)
+        restore_attribute_arrays(self, arrays, _LEARNED)
         self.pairs, self.solves = int(meta["pairs"]), int(meta["solves"])
         if meta.get("power_img") is not None:  # "auto"'s pick (checkpoints before it: given)
             self.power_img_ = float(meta["power_img"])

@@ -26,12 +26,20 @@ import scipy.linalg
 from numpy.typing import NDArray
 from scipy import sparse
 
+from streamxm.models.array_types import F64
 from streamxm.models.compiled import njit
 from streamxm.models.work import Work, cholesky, elementwise, gemm, matvec, syrk
 
-__all__ = ["GroupSums", "NormalEquations", "Problem", "ProblemWork", "kmeans", "knn_graph"]
+__all__ = [
+    "GroupSums",
+    "NormalEquations",
+    "Problem",
+    "ProblemWork",
+    "kmeans",
+    "knn_graph",
+    "regroup",
+]
 
-F64 = NDArray[np.float64]
 Space = Literal["auto", "n", "d"]
 
 
@@ -140,11 +148,21 @@ def _lloyd(
         total = d2.sum()
         centres.append(x[rng.choice(n, p=d2 / total)] if total > 0 else x[rng.integers(n)])
     c = np.array(centres)
-    labels = np.zeros(n, dtype=np.int64)
+    labels, c = _lloyd_steps(x, c, np.zeros(n, dtype=np.int64), iterations)
+    sse = float(np.sum((x - c[labels]) ** 2))
+    return labels, sse
+
+
+def _lloyd_steps(
+    x: F64, c: F64, labels: NDArray[np.int64], iterations: int
+) -> tuple[NDArray[np.int64], F64]:
+    """At most ``iterations`` Lloyd steps from the centres ``c`` (written into): each point
+    to its nearest centre, then each centre to its members' mean; an emptied cluster takes
+    the point farthest from its own centre. Stops early once the labels repeat."""
     for it in range(iterations):
         d2 = np.sum(x * x, 1)[:, None] + np.sum(c * c, 1)[None, :] - 2 * x @ c.T
         new = np.argmin(d2, axis=1)
-        for j in range(k):
+        for j in range(len(c)):
             members = new == j
             if not members.any():
                 far = int(np.argmax(np.min(d2, axis=1)))
@@ -154,8 +172,32 @@ def _lloyd(
         if it and np.array_equal(new, labels):
             break
         labels = new
-    sse = float(np.sum((x - c[labels]) ** 2))
-    return labels, sse
+    return labels, c
+
+
+def regroup(
+    x: NDArray[np.floating], labels: NDArray[np.int64], k: int, iterations: int
+) -> NDArray[np.int64]:
+    """``iterations`` Lloyd steps of k-means on ``x`` started from the groups of ``labels``
+    (every row placed, ``0 <= label < k``): the groups keep their numbers and move to where
+    the rows now are. A group without a member starts at the row farthest from the others'
+    centres.
+
+    >>> x = np.array([[0.0], [0.1], [5.0], [5.1]])
+    >>> regroup(x, np.array([0, 0, 0, 1]), 2, 3).tolist()
+    [0, 0, 1, 1]
+    """
+    data = np.asarray(x, dtype=np.float64)
+    c = np.zeros((k, data.shape[1]))
+    held = np.zeros(k, dtype=bool)
+    for j in range(k):
+        members = labels == j
+        if members.any():
+            c[j], held[j] = data[members].mean(axis=0), True
+    for empty in np.flatnonzero(~held):
+        d2 = np.min(((data[:, None, :] - c[None, held, :]) ** 2).sum(axis=2), axis=1)
+        c[empty], held[empty] = data[int(np.argmax(d2))], True
+    return _lloyd_steps(data, c, np.asarray(labels, dtype=np.int64), iterations)[0]
 
 
 def nearest_centroid(
@@ -478,9 +520,15 @@ class Problem:
             refilled += 1
         return refilled
 
-    def start(self, rng: np.random.Generator, init: NDArray[np.int64] | None = None) -> None:
+    def start(
+        self,
+        rng: np.random.Generator,
+        init: NDArray[np.int64] | None = None,
+        regroup_steps: int = 0,
+    ) -> None:
         """Algorithm 1's initialisation: ``Y`` by k-means on the texts, or, warm, the groups of
-        ``init`` with its unplaced pairs (< 0) put in the group of the nearest text centroid;
+        ``init`` with its unplaced pairs (< 0) put in the group of the nearest text centroid,
+        then ``regroup_steps`` Lloyd steps of that k-means from these groups (:func:`regroup`);
         ``U`` from two rounds of Eq. 16 with every pair in; the age threshold ``lam`` at the
         median pair loss, so half the pairs start in."""
         if init is None:
@@ -490,6 +538,8 @@ class Problem:
             new = self.y < 0
             if new.any():
                 self.y[new] = nearest_centroid(self.xb[:, :-1], init, self.groups, new)
+            if regroup_steps:
+                self.y = regroup(self.xb[:, :-1], self.y, self.groups, regroup_steps)
         self.v = np.ones(len(self.y), dtype=bool)
         for _ in range(2):
             self.update_u("image")
@@ -670,12 +720,15 @@ class ProblemWork:
         that moves no pair)."""
         return matvec(self.groups, self.groups) * (2 * self.n * sweeps)
 
-    def start(self, unplaced: int) -> Work:
+    def start(self, unplaced: int, regroup_steps: int = 0) -> Work:
         """:meth:`Problem.start`, warm (the k-means of a cold start is not counted): the
         ``unplaced`` pairs' nearest text centroids (the members' rows copied and averaged, 3
         passes of ``n d_t``; per group the unplaced rows copied, subtracted, squared and summed,
-        3 flops and 8 passes of ``unplaced d_t``), two rounds of ``U_a``, ``U_b`` (the weights
-        do not change between them: the second round only substitutes), and the projections
+        3 flops and 8 passes of ``unplaced d_t``), ``regroup_steps`` Lloyd steps (the
+        centres' initial means, then per step the distances, ``gemm(n, c, d_t)`` and 3 passes
+        of ``n c``, and the members' means, 3 passes of ``n d_t``), two rounds of ``U_a``,
+        ``U_b`` (the weights do not change between them: the second round only substitutes),
+        and the projections
         each needs: ``X_b U_b`` three times (for the two ``U_a`` and the losses,
         the first with ``U_b = 0``), ``X_a U_a`` twice (for the two ``U_b``)."""
         dt = self.db - 1
@@ -683,6 +736,10 @@ class ProblemWork:
             elementwise(self.n * dt, passes=3.0)
             + elementwise(unplaced * dt, flops_per_item=3.0, passes=8.0) * self.groups
         )
+        if regroup_steps:
+            step = gemm(self.n, self.groups, dt) + elementwise(self.n * self.groups, passes=3.0)
+            step = step + elementwise(self.n * dt, passes=3.0)
+            centroids = centroids + elementwise(self.n * dt, passes=3.0) + step * regroup_steps
         rounds = (
             self.update_u("image")
             + self.update_u("text")
