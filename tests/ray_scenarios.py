@@ -32,14 +32,9 @@ from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import connect
 from tests.conftest import ApiServer, class_stream, metric, wait_for
 
-#: Small settings of the slower models (as the contract tests use).
-PARAMS: dict[str, dict[str, Any]] = {
-    "cmomks": {"budget": 60, "landmarks": 40, "triplets_per_pair": 2},
-    "sam": {"hidden": 32, "dim": 8, "batch_size": 20, "replay": 100, "epoch_pairs": 100},
-    "sdsrl": {"m_img": 30, "m_txt": 16, "landmark_pool": 60, "solve_every": 50},
-    "scsm": {"window": 120, "solve_every": 50},
-    "cca": {"solve_every": 50},
-}
+# Small settings of the slower models: the contract tests' own.
+from tests.test_model_contract import SMALL
+
 IMG, TXT = 12, 6
 ENSEMBLE = "ensemble:sdsrl+pairwise:marginal+sam"
 
@@ -78,7 +73,7 @@ def learn(settings: Settings, models: list[str], part: slice) -> None:
     r = connect(settings, settings.redis_url or "", retries=1, timeout=30)
     StreamProducer(r, settings.namespace).push_pairs(STREAM[part])
     for model in models:
-        build_worker(settings, r, model, PARAMS.get(model)).run(until_idle=True)
+        build_worker(settings, r, model, SMALL.get(model)).run(until_idle=True)
 
 
 def queries(seed: int, n: int) -> list[tuple[str, np.ndarray]]:
