@@ -17,6 +17,7 @@ from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.pins import PinnedVersions
 from streamxm.serving.served import EmbeddedGallery
 from streamxm.serving.server import ModelServer
+from streamxm.serving.sharding import ShardPart
 from streamxm.serving.versions import ServedVersions
 from streamxm.storage.checkpoint import Checkpoint, VersionUnreadable
 from streamxm.storage.segments import read_manifest
@@ -74,6 +75,32 @@ def test_the_gallery_follower_reads_the_stream_then_the_segments(
     ids = follower.gallery.ids_at(np.arange(300, dtype=np.int64))
     assert sorted(ids) == sorted(p.id for p in pairs)
     assert not follower.read()  # nothing new
+
+
+def test_shard_followers_decode_only_their_part_of_the_stream(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """Two shards' followers split the stream's items between them; an entry whose item is
+    another shard's is not decoded (its broken vector is not counted here), one without a
+    readable id is refused by both."""
+    pairs = class_stream(120, 8, 4, seed=5)
+    keys = Keys(settings.namespace)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
+    parts = [ShardPart(0, 2), ShardPart(1, 2)]
+    owner = parts[0] if parts[0].holds(["broken"])[0] else parts[1]
+    r.xadd(keys.pairs, {b"v": b"1", b"id": b"broken", b"img": b"xx", b"txt": b"yy"})
+    r.xadd(keys.pairs, {b"v": b"1", b"img": b"xx", b"txt": b"yy"})  # no id
+    store = open_store(settings, r)
+    held = []
+    for part in parts:
+        follower = GalleryFollower(r, store, keys, 1000, Limits(), 64, part=part)
+        assert follower.read()
+        ids = follower.gallery.ids_at(np.arange(len(follower.gallery), dtype=np.int64))
+        assert part.holds(ids).all()
+        assert follower.gallery_skipped == (2 if part == owner else 1)
+        held.append(set(ids))
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {p.id for p in pairs}
+    assert all(held)  # each shard holds a part, not none
 
 
 class _CountedPower(PowerFeatures):

@@ -20,7 +20,7 @@ from streamxm.storage.segments import CorruptSegments, Manifest, open_segment, r
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 from streamxm.stream.producer import decode_entries
-from streamxm.stream.redis_conn import stream_entries, text
+from streamxm.stream.redis_conn import StreamEntry, stream_entries, text
 from streamxm.stream.retention import entry_id_key
 
 __all__ = ["GalleryFollower"]
@@ -185,12 +185,11 @@ class GalleryFollower:
             if not entries:
                 return changed
             budget -= len(entries)
+            self.last_gallery_id = entries[-1][0]
+            if self.part is not None:
+                entries = _entries_of_part(entries, self.part, self.limits.max_id_length)
             pairs, skipped = decode_entries(self.r, self.keys, entries, self.limits)
             self.gallery_skipped += skipped
-            self.last_gallery_id = entries[-1][0]
-            if self.part is not None and pairs:
-                mine = self.part.holds([p.id for _, p in pairs])
-                pairs = [pair for pair, keep in zip(pairs, mine.tolist(), strict=True) if keep]
             if pairs:
                 at = [entry_id for entry_id, _ in pairs]
                 chunk = GalleryChunk.of(
@@ -211,3 +210,27 @@ class GalleryFollower:
                     self._publish()
                 changed = True
         return changed
+
+
+def _entries_of_part(
+    entries: list[StreamEntry], part: ShardPart, max_id_length: int
+) -> list[StreamEntry]:
+    """The entries whose item ``part`` holds, found from their raw ids before anything is
+    decoded (a shard would otherwise decode every pair of the stream to keep its share).
+    An entry whose id cannot be read here (missing, not UTF-8, too long) is kept: decoding
+    refuses it and counts it skipped, as a follower of the whole gallery would."""
+    ids: list[str] = []
+    readable: list[int] = []
+    for at, (_, fields) in enumerate(entries):
+        raw = fields.get(b"id") if fields is not None else None
+        if raw is None or len(raw) > 4 * max_id_length:
+            continue
+        try:
+            ids.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        readable.append(at)
+    if not ids:
+        return entries
+    others = set(np.asarray(readable)[~part.holds(ids)].tolist())
+    return [entry for at, entry in enumerate(entries) if at not in others]
