@@ -443,7 +443,8 @@ def _cmd_redis(args: argparse.Namespace) -> int:
     from streamxm.config import get_settings
     from streamxm.stream.redis_conn import EmbeddedRedis
 
-    server = EmbeddedRedis(get_settings().data_dir / "redis")
+    settings = get_settings()
+    server = EmbeddedRedis(settings.data_dir / "redis", settings.redis_appendfsync)
     if args.action == "start":
         # On purpose: it keeps running when the workers and APIs that use it exit.
         print(server.start(pin=True))

@@ -46,6 +46,13 @@ class Settings(BaseSettings):
         "pool in each process (BLAS, OpenMP, PyTorch): processes share a "
         "machine, so one each unless a process has the machine to itself",
     )
+    redis_appendfsync: Literal["everysec", "always"] = Field(
+        default="everysec",
+        description="the embedded Redis's AOF fsync policy, fixed when it starts: "
+        "'everysec' can lose the last acknowledged writes of a killed server when a slow disk "
+        "made Redis postpone its AOF write (up to 2 s); 'always' loses none, at a lower push "
+        "rate (an fsync per event-loop turn)",
+    )
     redis_wait_replicas: int = Field(
         default=0,
         ge=0,

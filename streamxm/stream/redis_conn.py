@@ -71,8 +71,9 @@ class EmbeddedRedis:
     True
     """
 
-    def __init__(self, data_dir: str | Path) -> None:
+    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec") -> None:
         self.data_dir = Path(data_dir).resolve()
+        self.appendfsync = appendfsync  # the AOF fsync policy (STREAMXM_REDIS_APPENDFSYNC)
         self.socket = self.data_dir / "redis.sock"
         self.pidfile = self.data_dir / "redis.pid"
         self.users = self.data_dir / "users"
@@ -178,7 +179,7 @@ class EmbeddedRedis:
             "--appendonly",
             "yes",
             "--appendfsync",
-            "everysec",
+            self.appendfsync,
             "--dbfilename",
             "dump.rdb",
             "--pidfile",
@@ -243,7 +244,7 @@ def resolve_url(settings: Settings) -> str:
     process then uses until it exits (the module's docstring)."""
     if settings.redis_url:
         return settings.redis_url
-    server = EmbeddedRedis(settings.data_dir / "redis")
+    server = EmbeddedRedis(settings.data_dir / "redis", settings.redis_appendfsync)
     if _joined.get(server.data_dir) == os.getpid():
         return server.start()
     url = server.start(join=True)

@@ -42,7 +42,7 @@ def run_demo(
     embedded = None
     url = settings.redis_url
     if url is None:
-        embedded = EmbeddedRedis(settings.data_dir / "redis")
+        embedded = EmbeddedRedis(settings.data_dir / "redis", settings.redis_appendfsync)
         url = embedded.start(join=True)
     r = connect(settings, url)
     _fresh_namespace(r, Keys(namespace))
