@@ -311,6 +311,7 @@ def _cmd_bench_order(args: argparse.Namespace) -> int:
         progress=not args.json,
         orders=args.order or BENCH_ORDERS,
         burst_run=args.burst_run,
+        params=_params(args.param) or None,
     )
     if args.json:
         _print_bench(result)
@@ -738,7 +739,7 @@ def _bench_order_command(bench_sub: _Commands) -> None:
         help="lengths of the bursts order's topic bursts, in pairs, both included "
         "(default: 30,100)",
     )
-    so.add_argument("--json", action="store_true")
+    _add_param_and_json(so)
     so.set_defaults(func=_cmd_bench_order)
 
 

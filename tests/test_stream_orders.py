@@ -193,6 +193,17 @@ def test_bench_order_runs_every_order_and_checks_each(tmp_path: Path) -> None:
         timeout=120,
     )
     assert quality["order"] == "class-shuffled"
+    # --param reaches every run: file order is bench quality's figure with the same parameter.
+    tuned = cli_json(*order, "--model", "cmos", "--order", "bursts", "--param", "C=0.01", "--json")
+    alone = cli_json(
+        *("bench", "quality", "--dataset", str(path), "--model", "cmos", "--param", "C=0.01"),
+        "--json",
+        timeout=120,
+    )
+    assert tuned["params"] == {"C": 0.01} and result["params"] == {}
+    tuned_file = tuned["models"][0]["file"]["per_seed"][0]
+    assert tuned_file["map_i2t"] == alone["map_i2t"]
+    assert tuned_file["map_i2t"] != row["file"]["per_seed"][0]["map_i2t"]
     for bad in (["--burst-run", "60,20"], ["--burst-run", "x"], ["--order", "file"]):
         wrong = run_cli(*order, *bad)
         assert wrong.returncode == 2, (bad, wrong.stderr)

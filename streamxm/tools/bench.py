@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -217,9 +218,11 @@ def stream_order(
     progress: bool = False,
     orders: Sequence[str] = BENCH_ORDERS,
     burst_run: tuple[int, int] = BURST_RUN,
+    params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """How each model copes with the stream as it really arrives, against its own file-order
-    figure: one streaming pass (:func:`quality`, each model's defaults) per seed in file order,
+    figure: one streaming pass (:func:`quality`, each model's defaults updated by ``params``)
+    per seed in file order,
     in each of ``orders`` (:func:`~streamxm.tools.datasets.stream_order`; by default
     :data:`BENCH_ORDERS`: ``class``, classes ascending, one topic at a time; ``bursts``, topic
     bursts of ``burst_run`` pairs, a class chosen at random for each; ``class-shuffled``, one
@@ -241,13 +244,12 @@ def stream_order(
     unknown = [o for o in orders if o not in ORDERS or o == "file"]
     if unknown or not orders:
         raise ValueError(f"orders: some of {', '.join(ORDERS[1:])}, got {unknown or orders}")
-    rows = [
-        _order_row(dataset, model, orders, label_noise, seeds, progress, burst_run)
-        for model in models
-    ]
+    conditions = _Conditions(dataset, seeds, progress, burst_run, params)
+    rows = [_order_row(conditions, model, orders, label_noise) for model in models]
     return {
         "benchmark": "stream-order",
         "dataset": str(dataset),
+        "params": params or {},
         "seeds": list(seeds),
         "orders": orders,
         "burst_run": list(burst_run),
@@ -264,25 +266,29 @@ def stream_order(
     }
 
 
+@dataclass(frozen=True)
+class _Conditions:
+    """What every run of :func:`stream_order` shares: the data, the seeds, the bursts' lengths
+    and the models' parameters."""
+
+    dataset: str | Path
+    seeds: Sequence[int]
+    progress: bool
+    burst_run: tuple[int, int]
+    params: dict[str, Any] | None
+
+
 def _order_row(
-    dataset: str | Path,
-    model: str,
-    orders: list[str],
-    label_noise: float,
-    seeds: Sequence[int],
-    progress: bool,
-    burst_run: tuple[int, int],
+    conditions: _Conditions, model: str, orders: list[str], label_noise: float
 ) -> dict[str, Any]:
     """One model's row of :func:`stream_order`: each condition over the seeds, its share of
     file order and the checks of those shares."""
     reads = model_class(model).reads_labels
-    runs: dict[str, dict[str, Any]] = {
-        "file": _over_seeds(dataset, model, "file", 0.0, seeds, progress, burst_run)
-    }
+    runs: dict[str, dict[str, Any]] = {"file": _over_seeds(conditions, model, "file", 0.0)}
     for order in orders:
-        runs[order] = _over_seeds(dataset, model, order, 0.0, seeds, progress, burst_run)
+        runs[order] = _over_seeds(conditions, model, order, 0.0)
     if reads:
-        runs["noisy"] = _over_seeds(dataset, model, "file", label_noise, seeds, progress, burst_run)
+        runs["noisy"] = _over_seeds(conditions, model, "file", label_noise)
     file_mean = runs["file"]["mean"]
     shares = {
         name: {d: run["mean"][d] / file_mean[d] if file_mean[d] else 0.0 for d in DIRECTIONS}
@@ -307,26 +313,19 @@ def _order_row(
     }
 
 
-def _over_seeds(
-    dataset: str | Path,
-    model: str,
-    order: str,
-    noise: float,
-    seeds: Sequence[int],
-    progress: bool,
-    burst_run: tuple[int, int] = BURST_RUN,
-) -> dict[str, Any]:
+def _over_seeds(conditions: _Conditions, model: str, order: str, noise: float) -> dict[str, Any]:
     """One condition of :func:`stream_order`: each seed's figures, their mean and spread."""
     per_seed = []
-    for seed in seeds:
+    for seed in conditions.seeds:
         result = quality(
-            dataset,
+            conditions.dataset,
             model,
             seed=seed,
+            params=conditions.params,
             order=order,
             label_noise=noise,
-            progress=progress,
-            burst_run=burst_run,
+            progress=conditions.progress,
+            burst_run=conditions.burst_run,
         )
         per_seed.append(
             {
