@@ -160,7 +160,7 @@ def _lloyd_steps(
     to its nearest centre, then each centre to its members' mean; an emptied cluster takes
     the point farthest from its own centre. Stops early once the labels repeat."""
     for it in range(iterations):
-        d2 = np.sum(x * x, 1)[:, None] + np.sum(c * c, 1)[None, :] - 2 * x @ c.T
+        d2 = _squared_distances(x, c)
         new = np.argmin(d2, axis=1)
         for j in range(len(c)):
             members = new == j
@@ -173,6 +173,11 @@ def _lloyd_steps(
             break
         labels = new
     return labels, c
+
+
+def _squared_distances(x: F64, c: F64) -> F64:
+    """``||x_i - c_j||^2`` for every row and centre, as ``n x k`` (no ``n x k x d`` array)."""
+    return np.asarray(np.sum(x * x, 1)[:, None] + np.sum(c * c, 1)[None, :] - 2 * x @ c.T)
 
 
 def regroup(
@@ -195,8 +200,8 @@ def regroup(
         if members.any():
             c[j], held[j] = data[members].mean(axis=0), True
     for empty in np.flatnonzero(~held):
-        d2 = np.min(((data[:, None, :] - c[None, held, :]) ** 2).sum(axis=2), axis=1)
-        c[empty], held[empty] = data[int(np.argmax(d2))], True
+        d2 = _squared_distances(data, c[held])
+        c[empty], held[empty] = data[int(np.argmax(np.min(d2, axis=1)))], True
     return _lloyd_steps(data, c, np.asarray(labels, dtype=np.int64), iterations)[0]
 
 
