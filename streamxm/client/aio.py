@@ -22,7 +22,7 @@ from streamxm.client.calls import (
     Sleep,
 )
 from streamxm.client.errors import StreamxmError
-from streamxm.client.transport import ClientBase, Steps, build, reader_for
+from streamxm.client.transport import ClientBase, build, reader_for
 
 __all__ = ["AsyncClient"]
 
@@ -51,10 +51,13 @@ class AsyncClient(ClientBase[httpx.AsyncClient]):
             await self.http.aclose()
 
     async def _run(self, call: Call[T]) -> T:
-        steps = Steps(call)
-        for step in steps:
-            steps.reply = await self._do(step)
-        return steps.result
+        reply: Reply = None
+        while True:
+            try:
+                step = call.send(reply)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            reply = await self._do(step)
 
     async def _do(self, step: Request | Sleep) -> Reply:
         if isinstance(step, Sleep):

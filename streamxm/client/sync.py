@@ -22,7 +22,7 @@ from streamxm.client.calls import (
     Sleep,
 )
 from streamxm.client.errors import StreamxmError
-from streamxm.client.transport import ClientBase, Steps, build, reader_for
+from streamxm.client.transport import ClientBase, build, reader_for
 from streamxm.client.transport import headers as headers  # re-exported: it was defined here
 
 __all__ = ["Client"]
@@ -78,10 +78,13 @@ class Client(ClientBase[httpx.Client]):
             self.http.close()
 
     def _run(self, call: Call[T]) -> T:
-        steps = Steps(call)
-        for step in steps:
-            steps.reply = self._do(step)
-        return steps.result
+        reply: Reply = None
+        while True:
+            try:
+                step = call.send(reply)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            reply = self._do(step)
 
     def _do(self, step: Request | Sleep) -> Reply:
         if isinstance(step, Sleep):

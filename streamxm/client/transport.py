@@ -1,7 +1,6 @@
 """What :class:`~streamxm.client.Client` and :class:`~streamxm.client.AsyncClient` share: the
-connection's set-up, the stepping of a call, the requests they build and the reader of an
-answer; each adds only its way of waiting (blocking or awaited) for the calls of
-:mod:`streamxm.client.calls`."""
+connection's set-up, the requests they build and the reader of an answer; each adds only its
+way of waiting (blocking or awaited) for the calls of :mod:`streamxm.client.calls`."""
 
 from __future__ import annotations
 
@@ -10,41 +9,12 @@ from typing import Generic, TypeVar
 import httpx
 
 from streamxm.client.answers import ACCEPT_ENCODING, BodyReader
-from streamxm.client.calls import Call, Calls, Reply, Request, Retries, Step
+from streamxm.client.calls import Calls, Request, Retries
 
-__all__ = ["ClientBase", "Steps", "build", "headers", "reader_for"]
+__all__ = ["ClientBase", "build", "headers", "reader_for"]
 
 #: The httpx client a front end sends with: blocking or asynchronous.
 H = TypeVar("H", httpx.Client, httpx.AsyncClient)
-T = TypeVar("T")
-
-
-class Steps(Generic[T]):
-    """A call's steps, for a driver to perform one by one: each step of the iteration sends
-    the call ``reply``, which the driver sets to what the step before brought back. When the
-    call returns, the iteration ends and ``result`` holds the call's value::
-
-        steps = Steps(call)
-        for step in steps:
-            steps.reply = perform(step)
-        return steps.result
-    """
-
-    result: T
-
-    def __init__(self, call: Call[T]) -> None:
-        self._call = call
-        self.reply: Reply = None  # a generator's first send must be None
-
-    def __iter__(self) -> Steps[T]:
-        return self
-
-    def __next__(self) -> Step:
-        try:
-            return self._call.send(self.reply)
-        except StopIteration as done:
-            self.result = done.value
-            raise StopIteration from None
 
 
 def headers(token: str | None) -> dict[str, str]:
