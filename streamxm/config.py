@@ -175,6 +175,14 @@ class Settings(BaseSettings):
         default=3, ge=1, description="consecutive refreshes the challenger must lead by the margin"
     )
     gallery_max: int = Field(default=D.GALLERY_MAX, ge=1)
+    gallery_parts: int = Field(
+        default=D.GALLERY_PARTS,
+        ge=1,
+        le=1024,
+        description="parts of the item space the gallery indexer writes its segments by: a "
+        "`ray` gallery shard reads only the segments of its own part, so set it to the "
+        "shard count (or a multiple); 1: each segment holds every item",
+    )
     stream_retention: bool = Field(
         default=True,
         description="workers trim the pairs stream after each checkpoint to "

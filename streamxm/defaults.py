@@ -23,6 +23,8 @@ PROGRESS_EVERY_SECONDS = 10.0
 
 # The gallery: its cap, the indexer's segments, the API's reads of the stream
 GALLERY_MAX = 100_000
+#: Parts of the item space the gallery indexer cuts its segments along (1: one part).
+GALLERY_PARTS = 1
 INDEXER_FLUSH_SECONDS = 2.0
 INDEXER_SEGMENT_ROWS = 16_384
 INDEXER_READ_BATCH = 2000

@@ -45,9 +45,10 @@ from streamxm.serving.shard import (
     ShardStatus,
     ShardsUnavailable,
 )
-from streamxm.serving.sharding import ShardPart, merge_hits, reference_keys, smallest
+from streamxm.serving.sharding import merge_hits, reference_keys, smallest
 from streamxm.storage.checkpoint import Checkpoint
 from streamxm.storage.rows import GalleryRows
+from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import connect
 

@@ -129,4 +129,5 @@ def build_indexer(settings: Settings, client: redis.Redis) -> GalleryIndexer:
         block_ms=settings.block_ms,
         lease_ttl_ms=settings.lease_ttl_ms,
         limits=limits_from(settings),
+        parts=settings.gallery_parts,
     )

@@ -25,9 +25,11 @@ import numpy as np
 from streamxm.config import Settings
 from streamxm.models import MODEL_NAMES
 from streamxm.ray_gallery import RayGallery, wait_for_shards
-from streamxm.service import build_worker, open_store
+from streamxm.service import build_indexer, build_worker, open_store
 from streamxm.serving.server import ModelServer
 from streamxm.serving.shard import ShardsUnavailable
+from streamxm.storage.segments import read_manifest
+from streamxm.stream.keys import Keys
 from streamxm.stream.producer import StreamProducer
 from streamxm.stream.redis_conn import connect
 from tests.conftest import ApiServer, class_stream, metric, wait_for
@@ -131,14 +133,20 @@ def settle(local: ModelServer, sharded: ModelServer, rows: int) -> None:
 
 
 def answers_equal(settings: Settings) -> dict[str, Any]:
-    """After each of three versions, every model's sharded answers equal the local ones."""
+    """After each of three versions, every model's sharded answers equal the local ones. The
+    gallery indexer writes segments per shard for the first two (each shard reads its own),
+    the third's rows are the stream tail after them."""
     models = list(MODEL_NAMES)
     with ray_cluster() as address:
         local, sharded = servers(settings, address, 2)
+        r = connect(settings, settings.redis_url or "", retries=1, timeout=30)
+        indexer = build_indexer(settings.model_copy(update={"gallery_parts": 2}), r)
         compared, rows = 0, 0
-        for _ in range(3):
+        for version in range(3):
             learn(settings, models, slice(rows, rows + 120))
             rows += 120
+            if version < 2:
+                indexer.run(until_idle=True)
             settle(local, sharded, rows)
             for model in [*models, ENSEMBLE]:
                 compared += same_answers(local, sharded, model, k=7)
@@ -149,7 +157,14 @@ def answers_equal(settings: Settings) -> dict[str, Any]:
         statuses = sharded.shards.status()  # type: ignore[union-attr]
         sharded.stop()
         local.stop()
-    return {"compared": compared, "rows": [s.rows for s in statuses if s is not None]}
+    manifest = read_manifest(r, Keys(settings.namespace))
+    return {
+        "compared": compared,
+        "rows": [s.rows for s in statuses if s is not None],
+        "segment_parts": sorted({(ref.part, ref.parts) for ref in manifest.segments})
+        if manifest
+        else [],
+    }
 
 
 class QueryLoad:

@@ -526,6 +526,9 @@ def test_ray_override_runs_the_gallery_on_shards_of_a_ray_cluster() -> None:
     )  # type: ignore[call-arg]
     assert settings.gallery_backend == "ray" and settings.gallery_shards == 2
     assert settings.ray_address == "auto"
+    # The indexer writes a segment per shard, so each shard reads only its own.
+    indexer_env = {**base["x-streamxm"]["environment"], **services["indexer"]["environment"]}
+    assert int(indexer_env["STREAMXM_GALLERY_PARTS"]) % settings.gallery_shards == 0
 
 
 def _slug(heading: str) -> str:

@@ -14,7 +14,12 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import build_indexer, build_worker, open_store
-from streamxm.storage.segments import SEGMENTS, decode_segment, read_manifest
+from streamxm.storage.segments import (
+    SEGMENTS,
+    open_numbered_segment,
+    read_manifest,
+)
+from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Pair
 from streamxm.stream.producer import StreamProducer
@@ -22,30 +27,42 @@ from tests import conftest as fx
 
 
 def _indexed_ids(settings: Settings, r: redis.Redis) -> list[str]:
-    """The ids of the live gallery rows, oldest first, read back from the stored segments."""
+    """The ids of the live gallery rows, oldest first (by row number), read back from the
+    stored segments."""
     manifest = read_manifest(r, Keys(settings.namespace))
     assert manifest is not None
     store = open_store(settings, r)
-    ids: list[str] = []
+    numbered: list[tuple[int, str]] = []
     for ref in manifest.segments:
-        blob = store.read_blob(SEGMENTS, ref.seq, ref.sha)
-        assert blob is not None, f"segment {ref.seq} missing or corrupt"
-        chunk = decode_segment(blob)
-        assert len(chunk) == ref.rows
-        ids.extend(chunk.ids.tolist())
-    return ids[manifest.skip :]
+        opened = open_numbered_segment(store, ref)
+        assert opened is not None, f"segment {ref.seq} missing or corrupt"
+        chunk, numbers = opened
+        assert len(chunk) == ref.rows and ref.first_row == numbers[0] <= numbers[-1] < ref.end_row
+        assert (numbers[: ref.skip] < manifest.retired_below).all()
+        assert (numbers[ref.skip :] >= manifest.retired_below).all()
+        numbered.extend(
+            zip(numbers[ref.skip :].tolist(), chunk.ids[ref.skip :].tolist(), strict=True)
+        )
+    numbers_seen = [n for n, _ in sorted(numbered)]
+    assert len(set(numbers_seen)) == len(numbers_seen)  # every row in one live segment
+    return [item for _, item in sorted(numbered)]
 
 
 def _push(settings: Settings, r: redis.Redis, pairs: list[Pair]) -> None:
     StreamProducer(r, settings.namespace).push_pairs(pairs)
 
 
-@pytest.mark.parametrize("kind", ["redis", "dir"])
+@pytest.mark.parametrize("kind,parts", [("redis", 1), ("dir", 1), ("redis", 3), ("dir", 4)])
 def test_every_entry_lands_once_and_the_cap_retires_the_oldest(
-    kind: str, r: redis.Redis, settings: Settings, tmp_path: Path
+    kind: str, parts: int, r: redis.Redis, settings: Settings, tmp_path: Path
 ) -> None:
     cfg = settings.model_copy(
-        update={"checkpoint_store": kind, "gallery_max": 700, "checkpoint_dir": tmp_path / "ckpt"}
+        update={
+            "checkpoint_store": kind,
+            "gallery_max": 700,
+            "checkpoint_dir": tmp_path / "ckpt",
+            "gallery_parts": parts,
+        }
     )
     pairs = fx.class_stream(1000, fx.IMG, fx.TXT, seed=1)
     indexer = build_indexer(cfg, r)
@@ -56,7 +73,11 @@ def test_every_entry_lands_once_and_the_cap_retires_the_oldest(
     manifest = read_manifest(r, Keys(cfg.namespace))
     assert manifest is not None and manifest.rows == 700
     assert _indexed_ids(cfg, r) == [p.id for p in pairs[300:]]
-    assert len(manifest.segments) <= 8  # merged tier by tier, not one per commit
+    assert len(manifest.segments) <= 8 * parts  # merged tier by tier, not one per commit
+    for ref in manifest.segments:  # each segment holds one part's items
+        opened = open_numbered_segment(open_store(cfg, r), ref)
+        assert opened is not None and ref.parts == parts
+        assert ShardPart(ref.part, parts).holds(opened[0].ids).all()
     # Retired and merged-away segments are deleted with the commit that drops them.
     if kind == "dir":
         files = sorted(p.name for p in (tmp_path / "ckpt" / cfg.namespace / SEGMENTS).iterdir())

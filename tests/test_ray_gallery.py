@@ -46,12 +46,13 @@ def run_scenario(name: str, settings: Settings, timeout: float = 600) -> dict[st
 def test_sharded_answers_equal_the_local_ones_for_every_model(settings: Settings) -> None:
     """Three versions of every model; after each, every answer of two shards on two nodes is
     the local backend's, and so is the ensemble's: the same ids in the same order, the same
-    versions, the same scores."""
+    versions, the same scores; from segments written per shard, then the stream after them."""
     summary = run_scenario("answers_equal", settings)
     assert summary["compared"] == 3 * (9 + 1) * 6
     rows = summary["rows"]
     assert isinstance(rows, list) and len(rows) == 2 and sum(rows) == 360
     assert all(r > 0 for r in rows)  # each shard holds a part, not all
+    assert summary["segment_parts"] == [[0, 2], [1, 2]]
 
 
 def test_a_shard_killed_under_load_gives_no_wrong_or_silently_partial_answer(

@@ -17,10 +17,10 @@ from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.pins import PinnedVersions
 from streamxm.serving.served import EmbeddedGallery
 from streamxm.serving.server import ModelServer
-from streamxm.serving.sharding import ShardPart
 from streamxm.serving.versions import ServedVersions
 from streamxm.storage.checkpoint import Checkpoint, VersionUnreadable
 from streamxm.storage.segments import read_manifest
+from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits, Pair, make_pair
 from streamxm.stream.producer import StreamProducer
@@ -101,6 +101,42 @@ def test_shard_followers_decode_only_their_part_of_the_stream(
         held.append(set(ids))
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {p.id for p in pairs}
     assert all(held)  # each shard holds a part, not none
+
+
+def test_shard_followers_read_only_the_segments_of_their_part(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """With segments written per part (four parts, two shards), a shard never reads another
+    shard's segments: with those blobs gone from the store it still holds its whole part,
+    retired rows included, and records nothing corrupt; a follower of the whole gallery holds
+    what the shards hold together."""
+    cfg = settings.model_copy(update={"gallery_parts": 4, "gallery_max": 250})
+    pairs = class_stream(300, 8, 4, seed=6)
+    keys = Keys(cfg.namespace)
+    indexer = build_indexer(cfg, r)
+    for start in range(0, 300, 60):  # several commits: merges within each part, then the cap
+        StreamProducer(r, cfg.namespace).push_pairs(pairs[start : start + 60])
+        indexer.run(until_idle=True)
+    manifest = read_manifest(r, keys)
+    assert manifest is not None and manifest.rows == 250
+    assert {ref.part for ref in manifest.segments} == {0, 1, 2, 3}
+    assert any(ref.skip for ref in manifest.segments)  # the cap cut into a part's segment
+    store = open_store(cfg, r)
+    whole = GalleryFollower(r, store, keys, 1000, Limits(), 64)
+    assert whole.read()
+    every = set(whole.gallery.ids_at(np.arange(len(whole.gallery), dtype=np.int64)))
+    assert every == {p.id for p in pairs[50:]}
+    blobs = {ref: r.get(keys.checkpoint_blob("_gallery", ref.seq)) for ref in manifest.segments}
+    held = []
+    for shard in (ShardPart(0, 2), ShardPart(1, 2)):
+        for ref, blob in blobs.items():  # the other shard's segments are gone
+            blob_key = keys.checkpoint_blob("_gallery", ref.seq)
+            r.set(blob_key, blob) if shard.meets(ref.slots) else r.delete(blob_key)
+        follower = GalleryFollower(r, store, keys, 1000, Limits(), 64, part=shard)
+        assert follower.read() and not follower.corrupt_segments
+        held.append(set(follower.gallery.ids_at(np.arange(len(follower.gallery)))))
+        assert held[-1] == {i for i in every if shard.holds([i])[0]}
+    assert held[0] | held[1] == every
 
 
 class _CountedPower(PowerFeatures):

@@ -14,9 +14,15 @@ import redis
 from numpy.typing import NDArray
 
 from streamxm.serving.gallery import CHUNK_MAX, Gallery, GalleryChunk, merge_count
-from streamxm.serving.sharding import ShardPart
 from streamxm.storage.checkpoint import CheckpointStore
-from streamxm.storage.segments import CorruptSegments, Manifest, open_segment, read_manifest
+from streamxm.storage.segments import (
+    CorruptSegments,
+    Manifest,
+    SegmentRef,
+    open_segment,
+    read_manifest,
+)
+from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 from streamxm.stream.producer import decode_entries
@@ -94,16 +100,19 @@ class GalleryFollower:
         return self._read_stream() or changed
 
     def _open(self, manifest: Manifest) -> bool:
-        """Use the manifest's segments (those already open are kept, not reread); rows of the
-        stream tail that the segments now cover leave the tail. False, with nothing changed,
-        when a segment is gone because a newer manifest replaced it meanwhile."""
+        """Use the manifest's segments (those already open are kept, not reread; a shard's
+        follower reads only those whose part meets its own); rows of the stream tail that the
+        segments now cover leave the tail. False, with nothing changed, when a segment is gone
+        because a newer manifest replaced it meanwhile."""
         opened = {}
         for ref in manifest.segments:
             key = (ref.seq, ref.sha)
+            if self.part is not None and not self.part.meets(ref.slots):
+                continue  # rows of other shards only
             chunk = self._segments.get(key)
             if chunk is None and key not in self.corrupt_segments:
                 rows = open_segment(self.store, ref)
-                if rows is None and not self._corrupt.record(ref, manifest.live_rows(ref)):
+                if rows is None and not self._corrupt.record(ref, ref.live_rows):
                     # Not recorded: the manifest in Redis no longer lists it (checked with the
                     # write, atomically), so the indexer merged or retired it and deleted its
                     # blob after this manifest was read: not corrupt. The next read opens the
@@ -113,21 +122,26 @@ class GalleryFollower:
                     self.corrupt_segments.add(key)
                 else:
                     chunk = GalleryChunk.from_rows(rows)
-                    self._kept_before[key] = self._keep_mine(chunk)
+                    self._kept_before[key] = self._keep_mine(chunk, ref)
                     chunk = self._kept_before[key][0]
             if chunk is not None:
                 opened[key] = chunk
         self._segments = opened
         self._kept_before = {key: self._kept_before[key] for key in opened}
         self.gallery_corrupt = self._corrupt.read()
-        chunks = [opened[(r.seq, r.sha)] for r in manifest.segments if (r.seq, r.sha) in opened]
-        first = manifest.segments[0] if manifest.segments else None
-        if chunks and manifest.skip and first is not None and (first.seq, first.sha) in opened:
-            sliced = (first.seq, first.sha, manifest.skip)
-            # The skip counts the segment's rows; a shard keeps part of them.
-            skip = int(self._kept_before[(first.seq, first.sha)][1][manifest.skip])
-            self._sliced = {sliced: self._sliced.get(sliced) or chunks[0].sliced(slice(skip, None))}
-            chunks[0] = self._sliced[sliced]
+        chunks, sliced = [], {}
+        for ref in manifest.segments:
+            key = (ref.seq, ref.sha)
+            if key not in opened:
+                continue
+            chunk = opened[key]
+            if ref.skip:  # its oldest rows are retired; the skip counts the segment's rows
+                cut = (ref.seq, ref.sha, ref.skip)
+                skip = int(self._kept_before[key][1][ref.skip])
+                sliced[cut] = self._sliced.get(cut) or chunk.sliced(slice(skip, None))
+                chunk = sliced[cut]
+            chunks.append(chunk)
+        self._sliced = sliced
         self._segment_chunks = tuple(chunks)
         self._carry(chunks)
         if self._revision is None:  # from the stream alone to segments: the tail is reread
@@ -159,10 +173,12 @@ class GalleryFollower:
                 carried = chunk.carry_features(replaced)
                 log.debug("gallery chunk of %d rows: features of %d carried", len(chunk), carried)
 
-    def _keep_mine(self, chunk: GalleryChunk) -> tuple[GalleryChunk, NDArray[np.int64]]:
+    def _keep_mine(
+        self, chunk: GalleryChunk, ref: SegmentRef
+    ) -> tuple[GalleryChunk, NDArray[np.int64]]:
         """The rows of a segment's chunk this follower keeps (all but a shard's others), and
         how many of them come before each row of the segment (to map the manifest's skip)."""
-        if self.part is None:
+        if self.part is None or self.part.covers(ref.slots):
             return chunk, np.arange(len(chunk) + 1)
         mine = self.part.holds(chunk.ids)
         before = np.concatenate([[0], np.cumsum(mine)])

@@ -3,7 +3,7 @@ version's index of that part.
 
 A :class:`GalleryShard` follows the namespace's segments and stream as a single server does
 (:class:`~streamxm.serving.following.GalleryFollower`), keeping only the items its
-:class:`~streamxm.serving.sharding.ShardPart` owns. It never loads a version by itself: the
+:class:`~streamxm.storage.slots.ShardPart` owns. It never loads a version by itself: the
 coordinator hands it each new version's checkpoint state (:meth:`GalleryShard.apply`, every
 shard at once), and names the version each search reads, so the shards of one answer always
 read the same versions. A shard keeps the few newest versions it was given, so the version
@@ -44,8 +44,8 @@ from streamxm.serving.served import (
     ServedEnsemble,
     ServedModel,
 )
-from streamxm.serving.sharding import ShardPart
 from streamxm.storage.checkpoint import Checkpoint, CheckpointStore
+from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 

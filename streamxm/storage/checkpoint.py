@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,13 +149,12 @@ def _check_lease(pipe: redis.client.Pipeline, lease: tuple[str, str] | None) -> 
 
 @dataclass(frozen=True)
 class _BlobWrite:
-    """One durable write (:meth:`CheckpointStore.commit_blob`): version ``version`` of
-    ``name``, its ``blob`` (``None``: no new blob), and the versions (with their SHA-256) the
-    head keeps and drops with it."""
+    """One durable write (:meth:`CheckpointStore.commit_blobs`): new versions of ``name``
+    (``(version, blob)``, none or several), and the versions (with their SHA-256) the head keeps
+    and drops with it."""
 
     name: str
-    version: int
-    blob: bytes | None
+    blobs: tuple[tuple[int, bytes], ...]
     kept: list[tuple[int, str]]
     dropped: list[tuple[int, str]]
 
@@ -244,30 +243,27 @@ class CheckpointStore(ABC):
             if hook:
                 hook(pipe)
 
-        self.commit_blob(
-            model, ckpt.version, blob, kept, dropped, with_head, lease, sha=sha, fence=fence
+        self.commit_blobs(
+            model, [(ckpt.version, sha, blob)], kept, dropped, with_head, lease, fence=fence
         )
 
-    def commit_blob(
+    def commit_blobs(
         self,
         name: str,
-        version: int,
-        blob: bytes | None,
+        blobs: Sequence[tuple[int, str, bytes]],
         kept: list[tuple[int, str]],
         dropped: list[tuple[int, str]],
         hook: PipelineHook,
         lease: tuple[str, str] | None = None,
-        sha: str | None = None,
         fence: threading.Lock | None = None,
     ) -> None:
-        """The durable write under :meth:`commit`: ``blob`` (if any) staged, stored and made
-        current by ``hook``'s commands in one lease-fenced transaction; ``dropped`` blobs
-        deleted with it, ``kept`` ones left alone (the search gallery's segments use it too).
-        ``sha``: the blob's SHA-256 when the caller has it already; ``fence``: as in
-        :meth:`commit`."""
-        write = _BlobWrite(name, version, blob, kept, dropped)
-        if blob is not None:
-            self._stage(name, version, sha or blob_sha(blob), blob)
+        """The durable write under :meth:`commit`: ``blobs`` (``(version, sha256, bytes)``,
+        any number) staged, stored and made current by ``hook``'s commands in one lease-fenced
+        transaction; ``dropped`` blobs deleted with it, ``kept`` ones left alone (the search
+        gallery's segments use it too). ``fence``: as in :meth:`commit`."""
+        write = _BlobWrite(name, tuple((v, b) for v, _, b in blobs), kept, dropped)
+        for version, sha, blob in blobs:
+            self._stage(name, version, sha, blob)
         with self.r.pipeline(transaction=True) as pipe, fence or contextlib.nullcontext():
             _check_lease(pipe, lease)
             pipe.multi()
@@ -364,8 +360,8 @@ class RedisCheckpointStore(CheckpointStore):
         return None if value is None else bytes(value)  # type: ignore[arg-type]
 
     def _put(self, pipe: redis.client.Pipeline, write: _BlobWrite) -> None:
-        if write.blob is not None:
-            pipe.set(self.keys.checkpoint_blob(write.name, write.version), write.blob)
+        for version, blob in write.blobs:
+            pipe.set(self.keys.checkpoint_blob(write.name, version), blob)
         for old, _ in write.dropped:
             pipe.delete(self.keys.checkpoint_blob(write.name, old))
 

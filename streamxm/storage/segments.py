@@ -6,10 +6,16 @@ never a pickle, verified by SHA-256) of gallery rows: ids (UTF-8 bytes and end o
 rows and norms of both modalities (:class:`~streamxm.storage.rows.GalleryRows`). Segments are
 stored like checkpoints (Redis or the checkpoint directory) under the name ``_gallery``.
 
+Each segment holds the rows of one part of the item space (by a hash of the item id:
+:class:`~streamxm.storage.slots.ShardPart`; ``STREAMXM_GALLERY_PARTS`` parts, 1 by default), so
+that a gallery shard reads the segments of its own part and no other. Every row indexed takes
+the next *row number* (stream order), stored with it.
+
 The manifest (``sxm:{<ns>}:gallery``, a Redis hash written only in the indexer's lease-fenced
-commit transaction) lists the live segments, oldest first, how many rows of the first are
-retired (``skip``), the stream position the segments cover (``last_id``) and a ``revision``
-that changes with every commit (readers poll it and reread the rest only when it changed).
+commit transaction) lists the live segments in the order they were written, how many of each
+one's oldest rows are retired (``skip``: the rows numbered below ``retired_below``), the stream
+position the segments cover (``last_id``) and a ``revision`` that changes with every commit
+(readers poll it and reread the rest only when it changed).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from numpy.typing import NDArray
 
 from streamxm.storage.checkpoint import Checkpoint, CheckpointStore, decode_blob, encode_blob
 from streamxm.storage.rows import GalleryRows
+from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
 from streamxm.stream.redis_conn import str_hash, text
 
@@ -36,6 +43,7 @@ __all__ = [
     "SegmentRef",
     "decode_segment",
     "encode_segment",
+    "open_numbered_segment",
     "open_segment",
     "read_manifest",
 ]
@@ -46,52 +54,108 @@ SEGMENTS = "_gallery"
 
 @dataclass(frozen=True)
 class SegmentRef:
+    """One stored segment as the manifest lists it.
+
+    ``part`` of ``parts``: the part of the item space its rows belong to
+    (:class:`~streamxm.storage.slots.ShardPart`; ``0`` of ``1``: every item). ``first_row`` and
+    ``end_row``: the gallery row numbers (given in stream order, one per row ever indexed) of
+    its first row and one past its last; a segment of one part of several holds every
+    ``parts``-th row or so of that range. ``skip``: its oldest rows that are retired.
+    """
+
     seq: int
     sha: str
     rows: int
+    skip: int = 0
+    part: int = 0
+    parts: int = 1
+    first_row: int = 0
+    end_row: int = 0
+
+    @property
+    def live_rows(self) -> int:
+        """The rows of the segment the gallery holds."""
+        return self.rows - self.skip
+
+    @property
+    def slots(self) -> ShardPart:
+        """The part of the item space its rows belong to."""
+        return ShardPart(self.part, self.parts)
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether its rows are numbered ``first_row, first_row + 1, ...`` (no gap)."""
+        return self.end_row - self.first_row == self.rows
+
+    def field(self) -> str:
+        return ":".join(
+            str(v)
+            for v in (
+                self.seq,
+                self.sha,
+                self.rows,
+                self.skip,
+                self.part,
+                self.parts,
+                self.first_row,
+                self.end_row,
+            )
+        )
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """The live segments (oldest first), rows retired from the first, the stream position
-    covered and the revision."""
+    """The live segments (in the order they were written), the stream position covered, the
+    revision, and the row numbers: rows numbered below ``retired_below`` are retired, the next
+    row indexed takes ``next_row``.
+
+    Manifests written before segments had parts list ``seq:sha:rows`` and one ``skip`` for the
+    first segment; they parse as one part whose rows are numbered from 0 in order.
+    """
 
     segments: tuple[SegmentRef, ...] = ()
-    skip: int = 0
     last_id: str = "0-0"
     revision: int = 0
     next_seq: int = 1
+    retired_below: int = 0
+    next_row: int = 0
 
     @property
     def rows(self) -> int:
-        return sum(s.rows for s in self.segments) - self.skip
-
-    def live_rows(self, ref: SegmentRef) -> int:
-        """The rows of ``ref`` the gallery holds (the first segment's retired ones are not)."""
-        return ref.rows - (self.skip if self.segments and ref == self.segments[0] else 0)
+        return sum(s.live_rows for s in self.segments)
 
     def fields(self) -> dict[str, str]:
         return {
-            "segments": ",".join(f"{s.seq}:{s.sha}:{s.rows}" for s in self.segments),
-            "skip": str(self.skip),
+            "segments": ",".join(s.field() for s in self.segments),
             "last_id": self.last_id,
             "revision": str(self.revision),
             "next_seq": str(self.next_seq),
+            "retired_below": str(self.retired_below),
+            "next_row": str(self.next_row),
         }
 
     @classmethod
     def parse(cls, raw: dict[str, str]) -> Manifest:
-        refs = []
+        refs: list[SegmentRef] = []
+        first_skip, row = int(raw.get("skip", 0)), 0
         for item in raw.get("segments", "").split(","):
-            if item:
-                seq, sha, rows = item.split(":")
-                refs.append(SegmentRef(int(seq), sha, int(rows)))
+            if not item:
+                continue
+            seq, sha, rows, *rest = item.split(":")
+            if rest:  # seq:sha:rows:skip:part:parts:first_row:end_row
+                skip, part, parts, first, end = (int(v) for v in rest)
+                refs.append(SegmentRef(int(seq), sha, int(rows), skip, part, parts, first, end))
+            else:  # the layout before parts: one part, rows numbered in order
+                skip = first_skip if not refs else 0
+                refs.append(SegmentRef(int(seq), sha, int(rows), skip, 0, 1, row, row + int(rows)))
+                row += int(rows)
         return cls(
             tuple(refs),
-            int(raw.get("skip", 0)),
             raw.get("last_id", "0-0"),
             int(raw.get("revision", 0)),
             int(raw.get("next_seq", 1)),
+            int(raw.get("retired_below", first_skip)),
+            int(raw.get("next_row", row)),
         )
 
 
@@ -106,8 +170,10 @@ def read_manifest(r: redis.Redis, keys: Keys, if_not: int | None = None) -> Mani
     return Manifest.parse(raw) if raw else None
 
 
-def encode_segment(seq: int, chunk: GalleryRows, last_id: str) -> bytes:
-    """One segment's blob."""
+def encode_segment(
+    seq: int, chunk: GalleryRows, last_id: str, row_numbers: NDArray[np.int64]
+) -> bytes:
+    """One segment's blob: its rows and their gallery row numbers."""
     encoded = [i.encode() for i in chunk.ids.tolist()]
     arrays: dict[str, NDArray[Any]] = {
         "ids_utf8": np.frombuffer(b"".join(encoded), dtype=np.uint8),
@@ -116,13 +182,17 @@ def encode_segment(seq: int, chunk: GalleryRows, last_id: str) -> bytes:
         "unit_txt": chunk.unit_txt,
         "norm_img": chunk.norm_img,
         "norm_txt": chunk.norm_txt,
+        "row_numbers": np.asarray(row_numbers, dtype=np.int64),
     }
     return encode_blob(Checkpoint(seq, arrays, {"rows": len(chunk)}, last_id=last_id))
 
 
 def decode_segment(blob: bytes) -> GalleryRows:
     """The rows of a segment blob (checked: every array has one row per id)."""
-    a = decode_blob(blob).arrays
+    return _segment_rows(decode_blob(blob).arrays)
+
+
+def _segment_rows(a: dict[str, NDArray[Any]]) -> GalleryRows:
     raw = bytes(a["ids_utf8"])
     ends = a["ids_end"].tolist()
     ids = [raw[s:e].decode() for s, e in zip([0, *ends[:-1]], ends, strict=True)]
@@ -139,14 +209,29 @@ def decode_segment(blob: bytes) -> GalleryRows:
 def open_segment(store: CheckpointStore, ref: SegmentRef) -> GalleryRows | None:
     """The rows of a stored segment; ``None`` when its file is missing, fails its checksum or
     does not parse (nothing in it was unpickled, so nothing else can go wrong)."""
+    opened = open_numbered_segment(store, ref)
+    return None if opened is None else opened[0]
+
+
+def open_numbered_segment(
+    store: CheckpointStore, ref: SegmentRef
+) -> tuple[GalleryRows, NDArray[np.int64]] | None:
+    """The rows of a stored segment and their row numbers (a segment written before rows
+    were numbered: ``ref``'s contiguous range); ``None`` as for :func:`open_segment`."""
     blob = store.read_blob(SEGMENTS, ref.seq, ref.sha)
     if blob is None:
         return None
     try:
-        chunk = decode_segment(blob)
+        arrays = decode_blob(blob).arrays
+        chunk = _segment_rows(arrays)
     except (ValueError, KeyError, UnicodeDecodeError):
         return None
-    return chunk if len(chunk) == ref.rows else None
+    numbers = arrays.get("row_numbers")
+    if numbers is None:
+        numbers = np.arange(ref.first_row, ref.first_row + ref.rows, dtype=np.int64)
+    if len(chunk) != ref.rows or len(numbers) != ref.rows:
+        return None
+    return chunk, np.asarray(numbers, dtype=np.int64)
 
 
 #: HSETNX the record (KEYS[1]) only while the manifest (KEYS[2]) lists the segment (ARGV[1]:

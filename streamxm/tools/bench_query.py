@@ -255,7 +255,8 @@ def _stack_settings(
 ) -> dict[str, Any]:
     """The settings of :func:`query`'s stack. Checkpoints and segments on disk (the
     directory store): Redis then holds only the stream. Ray's backend only where it cannot
-    listen beyond loopback (:func:`require_loopback_only`)."""
+    listen beyond loopback (:func:`require_loopback_only`), with the indexer's segments cut
+    into one part per shard (each shard reads its own); the local backend's in one part."""
     if gallery_backend == "ray":
         require_loopback_only()
     return {
@@ -267,6 +268,7 @@ def _stack_settings(
         "wait_for_index": wait_for_index,
         "gallery_backend": gallery_backend,
         "gallery_shards": shards,
+        "gallery_parts": shards if gallery_backend == "ray" else 1,
         "shard_timeout_seconds": 30.0,
     }
 

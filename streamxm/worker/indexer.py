@@ -23,9 +23,11 @@ import os
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import redis
+from numpy.typing import NDArray
 
 from streamxm import defaults as D
 from streamxm.storage.checkpoint import CheckpointStore, LeaseLost, blob_sha
@@ -36,9 +38,10 @@ from streamxm.storage.segments import (
     Manifest,
     SegmentRef,
     encode_segment,
-    open_segment,
+    open_numbered_segment,
     read_manifest,
 )
+from streamxm.storage.slots import parts_of
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits
 from streamxm.stream.migrate import require_migrated
@@ -76,6 +79,12 @@ class GalleryIndexer(LeasedConsumer):
         Commit the buffered rows after this long or this many rows.
     max_segment_rows
         Largest segment the tier merge makes.
+    parts
+        Parts of the item space (``STREAMXM_GALLERY_PARTS``) the segments are cut along: a
+        commit writes one segment per part that has rows, and merges it only with segments of
+        the same part, so a gallery shard whose part is a run of them reads its own segments
+        and no other's. Segments of another count (written before it changed) keep their rows
+        until they retire. 1: every segment holds every part.
     """
 
     recoverable = _STARTS_OVER
@@ -94,7 +103,10 @@ class GalleryIndexer(LeasedConsumer):
         block_ms: int = D.BLOCK_MS,
         lease_ttl_ms: int = D.LEASE_TTL_MS,
         limits: Limits = Limits(),
+        parts: int = D.GALLERY_PARTS,
     ) -> None:
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
         self.r = client
         self.store = store
         self.keys = Keys(namespace)
@@ -103,6 +115,7 @@ class GalleryIndexer(LeasedConsumer):
         self.flush_seconds = flush_seconds
         self.segment_rows = segment_rows
         self.max_segment_rows = max_segment_rows
+        self.parts = parts
         self.read_batch = read_batch
         self.block_ms = block_ms
         self.limits = limits
@@ -114,6 +127,9 @@ class GalleryIndexer(LeasedConsumer):
         self.skipped = 0
         self._buffer: list[tuple[str, np.ndarray, np.ndarray]] = []
         self._since = time.monotonic()
+        # Row numbers of segments whose rows are not numbered contiguously (a part's), as
+        # written or read: the cap retires by them.
+        self._numbers: dict[tuple[int, str], NDArray[np.int64]] = {}
 
     # -- the leased consumer's steps (streamxm/worker/leased.py) --------------------------
     def hold_lease(self) -> bool:
@@ -145,7 +161,7 @@ class GalleryIndexer(LeasedConsumer):
         require_migrated(self.r, self.keys)  # data under the old key names: refuse, say how
         self.manifest = read_manifest(self.r, self.keys) or Manifest()
         self.position = self.manifest.last_id
-        self._buffer, self._since = [], time.monotonic()
+        self._buffer, self._since, self._numbers = [], time.monotonic(), {}
         log.info(
             "indexer %s leads the gallery of %s from %s (%d rows)",
             self.consumer,
@@ -173,40 +189,41 @@ class GalleryIndexer(LeasedConsumer):
         return len(entries)
 
     def commit(self) -> None:
-        """Write the buffered rows as a segment (merged with the small newest ones) and move
-        the manifest to it and to the stream position, in one lease-fenced transaction."""
+        """Write the buffered rows as one segment per part of the item space (each merged with
+        its part's small newest ones), retire the rows numbered past the cap and move the
+        manifest to them and to the stream position, in one lease-fenced transaction."""
         self._since = time.monotonic()
         old = self.manifest
         if self.position == old.last_id:
             return
-        segments, skip, dropped = self._quarantined(old)
-        seq, blob = old.next_seq, None
-        found: list[tuple[SegmentRef, int]] = []  # corrupt segments met merging, rows lost
+        segments, dropped = self._quarantined(old)
+        found: list[tuple[SegmentRef, int]] = []  # corrupt segments met reading, rows lost
+        blobs: list[tuple[int, str, bytes]] = []
+        next_row = old.next_row
         if self._buffer:
             ids, imgs, txts = zip(*self._buffer, strict=True)
-            chunk = GalleryRows.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
-            merged = merge_count([s.rows for s in segments], len(chunk), self.max_segment_rows)
-            parts = []
-            for i in range(len(segments) - merged, len(segments)):
-                part = self._segment(segments[i], skip if i == 0 else 0, found)
-                if part is not None:
-                    parts.append(part.sliced(slice(skip, None)) if i == 0 and skip else part)
-                if i == 0:
-                    skip = 0
-            dropped += segments[len(segments) - merged :]
-            segments = segments[: len(segments) - merged]
-            chunk = GalleryRows.joined([*parts, chunk])
-            blob = encode_segment(seq, chunk, self.position)
-            segments.append(SegmentRef(seq, blob_sha(blob), len(chunk)))
-        # Retire the oldest rows past the cap: whole segments, then rows of the first.
-        total = sum(s.rows for s in segments) - skip
-        while len(segments) > 1 and total - (segments[0].rows - skip) >= self.max_items:
-            total -= segments[0].rows - skip
-            dropped.append(segments.pop(0))
-            skip = 0
-        skip += max(0, total - self.max_items)
+            rows = GalleryRows.of(np.asarray(ids), np.vstack(imgs), np.vstack(txts))
+            numbers = np.arange(next_row, next_row + len(rows), dtype=np.int64)
+            next_row += len(rows)
+            owners = parts_of(rows.ids, self.parts) if self.parts > 1 else None
+            for part in range(self.parts):
+                at = np.flatnonzero(owners == part) if owners is not None else None
+                if at is not None and not len(at):
+                    continue
+                chunk = rows if at is None else rows.taken(at)
+                mine = numbers if at is None else numbers[at]
+                seq = old.next_seq + len(blobs)
+                segments, blob = self._appended(segments, part, chunk, mine, seq, dropped, found)
+                blobs.append((seq, blob_sha(blob), blob))
+        retired = max(old.retired_below, next_row - self.max_items)
+        segments = self._retired(segments, retired, dropped, found)
         manifest = Manifest(
-            tuple(segments), skip, self.position, old.revision + 1, seq + (blob is not None)
+            tuple(segments),
+            self.position,
+            old.revision + 1,
+            old.next_seq + len(blobs),
+            retired,
+            next_row,
         )
 
         def move(pipe: redis.client.Pipeline) -> None:
@@ -215,10 +232,9 @@ class GalleryIndexer(LeasedConsumer):
             for ref, rows_lost in found:  # fenced with the manifest: only while we lead
                 self.corrupt.add(pipe, ref, rows_lost)
 
-        self.store.commit_blob(
+        self.store.commit_blobs(
             SEGMENTS,
-            seq,
-            blob,
+            blobs,
             [(s.seq, s.sha) for s in segments],
             [(s.seq, s.sha) for s in dropped],
             move,
@@ -227,6 +243,8 @@ class GalleryIndexer(LeasedConsumer):
         for ref, rows_lost in found:
             CorruptSegments.report(ref, rows_lost)
         self.manifest, self._buffer = manifest, []
+        live = {(s.seq, s.sha) for s in segments}
+        self._numbers = {key: n for key, n in self._numbers.items() if key in live}
         log.debug(
             "gallery %s: revision %d, %d rows in %d segments, at %s",
             self.keys.namespace,
@@ -236,26 +254,93 @@ class GalleryIndexer(LeasedConsumer):
             self.position,
         )
 
-    def _quarantined(self, manifest: Manifest) -> tuple[list[SegmentRef], int, list[SegmentRef]]:
-        """The manifest's segments less those recorded corrupt, the first one's retired rows,
-        and the segments left out (deleted with the commit)."""
-        corrupt = self.corrupt.read()
-        segments, skip, dropped = [], manifest.skip, []
-        for i, ref in enumerate(manifest.segments):
-            if CorruptSegments.field(ref) in corrupt:
+    def _appended(
+        self,
+        segments: list[SegmentRef],
+        part: int,
+        chunk: GalleryRows,
+        numbers: NDArray[np.int64],
+        seq: int,
+        dropped: list[SegmentRef],
+        found: list[tuple[SegmentRef, int]],
+    ) -> tuple[list[SegmentRef], bytes]:
+        """``segments`` with new rows of ``part`` added as segment ``seq`` (merged with the
+        part's small newest segments, which move to ``dropped``), and the new segment's blob."""
+        chain = [s for s in segments if (s.part, s.parts) == (part, self.parts)]
+        merged = chain[
+            len(chain) - merge_count([s.rows for s in chain], len(chunk), self.max_segment_rows) :
+        ]
+        rows, row_numbers = [], []
+        for ref in merged:
+            opened = self._segment(ref, found)
+            if opened is not None:
+                rows.append(opened[0].sliced(slice(ref.skip, None)))
+                row_numbers.append(opened[1][ref.skip :])
+        chunk = GalleryRows.joined([*rows, chunk])
+        numbers = np.concatenate([*row_numbers, numbers])
+        blob = encode_segment(seq, chunk, self.position, numbers)
+        first, end = int(numbers[0]), int(numbers[-1]) + 1
+        ref = SegmentRef(seq, blob_sha(blob), len(chunk), 0, part, self.parts, first, end)
+        if not ref.contiguous:
+            self._numbers[(ref.seq, ref.sha)] = numbers
+        dropped.extend(merged)
+        return [s for s in segments if s not in merged] + [ref], blob
+
+    def _retired(
+        self,
+        segments: list[SegmentRef],
+        retired: int,
+        dropped: list[SegmentRef],
+        found: list[tuple[SegmentRef, int]],
+    ) -> list[SegmentRef]:
+        """``segments`` without the rows numbered below ``retired``: whole segments move to
+        ``dropped``, the others skip their retired rows."""
+        kept = []
+        for ref in segments:
+            if ref.end_row <= retired:
                 dropped.append(ref)
-                skip = 0 if i == 0 else skip
-            else:
-                segments.append(ref)
-        return segments, skip, dropped
+                continue
+            if ref.first_row < retired:
+                numbers = self._row_numbers(ref, found)
+                if numbers is None:  # corrupt: recorded in found, dropped with the commit
+                    dropped.append(ref)
+                    continue
+                ref = replace(ref, skip=max(ref.skip, int(np.searchsorted(numbers, retired))))
+            kept.append(ref)
+        return kept
+
+    def _row_numbers(
+        self, ref: SegmentRef, found: list[tuple[SegmentRef, int]]
+    ) -> NDArray[np.int64] | None:
+        """The row numbers of a segment's rows: its range when contiguous, else as this
+        indexer wrote or last read them, else read from the store (``None``: corrupt)."""
+        if ref.contiguous:
+            return np.arange(ref.first_row, ref.end_row, dtype=np.int64)
+        key = (ref.seq, ref.sha)
+        if key not in self._numbers:
+            opened = self._segment(ref, found)
+            if opened is None:
+                return None
+            self._numbers[key] = opened[1]
+        return self._numbers[key]
+
+    def _quarantined(self, manifest: Manifest) -> tuple[list[SegmentRef], list[SegmentRef]]:
+        """The manifest's segments less those recorded corrupt, and the segments left out
+        (deleted with the commit)."""
+        corrupt = self.corrupt.read()
+        segments: list[SegmentRef] = []
+        dropped: list[SegmentRef] = []
+        for ref in manifest.segments:
+            (dropped if CorruptSegments.field(ref) in corrupt else segments).append(ref)
+        return segments, dropped
 
     def _segment(
-        self, ref: SegmentRef, skip: int, found: list[tuple[SegmentRef, int]]
-    ) -> GalleryRows | None:
-        """A segment's rows to merge; ``None`` when it is missing or corrupt, noted in
-        ``found`` with its rows past ``skip`` for the commit to record. Not recorded here: our
-        lease may have lapsed, and the segment be missing because our successor merged it."""
-        chunk = open_segment(self.store, ref)
-        if chunk is None:
-            found.append((ref, ref.rows - skip))
-        return chunk
+        self, ref: SegmentRef, found: list[tuple[SegmentRef, int]]
+    ) -> tuple[GalleryRows, NDArray[np.int64]] | None:
+        """A segment's rows and row numbers; ``None`` when it is missing or corrupt, noted in
+        ``found`` with its live rows for the commit to record. Not recorded here: our lease may
+        have lapsed, and the segment be missing because our successor merged it."""
+        opened = open_numbered_segment(self.store, ref)
+        if opened is None and all(r != ref for r, _ in found):
+            found.append((ref, ref.live_rows))
+        return opened
