@@ -14,6 +14,7 @@ import redis
 
 from streamxm.config import Settings
 from streamxm.service import build_indexer, build_worker, open_store
+from streamxm.serving.following import GalleryFollower
 from streamxm.storage.segments import (
     SEGMENTS,
     open_numbered_segment,
@@ -21,7 +22,7 @@ from streamxm.storage.segments import (
 )
 from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
-from streamxm.stream.messages import Pair
+from streamxm.stream.messages import Limits, Pair
 from streamxm.stream.producer import StreamProducer
 from tests import conftest as fx
 
@@ -82,6 +83,45 @@ def test_every_entry_lands_once_and_the_cap_retires_the_oldest(
     if kind == "dir":
         files = sorted(p.name for p in (tmp_path / "ckpt" / cfg.namespace / SEGMENTS).iterdir())
         assert len(files) == len(manifest.segments), files
+
+
+def test_a_manifest_of_the_former_layout_goes_on_in_parts(
+    r: redis.Redis, settings: Settings
+) -> None:
+    """A manifest written before segments had parts (``seq:sha:rows`` and one ``skip``) reads
+    as one part numbered from 0; an indexer set to two parts goes on from it: its new rows go
+    into segments per part, the old segment keeps its rows until they retire, and a replica
+    serves exactly the newest rows under the cap throughout."""
+    keys = Keys(settings.namespace)
+    cfg = settings.model_copy(update={"gallery_max": 500})
+    pairs = fx.class_stream(900, fx.IMG, fx.TXT, seed=3)
+    _push(cfg, r, pairs[:300])
+    build_indexer(cfg, r).run(until_idle=True)
+    now = read_manifest(r, keys)
+    assert now is not None and [ref.parts for ref in now.segments] == [1]
+    legacy = {  # the same segment, as the former layout listed it
+        "segments": ",".join(f"{ref.seq}:{ref.sha}:{ref.rows}" for ref in now.segments),
+        "skip": "20",
+        "last_id": now.last_id,
+        "revision": str(now.revision),
+        "next_seq": str(now.next_seq),
+    }
+    r.delete(keys.gallery)
+    r.hset(keys.gallery, mapping=legacy)
+    parsed = read_manifest(r, keys)
+    assert parsed is not None and parsed.rows == 280 and parsed.retired_below == 20
+    assert (parsed.segments[0].first_row, parsed.segments[0].end_row) == (0, 300)
+    assert _indexed_ids(cfg, r) == [p.id for p in pairs[20:300]]
+    parted = build_indexer(cfg.model_copy(update={"gallery_parts": 2}), r)
+    for start in (300, 600):
+        _push(cfg, r, pairs[start : start + 300])
+        parted.run(until_idle=True)
+        assert _indexed_ids(cfg, r) == [p.id for p in pairs[start + 300 - 500 : start + 300]]
+        replica = GalleryFollower(r, open_store(cfg, r), keys, 1000, Limits(), 64)
+        assert replica.read() and len(replica.gallery) == 500
+    manifest = read_manifest(r, keys)
+    assert manifest is not None
+    assert sorted({(ref.part, ref.parts) for ref in manifest.segments}) == [(0, 2), (1, 2)]
 
 
 def test_a_replica_opens_the_segments_without_the_stream(
