@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from streamxm.learning.evaluation import retrieval_maps
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.base import LearnStats
 from streamxm.models.cmos import CMOS
@@ -131,12 +132,8 @@ def test_blocked_solver_matches_the_paper_loop_over_2000_updates(dtype: str, ato
     assert len(taus_b) == len(taus_p) >= 2000
     np.testing.assert_allclose(taus_b, taus_p, rtol=0, atol=atol)
     np.testing.assert_array_equal(taus_b == 1.0, taus_p == 1.0)  # the same steps are clipped
-    np.testing.assert_allclose(
-        blocked.model.W,
-        paper.model.W,
-        rtol=0,  # type: ignore[attr-defined]
-        atol=atol,
-    )
+    w_blocked, w_paper = blocked.model.W, paper.model.W  # type: ignore[attr-defined]
+    np.testing.assert_allclose(w_blocked, w_paper, rtol=0, atol=atol)
     assert blocked.stats.as_dict()["mistakes"] == paper.stats.as_dict()["mistakes"]
     # All three kinds of step occur: passive, clipped at C, and the exact l / ||V||^2.
     assert (taus_b == 0).sum() > 0 and (taus_b == 1.0).sum() > 0
@@ -202,3 +199,72 @@ def test_mistakes_stay_under_the_theorem_1_bound(noise: float) -> None:
     bound = max(max(sq_norms), 1 / C) * (np.sum(U * U) + 2 * C * sum(u_losses))
     assert (sum(u_losses) == 0) == (noise == 0)
     assert 0 < mistakes <= bound
+
+
+def test_burst_damping_leaves_a_mixed_stream_as_the_paper_learns_it() -> None:
+    """Without a burst (a ring never full, or classes well mixed) the damped cap is never
+    used: ``W`` is bit for bit the paper rule's."""
+    pairs = _random_pairs(300, seed=6)
+    runs = []
+    for damping in (0.0, 0.5):
+        learner = StreamLearner("cmos", 6, 4, {"burst_damping": damping}, seed=2)
+        learner.learn(pairs)
+        learner.flush()
+        runs.append(learner.model.W)  # type: ignore[attr-defined]
+    assert np.array_equal(runs[0], runs[1])
+
+
+def test_a_checkpoint_without_burst_damping_restores_the_former_rule() -> None:
+    """A checkpoint written before ``burst_damping`` (no parameter, no ``queued_cap``) restores
+    with the damping off and its queued triplets at the cap ``C``."""
+    pairs = class_stream(120, 6, 4, seed=8, n_classes=3)
+    learner = StreamLearner("cmos", 6, 4, seed=4, eval_every=10**9)
+    learner.learn(pairs)
+    arrays, meta = learner.state()
+    assert learner.model._queued > 0  # type: ignore[attr-defined]
+    old_arrays = {k: v for k, v in arrays.items() if k != "model.queued_cap"}
+    old_meta = {**meta, "params": {k: v for k, v in meta["params"].items() if k != "burst_damping"}}
+    restored = StreamLearner.from_state(old_arrays, old_meta)
+    model = restored.model
+    assert model.burst_damping == 0.0  # type: ignore[attr-defined]
+    queued = model._queued  # type: ignore[attr-defined]
+    assert queued == learner.model._queued  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(model._cap[:queued], model.C)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.5])
+def test_queued_caps_survive_a_checkpoint(damping: float) -> None:
+    """A class-ordered stream long enough to burst queues damped triplets beside replayed ones
+    at ``C``; a restored learner continues identically."""
+    pairs = sorted(_random_pairs(1400, seed=9), key=lambda p: p.labels[0])
+    one = StreamLearner("cmos", 6, 4, {"burst_damping": damping}, seed=3, eval_every=10**9)
+    one.learn(pairs)
+    cut = StreamLearner("cmos", 6, 4, {"burst_damping": damping}, seed=3, eval_every=10**9)
+    cut.learn(pairs[:1201])
+    caps = set(cut.model._cap[: cut.model._queued].tolist())  # type: ignore[attr-defined]
+    assert caps == ({0.1, 0.05} if damping else {0.1})
+    restored = StreamLearner.from_state(*cut.state())
+    restored.learn(pairs[1201:])
+    one.flush()
+    restored.flush()
+    assert np.array_equal(one.model.W, restored.model.W)  # type: ignore[attr-defined]
+
+
+def test_burst_damping_holds_text_to_image_when_topics_arrive_one_at_a_time() -> None:
+    """Wikipedia one class at a time, the classes in a random order: a burst hands CMOS every
+    triplet of one class in a row, nearly all clipped at ``C``, and the class last to arrive
+    overwrites what the earlier ones wrote; damping the arriving pairs' steps in a burst keeps
+    more of it (mean over three class orders; text to image is the direction that falls)."""
+    ds = load_dataset("wiki")
+    maps: dict[float, list[tuple[float, float]]] = {0.0: [], 0.5: []}
+    for seed in (0, 1, 2):
+        pairs = list(iter_pairs(ds, order="class-shuffled", seed=seed))
+        for damping, runs in maps.items():
+            params = {"burst_damping": damping}
+            learner = StreamLearner("cmos", 128, 10, params, seed=seed, eval_every=10**9)
+            learner.learn(pairs)
+            m = retrieval_maps(learner.model, (ds.img_test, ds.txt_test, ds.y_test))
+            runs.append((m["map_i2t"], m["map_t2i"]))
+    paper, damped = np.mean(maps[0.0], axis=0), np.mean(maps[0.5], axis=0)
+    assert damped[1] > paper[1] + 0.003, maps
+    assert damped[0] > paper[0] - 0.002, maps

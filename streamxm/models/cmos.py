@@ -69,6 +69,13 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
     replay : int, default=2
         Extra triplets per pair, during a burst, whose query is a pair of the buffer's memory,
         ``>= 0`` (0: the paper's rule; nothing is replayed outside a burst or without a memory).
+    burst_damping : float, default=0.5
+        During a burst, the arriving pair's triplets step with the cap ``C (1 - burst_damping)``
+        (its replayed ones keep ``C``), in ``[0, 1)`` (0: the paper's rule). A burst hands the
+        model hundreds of triplets of one class in a row, nearly all clipped at the cap (PA-I's
+        margin of 1 is rarely met), so the class that arrives last writes the most recent and
+        largest share of ``W`` over the directions it shares with the others; the smaller steps
+        keep what the earlier classes wrote. Outside a burst nothing changes.
 
     Attributes
     ----------
@@ -101,7 +108,8 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
     """
 
     memory_share = 1.0
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"replay": 0}  # replay came later, off
+    # replay and burst_damping came later: a checkpoint without them restores with them off
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"replay": 0, "burst_damping": 0.0}
 
     def __init__(
         self,
@@ -116,6 +124,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         flush_every: int = 128,
         solver: Literal["blocked", "paper"] = "blocked",
         replay: int = 2,
+        burst_damping: float = 0.5,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         require(
@@ -125,6 +134,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
             triplets_per_pair=">= 1",
             flush_every=">= 1",
             replay=">= 0",
+            burst_damping="in [0, 1)",
         )
         if normalize not in ("l2", "none"):
             raise ValueError(f"normalize must be 'l2' or 'none', got {normalize!r}")
@@ -141,6 +151,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         self.flush_every = int(flush_every)
         self.solver = solver
         self.replay = int(replay)
+        self.burst_damping = float(burst_damping)
         #: When a list, every flush appends the step sizes it took, in order (for tests).
         self.tau_log: list[float] | None = None
         self.W = np.zeros((img_dim, txt_dim), dtype=dtype)
@@ -153,6 +164,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         self._left = np.zeros((capacity, img_dim), dtype=dtype)
         self._right = np.zeros((capacity, txt_dim), dtype=dtype)
         self._is_text = np.zeros(capacity, dtype=bool)
+        self._cap = np.zeros(capacity, dtype=np.float64)  # each queued triplet's PA cap
         self._queued = 0
         self._stats = LearnStats()  # where reads record a flush; update points it at its own
 
@@ -179,12 +191,18 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
 
     # -- the PA updates (Eq. 6 and 7; streamxm/models/cmos_updates.py) ---------------------
     def _enqueue(
-        self, left: NDArray[np.floating], right: NDArray[np.floating], is_text: bool
+        self,
+        left: NDArray[np.floating],
+        right: NDArray[np.floating],
+        is_text: bool,
+        cap: float | None = None,
     ) -> None:
+        """Queue ``V = left right^T``, stepping with the PA cap ``cap`` (default ``C``)."""
         k = self._queued
         self._left[k] = left
         self._right[k] = right
         self._is_text[k] = is_text
+        self._cap[k] = self.C if cap is None else cap
         self._queued += 1
 
     def _submit(
@@ -235,10 +253,11 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
             return
         self._queued = 0
         queue = Queued(self._left[:n], self._right[:n], self._is_text[:n])
+        caps = self._cap[:n]
         if self.solver == "paper":
-            tau = paper_steps(self.W, queue, self.margin, self.C, stats)
+            tau = paper_steps(self.W, queue, self.margin, caps, stats)
         else:
-            tau = blocked_steps(self.W, queue, self.margin, self.C, stats)
+            tau = blocked_steps(self.W, queue, self.margin, caps, stats)
             if tau.any():
                 self._merge(queue.left, tau, queue.right)
         if self.tau_log is not None:

@@ -3,7 +3,8 @@
 (:meth:`~streamxm.models.cmos.CMOS.merge_parts`, :meth:`~streamxm.models.cmos.CMOS.set_merged`).
 
 The arrays: ``W``, the centring sums ``img_sum`` and ``txt_sum``, and in a checkpoint the
-triplets still queued, ``queued_left``, ``queued_right`` and ``queued_is_text``.
+triplets still queued, ``queued_left``, ``queued_right``, ``queued_is_text`` and their PA caps
+``queued_cap`` (absent in a checkpoint written before the caps could differ: all ``C``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def model_state(model: CMOS) -> tuple[Arrays, dict[str, Any]]:
         "queued_left": model._left[:n],
         "queued_right": model._right[:n],
         "queued_is_text": model._is_text[:n],
+        "queued_cap": model._cap[:n],
     }
     return arrays, {"n_seen": model.n_seen, "n_triplets": model.n_triplets}
 
@@ -65,4 +67,5 @@ def load_state(model: CMOS, arrays: Arrays, meta: dict[str, Any]) -> None:
     model._left[:n] = arrays["queued_left"]
     model._right[:n] = arrays["queued_right"]
     model._is_text[:n] = arrays["queued_is_text"]
+    model._cap[:n] = arrays.get("queued_cap", model.C)  # absent: written when all were C
     model._queued = n

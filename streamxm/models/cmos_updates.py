@@ -32,16 +32,19 @@ class Queued(NamedTuple):
 
 
 def paper_steps(
-    W: NDArray[Any], queue: Queued, margin: float, C: float, stats: LearnStats
+    W: NDArray[Any], queue: Queued, margin: float, C: float | NDArray[Any], stats: LearnStats
 ) -> NDArray[np.float64]:
     """Eq. 6/7 as written, one triplet after another, each step added to ``W`` in place with
-    ``V`` formed explicitly; returns the step sizes."""
+    ``V`` formed explicitly; returns the step sizes. ``C``: the PA cap, one for every triplet
+    or one per triplet."""
     left, right, is_text = queue
+    caps = np.broadcast_to(np.asarray(C, dtype=np.float64), (len(left),))
     taus = np.zeros(len(left), dtype=np.float64)
     for k in range(len(left)):
         V = np.outer(left[k], right[k])
         diff = float(left[k] @ W @ right[k])
-        step = _pa_step(diff, float(np.sum(V * V)), margin, C, bool(is_text[k]), stats)
+        sq_norm = float(np.sum(V * V))
+        step = _pa_step(diff, sq_norm, margin, float(caps[k]), bool(is_text[k]), stats)
         if step is not None:
             taus[k] = step
             W += taus[k] * V
@@ -49,12 +52,13 @@ def paper_steps(
 
 
 def blocked_steps(
-    W: NDArray[Any], queue: Queued, margin: float, C: float, stats: LearnStats
+    W: NDArray[Any], queue: Queued, margin: float, C: float | NDArray[Any], stats: LearnStats
 ) -> NDArray[np.float64]:
     """The step sizes of :func:`paper_steps`, ``W`` left as it is: triplet ``k``'s margin is
     its margin under ``W`` plus the earlier steps' ``tau_j <V_j, V_k>``, read from the Gram
     matrices of the queue's two sides (``<V_j, V_k> = (l_j . l_k)(r_j . r_k)``)."""
     left, right, is_text = queue
+    caps = np.broadcast_to(np.asarray(C, dtype=np.float64), (len(left),))
     base = np.einsum("kj,kj->k", left @ W, right, dtype=np.float64)
     left64, right64 = left.astype(np.float64), right.astype(np.float64)
     gram = (left64 @ left64.T) * (right64 @ right64.T)
@@ -62,7 +66,7 @@ def blocked_steps(
     tau = np.zeros(len(left), dtype=np.float64)
     for k in range(len(left)):
         diff = float(base[k] + gram[k, :k] @ tau[:k])
-        step = _pa_step(diff, sq_norm[k], margin, C, bool(is_text[k]), stats)
+        step = _pa_step(diff, sq_norm[k], margin, float(caps[k]), bool(is_text[k]), stats)
         if step is not None:
             tau[k] = step
     return tau
@@ -103,18 +107,20 @@ def queue_pair(
     stats: LearnStats,
 ) -> None:
     """:meth:`~streamxm.models.cmos.CMOS.update`: the pair joins the centring sums, its
-    ``triplets_per_pair`` triplets (and during a burst ``replay`` more) are queued, and a full
-    queue is flushed."""
+    ``triplets_per_pair`` triplets (during a burst with the damped cap ``C (1 -
+    burst_damping)``, and ``replay`` more at ``C``) are queued, and a full queue is flushed."""
     model._stats = stats
     img, txt = model._norm(pair.img), model._norm(pair.txt)
     model.img_sum += img
     model.txt_sum += txt
     model.n_seen += 1
     v, t = img - model._mean(model.img_sum), txt - model._mean(model.txt_sum)
+    burst = buffer.drawable() > buffer.recent
+    cap = model.C * (1.0 - model.burst_damping) if burst else model.C
     sampler = TripletSampler(buffer, slot, pair.labels)
     for is_text, pos, neg in sampler.directed(rng, model.triplets_per_pair, model.n_triplets):
-        _queue_drawn(model, buffer, is_text, pos, neg, t if is_text else v)
-    if model.replay and buffer.drawable() > buffer.recent:  # a burst: rehearse the rest
+        _queue_drawn(model, buffer, is_text, pos, neg, t if is_text else v, cap)
+    if model.replay and burst:  # rehearse the rest
         _rehearse(model, buffer, rng)
     if model._queued >= model.flush_every:
         model.flush(stats)
@@ -139,15 +145,19 @@ def _queue_drawn(
     pos: int,
     neg: int,
     query: NDArray[np.float64],
+    cap: float | None = None,
 ) -> None:
     """Queue a drawn triplet whose query maps to ``query``, the positive and the negative at
-    buffer slots ``pos`` and ``neg``. Mean-centring cancels in a difference, so the normalised
-    rows suffice there (their norms are cached by the buffer)."""
+    buffer slots ``pos`` and ``neg``, with the PA cap ``cap`` (default ``C``). Mean-centring
+    cancels in a difference, so the normalised rows suffice there (their norms are cached by
+    the buffer)."""
     l2 = model.normalize == "l2"
     if is_text:
-        model._enqueue(_row_diff(buffer.img, buffer.img_norm, pos, neg, l2), query, is_text=True)
+        diff = _row_diff(buffer.img, buffer.img_norm, pos, neg, l2)
+        model._enqueue(diff, query, is_text=True, cap=cap)
     else:
-        model._enqueue(query, _row_diff(buffer.txt, buffer.txt_norm, pos, neg, l2), is_text=False)
+        diff = _row_diff(buffer.txt, buffer.txt_norm, pos, neg, l2)
+        model._enqueue(query, diff, is_text=False, cap=cap)
     model.n_triplets += 1
 
 
