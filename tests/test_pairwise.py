@@ -388,3 +388,45 @@ def test_rolling_evaluation_scores_from_the_cached_features_as_the_model_scores(
             t2i, model.similarity(imgs, pair.txt[None, :])[:, 0], rtol=1e-4, atol=1e-5
         )
         learner.learn([pair])
+
+
+# -- burst_boost -----------------------------------------------------------------------------
+BOOSTED = {"pairwise:marginal": ("Wx", "Wy")}
+
+
+def _boost_runs(name: str, pairs: list[Any], boosts: tuple[float, ...]) -> list[Any]:
+    """The learned weights after ``pairs`` with each ``burst_boost`` (a small buffer, so that a
+    class-ordered stream of a few hundred pairs bursts), and the pairs that arrived in a burst."""
+    runs = []
+    for boost in boosts:
+        params = {"burst_boost": boost}
+        learner = StreamLearner(name, 6, 4, params, buffer_capacity=40, seed=2, eval_every=10**9)
+        learner.learn(pairs)
+        weights = [getattr(learner.model, k).copy() for k in BOOSTED[name]]
+        runs.append((weights, learner.pairs_in_burst))
+    return runs
+
+
+@pytest.mark.parametrize("name", list(BOOSTED))
+def test_burst_boost_changes_only_the_steps_taken_in_a_burst(name: str) -> None:
+    """A mixed stream never bursts: the boosted model is bit for bit the former rule's; a
+    class-ordered one bursts, and there the boosted steps move the weights elsewhere."""
+    pairs = class_stream(400, 6, 4, seed=3)
+    (w_off, n_off), (w_on, n_on) = _boost_runs(name, pairs, (0.0, 1.0))
+    assert n_off == n_on == 0
+    assert all(np.array_equal(a, b) for a, b in zip(w_off, w_on, strict=True))
+    ordered = sorted(pairs, key=lambda p: p.labels[0])
+    (w_off, n_off), (w_on, n_on) = _boost_runs(name, ordered, (0.0, 1.0))
+    assert n_off == n_on > 0
+    assert not all(np.array_equal(a, b) for a, b in zip(w_off, w_on, strict=True))
+
+
+@pytest.mark.parametrize("name", list(BOOSTED))
+def test_a_checkpoint_without_burst_boost_restores_the_former_rule(name: str) -> None:
+    learner = StreamLearner(name, 6, 4, seed=4, eval_every=10**9)
+    learner.learn(class_stream(60, 6, 4, seed=8))
+    assert learner.model.burst_boost > 0  # type: ignore[attr-defined]
+    arrays, meta = learner.state()
+    old_meta = {**meta, "params": {k: v for k, v in meta["params"].items() if k != "burst_boost"}}
+    restored = StreamLearner.from_state(arrays, old_meta)
+    assert restored.model.burst_boost == 0.0  # type: ignore[attr-defined]

@@ -6,7 +6,7 @@ SDM 2015, Sec. 5.2 (Eq. 5.9-5.10).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -60,6 +60,12 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
     replay : int, default=64
         Buffered labelled pairs added to each mini-batch, ``>= 0``; chosen on the Wikipedia
         stream (``docs/benchmarks.md``).
+    burst_boost : float, default=2.0
+        During a burst, the mini-batch step takes the base step ``lr (1 + burst_boost)``,
+        ``>= 0`` (0: every step takes ``lr``). AdaGrad's steps shrink with the squared gradients
+        summed over the whole stream, so a class arriving in a run of its own pairs late in the
+        stream is learned with the small steps of a model that has seen many; the larger step
+        lets it catch up. Outside a burst nothing changes.
 
     Attributes
     ----------
@@ -93,6 +99,8 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
     """
 
     memory_share = 2.0
+    # burst_boost came later: a checkpoint without it restores it off
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"burst_boost": 0.0}
 
     def __init__(
         self,
@@ -104,15 +112,25 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
         power: float = 0.5,
         max_classes: int = 1000,
         replay: int = 64,
+        burst_boost: float = 2.0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant != "marginal":
             raise ValueError(f"MarginalMatching is the 'marginal' variant, got {variant!r}")
-        require(locals(), lam=">= 0", lr="> 0", power="> 0", max_classes=">= 1", replay=">= 0")
+        require(
+            locals(),
+            lam=">= 0",
+            lr="> 0",
+            power="> 0",
+            max_classes=">= 1",
+            replay=">= 0",
+            burst_boost=">= 0",
+        )
         self.lam = float(lam)
         self.lr = float(lr)
         self.power = float(power)
         self.replay = int(replay)
+        self.burst_boost = float(burst_boost)
         self.variant, self.max_classes = variant, max_classes
         self.class_index = ClassIndex(max_classes)
         self.Wx = np.zeros((img_dim + 1, 0))
@@ -169,6 +187,7 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
             self.skipped_unlabelled += 1
             return
         slots, labels = [slot], [pair.labels]
+        lr = self.lr
         if self.replay:
             drawable = buffer.drawable()
             labelled = np.flatnonzero(buffer.labelled(drawable))
@@ -178,13 +197,14 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
                 # arrived in the whole stream (from the ring and the memory), not as the ring
                 # does.
                 mix = buffer.stream_mix(labelled) if drawable > buffer.recent else None
+                lr = self.lr * (1.0 + self.burst_boost) if mix is not None else lr
                 drawn = rng.choice(labelled, size=self.replay, p=mix)
                 slots += drawn.tolist()
                 labels += buffer.labels_of(drawn)
         fx, fy = self._stored.rows(
             buffer, np.asarray(slots, dtype=np.intp), self._features, self._features
         )
-        self._learn_features(fx, fy, labels, stats)
+        self._learn_features(fx, fy, labels, stats, lr)
 
     def learn_labelled(
         self,
@@ -203,9 +223,11 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
         fy: NDArray[np.float64],
         labels: list[tuple[int, ...]],
         stats: LearnStats,
+        lr: float | None = None,
     ) -> None:
-        """:meth:`learn_labelled` on the pairs' features (:meth:`_features`, the same for a
-        stored pair at every step: :class:`~streamxm.models.slots.SlotRows` keeps them)."""
+        """:meth:`learn_labelled`, of base step ``lr`` (default :attr:`lr`), on the pairs'
+        features (:meth:`_features`, the same for a stored pair at every step:
+        :class:`~streamxm.models.slots.SlotRows` keeps them)."""
         cols = [self._add_classes(lab, arriving=i == 0) for i, lab in enumerate(labels)]
         rows = [i for i, c in enumerate(cols) if c]
         if not rows:
@@ -219,7 +241,8 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
             if rows[0] == 0:
                 loss = float(-(target[0] * np.log(np.maximum(p[0], 1e-300))).sum())
                 stats.add(direction, int(np.argmax(p[0])) not in cols[0], loss, True)
-            adagrad_step(w, g, f.T @ (p - target) / len(rows), self.lr, self.lam)
+            step = self.lr if lr is None else lr
+            adagrad_step(w, g, f.T @ (p - target) / len(rows), step, self.lam)
 
     # -- the work counted (streamxm/models/work.py) ------------------------------------------
     def learning_work(self) -> Work:
