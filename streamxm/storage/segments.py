@@ -21,7 +21,7 @@ position the segments cover (``last_id``) and a ``revision`` that changes with e
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
@@ -88,19 +88,8 @@ class SegmentRef:
         return self.end_row - self.first_row == self.rows
 
     def field(self) -> str:
-        return ":".join(
-            str(v)
-            for v in (
-                self.seq,
-                self.sha,
-                self.rows,
-                self.skip,
-                self.part,
-                self.parts,
-                self.first_row,
-                self.end_row,
-            )
-        )
+        """The manifest's entry: the fields in order, ``:``-separated."""
+        return ":".join(str(v) for v in astuple(self))
 
 
 @dataclass(frozen=True)
@@ -143,8 +132,7 @@ class Manifest:
                 continue
             seq, sha, rows, *rest = item.split(":")
             if rest:  # seq:sha:rows:skip:part:parts:first_row:end_row
-                skip, part, parts, first, end = (int(v) for v in rest)
-                refs.append(SegmentRef(int(seq), sha, int(rows), skip, part, parts, first, end))
+                refs.append(SegmentRef(int(seq), sha, int(rows), *(int(v) for v in rest)))
             else:  # the layout before parts: one part, rows numbered in order
                 skip = first_skip if not refs else 0
                 refs.append(SegmentRef(int(seq), sha, int(rows), skip, 0, 1, row, row + int(rows)))
