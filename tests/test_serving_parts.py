@@ -4,6 +4,9 @@ pinned versions (an LRU of kept versions, refusing corrupt ones)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import redis
@@ -17,6 +20,7 @@ from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.pins import PinnedVersions
 from streamxm.serving.served import EmbeddedGallery
 from streamxm.serving.server import ModelServer
+from streamxm.serving.shard import GalleryShard
 from streamxm.serving.versions import ServedVersions
 from streamxm.storage.checkpoint import Checkpoint, VersionUnreadable
 from streamxm.storage.segments import read_manifest
@@ -406,3 +410,41 @@ def test_float16_kernel_rows_are_joined_and_carried_only_beside_their_kind() -> 
     assert carried.carry_features(Gallery((a, c))) == 0  # no key both keep in one kind
     assert carried.carry_features(Gallery((a, b))) == 50  # a's rows, float16 as a keeps them
     assert carried.features("image", fmap).dtype == np.float16
+
+
+def test_concurrent_searches_make_a_chunks_scanned_blocks_once() -> None:
+    """Searches that meet a chunk's blocks unmade at the same time wait for one build: every
+    thread gets the same block, and the snapshot hands all of them one tuple."""
+    rng = np.random.default_rng(4)
+    unit = rng.random((5000, 64)).astype(np.float32)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    ids = np.array([f"0-{i}" for i in range(5000)])
+    ones = np.ones(5000, dtype=np.float32)
+    gallery = Gallery((GalleryChunk(ids, unit, unit, ones, ones),))
+    start = threading.Barrier(8)
+
+    def build(_: int) -> tuple[object, object]:
+        start.wait()
+        return gallery.chunks[0].index("image"), gallery.blocks("image")
+
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(build, range(8)))
+    assert len({id(block) for block, _ in made}) == 1
+    assert len({id(blocks) for _, blocks in made}) == 1
+
+
+def test_a_shard_makes_a_fixed_space_versions_scanned_blocks_before_serving_it(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """A fixed-space version (cmos) scans the part's unit rows: the shard makes their blocks
+    when it applies the version, so its first searches do not."""
+    cfg = _learned(settings, r, 200)
+    store = open_store(cfg, r)
+    shard = GalleryShard(r, store, Keys(cfg.namespace), ShardPart(0, 2))
+    shard.refresh()
+    assert shard.caught_up and len(shard.gallery) > 0
+    assert not shard.gallery._blocks  # type: ignore[attr-defined]
+    ckpt = store.load_latest("cmos")
+    assert ckpt is not None
+    shard.apply("cmos", ckpt.version, (ckpt.arrays, ckpt.meta))
+    assert set(shard.gallery._blocks) == {"image", "text"}  # type: ignore[attr-defined]

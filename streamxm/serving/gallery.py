@@ -3,6 +3,7 @@ snapshots that list them."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Self, TypeVar
@@ -14,6 +15,11 @@ from streamxm.models.heads import FeatureMap
 from streamxm.serving.index import Block, index_block
 from streamxm.serving.sharding import reference_keys, smallest
 from streamxm.storage.rows import CHUNK_MAX, GalleryRows, merge_count
+
+#: Held while a chunk's scanned blocks are made: concurrent searches that need the same blocks
+#: wait for one build instead of each making its own (every search thread of a shard quantising
+#: the same rows at once held its cores for seconds).
+_BUILDING = threading.Lock()
 
 _Value = TypeVar("_Value", bound=np.generic)
 
@@ -210,7 +216,9 @@ class GalleryChunk(GalleryRows):
         with a fixed space scan them: a gallery served to others never pays for them)."""
         made: dict[str, Block] = self._index  # type: ignore[attr-defined]
         if modality not in made:
-            made[modality] = index_block(self.unit(modality))
+            with _BUILDING:
+                if modality not in made:
+                    made[modality] = index_block(self.unit(modality))
         return made[modality]
 
 
@@ -238,8 +246,15 @@ class Gallery:
         use)."""
         made: dict[str, tuple[Block, ...]] = self._blocks  # type: ignore[attr-defined]
         if modality not in made:
-            made[modality] = tuple(c.index(modality) for c in self.chunks)
+            blocks = tuple(c.index(modality) for c in self.chunks)
+            made.setdefault(modality, blocks)  # one tuple object, whoever made it first
         return made[modality]
+
+    def warm(self) -> None:
+        """Make the scanned blocks of both modalities now (off the query path; the models with
+        a fixed space scan them)."""
+        for modality in ("image", "text"):
+            self.blocks(modality)
 
     def exact_blocks(self, modality: str) -> tuple[NDArray[np.float32], ...]:
         """The unit rows of ``modality`` in float32, one block per chunk (the exact scan)."""

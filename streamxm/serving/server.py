@@ -231,8 +231,7 @@ class ModelServer:
         """Make the reduced-precision copy of the unit rows here, in the background, when a
         served model scans them (a fixed space), not in the first query that needs it."""
         if self.shards is None and any(s.embedding.fixed for s in list(self.served.values())):
-            for modality in ("image", "text"):
-                self.gallery.blocks(modality)
+            self.gallery.warm()
 
     def _judge(self) -> None:
         """Feed the served models' rolling test-then-train mAP to the champion rule."""

@@ -265,6 +265,8 @@ class GalleryShard:
         gallery = self.gallery
         earlier = held[max(held)].index if held else None
         index = None if kind.fixed else EmbeddedGallery.build(version, kind, gallery, earlier)
+        if kind.fixed:  # its searches scan the unit rows: made before it is served, once
+            gallery.warm()
         served = ServedModel(
             name=name,
             version=version,
@@ -333,6 +335,11 @@ class GalleryShard:
                     v: served if served.index is None else _covering(served, gallery)
                     for v, served in versions.items()
                 }
+            scans_units = any(
+                s.embedding.fixed for versions in self.held.values() for s in versions.values()
+            )
+        if scans_units:  # here, not in the first searches after the part changed
+            gallery.warm()
         # Only now: a version applied while the part was being read has an index of less
         # than the part until it is covered, and a search must not read it before.
         self.caught_up = True
