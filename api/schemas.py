@@ -410,6 +410,9 @@ class ShardHealth(BaseModel):
         default=None, description="seconds its part's index of that version took"
     )
     resident_bytes: int | None = None
+    device: str | None = Field(
+        default=None, description="where the shard's towers run: `cuda` (it holds a GPU) or `cpu`"
+    )
 
 
 class ReadyOut(BaseModel):

@@ -217,6 +217,14 @@ class Settings(BaseSettings):
     gallery_shards: int = Field(
         default=2, ge=1, le=1024, description="shard actors of the `ray` gallery backend"
     )
+    shard_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description="GPUs each gallery shard asks Ray for: unset takes an equal share of the "
+        "cluster's GPUs (at most one a shard) when it has any, else none; 0 keeps the shards on "
+        "CPUs. A shard with a GPU rebuilds sam's towers on it",
+    )
     shard_timeout_seconds: float = Field(
         default=5.0,
         gt=0,

@@ -68,6 +68,25 @@ def import_ray() -> Any:
     return ray
 
 
+def gpus_per_shard(asked: float | None, cluster_gpus: float, shards: int) -> float:
+    """The GPUs each shard actor asks for: ``asked`` when set (``STREAMXM_SHARD_GPUS``), else an
+    equal share of the cluster's GPUs, at most one a shard (Ray places fractions of a GPU on
+    one device, and whole GPUs only up to one here: a shard's towers use one device), and none
+    on a cluster without GPUs.
+
+    >>> gpus_per_shard(None, 0.0, 4), gpus_per_shard(None, 1.0, 4), gpus_per_shard(None, 8.0, 2)
+    (0.0, 0.25, 1.0)
+    >>> gpus_per_shard(0.0, 8.0, 2)
+    0.0
+    """
+    if asked is not None:
+        return asked
+    if cluster_gpus <= 0:
+        return 0.0
+    # Rounded down to Ray's resource precision, so that every share fits the cluster.
+    return min(1.0, int(cluster_gpus / shards * 10_000) / 10_000)
+
+
 class ShardHost:
     """The body of a shard actor: a :class:`~streamxm.serving.shard.GalleryShard` built in
     the actor's process from the API's settings (``settings_json``, with the resolved Redis
@@ -165,11 +184,15 @@ class RayGallery:
                 configure_logging=False,
             )
         host = self.ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=16)(ShardHost)
+        self.gpus = gpus_per_shard(
+            settings.shard_gpus, self.ray.cluster_resources().get("GPU", 0.0), shards
+        )
         payload = settings.model_copy(update={"redis_url": redis_url}).model_dump_json()
         self.parts = [ShardPart(i, shards) for i in range(shards)]
         self.actors = [
             host.options(
                 num_cpus=1,
+                num_gpus=self.gpus,
                 name=f"shard-{i}-of-{shards}",
                 get_if_exists=True,
                 scheduling_strategy="SPREAD",  # one node's loss takes as few parts as it can

@@ -42,17 +42,23 @@ ENSEMBLE = "ensemble:sdsrl+pairwise:marginal+sam"
 
 
 @contextmanager
-def ray_cluster(nodes: int = 2) -> Iterator[str]:
-    """A Ray cluster of ``nodes`` nodes on 127.0.0.1, one logical CPU each."""
+def ray_cluster(nodes: int = 2, gpus: int = 0) -> Iterator[str]:
+    """A Ray cluster of ``nodes`` nodes on 127.0.0.1, one logical CPU each and ``gpus``
+    logical GPUs each (Ray's bookkeeping: torch in a shard still finds no CUDA here)."""
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 1,
+            "num_gpus": gpus,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
     )
     for _ in range(nodes - 1):
-        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        cluster.add_node(num_cpus=1, num_gpus=gpus, node_ip_address="127.0.0.1")
     try:
         yield str(cluster.address)
     finally:
@@ -279,8 +285,11 @@ def shard_killed(settings: Settings) -> dict[str, Any]:
 def http_api(settings: Settings) -> dict[str, Any]:
     """The API with ``STREAMXM_GALLERY_BACKEND=ray`` over HTTP: answers equal the local
     backend's, ``/readyz`` and ``/metrics`` name each shard, and while a killed shard is away
-    a search is a 503 with ``Retry-After``, or with ``partial`` an answer covering half."""
-    with ray_cluster() as address:
+    a search is a 503 with ``Retry-After``, or with ``partial`` an answer covering half. The
+    cluster's nodes each declare a GPU: every shard asks for one (all the cluster has)."""
+    import ray
+
+    with ray_cluster(gpus=1) as address:
         learn(settings, ["cmos"], slice(0, 200))
         r = connect(settings, settings.redis_url or "", retries=1, timeout=30)
         local = ModelServer(r, open_store(settings, r), settings.namespace)
@@ -297,6 +306,8 @@ def http_api(settings: Settings) -> dict[str, Any]:
         ):
             wait_for(lambda: _shards_up(http) == 2, 120, "two shards up")
             ready = http.get("/readyz").json()
+            ready["gpus_per_shard"] = api.app.state.context.server.shards.gpus
+            ready["gpus_left"] = ray.available_resources().get("GPU", 0.0)
             for modality, vector in queries(3, 6):
                 got = _search(http, modality, vector)
                 assert got.status_code == 200, got.text

@@ -74,8 +74,9 @@ def test_the_api_on_the_ray_backend_answers_names_its_shards_and_refuses_partial
     settings: Settings,
 ) -> None:
     """Over HTTP: the answers equal the local backend's, ``/readyz`` names each shard with its
-    rows and versions, and while a killed shard is away a search is a 503 with ``Retry-After``
-    or, asked for, a partial answer that covers half the gallery."""
+    rows, versions and device, the shards hold the cluster's GPUs, and while a killed shard is
+    away a search is a 503 with ``Retry-After`` or, asked for, a partial answer that covers
+    half the gallery."""
     summary = run_scenario("http_api", settings)
     ready = summary["ready"]
     assert isinstance(ready, dict) and ready["status"] == "ready"
@@ -83,4 +84,7 @@ def test_the_api_on_the_ray_backend_answers_names_its_shards_and_refuses_partial
     assert [s["shard"] for s in shards] == [0, 1] and all(s["up"] for s in shards)
     assert sum(s["rows"] for s in shards) == 200 and all(s["rows"] < 200 for s in shards)
     assert all(s["versions"]["cmos"] >= 1 for s in shards)
+    # Each node declares a GPU: each shard asks for one and holds it (torch finds no CUDA here).
+    assert ready["gpus_per_shard"] == 1.0 and ready["gpus_left"] == 0.0
+    assert all(s["device"] in ("cpu", "cuda") for s in shards)
     assert summary["seen"] == {"retry_after": "1", "covered": 0.5}

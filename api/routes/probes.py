@@ -74,6 +74,7 @@ def _shards(server: ModelServer) -> list[dict[str, object]]:
                 "versions": {m: max(v) for m, v in status.versions.items() if v},
                 "build_seconds": {m: round(t, 3) for m, t in status.build_seconds.items()},
                 "resident_bytes": status.resident_bytes,
+                "device": status.device,
             }
         )
     return out

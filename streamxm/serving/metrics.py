@@ -191,12 +191,13 @@ class StreamCollector(Collector):
         shards = self.server.shards
         if shards is None:
             return
-        up, rows, memory = _families(
+        up, rows, memory, on_gpu = _families(
             GaugeMetricFamily,
             ["shard"],
             ("streamxm_gallery_shard_up", "1 if the gallery shard answered"),
             ("streamxm_gallery_shard_rows", "gallery items the shard holds"),
             ("streamxm_gallery_shard_resident_bytes", "resident memory of the shard's process"),
+            ("streamxm_gallery_shard_on_gpu", "1 if the shard's towers run on a GPU"),
         )
         version, build = _families(
             GaugeMetricFamily,
@@ -214,10 +215,11 @@ class StreamCollector(Collector):
                 continue
             rows.add_metric([shard], status.rows)
             memory.add_metric([shard], status.resident_bytes)
+            on_gpu.add_metric([shard], float(status.device == "cuda"))
             for model, held in status.versions.items():
                 version.add_metric([shard, model], max(held))
                 build.add_metric([shard, model], status.build_seconds.get(model, 0.0))
-        yield from (up, rows, memory, version, build)
+        yield from (up, rows, memory, on_gpu, version, build)
 
     def _stream_families(self, models: dict[str, WorkerStats]) -> Iterator[Metric]:
         """The stream: pairs ingested, its length and each model's lag in it, retention (and

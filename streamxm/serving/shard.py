@@ -150,6 +150,8 @@ class ShardStatus:
     #: coordinator gathers them again when it changes.
     reference_digest: str = ""
     pid: int = field(default_factory=os.getpid)
+    #: Where the shard's towers run: ``"cuda"`` when its process sees a GPU, else ``"cpu"``.
+    device: str = "cpu"
 
 
 class GalleryShard:
@@ -182,6 +184,7 @@ class GalleryShard:
         grace: float = 10.0,
     ) -> None:
         self.part = part
+        self.device = torch_device()
         self.following = GalleryFollower(
             client, store, keys, gallery_max, limits, read_count, part=part
         )
@@ -320,6 +323,7 @@ class GalleryShard:
             build_seconds=dict(self.build_seconds),
             resident_bytes=resident_bytes(),
             reference_digest=_digest(self.reference_candidates().ids),
+            device=self.device,
         )
 
     # -- following the gallery -----------------------------------------------------------------
@@ -367,6 +371,16 @@ class GalleryShard:
         self.searcher.close()
 
 
+def torch_device() -> str:
+    """``"cuda"`` when this process sees a CUDA device (a Ray actor sees only the GPUs it was
+    given), else ``"cpu"``; without torch installed, ``"cpu"``."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _digest(ids: NDArray[np.str_]) -> str:
     return hashlib.blake2b("\n".join(ids.tolist()).encode(), digest_size=12).hexdigest()
 
@@ -381,6 +395,8 @@ class ShardedGallery(Protocol):
     :class:`streamxm.ray_gallery.RayGallery`)."""
 
     statuses: list[ShardStatus | None]
+    #: GPUs each shard holds (``STREAMXM_SHARD_GPUS``, or its share of the cluster's).
+    gpus: float
     #: The whole gallery's reference sample (:meth:`GalleryShard.reference_candidates`).
     reference: GalleryRows | None
 
