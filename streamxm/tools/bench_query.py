@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
@@ -214,6 +215,8 @@ def query(
         members = parse_ensemble(model).members if is_ensemble(model) else (model,)
         url, api_pid, pids = _start_service(st, members)
         served = _steady_state(st, url, members, gallery)
+        if gallery_backend == "ray":  # where the cores go: the shards and Ray's own daemons
+            pids.update(ray_processes())
         before = sum(st.processed(m) for m in members)
         load = _timed_load(url, bodies, clients, seconds, pids)
         learned = sum(st.processed(m) for m in members) - before
@@ -271,6 +274,24 @@ def _stack_settings(
         "gallery_parts": shards if gallery_backend == "ray" else 1,
         "shard_timeout_seconds": 30.0,
     }
+
+
+def ray_processes() -> dict[str, int]:
+    """This machine's shard actors (``shard 1``, ``shard 2``, ... by pid) and Ray's daemons
+    (``raylet``, ``gcs_server``), by their command lines in ``/proc``."""
+    shards, daemons = [], {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if argv.startswith("ray::ShardHost"):
+            shards.append(int(entry.name))
+        elif argv.rpartition("/")[2] in ("raylet", "gcs_server"):
+            daemons[argv.rpartition("/")[2]] = int(entry.name)
+    return {**{f"shard {i}": pid for i, pid in enumerate(sorted(shards), 1)}, **daemons}
 
 
 def _shard_rss_mb(url: str) -> list[float] | None:
@@ -376,6 +397,16 @@ class _Load(NamedTuple):
             "cores_used": self.cpu,
             "cores": os.cpu_count(),
             "api_cpu_ms_per_request": round(1000 * self.cpu["api"] * self.elapsed / requests, 2),
+            # With the ray backend: CPU all shards together spent per search.
+            "shards_cpu_ms_per_request": round(
+                1000
+                * sum(c for n, c in self.cpu.items() if n.startswith("shard "))
+                * self.elapsed
+                / requests,
+                2,
+            )
+            if any(n.startswith("shard ") for n in self.cpu)
+            else None,
         }
 
 
