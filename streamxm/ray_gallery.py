@@ -28,7 +28,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from streamxm.config import Settings
@@ -109,7 +108,6 @@ class ShardHost:
             grace=2 * settings.shard_timeout_seconds,
         )
         self.shard.start()
-        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="streamxm-shard-search")
 
     def apply(
         self, name: str, version: int, state: tuple[dict[str, Any], dict[str, Any]]
@@ -117,18 +115,22 @@ class ShardHost:
         return self.shard.apply(name, version, state)
 
     def search_batch(self, queries: list[ShardQuery]) -> list[ShardAnswer | ShardError]:
-        """Each query's answer from this shard, the queries run at once (their scans share
-        the shard's coalesced passes over its rows); a query's error is its answer."""
-        return list(self.pool.map(self._one, queries))
+        """Each query's answer from this shard, the batch searched on one thread with its scans
+        together; a query's error is its answer."""
+        answers = self.shard.search_many(queries)
+        return [self._answer(a, q) for a, q in zip(answers, queries, strict=True)]
 
-    def _one(self, query: ShardQuery) -> ShardAnswer | ShardError:
-        try:
-            return self.shard.search(query)
-        except ModelNotReady as exc:  # a version or the part not there yet: expected
-            return ShardError(type(exc).__name__, str(exc))
-        except Exception as exc:  # sent back as data: the API decides (503, partial)
-            log.exception("shard %d: search of %s failed", self.shard.part.index, query.name)
-            return ShardError(type(exc).__name__, str(exc))
+    def _answer(
+        self, answer: ShardAnswer | Exception, query: ShardQuery
+    ) -> ShardAnswer | ShardError:
+        if isinstance(answer, ModelNotReady):  # a version or the part not there yet: expected
+            return ShardError(type(answer).__name__, str(answer))
+        if isinstance(answer, Exception):  # sent back as data: the API decides (503, partial)
+            log.error(
+                "shard %d: search of %s failed", self.shard.part.index, query.name, exc_info=answer
+            )
+            return ShardError(type(answer).__name__, str(answer))
+        return answer
 
     def status(self) -> ShardStatus:
         return self.shard.status()

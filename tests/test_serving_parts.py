@@ -18,7 +18,7 @@ from streamxm.service import build_indexer, build_worker, open_store
 from streamxm.serving.following import GalleryFollower
 from streamxm.serving.gallery import Gallery, GalleryChunk
 from streamxm.serving.pins import PinnedVersions
-from streamxm.serving.served import EmbeddedGallery
+from streamxm.serving.served import EmbeddedGallery, SearchAnswer, SearchQuery
 from streamxm.serving.server import ModelServer
 from streamxm.serving.shard import GalleryShard
 from streamxm.serving.versions import ServedVersions
@@ -28,7 +28,7 @@ from streamxm.storage.slots import ShardPart
 from streamxm.stream.keys import Keys
 from streamxm.stream.messages import Limits, Pair, make_pair
 from streamxm.stream.producer import StreamProducer
-from tests.conftest import class_stream, latest, two_versions
+from tests.conftest import class_stream, latest, two_versions, wait_for
 from tests.test_model_contract import SMALL
 
 
@@ -448,3 +448,35 @@ def test_a_shard_makes_a_fixed_space_versions_scanned_blocks_before_serving_it(
     assert ckpt is not None
     shard.apply("cmos", ckpt.version, (ckpt.arrays, ckpt.meta))
     assert set(shard.gallery._blocks) == {"image", "text"}  # type: ignore[attr-defined]
+
+
+def test_a_batch_of_searches_on_one_thread_answers_as_each_search_alone(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """``Searcher.search_many`` (how a shard answers the API's batches) gives each query the
+    answer ``search`` gives it alone, for a fixed space (cmos), an embedded index (sdsrl) and
+    an ensemble of both, with ``k`` and modalities mixed; an unknown model's error is that
+    query's answer and the others are answered."""
+    cfg = _learned(settings, r, 200)
+    build_worker(cfg, r, "sdsrl").run(until_idle=True)
+    server = ModelServer(r, open_store(cfg, r), cfg.namespace)
+    server.refresh()
+    wait_for(lambda: (server.refresh(), "sdsrl" in server.served)[1], 60, "sdsrl served")
+    rng = np.random.default_rng(9)
+    queries = [
+        SearchQuery(name, modality, rng.random(8 if modality == "image" else 4).astype("f4"), k)
+        for name in ("cmos", "sdsrl", "ensemble:cmos+sdsrl")
+        for modality in ("image", "text")
+        for k in (1, 7)
+    ]
+    queries.insert(3, SearchQuery("nope", "image", queries[0].vector, 5))
+    together = server.searcher.search_many(queries)
+    assert isinstance(together[3], Exception)
+    with pytest.raises(type(together[3])):
+        server.searcher.search(queries[3])
+    for query, answer in zip(queries, together, strict=True):
+        if query.name == "nope":
+            continue
+        alone = server.searcher.search(query)
+        assert isinstance(answer, SearchAnswer) and answer.hits == alone.hits
+    server.stop()

@@ -535,6 +535,25 @@ class _Request:
     future: Future[Found] = field(default_factory=Future)
 
 
+def scan_together(
+    blocks: Sequence[Block], requests: Sequence[tuple[NDArray[np.float32], int, int | None]]
+) -> list[Found]:
+    """Several queries' :func:`top_k_bounded` of the same ``blocks`` in one product: each
+    request is (query, k, per_chunk), all searched with the largest ``k`` and ``per_chunk``
+    (more rows per chunk only lowers each one's ceiling), each answered with its own ``k``
+    best and a ceiling that covers the rows past them."""
+    k = max(r[1] for r in requests)
+    per_chunk = max(r[1] if r[2] is None else r[2] for r in requests)
+    scores, rows, ceiling = top_k_bounded(np.stack([r[0] for r in requests]), blocks, k, per_chunk)
+    found: list[Found] = []
+    for i, (_, own_k, _) in enumerate(requests):
+        mine = float(ceiling[i])
+        if scores.shape[1] > own_k:  # rows past its own k are left out too
+            mine = max(mine, float(scores[i, own_k]))
+        found.append((scores[i, :own_k], rows[i, :own_k], mine))
+    return found
+
+
 class QueryCoalescer:
     """One thread that answers :func:`top_k_bounded` requests, a batch of them per product.
 
@@ -591,18 +610,11 @@ class QueryCoalescer:
 
     def _answer(self, group: list[_Request]) -> None:
         try:
-            k = max(r.k for r in group)
-            per_chunk = max(r.k if r.per_chunk is None else r.per_chunk for r in group)
-            scores, rows, ceiling = top_k_bounded(
-                np.stack([r.query for r in group]), group[0].blocks, k, per_chunk
-            )
+            found = scan_together(group[0].blocks, [(r.query, r.k, r.per_chunk) for r in group])
             self.batches += 1
             self.queries += len(group)
-            for i, request in enumerate(group):
-                mine = float(ceiling[i])
-                if scores.shape[1] > request.k:  # rows past its own k are left out too
-                    mine = max(mine, float(scores[i, request.k]))
-                request.future.set_result((scores[i, : request.k], rows[i, : request.k], mine))
+            for request, its in zip(group, found, strict=True):
+                request.future.set_result(its)
         except Exception as exc:  # every waiting request hears of it, the thread lives on
             for request in group:
                 if not request.future.done():

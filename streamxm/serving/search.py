@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -40,7 +40,7 @@ from streamxm.serving.candidates import (
 )
 from streamxm.serving.fused import FusedSpace
 from streamxm.serving.gallery import Gallery, GalleryRows
-from streamxm.serving.index import QueryCoalescer
+from streamxm.serving.index import QueryCoalescer, scan_together
 from streamxm.serving.served import (
     EmbeddedGallery,
     ModelNotReady,
@@ -178,6 +178,57 @@ class Searcher:
                     step = steps.send(step.run())
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+
+    def search_many(self, queries: Sequence[SearchQuery]) -> list[SearchAnswer | Exception]:
+        """:meth:`search` of several queries on this thread, each round's scans of the same
+        blocks in one product (:func:`~streamxm.serving.index.scan_together`): how a gallery
+        shard answers a batch of the API's searches, with no thread hand-off per search. A
+        query's error is its answer; the answers are those :meth:`search` gives."""
+        answers: list[SearchAnswer | Exception | None] = [None] * len(queries)
+        running: dict[int, tuple[Generator[Step, Any, SearchAnswer], Step]] = {}
+
+        def advance(i: int, steps: Generator[Step, Any, SearchAnswer], sent: Any) -> None:
+            try:
+                running[i] = (steps, steps.send(sent))
+            except StopIteration as done:
+                running.pop(i, None)
+                answers[i] = done.value
+            except Exception as exc:  # this query's answer; the others go on
+                running.pop(i, None)
+                answers[i] = exc
+
+        for i, query in enumerate(queries):
+            advance(i, self._steps(query), None)
+        while running:
+            scans: dict[tuple[int, int], list[int]] = {}
+            for i, (steps, step) in list(running.items()):
+                if isinstance(step, Scan):
+                    scans.setdefault((id(step.blocks), step.query.shape[-1]), []).append(i)
+                    continue
+                try:
+                    done = step.run()
+                except Exception as exc:
+                    steps.close()
+                    running.pop(i)
+                    answers[i] = exc
+                    continue
+                advance(i, steps, done)
+            for group in scans.values():
+                asked = [cast(Scan, running[i][1]) for i in group]
+                requests = [
+                    (np.ascontiguousarray(s.query, np.float32), s.k, s.per_chunk) for s in asked
+                ]
+                try:
+                    found: list[Any] = scan_together(asked[0].blocks, requests)
+                except Exception as exc:
+                    found = [exc] * len(group)
+                for i, its in zip(group, found, strict=True):
+                    if isinstance(its, Exception):
+                        running.pop(i)[0].close()
+                        answers[i] = its
+                    else:
+                        advance(i, running[i][0], its)
+        return [a if a is not None else RuntimeError("no answer") for a in answers]
 
     async def search_async(
         self, query: SearchQuery, offload: Callable[[Callable[[], Any]], Awaitable[Any]]

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -294,10 +294,25 @@ class GalleryShard:
     def search(self, query: ShardQuery) -> ShardAnswer:
         """This part's top ``k`` by the versions ``query`` names (a model's, or every
         ensemble member's)."""
+        answer = self.search_many([query])[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def search_many(self, queries: Sequence[ShardQuery]) -> list[ShardAnswer | Exception]:
+        """:meth:`search` of a batch of queries on this thread, their scans together
+        (:meth:`~streamxm.serving.search.Searcher.search_many`); a query's error is its
+        answer."""
         if not self.caught_up:
-            raise ModelNotReady(f"shard {self.part.index} is still reading its part of the gallery")
-        answer = self.searcher.search(query)
-        return ShardAnswer(answer.hits, dict(answer.served.versions), len(self.gallery))
+            return [
+                ModelNotReady(f"shard {self.part.index} is still reading its part of the gallery")
+            ] * len(queries)
+        answers = self.searcher.search_many(queries)
+        rows = len(self.gallery)
+        return [
+            a if isinstance(a, Exception) else ShardAnswer(a.hits, dict(a.served.versions), rows)
+            for a in answers
+        ]
 
     def _stale(self, name: str, versions: Mapping[int, ServedModel]) -> list[int]:
         """Held versions no search can name any more: superseded more than ``grace`` seconds
