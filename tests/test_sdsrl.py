@@ -1,5 +1,7 @@
 """SDSRL: streamed statistics, MPL-CD, the closed-form oracle, state, and the shared-space API."""
 
+import copy
+import math
 import threading
 
 import httpx
@@ -307,3 +309,117 @@ def test_same_modality_search_needs_a_shared_space(r: redis.Redis, settings: Set
         assert "cmos" in detail["msg"]
         default = http.post("/v1/search", json={k: v for k, v in query.items() if k != "target"})
         assert default.json()["target"] == "text"
+
+
+# -- landmarks grown for the classes the pool missed (grow_landmarks) ----------------------------
+def classes_in_turn(n_classes: int = 5, per_class: int = 60) -> list[Pair]:
+    """``per_class`` pairs of each class, one class at a time, ascending (``--order class``)."""
+    pairs = class_stream(n_classes * per_class * 3, 8, 5, seed=11, n_classes=n_classes)
+    return [
+        p
+        for c in range(n_classes)
+        for p in [p for p in pairs if tuple(p.labels) == (c,)][:per_class]
+    ]
+
+
+GROW_PARAMS = {
+    "q": 4,
+    "m_img": 40,
+    "m_txt": 10,
+    "landmark_pool": 100,
+    "batch": 16,
+    "solve_first": 8,
+    "solve_every": 50,
+}
+
+
+def test_grown_landmarks_cover_the_classes_the_pool_missed() -> None:
+    """The pool holds the first two classes of five: with ``grow_landmarks = g`` every class
+    seen ends with at least ``ceil(g m / C)`` landmarks a side, the ``k``-th class having
+    added at most ``ceil(g m / k)``; with 0 the landmarks stay those drawn from the pool."""
+    pairs = classes_in_turn()
+    frozen = StreamLearner("sdsrl", 8, 5, GROW_PARAMS, seed=0)
+    grown = StreamLearner("sdsrl", 8, 5, {**GROW_PARAMS, "grow_landmarks": 0.5}, seed=0)
+    frozen.learn(pairs[:100])
+    pool_img = frozen.model.map_img.landmarks.copy()  # type: ignore[attr-defined]
+    frozen.learn(pairs[100:])
+    grown.learn(pairs)
+    f, g = frozen.model, grown.model
+    assert isinstance(f, SDSRL) and isinstance(g, SDSRL)
+    assert f.map_img is not None and g.map_img is not None and g.map_txt is not None
+    np.testing.assert_array_equal(f.map_img.landmarks, pool_img)
+    assert set(np.flatnonzero(f.landmark_classes_img)) == {0, 1}
+    for m, nm, counts in (
+        (40, g.map_img, g.landmark_classes_img),
+        (10, g.map_txt, g.landmark_classes_txt),
+    ):
+        assert len(counts) == 5 and counts.min() >= math.ceil(0.5 * m / 5)
+        added = len(nm.landmarks) - m
+        assert 0 < added <= sum(math.ceil(0.5 * m / k) for k in range(1, 6))
+    assert g.solves == f.solves and g.merge_parts() is None
+
+
+def test_growth_rebases_the_statistics_onto_a_span_holding_the_old_one() -> None:
+    """``T = U_new' K(new, old) U_old`` carries the old features into the grown map's
+    coordinates: on the old landmarks (where the old map is exact) ``T phi_old = phi_new``,
+    and the statistics and ``A`` move by ``T``."""
+    pairs = classes_in_turn()
+    model = SDSRL(8, 5, **{**GROW_PARAMS, "grow_landmarks": 0.5})  # type: ignore[arg-type]
+    rng, stats = np.random.default_rng(0), LearnStats()
+    for pair in pairs[:100]:
+        model._add(pair)
+    model._freeze(rng)
+    model.solve(rng)
+    old, gram, lab, a = model.map_img, model.gram_img, model.lab_img, model.a
+    assert old is not None
+    for pair in pairs[150:166]:  # a class the pool missed
+        model._add(pair)
+    model._fold()
+    new = model.map_img
+    assert new is not None and len(new.landmarks) > len(old.landmarks)
+    t = new.proj.T @ old.kernel(new.landmarks) @ old.proj
+    np.testing.assert_allclose(
+        t @ old.features(old.landmarks).T, new.features(old.landmarks).T, atol=1e-6
+    )
+    np.testing.assert_allclose(model.a, t @ a)
+    phi = new.features(
+        np.asarray([power_normalize(p.img, model.power_img) for p in pairs[150:166]])
+    )
+    np.testing.assert_allclose(model.gram_img, t @ gram @ t.T + phi.T @ phi, rtol=1e-9, atol=1e-9)
+    assert model.lab_img.shape == (new.dim, 3) and stats.as_dict() == LearnStats().as_dict()
+    np.testing.assert_allclose(model.lab_img[:, :2], t @ lab[:, :2], atol=1e-9)
+
+
+@pytest.mark.parametrize("cut", [90, 170])
+def test_grown_checkpoint_round_trip_continues_identically(cut: int) -> None:
+    pairs = classes_in_turn()
+    params = {**GROW_PARAMS, "grow_landmarks": 0.5}
+    whole = StreamLearner("sdsrl", 8, 5, params, seed=3)
+    whole.learn(pairs)
+    first = StreamLearner("sdsrl", 8, 5, params, seed=3)
+    first.learn(pairs[:cut])
+    resumed = StreamLearner.from_state(*first.state())
+    resumed.learn(pairs[cut:])
+    probe = np.random.default_rng(8).random((9, 8)), np.random.default_rng(9).random((9, 5))
+    np.testing.assert_array_equal(resumed.model.similarity(*probe), whole.model.similarity(*probe))
+
+
+def test_a_checkpoint_from_before_growth_restores_the_frozen_rule() -> None:
+    """A checkpoint without ``grow_landmarks`` nor the landmarks' class counts (as written
+    before they came) restores with the landmarks frozen and continues as the model that wrote
+    it, bit for bit."""
+    pairs = classes_in_turn()
+    whole = StreamLearner("sdsrl", 8, 5, GROW_PARAMS, seed=3)
+    whole.learn(pairs)
+    first = StreamLearner("sdsrl", 8, 5, GROW_PARAMS, seed=3)
+    first.learn(pairs[:170])
+    arrays, meta = first.state()
+    old_arrays = {k: v for k, v in arrays.items() if not k.startswith("model.landmark_classes")}
+    assert len(old_arrays) == len(arrays) - 2
+    old_meta = copy.deepcopy(meta)
+    assert old_meta["params"].pop("grow_landmarks") == 0.0
+    resumed = StreamLearner.from_state(old_arrays, old_meta)
+    assert isinstance(resumed.model, SDSRL) and resumed.model.grow_landmarks == 0.0
+    resumed.learn(pairs[170:])
+    probe = np.random.default_rng(8).random((9, 8)), np.random.default_rng(9).random((9, 5))
+    np.testing.assert_array_equal(resumed.model.similarity(*probe), whole.model.similarity(*probe))

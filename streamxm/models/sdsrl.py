@@ -6,7 +6,7 @@ Retrieval" (SDSRL), Sec. 3 (Eq. 5), Algorithm 1 (MPL-CD) and its appendix.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -91,6 +91,20 @@ class SDSRL(
         Pairs buffered before they are folded into the statistics, ``>= 1``.
     max_classes : int, default=1000
         Most classes tracked (labels beyond are ignored and counted).
+    grow_landmarks : float, default=0.0
+        ``>= 0``. The paper draws the landmarks once, from the data at hand; here from the
+        first ``landmark_pool`` pairs, which in a stream of topic bursts or of one class at a
+        time hold only the first topics. Above 0, after the freeze each side owes every class
+        seen ``ceil(grow_landmarks m / C)`` landmarks (``m`` the side's landmarks at the freeze,
+        ``min(m_img, landmark_pool)`` or ``min(m_txt, landmark_pool)``, ``C`` the classes seen
+        so far), and a class with fewer gets the rest from its next pending pairs; the
+        statistics are re-based onto the grown span, where the pairs already folded keep
+        their features (``LandmarkStatistics._grow``). The ``k``-th class
+        seen adds at most ``ceil(grow_landmarks m / k)`` landmarks to a side, and the ranks of
+        a distributed learner no longer merge (each would grow its own). 0 keeps the
+        landmarks frozen, the former rule, bit for bit (and what a checkpoint without the key
+        restores), and the default: it keeps a distributed learner's ranks merging. 0.5 meets
+        every stream-order bar on Wikipedia (``docs/benchmarks.md``).
 
     Attributes
     ----------
@@ -129,6 +143,9 @@ class SDSRL(
     ['map_i2i', 'map_i2t', 'map_t2i', 'map_t2t']
     """
 
+    # grow_landmarks came later: a checkpoint without it restores the frozen landmarks
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"grow_landmarks": 0.0}
+
     def __init__(
         self,
         img_dim: int,
@@ -150,6 +167,7 @@ class SDSRL(
         forget: float = 1.0,
         batch: int = 64,
         max_classes: int = 1000,
+        grow_landmarks: float = 0.0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         m_txt = min(2 * txt_dim, 1000) if m_txt is None else m_txt
@@ -169,6 +187,7 @@ class SDSRL(
             outer=">= 1",
             inner=">= 1",
             tol=">= 0",
+            grow_landmarks=">= 0",
         )
         self.q, self.mu = int(q), float(mu)
         self.m_img, self.m_txt = int(m_img), int(m_txt)
@@ -179,6 +198,7 @@ class SDSRL(
         self.schedule = ResolveSchedule(solve_first, solve_every)
         self.outer, self.inner, self.tol = int(outer), int(inner), float(tol)
         self.forget = float(forget)
+        self.grow_landmarks = float(grow_landmarks)
         self.batch = int(batch)
         self.max_classes = max_classes
         self.class_index = ClassIndex(max_classes)
@@ -260,7 +280,7 @@ class SDSRL(
             self.class_index.columns(item, arriving=False)
 
     def merge_parts(self) -> MergeParts | None:
-        if not self.frozen or self.forget != 1.0:
+        if not self.frozen or self.forget != 1.0 or self.grow_landmarks > 0:
             return None
         self._fold()
         # Columns for the classes registered for this round that no folded pair carried yet.
@@ -324,6 +344,8 @@ class SDSRL(
         arrays["pending_img"] = np.asarray(self.pending_img).reshape(-1, self.img_dim)
         arrays["pending_txt"] = np.asarray(self.pending_txt).reshape(-1, self.txt_dim)
         arrays["classes"] = np.asarray(self.class_index.classes, dtype=np.int64)
+        arrays["landmark_classes_img"] = self.landmark_classes_img
+        arrays["landmark_classes_txt"] = self.landmark_classes_txt
         arrays.update(map_arrays("", self.map_img, self.map_txt))
         serve_apart = self.serve_img is not None and self.serve_img is not self.map_img
         if serve_apart:
@@ -350,6 +372,9 @@ class SDSRL(
         self.pending_txt = list(np.array(arrays["pending_txt"], dtype=np.float64))
         self.pending_cols = [[int(c) for c in cols] for cols in meta["pending_cols"]]
         self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
+        for side in ("img", "txt"):  # came with grow_landmarks: none in older checkpoints
+            counts = arrays.get(f"landmark_classes_{side}", np.zeros(0))
+            setattr(self, f"landmark_classes_{side}", np.array(counts, dtype=np.int64))
         self.map_img = self.map_txt = None
         if "landmarks_img" in arrays:
             self.map_img, self.map_txt = restore_maps(arrays, "", self.sigma_img, self.sigma_txt)

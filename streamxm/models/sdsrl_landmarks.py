@@ -6,6 +6,8 @@ Retrieval" (SDSRL), Sec. 3: the kernel features ``phi`` and ``psi`` of Eq. 5.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -21,6 +23,7 @@ __all__ = [
     "LandmarkStatistics",
     "NystroemMap",
     "draw_map",
+    "draw_picks",
     "map_arrays",
     "restore_maps",
 ]
@@ -73,18 +76,25 @@ class NystroemMap:
         return self.kernel(x) @ self.proj
 
 
+def draw_picks(pool: int, m: int, rng: np.random.Generator) -> NDArray[np.intp]:
+    """``min(m, pool)`` indices of a pool of ``pool`` rows drawn without replacement, sorted.
+
+    >>> draw_picks(5, 3, np.random.default_rng(0)).tolist()
+    [2, 3, 4]
+    """
+    return np.sort(rng.choice(pool, size=min(m, pool), replace=False))
+
+
 def draw_map(rows: list[F64], m: int, gamma: float, rng: np.random.Generator) -> NystroemMap:
     """The map on ``min(m, len(rows))`` landmarks drawn from the pooled ``rows`` without
-    replacement (kept in pool order).
+    replacement (kept in pool order; :func:`draw_picks`).
 
     >>> pool = list(np.eye(4))
     >>> nm = draw_map(pool, 2, 1.0, np.random.default_rng(0))
     >>> nm.landmarks.shape, nm.dim
     ((2, 4), 2)
     """
-    pool = len(rows)
-    pick = np.sort(rng.choice(pool, size=min(m, pool), replace=False))
-    return NystroemMap(np.asarray(rows)[pick], gamma)
+    return NystroemMap(np.asarray(rows)[draw_picks(len(rows), m, rng)], gamma)
 
 
 def map_arrays(prefix: str, img: NystroemMap | None, txt: NystroemMap | None) -> Arrays:
@@ -125,6 +135,8 @@ class LandmarkStatistics(CrossModalModel):
     sigma_txt: float
     mu: float
     forget: float
+    grow_landmarks: float
+    landmark_pool: int
     q: int
     class_index: ClassIndex
     a: F64
@@ -144,6 +156,9 @@ class LandmarkStatistics(CrossModalModel):
         self.weight = 0.0  # the (forgetting-weighted) pair count of the statistics
         self.pairs = 0
         self.unlabelled = 0
+        # Landmarks per class column, each side (a landmark counts for each of its labels).
+        self.landmark_classes_img = np.zeros(0, dtype=np.int64)
+        self.landmark_classes_txt = np.zeros(0, dtype=np.int64)
 
     def _add(self, pair: Pair) -> None:
         self.pending_img.append(power_normalize(pair.img, self.power_img))
@@ -160,8 +175,13 @@ class LandmarkStatistics(CrossModalModel):
 
     def _redraw(self, rng: np.random.Generator) -> None:
         """Landmarks drawn from the pool (the pairs pending), the statistics rebuilt on them."""
-        self.map_img = draw_map(self.pending_img, self.m_img, self.sigma_img, rng)
-        self.map_txt = draw_map(self.pending_txt, self.m_txt, self.sigma_txt, rng)
+        pool = len(self.pending_img)
+        pick_img = draw_picks(pool, self.m_img, rng)
+        pick_txt = draw_picks(pool, self.m_txt, rng)
+        self.map_img = NystroemMap(np.asarray(self.pending_img)[pick_img], self.sigma_img)
+        self.map_txt = NystroemMap(np.asarray(self.pending_txt)[pick_txt], self.sigma_txt)
+        self.landmark_classes_img = self._class_counts(pick_img)
+        self.landmark_classes_txt = self._class_counts(pick_txt)
         self.gram_img = np.zeros((self.map_img.dim, self.map_img.dim))
         self.gram_txt = np.zeros((self.map_txt.dim, self.map_txt.dim))
         self.lab_img = np.zeros((self.map_img.dim, 0))
@@ -171,10 +191,68 @@ class LandmarkStatistics(CrossModalModel):
         self.b = np.zeros((0, self.q))
         self._accumulate()
 
+    def _class_counts(self, rows: NDArray[np.intp]) -> NDArray[np.int64]:
+        """How many of the pending ``rows`` carry each class column."""
+        counts = np.zeros(len(self.class_index), dtype=np.int64)
+        for row in rows:
+            counts[self.pending_cols[row]] += 1
+        return counts
+
     def _fold(self) -> None:
-        """Add the pending pairs to the statistics and drop them."""
+        """Add the pending pairs to the statistics and drop them (after the landmarks grow,
+        :meth:`_grow`, where ``grow_landmarks`` asks for it)."""
+        if self.frozen and self.grow_landmarks > 0:
+            self._grow()
         self._accumulate()
         self.pending_img, self.pending_txt, self.pending_cols = [], [], []
+
+    def _grow(self) -> None:
+        """Landmarks added from the pending pairs for the classes that the landmarks cover
+        thinly, the statistics and the projections re-based onto the grown maps.
+
+        A side of ``m`` landmarks at the freeze (``min(m_img, landmark_pool)``, and likewise
+        for texts) owes each of the ``C`` classes seen so far
+        ``ceil(grow_landmarks m / C)`` of them; a class with fewer gets the difference from the
+        first pending pairs that carry it (so the ``k``-th class seen adds at most
+        ``ceil(grow_landmarks m / k)``).
+        The grown span contains the old one: with ``T = U_new' K(new, old) U_old`` (the
+        Nystroem projections ``U``) the old features are ``T phi`` in the new coordinates, so
+        ``Phi'Phi`` becomes ``T Phi'Phi T'``, ``Phi'L`` becomes ``T Phi'L`` and ``A`` becomes
+        ``T A``: the pairs folded keep the features they had; the pairs to come get the larger
+        span. The paper draws the landmarks once (``grow_landmarks = 0``).
+        """
+        classes = len(self.class_index)
+        if classes == 0:
+            return
+        for side in ("img", "txt"):
+            nm: NystroemMap | None = getattr(self, f"map_{side}")
+            assert nm is not None
+            m = min(self.m_img if side == "img" else self.m_txt, self.landmark_pool)
+            counts = getattr(self, f"landmark_classes_{side}")
+            counts = np.concatenate([counts, np.zeros(classes - len(counts), dtype=np.int64)])
+            owed = math.ceil(self.grow_landmarks * m / classes)
+            picked: list[int] = []
+            for row, cols in enumerate(self.pending_cols):
+                if any(counts[c] < owed for c in cols):
+                    picked.append(row)
+                    counts[cols] += 1
+            setattr(self, f"landmark_classes_{side}", counts)
+            if not picked:
+                continue
+            rows = np.asarray(getattr(self, f"pending_{side}"))[picked]
+            grown = NystroemMap(np.vstack([nm.landmarks, rows]), nm.gamma)
+            t = grown.proj.T @ nm.kernel(grown.landmarks) @ nm.proj
+            setattr(self, f"map_{side}", grown)
+            if side == "img":
+                self.gram_img = t @ self.gram_img @ t.T
+                self.lab_img = t @ self.lab_img
+                if len(self.a) == nm.dim:
+                    self.a = t @ self.a
+            else:
+                self.gram_txt = t @ self.gram_txt @ t.T
+                self.lab_txt = t @ self.lab_txt
+                if len(self.b) == nm.dim:
+                    self.b = t @ self.b
 
     def _accumulate(self) -> None:
         """Add the pending pairs to the statistics (they stay pending), in arrival order (for

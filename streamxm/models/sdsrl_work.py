@@ -7,6 +7,8 @@ re-solves by MPL-CD (:func:`~streamxm.models.projections.mpl_cd_work`).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from streamxm.models.classes import ClassIndex
@@ -31,6 +33,7 @@ class SDSRLWork(CountsWork):
     power_img: float
     power_txt: float
     landmark_pool: int
+    grow_landmarks: float
     solve_every: int
     outer: int
     inner: int
@@ -46,15 +49,19 @@ class SDSRLWork(CountsWork):
 
     def _steady_sizes(self) -> tuple[int, int, int]:
         """``(m1, m2, c)`` of the steady state: the landmarks drawn from the full pool,
-        ``m1 = min(m_img, landmark_pool)`` and ``m2 = min(m_txt, landmark_pool)`` (also the
-        feature counts, at their most: the eigenvalue floor may drop some, a property of the
-        data), and ``c`` the class columns seen so far (at least one: they grow with the
-        stream's classes)."""
-        return (
-            min(self.m_img, self.landmark_pool),
-            min(self.m_txt, self.landmark_pool),
-            max(1, len(self.class_index)),
-        )
+        ``m = min(m_img, landmark_pool)`` and likewise for texts, plus the most that growth
+        adds for the ``c`` classes (``grow_landmarks = g``): ``ceil(g m / k)`` for the ``k``-th
+        class seen, none when ``g = 0`` (also the feature counts, at their most: the
+        eigenvalue floor may drop some, a property of the data); and ``c`` the class columns
+        seen so far (at least one: they grow with the stream's classes)."""
+        c = max(1, len(self.class_index))
+
+        def most(m: int) -> int:
+            m = min(m, self.landmark_pool)
+            grown = sum(math.ceil(self.grow_landmarks * m / k) for k in range(1, c + 1))
+            return m + grown
+
+        return most(self.m_img), most(self.m_txt), c
 
     def learning_work(self) -> Work:
         """Per pair in the steady state (landmarks frozen, solved once), float64, with
