@@ -92,19 +92,12 @@ class SDSRL(
     max_classes : int, default=1000
         Most classes tracked (labels beyond are ignored and counted).
     grow_landmarks : float, default=0.0
-        ``>= 0``. The paper draws the landmarks once, from the data at hand; here from the
-        first ``landmark_pool`` pairs, which in a stream of topic bursts or of one class at a
-        time hold only the first topics. Above 0, after the freeze each side owes every class
-        seen ``ceil(grow_landmarks m / C)`` landmarks (``m`` the side's landmarks at the freeze,
-        ``min(m_img, landmark_pool)`` or ``min(m_txt, landmark_pool)``, ``C`` the classes seen
-        so far), and a class with fewer gets the rest from its next pending pairs; the
-        statistics are re-based onto the grown span, where the pairs already folded keep
-        their features (``LandmarkStatistics._grow``). The ``k``-th class
-        seen adds at most ``ceil(grow_landmarks m / k)`` landmarks to a side, and the ranks of
-        a distributed learner no longer merge (each would grow its own). 0 keeps the
-        landmarks frozen, the former rule, bit for bit (and what a checkpoint without the key
-        restores), and the default: it keeps a distributed learner's ranks merging. 0.5 meets
-        every stream-order bar on Wikipedia (``docs/benchmarks.md``).
+        ``>= 0``. Above 0, after the freeze each side owes every class seen
+        ``ceil(grow_landmarks m / C)`` landmarks (``m`` its landmarks at the freeze, ``C`` the
+        classes so far), taken from the class's next pending pairs, the statistics re-based
+        onto the grown set (``LandmarkStatistics._grow``); a distributed learner's ranks then
+        no longer merge. 0 (the paper's landmarks drawn once, frozen) is the former rule, bit
+        for bit; the narrative is in ``docs/design.md``.
 
     Attributes
     ----------

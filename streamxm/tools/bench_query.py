@@ -197,11 +197,10 @@ def query(
     (``recall_at_10``).
 
     ``gallery_backend="ray"``: the API holds the gallery in ``shards`` shard actors on a Ray
-    cluster it starts on this machine (:mod:`streamxm.ray_gallery`); ``shard_rss_mb`` is each
-    shard's resident memory. Ray must stay on loopback, so this runs only in a network
-    namespace that has no other interface (``unshare -rn``); no replica is timed (a second
-    API would start a cluster of its own).
-    """
+    cluster it starts on this machine (:mod:`streamxm.ray_gallery`); ``shard_rss_mb`` and
+    ``cores_used`` name each shard. Ray must stay on loopback, so this runs only in a network
+    namespace with no other interface (``unshare -rn``); no replica is timed (a second API
+    would start a cluster of its own)."""
     imgs, txts, classes = synthetic_arrays(gallery, img_dim, txt_dim, n_classes=100, seed=seed)
     queries = _search_queries(imgs, txts, seed)
     bodies = [
@@ -215,8 +214,7 @@ def query(
         members = parse_ensemble(model).members if is_ensemble(model) else (model,)
         url, api_pid, pids = _start_service(st, members)
         served = _steady_state(st, url, members, gallery)
-        if gallery_backend == "ray":  # where the cores go: the shards and Ray's own daemons
-            pids.update(ray_processes())
+        pids.update(ray_processes() if gallery_backend == "ray" else {})  # shards, Ray daemons
         before = sum(st.processed(m) for m in members)
         load = _timed_load(url, bodies, clients, seconds, pids)
         learned = sum(st.processed(m) for m in members) - before
