@@ -57,7 +57,14 @@ def test_loss_is_the_papers_and_the_gradient_is_its_derivative(variant: str) -> 
     of the score difference, formed pairs with agreeing labels left out), checked against a
     direct transcription and finite differences."""
     rng = np.random.default_rng(1)
-    model = PairwiseLogistic(3, 2, variant=variant, negatives=4, pos_weight=2.0)  # type: ignore[arg-type]
+    model = PairwiseLogistic(
+        3,
+        2,
+        variant=variant,  # type: ignore[arg-type]
+        negatives=4,
+        pos_weight=2.0,
+        class_positives=False,  # Eq. 4.7 as the paper writes it without labels
+    )
     model.W = rng.normal(size=model.W.shape).astype(np.float32)
     fx = rng.normal(size=(5, 4)).astype(np.float32)
     fy = rng.normal(size=(5, 3)).astype(np.float32)

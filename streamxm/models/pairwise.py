@@ -6,7 +6,7 @@ SDM 2015, Sec. 4 (Eq. 4.6 and 4.7) and Sec. 5.1.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -30,7 +30,14 @@ from streamxm.models.pairwise_work import PairwiseWork
 from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.stream.messages import Pair
 
-__all__ = ["PairwiseLogistic"]
+__all__ = ["INPUT_RULES", "PairwiseLogistic"]
+
+#: ``"auto"``'s picks of ``(lr, pos_weight)`` by the first pair's inputs: histograms (no
+#: negative value in either vector; the rule chosen on Wikipedia) or signed features.
+INPUT_RULES: dict[str, tuple[float, float]] = {"histogram": (0.01, 10.0), "signed": (0.03, 1.0)}
+
+#: Parameters that came later, at the values that restore a checkpoint written before them.
+_CAME_LATER = {"rehearse": 0, "restart": False, "class_positives": False}
 
 #: The learned arrays a checkpoint keeps beside the running sums: the bilinear weights and their
 #: AdaGrad sums (float32), the centring means and the whiteners (float64).
@@ -61,11 +68,18 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         Unlabelled pairs formed per arriving pair (S), ``>= 1``.
     lam : float, default=0.02
         l2 regularisation, ``>= 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
-    lr : float, default=0.01
-        AdaGrad base step, ``> 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
-    pos_weight : float, default=10.0
+    lr : float or "auto", default="auto"
+        AdaGrad base step, ``> 0``. ``"auto"`` picks it from the first pair learned
+        (:data:`INPUT_RULES`): 0.01, the step chosen on the Wikipedia stream
+        (``docs/benchmarks.md``), when neither vector has a negative value (histograms), else
+        0.03. Fixed from then on. Give 0.01 for the Wikipedia rule whatever the inputs.
+    pos_weight : float or "auto", default="auto"
         Weight of the positive example in the logistic variant, ``> 0`` (10: the positive weighs
-        as much as the ``S = 10`` formed pairs).
+        as much as the ``S = 10`` formed pairs). ``"auto"`` picks it from the first pair learned
+        as ``lr`` does: 10 for histograms, else 1. The positive is the arriving pair itself, so
+        its weight sets how much of ``W`` tells that one pair from others rather than a class
+        from other classes; at 10 on signed coefficients (the digits set) the l2-regularised
+        optimum itself ranks classes no better than CCA. Give 10 for the Wikipedia rule.
     ridge : float, default=3.0
         Ridge of the whitener, relative to the covariance's mean eigenvalue, ``>= 0``.
     whiten : bool, default=True
@@ -82,6 +96,23 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         from formed pairs of other classes and needs more).
     restart : bool, default=True
         Restart ``W`` at the first whitener and learn the stored pairs again.
+    class_positives : bool, default=True
+        Bipartite variant: rank the formed pairs that share a label with the positive above
+        those that share none, as the positive is (the logistic variant takes them as positives
+        already). ``False``: they are left out, and only the arriving pair is ranked above the
+        others, the rule before it and Eq. 4.7 as written for pairs without labels, where the
+        arriving pair is the only one known to match. On a labelled stream the formed pairs of
+        a common class match too. No effect on the logistic variant or an unlabelled stream.
+    cross_only : bool, default=False
+        Keep the one-sided terms of ``W`` at zero (its last row and column but their common
+        entry): with the constant appended to both sides, ``W[-1, :-1] b`` scores a text by
+        itself whatever the query, and ``W[:-1, -1] a`` an image (a popularity of the item).
+        Learned from a stream that meets its classes in runs, these lean towards the latest
+        class, and every query then prefers its items. Each step is followed by the
+        projection onto ``W`` without them; the intercept ``W[-1, -1]`` and the cross terms
+        learn as before. ``False``: every entry learns, the rule before it (the logistic
+        variant's class order loses with ``True`` what its topic bursts gain, and the bipartite
+        one's topic bursts gain less than its text->image on signed features loses).
 
     Attributes
     ----------
@@ -117,7 +148,7 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
     """
 
     memory_share = 1.0
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0, "restart": False}  # came later
+    checkpoint_defaults: ClassVar[dict[str, Any]] = _CAME_LATER
 
     def __init__(
         self,
@@ -126,8 +157,8 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         variant: Variant = "logistic",
         negatives: int = 10,
         lam: float = 0.02,
-        lr: float = 0.01,
-        pos_weight: float = 10.0,
+        lr: float | Literal["auto"] = "auto",
+        pos_weight: float | Literal["auto"] = "auto",
         ridge: float = 3.0,
         whiten: bool = True,
         power: float = 1.0,
@@ -135,6 +166,8 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         whiten_every: int = 1024,
         rehearse: int | None = None,
         restart: bool = True,
+        class_positives: bool = True,
+        cross_only: bool = False,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant not in ("logistic", "bipartite"):
@@ -147,28 +180,46 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
             locals(),
             negatives=">= 1",
             lam=">= 0",
-            lr="> 0",
-            pos_weight="> 0",
             ridge=">= 0",
             power="> 0",
             rehearse=">= 0",
         )
+        for name, value in (("lr", lr), ("pos_weight", pos_weight)):
+            if value != "auto":
+                require({name: value}, **{name: "> 0"})
         self.variant = variant
         self.negatives = int(negatives)
         self.lam = float(lam)
-        self.lr = float(lr)
-        self.pos_weight = float(pos_weight)
+        self.lr: float | Literal["auto"] = "auto" if lr == "auto" else float(lr)
+        self.pos_weight: float | Literal["auto"] = (
+            "auto" if pos_weight == "auto" else float(pos_weight)
+        )
+        # "auto"'s pick at the first pair ("histogram" or "signed"); None until then.
+        self.inputs_: str | None = None
         self.ridge = float(ridge)
         self.whiten = bool(whiten)
         self.power = float(power)
         self.whiten_first, self.whiten_every = whiten_first, whiten_every
         self.rehearse = int(rehearse)
         self.restart = bool(restart)
+        self.class_positives = bool(class_positives)
+        self.cross_only = bool(cross_only)
         self.schedule = ResolveSchedule(whiten_first, whiten_every)
         self.W = np.zeros((img_dim + 1, txt_dim + 1), dtype=np.float32)
         self.G = np.zeros_like(self.W)
 
     # -- learning ----------------------------------------------------------------------------
+    @property
+    def step_size(self) -> float:
+        """``lr``, or ``"auto"``'s pick (:data:`INPUT_RULES`; histograms before a pair)."""
+        return self.lr if self.lr != "auto" else INPUT_RULES[self.inputs_ or "histogram"][0]
+
+    @property
+    def positive_weight(self) -> float:
+        """``pos_weight``, or ``"auto"``'s pick (:data:`INPUT_RULES`)."""
+        w = self.pos_weight
+        return w if w != "auto" else INPUT_RULES[self.inputs_ or "histogram"][1]
+
     def update(
         self,
         pair: Pair,
@@ -177,6 +228,9 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:
+        if self.inputs_ is None:  # "auto"'s pick: histograms keep the Wikipedia rule
+            signed = min(float(np.min(pair.img)), float(np.min(pair.txt))) < 0.0
+            self.inputs_ = "signed" if signed else "histogram"
         self.moments.add(
             power_normalize(pair.img, self.power), power_normalize(pair.txt, self.power)
         )
@@ -239,7 +293,9 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         """:func:`~streamxm.models.pairwise_partners.formed_loss` of ``W``: the mini-batch loss
         (without the l2 term), its gradient in ``W`` as factors ``(left, right)`` and the
         margins, for a positive (row 0 of ``fx``, ``fy``) and its formed pairs."""
-        return formed_loss(self.W, self.variant, self.pos_weight, fx, fy, agree)
+        return formed_loss(
+            self.W, self.variant, self.positive_weight, fx, fy, agree, self.class_positives
+        )
 
     def step(
         self,
@@ -256,7 +312,10 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         for d, direction in ((i2t, "i2t"), (~i2t, "t2i")):
             for m in margins[d]:
                 stats.add(direction, bool(m <= 0), float(np.logaddexp(0.0, -m)), True)
-        adagrad_outer_step(self.W, self.G, left, right, self.lr, self.lam)
+        adagrad_outer_step(self.W, self.G, left, right, self.step_size, self.lam)
+        if self.cross_only:  # a projected step: the one-sided terms stay at zero
+            self.W[-1, :-1] = 0.0
+            self.W[:-1, -1] = 0.0
 
     def evaluation_scores(
         self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp], kept: SlotFeatures
@@ -323,9 +382,12 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
             self._refresh_whitener()
 
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        return {**self.moments.state("moments."), **attribute_arrays(self, _LEARNED)}, {}
+        arrays = {**self.moments.state("moments."), **attribute_arrays(self, _LEARNED)}
+        return arrays, {"inputs": self.inputs_}
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
+        # "auto"'s pick; checkpoints before it gave lr and pos_weight as numbers (no pick).
+        self.inputs_ = meta.get("inputs")
         self.moments.load_state(arrays, "moments.")
         restore_attribute_arrays(self, arrays, _LEARNED)
         self._cache.clear()

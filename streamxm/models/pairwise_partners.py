@@ -60,6 +60,7 @@ def formed_loss(
     fx: NDArray[np.float32],
     fy: NDArray[np.float32],
     agree: NDArray[np.bool_],
+    class_positives: bool = False,
 ) -> tuple[float, NDArray[np.float32], NDArray[np.float32], NDArray[np.float64]]:
     """The mini-batch loss of ``s(a, b) = <a, w b>`` (without the l2 term), its gradient in
     ``w`` as factors ``(left, right)`` with ``grad = left^T right``, and the margins
@@ -69,7 +70,10 @@ def formed_loss(
     for odd ``j`` (:func:`image_to_text`); ``agree[j]`` says whether the two carry a common
     label. The positive's and the formed pairs' scores come from one pass over ``w``
     (``[a_0; a] w``). ``variant``: Eq. 4.6 (``"logistic"``, the positive weighted
-    ``pos_weight``) or Eq. 4.7 (``"bipartite"``).
+    ``pos_weight``) or Eq. 4.7 (``"bipartite"``: the positive ranked above each formed pair
+    that shares no label with it, the others left out). ``class_positives`` (bipartite only):
+    the formed pairs that share a label are ranked above those that share none as well, the
+    loss the mean over every (agreeing, disagreeing) couple, the positive among the agreeing.
     """
     s = len(agree)
     i2t = image_to_text(s)
@@ -85,6 +89,14 @@ def formed_loss(
         loss = float((weights * _log1pexp(-signs * scores)).sum() / weights.sum())
         coef = -weights * signs * expit(-signs * scores) / weights.sum()
         left, right = ax, by
+    elif class_positives and agree.any() and not agree.all():
+        above = np.concatenate([[0], 1 + np.flatnonzero(agree)])
+        below = 1 + np.flatnonzero(~agree)
+        couples = scores[above][:, None] - scores[below][None, :]
+        loss = float(_log1pexp(-couples).mean())
+        grad = -expit(-couples) / couples.size  # d loss / d couple margin
+        coef = np.concatenate([grad.sum(axis=1), -grad.sum(axis=0)])
+        left, right = ax[np.concatenate([above, below])], by[np.concatenate([above, below])]
     else:
         keep = ~agree
         if not keep.any():
