@@ -184,7 +184,7 @@ def test_the_worker_learns_cmomks_and_resumes_from_its_checkpoint(
     r: redis.Redis, settings: Settings
 ) -> None:
     pairs = class_stream(300, 6, 4, seed=7)
-    params = {"kernels": KERNELS, "landmarks": 200, "budget": 60}
+    params = {"kernels": KERNELS, "landmarks": 100, "budget": 60}  # the pool: one pair in two
     client = StreamProducer(r, settings.namespace)
     client.push_pairs(pairs[:150])
     build_worker(settings, r, "cmomks", params).run(until_idle=True)  # stops before the pool fills

@@ -76,6 +76,28 @@ def default_kernels() -> list[dict[str, Any]]:
     return [KernelPair(gv, gt).to_json() for gv, gt in ((2.0, 2.0), (4.0, 4.0), (8.0, 4.0))]
 
 
+#: The constructor's rules (:func:`~streamxm.models.base.require`).
+_RULES = {
+    "C": "> 0",
+    "margin": "> 0",
+    "beta": "in (0, 1)",
+    "power": "> 0",
+    "budget": ">= 1",
+    "landmarks": ">= 2",
+    "triplets_per_pair": ">= 1",
+    "rehearse": ">= 0",
+    "burst_damping": "in [0, 1)",
+    "pool_skip": ">= 0",
+}
+#: Parameters that came later, off: a checkpoint without them restores with the former rules.
+_CAME_LATER: dict[str, Any] = {
+    "rehearse": 0,
+    "balanced_support": False,
+    "burst_damping": 0.0,
+    "pool_skip": 0,
+}
+
+
 class CMOMKS(CountsWork, name="cmomks"):
     """Cross-modal online multiple kernel similarity: Hedge-weighted kernelised CMOS scores.
 
@@ -104,6 +126,10 @@ class CMOMKS(CountsWork, name="cmomks"):
         Support triplets kept exactly, ``>= 1``.
     landmarks : int, default=500
         Size of the landmark pool (centring and projection of what leaves the support), ``>= 2``.
+    pool_skip : int, default=0
+        Pairs passed over between two pool points while the pool fills, ``>= 0`` (the pool
+        spans the first ``(pool_skip + 1) landmarks`` pairs); 0: the paper's first
+        ``landmarks`` pairs.
     triplets_per_pair : int, default=10
         Triplets drawn per arriving pair, ``>= 1``.
     power : float, default=0.5
@@ -111,6 +137,13 @@ class CMOMKS(CountsWork, name="cmomks"):
     rehearse : int, default=10
         During a burst of few classes, triplets whose query is a remembered pair, per arriving
         pair, ``>= 0``.
+    balanced_support : bool, default=False
+        A full support's new triplet replaces the oldest triplet of the class (its query's
+        first label) holding the most (:func:`.cmomks_learning.evicted_slot`); ``False``: the
+        paper's oldest support triplet (a ring). Either is projected onto the pool.
+    burst_damping : float, default=0.0
+        During a burst the arriving pair's triplets step at most ``C (1 - burst_damping)``,
+        in ``[0, 1)``; 0: the paper's ``C``.
 
     Attributes
     ----------
@@ -126,6 +159,9 @@ class CMOMKS(CountsWork, name="cmomks"):
         Mistakes of the Hedge-weighted vote, the quantity Hedge's analysis bounds.
     support_size : int
         Support triplets held, at most ``budget``.
+    slot_group, slot_written : ndarray of shape (budget,)
+        Each support slot's class (-1: unlabelled) and how many triplets the support had
+        taken before it (its age).
     projected : int
         Triplets projected into ``A`` so far.
 
@@ -149,7 +185,7 @@ class CMOMKS(CountsWork, name="cmomks"):
     """
 
     memory_share = 1.0
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"rehearse": 0}  # came later, off
+    checkpoint_defaults: ClassVar[dict[str, Any]] = _CAME_LATER
 
     def __init__(
         self,
@@ -164,22 +200,15 @@ class CMOMKS(CountsWork, name="cmomks"):
         triplets_per_pair: int = 10,
         power: float = 0.5,
         rehearse: int = 10,
+        balanced_support: bool = False,
+        burst_damping: float = 0.0,
+        pool_skip: int = 0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         specs = [KernelPair.from_json(k) for k in (kernels or default_kernels())]
         if not specs:
             raise ValueError("kernels must name at least one kernel pair")
-        require(
-            locals(),
-            C="> 0",
-            margin="> 0",
-            beta="in (0, 1)",
-            power="> 0",
-            budget=">= 1",
-            landmarks=">= 2",
-            triplets_per_pair=">= 1",
-            rehearse=">= 0",
-        )
+        require(locals(), **_RULES)
         for k in specs:
             k.check(img_dim, txt_dim)
         self.kernels = specs
@@ -187,6 +216,10 @@ class CMOMKS(CountsWork, name="cmomks"):
         self.budget, self.landmarks = int(budget), int(landmarks)
         self.triplets_per_pair = int(triplets_per_pair)
         self.rehearse = int(rehearse)
+        self.balanced_support = bool(balanced_support)
+        self.burst_damping = float(burst_damping)
+        self.pool_skip = int(pool_skip)
+        self.pairs_offered = 0  # pairs learned from (one in pool_skip + 1 joins the pool)
         sizes = (self.power, self.landmarks, self.budget)
         self.img_side = KernelSide.for_kernels(
             img_dim, [k.img_block for k in specs], [k.img_gamma for k in specs], *sizes
@@ -201,10 +234,12 @@ class CMOMKS(CountsWork, name="cmomks"):
         self.kernel_mistakes = np.zeros(m, dtype=np.int64)
         self.vote_mistakes = 0
         self.support_size = 0
-        self.head = 0  # ring slot of the next support triplet
+        self.head = 0  # the slot after the last support triplet written (the ring's next)
+        self.slot_group = np.full(budget, -1, dtype=np.int64)  # class of each support triplet
+        self.slot_written = np.zeros(budget, dtype=np.int64)  # support writes before it
         self.n_triplets = 0
         self.projected = 0
-        # Triplets that arrived before the pool was full: image rows, text rows, is_text.
+        # Triplets that arrived before the pool was full: image rows, text rows, is_text, class.
         self._waiting: list[Triplet] = []
 
     @property
@@ -249,11 +284,14 @@ class CMOMKS(CountsWork, name="cmomks"):
         txt_rows: NDArray[np.float32],
         is_text: bool,
         stats: LearnStats,
+        group: int = -1,
+        cap: float | None = None,
     ) -> None:
         """``img_rows``/``txt_rows``: (2, d) each; an image triplet has its query twice in
-        ``img_rows`` and ``(t+, t-)`` in ``txt_rows``, a text triplet the mirror
+        ``img_rows`` and ``(t+, t-)`` in ``txt_rows``, a text triplet the mirror; ``group``: its
+        class, the query's first label (-1: unlabelled)
         (:func:`~streamxm.models.cmomks_learning.triplet_step`)."""
-        triplet_step(self, img_rows, txt_rows, is_text, stats)
+        triplet_step(self, img_rows, txt_rows, is_text, stats, group, cap)
 
     def update(
         self,
@@ -388,8 +426,8 @@ class CMOMKS(CountsWork, name="cmomks"):
         state has the pool closed and the support full, and outside bursts no triplets are
         rehearsed. Every triplet is counted as updating (a triplet skips the support only when
         all ``M`` kernel pairs already meet the margin, which the margin-1 hinge on centred
-        kernel scores rarely does), so each one also projects the oldest support triplet into
-        ``A``."""
+        kernel scores rarely does), so each one also projects a support triplet into ``A``
+        (choosing it is ``O(budget)``, not counted)."""
         return cmomks_work.triplet_work(self.img_side, self.txt_side) * self.triplets_per_pair
 
     def embedding_work(self, rows: int, modality: str) -> Work:

@@ -1,7 +1,9 @@
 """How :class:`~streamxm.models.cmomks.CMOMKS` learns (Wu, Wang and Huang, CVPR 2017, Sec. 3.4):
 every kernel pair's PA-I step on a triplet through kernel evaluations, the Hedge weights of the
-pairs, the support ring whose oldest triplet is projected onto the landmark pool once the ring is
-full, and the triplets an arriving pair draws, which wait while the landmark pool fills.
+pairs, the support whose evicted triplet is projected onto the landmark pool once the support is
+full (the oldest, the paper's rule, or the oldest of the class holding the most support triplets:
+:func:`evicted_slot`), and the triplets an arriving pair draws, which wait while the landmark pool
+fills.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Triplet",
+    "evicted_slot",
     "image_terms",
     "kernel_margins",
     "learn_pair",
@@ -31,8 +34,9 @@ __all__ = [
 ]
 
 
-# A triplet as :func:`triplet_step` takes it: image rows, text rows, is_text.
-Triplet = tuple[NDArray[np.float32], NDArray[np.float32], bool]
+# A triplet as :func:`triplet_step` takes it: image rows, text rows, is_text, and its class (the
+# query's first label, -1: unlabelled).
+Triplet = tuple[NDArray[np.float32], NDArray[np.float32], bool, int]
 
 
 def image_terms(to_pool: F64, support: F64, A: F64, tau: F64) -> F64:
@@ -76,11 +80,14 @@ def triplet_step(
     txt_rows: NDArray[np.float32],
     is_text: bool,
     stats: LearnStats,
+    group: int = -1,
+    cap: float | None = None,
 ) -> None:
     """Every kernel pair's PA-I step on one triplet (rows as
-    :meth:`~streamxm.models.cmomks.CMOMKS.learn_triplet` takes them), the Hedge weights
-    discounted at each pair's mistake, and the triplet stored in the support ring when some pair
-    steps."""
+    :meth:`~streamxm.models.cmomks.CMOMKS.learn_triplet` takes them), at most ``cap`` (``None``:
+    ``C``), the Hedge weights discounted at each pair's mistake, and the triplet, of class
+    ``group``, stored in the support when some pair steps (over :func:`evicted_slot` once the
+    support is full)."""
     img_parts, txt_parts = model.img_side.prep(img_rows), model.txt_side.prep(txt_rows)
     diff, sq_norm, i_m, t_m = kernel_margins(
         model.img_side,
@@ -94,7 +101,9 @@ def triplet_step(
     theta = model.theta
     loss = np.maximum(0.0, model.margin - diff)
     ok = (loss > 0) & (sq_norm > 1e-12)
-    new_tau = np.where(ok, np.minimum(model.C, loss / np.where(ok, sq_norm, 1.0)), 0.0)
+    new_tau = np.where(
+        ok, np.minimum(model.C if cap is None else cap, loss / np.where(ok, sq_norm, 1.0)), 0.0
+    )
     wrong = diff <= 0.0
     # The Hedge-weighted vote of the pairs (Theorem 2 bounds its mistakes).
     model.vote_mistakes += int(theta @ wrong >= 0.5)
@@ -108,14 +117,32 @@ def triplet_step(
         bool(new_tau.any()),
     )
     if new_tau.any():
-        slot = model.head
+        slot = evicted_slot(model, group)
+        written = model.support_size + model.projected  # support writes before this one
         if model.support_size == model.budget:
             project_slot(model, slot)
         model.img_side.put(slot, img_parts, i_m, (1.0, -1.0) if is_text else (1.0, 0.0))
         model.txt_side.put(slot, txt_parts, t_m, (1.0, 0.0) if is_text else (1.0, -1.0))
         model.tau[:, slot] = new_tau
-        model.head = (model.head + 1) % model.budget
+        model.slot_group[slot], model.slot_written[slot] = group, written
+        model.head = (slot + 1) % model.budget
         model.support_size = min(model.support_size + 1, model.budget)
+
+
+def evicted_slot(model: CMOMKS, group: int) -> int:
+    """The support slot a triplet of class ``group`` goes to: the next free one while the support
+    fills; once it is full, the paper's ring (``balanced_support=False``) overwrites the oldest
+    triplet, ``model.head``, and the balanced rule the oldest triplet of the class that holds the
+    most support triplets, the arriving one counted (of those classes, the oldest triplet, on a
+    tie): the arriving triplet's own class when it would hold the most, so the classes' shares
+    stay within one triplet of each other once each has had its share. An unlabelled stream is
+    one class, so there both rules evict the oldest triplet."""
+    if not model.balanced_support or model.support_size < model.budget:
+        return model.head
+    groups, counts = np.unique(np.append(model.slot_group, group), return_counts=True)
+    largest = np.isin(model.slot_group, groups[counts == counts.max()])
+    candidates = np.flatnonzero(largest)
+    return int(candidates[np.argmin(model.slot_written[candidates])])
 
 
 def project_slot(model: CMOMKS, slot: int) -> None:
@@ -126,19 +153,23 @@ def project_slot(model: CMOMKS, slot: int) -> None:
     model.projected += 1
 
 
-def triplet_rows(buffer: ReplayBuffer, query: int, is_text: bool, pos: int, neg: int) -> Triplet:
+def triplet_rows(
+    buffer: ReplayBuffer, query: int, is_text: bool, pos: int, neg: int, group: int = -1
+) -> Triplet:
     """The rows of a drawn triplet: the query's row twice on its side, the positive's and the
-    negative's on the other."""
+    negative's on the other; and ``group``, its class."""
     if is_text:
         return (
             np.vstack([buffer.img[pos], buffer.img[neg]]),
             np.vstack([buffer.txt[query], buffer.txt[query]]),
             True,
+            group,
         )
     return (
         np.vstack([buffer.img[query], buffer.img[query]]),
         np.vstack([buffer.txt[pos], buffer.txt[neg]]),
         False,
+        group,
     )
 
 
@@ -151,30 +182,37 @@ def learn_pair(
     stats: LearnStats,
 ) -> None:
     """:meth:`~streamxm.models.cmomks.CMOMKS.update`: the pair joins the landmark pool while it
-    fills, then its ``triplets_per_pair`` triplets (and during a burst ``rehearse`` more, whose
-    queries are remembered pairs) are learned, or wait for the pool to fill; the pair that fills
-    it closes the pool and the waiting triplets are learned in order."""
-    if not model.pool_full:
+    fills (one pair in ``pool_skip + 1``), then its ``triplets_per_pair`` triplets (and during a
+    burst ``rehearse`` more, whose queries are remembered pairs) are learned, or wait for the
+    pool to fill; the pair that fills it closes the pool (before, a pool filled while no triplet
+    waited, as a stream opening with one class has none, was never closed: no centring and no
+    projection until a restore) and the waiting triplets are learned in order."""
+    model.pairs_offered += 1
+    if not model.pool_full and (model.pairs_offered - 1) % (model.pool_skip + 1) == 0:
         model.img_side.add_to_pool(pair.img)
         model.txt_side.add_to_pool(pair.txt)
-    queries = [(slot, pair.labels, model.triplets_per_pair, stats)]
+        if model.pool_full:  # closed by the pair that fills it, whether triplets wait or not
+            model.img_side.close_pool()
+            model.txt_side.close_pool()
+    burst = model.pool_full and buffer.drawable() > buffer.recent
+    damped = model.C * (1.0 - model.burst_damping) if burst and model.burst_damping else None
+    queries = [(slot, pair.labels, model.triplets_per_pair, stats, damped)]
     # A burst: rehearse the rest (once learning has started: waiting triplets are counted).
-    if model.rehearse and model.pool_full and buffer.drawable() > buffer.recent:
+    if model.rehearse and burst:
         for q in rng.integers(buffer.recent, buffer.recent + buffer.stored, size=model.rehearse):
             labels = buffer.labels_at(int(q))
-            queries.append((int(q), labels, 1, LearnStats()))
-    for qslot, qlabels, count, qstats in queries:
+            queries.append((int(q), labels, 1, LearnStats(), None))
+    for qslot, qlabels, count, qstats, cap in queries:
         sampler = TripletSampler(buffer, qslot, qlabels)
+        group = qlabels[0] if qlabels else -1
         for is_text, pos, neg in sampler.directed(rng, count, model.n_triplets):
-            triplet = triplet_rows(buffer, qslot, is_text, pos, neg)
+            triplet = triplet_rows(buffer, qslot, is_text, pos, neg, group)
             model.n_triplets += 1
             if model.pool_full and not model._waiting:
-                model.learn_triplet(*triplet, qstats)
+                model.learn_triplet(*triplet[:3], qstats, group=triplet[3], cap=cap)
             else:
                 model._waiting.append(triplet)
     if model.pool_full and model._waiting:
-        model.img_side.close_pool()
-        model.txt_side.close_pool()
         waiting, model._waiting = model._waiting, []
         for triplet in waiting:
-            model.learn_triplet(*triplet, stats)
+            model.learn_triplet(*triplet[:3], stats, group=triplet[3])

@@ -1,9 +1,10 @@
 """CMOMKS's checkpoint as arrays (:meth:`~streamxm.models.cmomks.CMOMKS.state`,
 :meth:`~streamxm.models.cmomks.CMOMKS.load_state`).
 
-The arrays: ``tau``, ``A``, ``log_theta`` and ``kernel_mistakes``; per side (``img.``, ``txt.``)
-what :meth:`~streamxm.models.cmomks_support.KernelSide.state_arrays` keeps; and ``waiting.*``,
-the triplets drawn before the landmark pool filled, when there are any.
+The arrays: ``tau``, ``A``, ``log_theta``, ``kernel_mistakes`` and the support slots' classes and
+ages (``slot_group``, ``slot_written``); per side (``img.``, ``txt.``) what
+:meth:`~streamxm.models.cmomks_support.KernelSide.state_arrays` keeps; and ``waiting.*``, the
+triplets drawn before the landmark pool filled, when there are any.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ _LEARNED: ArrayAttributes = {
     **dict.fromkeys(("tau", "A", "log_theta"), np.float64),
     "kernel_mistakes": np.int64,
 }
+#: The support slots' classes and ages, which a checkpoint from before them lacks.
+_SLOTS: ArrayAttributes = dict.fromkeys(("slot_group", "slot_written"), np.int64)
 
 
 def model_state(model: CMOMKS) -> tuple[Arrays, dict[str, Any]]:
     """The checkpoint of ``model``: its arrays and its metadata (JSON-serialisable)."""
-    arrays = attribute_arrays(model, _LEARNED)
+    arrays = attribute_arrays(model, {**_LEARNED, **_SLOTS})
     for name, side in (("img", model.img_side), ("txt", model.txt_side)):
         arrays.update(side.state_arrays(name))
     arrays.update(_waiting_arrays(model._waiting))
@@ -41,6 +44,7 @@ def model_state(model: CMOMKS) -> tuple[Arrays, dict[str, Any]]:
         "projected": model.projected,
         "vote_mistakes": model.vote_mistakes,
         "pool_size": model.img_side.pool_size,
+        "pairs_offered": model.pairs_offered,
     }
 
 
@@ -52,7 +56,15 @@ def load_state(model: CMOMKS, arrays: Arrays, meta: dict[str, Any]) -> None:
     model.support_size, model.head = int(meta["support_size"]), int(meta["head"])
     model.n_triplets, model.projected = int(meta["n_triplets"]), int(meta["projected"])
     model.vote_mistakes = int(meta["vote_mistakes"])
+    model.pairs_offered = int(meta.get("pairs_offered", 0))  # from before: pool_skip 0, unread
     model._waiting = _waiting_from(arrays)
+    if "slot_group" in arrays:
+        restore_attribute_arrays(model, arrays, _SLOTS)
+    else:  # from before: unlabelled, aged in ring order (the oldest at ``head`` once full)
+        model.slot_group = np.full(model.budget, -1, dtype=np.int64)
+        ring = (np.arange(model.budget) - model.head) % model.budget
+        full = model.support_size == model.budget
+        model.slot_written = ring + model.projected if full else np.arange(model.budget)
 
 
 def _waiting_arrays(waiting: list[Triplet]) -> Arrays:
@@ -63,14 +75,17 @@ def _waiting_arrays(waiting: list[Triplet]) -> Arrays:
         "waiting.img": np.stack([w[0] for w in waiting]),
         "waiting.txt": np.stack([w[1] for w in waiting]),
         "waiting.is_text": np.array([w[2] for w in waiting]),
+        "waiting.group": np.array([w[3] for w in waiting], dtype=np.int64),
     }
 
 
 def _waiting_from(arrays: Arrays) -> list[Triplet]:
-    """The waiting triplets of :func:`_waiting_arrays`."""
+    """The waiting triplets of :func:`_waiting_arrays` (from before their classes: -1)."""
     if "waiting.is_text" not in arrays:
         return []
+    flags = arrays["waiting.is_text"]
+    groups = arrays.get("waiting.group", np.full(len(flags), -1, dtype=np.int64))
     return [
-        (arrays["waiting.img"][i], arrays["waiting.txt"][i], bool(flag))
-        for i, flag in enumerate(arrays["waiting.is_text"])
+        (arrays["waiting.img"][i], arrays["waiting.txt"][i], bool(flag), int(groups[i]))
+        for i, flag in enumerate(flags)
     ]
