@@ -184,9 +184,8 @@ def learn_pair(
     """:meth:`~streamxm.models.cmomks.CMOMKS.update`: the pair joins the landmark pool while it
     fills (one pair in ``pool_skip + 1``), then its ``triplets_per_pair`` triplets (and during a
     burst ``rehearse`` more, whose queries are remembered pairs) are learned, or wait for the
-    pool to fill; the pair that fills it closes the pool (before, a pool filled while no triplet
-    waited, as a stream opening with one class has none, was never closed: no centring and no
-    projection until a restore) and the waiting triplets are learned in order."""
+    pool to fill; the pair that fills it closes the pool, whether triplets wait or not (a stream
+    opening with one class draws none), and the waiting triplets are learned in order."""
     model.pairs_offered += 1
     if not model.pool_full and (model.pairs_offered - 1) % (model.pool_skip + 1) == 0:
         model.img_side.add_to_pool(pair.img)

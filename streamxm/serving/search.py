@@ -188,8 +188,12 @@ class Searcher:
         running: dict[int, tuple[Generator[Step, Any, SearchAnswer], Step]] = {}
 
         def advance(i: int, steps: Generator[Step, Any, SearchAnswer], sent: Any) -> None:
+            """Send query ``i`` what its last step gave (an error ends it: its answer)."""
             try:
-                running[i] = (steps, steps.send(sent))
+                running[i] = (
+                    steps,
+                    steps.throw(sent) if isinstance(sent, Exception) else steps.send(sent),
+                )
             except StopIteration as done:
                 running.pop(i, None)
                 answers[i] = done.value
@@ -208,10 +212,7 @@ class Searcher:
                 try:
                     done = step.run()
                 except Exception as exc:
-                    steps.close()
-                    running.pop(i)
-                    answers[i] = exc
-                    continue
+                    done = exc
                 advance(i, steps, done)
             for group in scans.values():
                 asked = [cast(Scan, running[i][1]) for i in group]
@@ -223,11 +224,7 @@ class Searcher:
                 except Exception as exc:
                     found = [exc] * len(group)
                 for i, its in zip(group, found, strict=True):
-                    if isinstance(its, Exception):
-                        running.pop(i)[0].close()
-                        answers[i] = its
-                    else:
-                        advance(i, running[i][0], its)
+                    advance(i, running[i][0], its)
         return [a if a is not None else RuntimeError("no answer") for a in answers]
 
     async def search_async(

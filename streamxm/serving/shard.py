@@ -291,16 +291,9 @@ class GalleryShard:
         log.info("shard %d: %s version %d applied in %.2f s", self.part.index, name, version, took)
         return AppliedVersion(name, version, took, len(gallery))
 
-    def search(self, query: ShardQuery) -> ShardAnswer:
-        """This part's top ``k`` by the versions ``query`` names (a model's, or every
-        ensemble member's)."""
-        answer = self.search_many([query])[0]
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
     def search_many(self, queries: Sequence[ShardQuery]) -> list[ShardAnswer | Exception]:
-        """:meth:`search` of a batch of queries on this thread, their scans together
+        """This part's top ``k`` of each query by the versions it names (a model's, or every
+        ensemble member's), the batch on this thread with its scans together
         (:meth:`~streamxm.serving.search.Searcher.search_many`); a query's error is its
         answer."""
         if not self.caught_up:
