@@ -16,11 +16,12 @@ import redis
 from numpy.typing import NDArray
 
 from streamxm import models
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.config import Settings
 from streamxm.learning.stream_learner import model_from_state
 from streamxm.models import (
     CrossModalModel,
+    Example,
+    History,
     LearnStats,
     model_class,
     register_model,
@@ -29,7 +30,6 @@ from streamxm.models import (
 )
 from streamxm.models.ensemble import parse_ensemble
 from streamxm.service import build_worker, open_store
-from streamxm.stream.messages import Pair
 from streamxm.stream.producer import StreamProducer
 from tests.conftest import IMG, TXT, ApiServer, class_stream, wait_for
 
@@ -46,16 +46,11 @@ class PullTogether(CrossModalModel, name="pull-together"):
         self.a_ = rng.standard_normal((dim, img_dim)) / np.sqrt(img_dim)
         self.b_ = rng.standard_normal((dim, txt_dim)) / np.sqrt(txt_dim)
 
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
         x, y = pair.img.astype(np.float64), pair.txt.astype(np.float64)
-        other = buffer.txt[int(rng.integers(len(buffer)))].astype(np.float64)
+        other = history.txt[int(rng.integers(len(history)))].astype(np.float64)
         mine, theirs = (self.a_ @ x) @ (self.b_ @ y), (self.a_ @ x) @ (self.b_ @ other)
         stats.add("i2t", bool(theirs >= mine), 0.0, True)
         a, b = self.a_ @ x, self.b_ @ y

@@ -13,7 +13,7 @@ import redis
 import torch
 
 from streamxm.config import Settings
-from streamxm.learning.stream_learner import StreamLearner
+from streamxm.learning.stream_learner import StreamLearner, example_of
 from streamxm.models import LearnStats, create_model
 from streamxm.models.optim import nesterov_step
 from streamxm.models.sam import (
@@ -273,8 +273,9 @@ def test_stream_clock_steps_and_reservoir() -> None:
     pairs = class_stream(200, 6, 5, seed=3)
     rng, stats = np.random.default_rng(0), LearnStats()
     buf = StreamLearner("cmos", 6, 5).buffer
-    for p in pairs:
-        m.update(p, buf.add(p), buf, rng, stats)
+    for example in map(example_of, pairs):
+        buf.add(example)
+        m.learn_one(example, buf, rng, stats)
     assert m.steps == 200 // 3 and len(m.pending) == 200 % 3
     # Batches grow with the reservoir up to batch_size; the clock counts rows / epoch_pairs.
     rows = sum(min(3 + min(3 * i, 64), 16) for i in range(m.steps))
@@ -295,8 +296,9 @@ def test_standardisation_learns_from_the_first_scale_pairs_then_stays(
     m = SAM(6, 5, **SMALL, scale_pairs=scale_pairs)
     rng, stats = np.random.default_rng(0), LearnStats()
     buf = StreamLearner("cmos", 6, 5).buffer
-    for p in pairs:
-        m.update(p, buf.add(p), buf, rng, stats)
+    for example in map(example_of, pairs):
+        buf.add(example)
+        m.learn_one(example, buf, rng, stats)
     kept = pairs[: scale_pairs or len(pairs)]
     reference = SAM(6, 5, **SMALL, epochs=0, scale_pairs=scale_pairs)
     reference.fit(kept, np.random.default_rng(0), LearnStats())

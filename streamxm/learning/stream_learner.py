@@ -26,9 +26,17 @@ from streamxm.learning.evaluation import average_precision
 from streamxm.learning.schedule import EvalEvery, EvaluationSchedule
 from streamxm.models import DIRECTIONS, CrossModalModel, LearnStats, create_model, model_class
 from streamxm.models.heads import SlotFeatures
+from streamxm.models.history import Example
 from streamxm.stream.messages import Pair
 
-__all__ = ["UPDATE_BUCKETS", "LearnFailed", "StreamLearner", "default_memory", "model_from_state"]
+__all__ = [
+    "UPDATE_BUCKETS",
+    "LearnFailed",
+    "StreamLearner",
+    "default_memory",
+    "example_of",
+    "model_from_state",
+]
 
 #: Upper bounds (seconds) of the per-pair update latency histogram.
 UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
@@ -36,6 +44,11 @@ UPDATE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0,
 
 def _eval_every(value: Any) -> EvalEvery:
     return "auto" if value == "auto" else int(value)
+
+
+def example_of(pair: Pair) -> Example:
+    """The arrays a model learns from, of a pair in the wire format."""
+    return Example(pair.img, pair.txt, pair.labels)
 
 
 def default_memory(model: CrossModalModel, capacity: int) -> int:
@@ -184,7 +197,7 @@ class StreamLearner:
         """Apply whatever learning the model has deferred (see :meth:`CrossModalModel.flush`)."""
         self.model.flush(self.stats)
 
-    def _evaluate_before_learning(self, pair: Pair) -> None:
+    def _evaluate_before_learning(self, pair: Example) -> None:
         self.flush()  # deferred learning: the learner's time, not the evaluation's
         start = time.perf_counter()
         self._score(pair)
@@ -192,7 +205,7 @@ class StreamLearner:
         self.schedule.scored(self.pairs_seen, self.model)
         self.evaluation_seconds += time.perf_counter() - start
 
-    def _score(self, pair: Pair) -> None:
+    def _score(self, pair: Example) -> None:
         # The newest pairs of the ring: the memory holds copies of some of them.
         order = self.buffer.order()[self.buffer.stored :][-self.eval_gallery :]
         relevant = np.zeros(len(order) + 1, dtype=bool)
@@ -216,13 +229,14 @@ class StreamLearner:
             if pair.img.shape[0] != self.img_dim or pair.txt.shape[0] != self.txt_dim:
                 raise ValueError(f"pair {pair.id!r} has dimensions other than the learner's")
             start = time.perf_counter()
+            example = example_of(pair)
             try:
                 raise_point("learn", pair.id)
                 if self.schedule.due(self.pairs_seen) and len(self.buffer) > 0:
-                    self._evaluate_before_learning(pair)
-                slot = self.buffer.add(pair)
+                    self._evaluate_before_learning(example)
+                self.buffer.add(example)
                 self.pairs_in_burst += self.buffer.bursty()
-                self.model.update(pair, slot, self.buffer, self.rng, self.stats)
+                self.model.learn_one(example, self.buffer, self.rng, self.stats)
             except Exception as exc:  # any bug or MemoryError: the caller must know where
                 raise LearnFailed(index, pair.id, exc) from exc
             self.drift.follow(
@@ -245,9 +259,10 @@ class StreamLearner:
     def fit(self, pairs: Sequence[Pair]) -> None:
         """Batch training for models with a batch fit (the ``offline`` protocol); the pairs also
         fill the replay buffer, as a stream of them would."""
-        for pair in pairs:
-            self.buffer.add(pair)
-        self.model.fit(list(pairs), self.rng, self.stats)
+        examples = [example_of(pair) for pair in pairs]
+        for example in examples:
+            self.buffer.add(example)
+        self.model.fit(examples, self.rng, self.stats)
         self.pairs_seen += len(pairs)
         self.pairs_unlabelled += sum(not p.labels for p in pairs)
 

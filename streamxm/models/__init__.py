@@ -25,6 +25,7 @@ from streamxm.models.base import DIRECTIONS, CrossModalModel, LearnStats
 from streamxm.models.cca import CCA
 from streamxm.models.cmomks import CMOMKS
 from streamxm.models.cmos import CMOS
+from streamxm.models.history import Example, History
 from streamxm.models.marginal import MarginalMatching
 from streamxm.models.pairwise import PairwiseLogistic
 from streamxm.models.scsm import SCSM
@@ -35,6 +36,8 @@ __all__ = [
     "MODELS",
     "MODEL_NAMES",
     "CrossModalModel",
+    "Example",
+    "History",
     "LearnStats",
     "check_params",
     "create_model",

@@ -11,14 +11,16 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.embedding import EmbeddingKind, IndexUpdate, Towers
 from streamxm.models.heads import SlotFeatures, unit_features
-from streamxm.stream.messages import Pair
+from streamxm.models.history import Example, History
+from streamxm.models.sampling import TripletSampler
 
 __all__ = [
     "DIRECTIONS",
     "CrossModalModel",
+    "Example",
+    "History",
     "IndexUpdate",
     "LearnStats",
     "MergeParts",
@@ -79,8 +81,11 @@ class CrossModalModel(ABC):
     (``class CMOS(CrossModalModel, name="cmos")``, with ``online``, ``shared_space`` and
     ``batch_fit`` when they differ from the defaults) and implement the abstract methods.
 
-    Online models (``online = True``) learn pair by pair through :meth:`update`; the learner
-    stores the pair in the replay buffer first, so the model can draw triplets from it.
+    Online models (``online = True``) learn pair by pair through :meth:`learn_one`: the pair
+    as arrays (:class:`~streamxm.models.history.Example`) and the stored pairs as a read-only
+    :class:`~streamxm.models.history.History`, which already holds the pair (at its
+    ``newest`` slot), so the model can draw triplets, partners or replays from it. The replay
+    buffer, its slots and the wire format belong to the learning layer.
 
     Counting its work and merging the ranks of a distributed learner are opt-ins
     (:mod:`streamxm.models.opt_in`: :class:`~streamxm.models.opt_in.CountsWork`,
@@ -146,15 +151,10 @@ class CrossModalModel(ABC):
         return self.params()
 
     @abstractmethod
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, example: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
-        """Learn from one arriving pair, already stored at ``slot`` of ``buffer``."""
+        """Learn from one arriving pair, already stored at ``history.newest``."""
 
     def flush(self, stats: LearnStats) -> None:
         """Apply any learning the model has deferred, recording it in ``stats``.
@@ -184,10 +184,10 @@ class CrossModalModel(ABC):
         return a @ b.T
 
     def evaluation_scores(
-        self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp], kept: SlotFeatures
+        self, pair: Example, history: History, rows: NDArray[np.intp], kept: SlotFeatures
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """The rolling evaluation's scores, before the model learns ``pair``: its image against
-        its own text and the texts stored at ``rows`` of ``buffer`` (i2t), and its text against
+        its own text and the texts stored at ``rows`` of ``history`` (i2t), and its text against
         its own image and those images (t2i); item 0 is the pair itself.
 
         A model with linear heads scores the stored pairs from their features kept in ``kept``
@@ -197,8 +197,8 @@ class CrossModalModel(ABC):
         kind = self.embedding()
         image_head, text_head = kind.head("image"), kind.head("text")
         if image_head is None or text_head is None:
-            imgs = np.vstack([pair.img[None, :], buffer.img[rows]])
-            txts = np.vstack([pair.txt[None, :], buffer.txt[rows]])
+            imgs = np.vstack([pair.img[None, :], history.img[rows]])
+            txts = np.vstack([pair.txt[None, :], history.txt[rows]])
             return (
                 self.similarity(pair.img[None, :], txts)[0],
                 self.similarity(imgs, pair.txt[None, :])[:, 0],
@@ -212,7 +212,7 @@ class CrossModalModel(ABC):
             stored = np.concatenate(
                 [
                     head.embed_float32(run)
-                    for run in kept.runs(head.features, modality, buffer, rows)
+                    for run in kept.runs(head.features, modality, history, rows)
                 ]
             )
             sides.append((own, stored.astype(np.float64)))
@@ -240,7 +240,7 @@ class CrossModalModel(ABC):
     #: Whether the model has a batch :meth:`fit` (the ``offline`` benchmark protocol uses it).
     batch_fit: ClassVar[bool] = False
 
-    def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
+    def fit(self, pairs: list[Example], rng: np.random.Generator, stats: LearnStats) -> None:
         """Learn from a whole training set at once (models with ``batch_fit`` only)."""
         raise NotImplementedError(f"{self.name} learns from the stream only")
 
@@ -291,26 +291,25 @@ def require(values: dict[str, Any], **rules: str) -> None:
 
 def observe_triplet(
     model: CrossModalModel,
-    pair: Pair,
-    slot: int,
-    buffer: ReplayBuffer,
+    pair: Example,
+    history: History,
     rng: np.random.Generator,
     stats: LearnStats,
 ) -> None:
     """Score one triplet of the arriving pair with the current model and record it, without
     learning from it: the mistake metrics of models whose updates are not per triplet.
 
-    The triplet is drawn as the online models draw theirs (:class:`~streamxm.buffer.replay.
+    The triplet is drawn as the online models draw theirs (:class:`~streamxm.models.sampling.
     TripletSampler`, directions alternating over the stream); its loss is the zero-margin hinge
     ``max(0, s(q, n) - s(q, p))``, since such models have no margin of their own.
     """
-    sampler = TripletSampler(buffer, slot, pair.labels)
+    sampler = TripletSampler(history, history.newest, pair.labels)
     for is_text, pos, neg in sampler.directed(rng, 1, sum(stats.triplets.values())):
         if is_text:
             query = model.embed_texts(pair.txt[None, :])
-            items = model.embed_images(buffer.img[[pos, neg]])
+            items = model.embed_images(history.img[[pos, neg]])
         else:
             query = model.embed_images(pair.img[None, :])
-            items = model.embed_texts(buffer.txt[[pos, neg]])
+            items = model.embed_texts(history.txt[[pos, neg]])
         s_pos, s_neg = (items.astype(np.float64) @ query[0].astype(np.float64)).tolist()
         stats.add("t2i" if is_text else "i2t", s_pos - s_neg <= 0, max(0.0, s_neg - s_pos), False)

@@ -12,7 +12,6 @@ from numpy.typing import NDArray
 from scipy.linalg import solve_triangular
 from scipy.linalg.blas import dtrsm
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import (
     Arrays,
     LearnStats,
@@ -22,6 +21,7 @@ from streamxm.models.base import (
 )
 from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, power_features
+from streamxm.models.history import Example, History
 from streamxm.models.moments import (
     ResolveSchedule,
     RunningMoments,
@@ -36,7 +36,6 @@ from streamxm.models.moments import (
 from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.models.work import Work, elementwise, gemm
-from streamxm.stream.messages import Pair
 
 __all__ = ["CCA"]
 
@@ -132,18 +131,13 @@ class CCA(CountsWork, MergesRanks, name="cca", online=False, shared_space=True):
         self.correlations = np.zeros(self.k)
         self.solves = 0
 
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
         # CCA learns no triplets; once it has solved, one is scored before the update for the
         # mistake metrics and the drift detector (the model itself never reads the RNG).
         if self.solves:
-            observe_triplet(self, pair, slot, buffer, rng, stats)
+            observe_triplet(self, pair, history, rng, stats)
         self.moments.add(
             power_normalize(pair.img, self.power), power_normalize(pair.txt, self.power)
         )

@@ -16,16 +16,15 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models import cmomks_state, cmomks_work
 from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.models.cmomks_learning import Triplet, image_terms, learn_pair, triplet_step
 from streamxm.models.cmomks_support import KernelSide
 from streamxm.models.embedding import EmbeddingKind, IndexUpdate, KernelTerms
+from streamxm.models.history import Example, History
 from streamxm.models.opt_in import CountsWork
 from streamxm.models.work import Work
-from streamxm.stream.messages import Pair
 
 __all__ = ["CMOMKS", "KernelPair", "default_kernels"]
 
@@ -293,15 +292,10 @@ class CMOMKS(CountsWork, name="cmomks"):
         (:func:`~streamxm.models.cmomks_learning.triplet_step`)."""
         triplet_step(self, img_rows, txt_rows, is_text, stats, group, cap)
 
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
-        learn_pair(self, pair, slot, buffer, rng, stats)
+        learn_pair(self, pair, history, rng, stats)
 
     # -- serving -----------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.array_types import F64
 from streamxm.models.base import LearnStats
 from streamxm.models.cmomks_support import KernelSide
-from streamxm.stream.messages import Pair
+from streamxm.models.history import Example, History
+from streamxm.models.sampling import TripletSampler
 
 if TYPE_CHECKING:
     from streamxm.models.cmomks import CMOMKS
@@ -154,20 +154,20 @@ def project_slot(model: CMOMKS, slot: int) -> None:
 
 
 def triplet_rows(
-    buffer: ReplayBuffer, query: int, is_text: bool, pos: int, neg: int, group: int = -1
+    history: History, query: int, is_text: bool, pos: int, neg: int, group: int = -1
 ) -> Triplet:
     """The rows of a drawn triplet: the query's row twice on its side, the positive's and the
     negative's on the other; and ``group``, its class."""
     if is_text:
         return (
-            np.vstack([buffer.img[pos], buffer.img[neg]]),
-            np.vstack([buffer.txt[query], buffer.txt[query]]),
+            np.vstack([history.img[pos], history.img[neg]]),
+            np.vstack([history.txt[query], history.txt[query]]),
             True,
             group,
         )
     return (
-        np.vstack([buffer.img[query], buffer.img[query]]),
-        np.vstack([buffer.txt[pos], buffer.txt[neg]]),
+        np.vstack([history.img[query], history.img[query]]),
+        np.vstack([history.txt[pos], history.txt[neg]]),
         False,
         group,
     )
@@ -175,13 +175,12 @@ def triplet_rows(
 
 def learn_pair(
     model: CMOMKS,
-    pair: Pair,
-    slot: int,
-    buffer: ReplayBuffer,
+    pair: Example,
+    history: History,
     rng: np.random.Generator,
     stats: LearnStats,
 ) -> None:
-    """:meth:`~streamxm.models.cmomks.CMOMKS.update`: the pair joins the landmark pool while it
+    """:meth:`~streamxm.models.cmomks.CMOMKS.learn_one`: the pair joins the landmark pool while it
     fills (one pair in ``pool_skip + 1``), then its ``triplets_per_pair`` triplets (and during a
     burst ``rehearse`` more, whose queries are remembered pairs) are learned, or wait for the
     pool to fill; the pair that fills it closes the pool, whether triplets wait or not (a stream
@@ -193,19 +192,19 @@ def learn_pair(
         if model.pool_full:  # closed by the pair that fills it, whether triplets wait or not
             model.img_side.close_pool()
             model.txt_side.close_pool()
-    burst = model.pool_full and buffer.drawable() > buffer.recent
+    burst = model.pool_full and history.drawable() > history.recent
     damped = model.C * (1.0 - model.burst_damping) if burst and model.burst_damping else None
-    queries = [(slot, pair.labels, model.triplets_per_pair, stats, damped)]
+    queries = [(history.newest, pair.labels, model.triplets_per_pair, stats, damped)]
     # A burst: rehearse the rest (once learning has started: waiting triplets are counted).
     if model.rehearse and burst:
-        for q in rng.integers(buffer.recent, buffer.recent + buffer.stored, size=model.rehearse):
-            labels = buffer.labels_at(int(q))
+        for q in rng.integers(history.recent, history.recent + history.stored, size=model.rehearse):
+            labels = history.labels_at(int(q))
             queries.append((int(q), labels, 1, LearnStats(), None))
     for qslot, qlabels, count, qstats, cap in queries:
-        sampler = TripletSampler(buffer, qslot, qlabels)
+        sampler = TripletSampler(history, qslot, qlabels)
         group = qlabels[0] if qlabels else -1
         for is_text, pos, neg in sampler.directed(rng, count, model.n_triplets):
-            triplet = triplet_rows(buffer, qslot, is_text, pos, neg, group)
+            triplet = triplet_rows(history, qslot, is_text, pos, neg, group)
             model.n_triplets += 1
             if model.pool_full and not model._waiting:
                 model.learn_triplet(*triplet[:3], qstats, group=triplet[3], cap=cap)

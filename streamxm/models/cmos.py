@@ -14,7 +14,6 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models import cmos_state, cmos_work
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.cmos_updates import (
@@ -26,9 +25,9 @@ from streamxm.models.cmos_updates import (
 )
 from streamxm.models.embedding import EmbeddingKind, fixed_space_or_towers
 from streamxm.models.heads import SlotFeatures
+from streamxm.models.history import Example, History
 from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.work import Work
-from streamxm.stream.messages import Pair
 
 __all__ = ["CMOS"]
 
@@ -67,7 +66,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         one triplet at a time with ``V`` formed explicitly (the baseline of
         ``streamxm bench throughput`` and the oracle of the tests).
     replay : int, default=2
-        Extra triplets per pair, during a burst, whose query is a pair of the buffer's memory,
+        Extra triplets per pair, during a burst, whose query is a pair of the history's memory,
         ``>= 0`` (0: the paper's rule; nothing is replayed outside a burst or without a memory).
     burst_damping : float, default=0.5
         During a burst, the arriving pair's triplets step with the cap ``C (1 - burst_damping)``
@@ -270,15 +269,10 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         (:func:`~streamxm.models.cmos_updates.add_outer_products`)."""
         add_outer_products(self.W, left, tau, right)
 
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
-        queue_pair(self, pair, slot, buffer, rng, stats)
+        queue_pair(self, pair, history, rng, stats)
 
     # -- serving ---------------------------------------------------------------------------
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
@@ -299,16 +293,16 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         return np.asarray(a @ (self.W @ b.T))
 
     def evaluation_scores(
-        self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp], kept: SlotFeatures
+        self, pair: Example, history: History, rows: NDArray[np.intp], kept: SlotFeatures
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """``W`` multiplied into the arriving pair's side, once per direction, in ``W``'s dtype
         (a float64 operand would copy ``W`` at every call); the stored rows enter through the
-        norms the buffer keeps: ``psi(t) . q = (t . q) / ||t|| - mean . q``."""
+        norms the history keeps: ``psi(t) . q = (t . q) / ||t|| - mean . q``."""
         self.flush(self._stats)
         image_query = (self.map_images(pair.img).astype(self.W.dtype) @ self.W).astype(np.float64)
         text_query = (self.W @ self.map_texts(pair.txt).astype(self.W.dtype)).astype(np.float64)
-        i2t = self._stored_scores(buffer.txt, buffer.txt_norm, rows, image_query, self.txt_sum)
-        t2i = self._stored_scores(buffer.img, buffer.img_norm, rows, text_query, self.img_sum)
+        i2t = self._stored_scores(history.txt, history.txt_norm, rows, image_query, self.txt_sum)
+        t2i = self._stored_scores(history.img, history.img_norm, rows, text_query, self.img_sum)
         return (
             np.concatenate([[self.map_texts(pair.txt) @ image_query], i2t]),
             np.concatenate([[self.map_images(pair.img) @ text_query], t2i]),

@@ -12,9 +12,9 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.linalg.blas import get_blas_funcs
 
-from streamxm.buffer.replay import ReplayBuffer, TripletSampler
 from streamxm.models.base import LearnStats
-from streamxm.stream.messages import Pair
+from streamxm.models.history import Example, History
+from streamxm.models.sampling import TripletSampler
 
 if TYPE_CHECKING:
     from streamxm.models.cmos import CMOS
@@ -100,13 +100,12 @@ def add_outer_products(
 
 def queue_pair(
     model: CMOS,
-    pair: Pair,
-    slot: int,
-    buffer: ReplayBuffer,
+    pair: Example,
+    history: History,
     rng: np.random.Generator,
     stats: LearnStats,
 ) -> None:
-    """:meth:`~streamxm.models.cmos.CMOS.update`: the pair joins the centring sums, its
+    """:meth:`~streamxm.models.cmos.CMOS.learn_one`: the pair joins the centring sums, its
     ``triplets_per_pair`` triplets (during a burst with the damped cap ``C (1 -
     burst_damping)``, and ``replay`` more at ``C``) are queued, and a full queue is flushed."""
     model._stats = stats
@@ -115,32 +114,32 @@ def queue_pair(
     model.txt_sum += txt
     model.n_seen += 1
     v, t = img - model._mean(model.img_sum), txt - model._mean(model.txt_sum)
-    burst = buffer.drawable() > buffer.recent
+    burst = history.drawable() > history.recent
     cap = model.C * (1.0 - model.burst_damping) if burst else model.C
-    sampler = TripletSampler(buffer, slot, pair.labels)
+    sampler = TripletSampler(history, history.newest, pair.labels)
     for is_text, pos, neg in sampler.directed(rng, model.triplets_per_pair, model.n_triplets):
-        _queue_drawn(model, buffer, is_text, pos, neg, t if is_text else v, cap)
+        _queue_drawn(model, history, is_text, pos, neg, t if is_text else v, cap)
     if model.replay and burst:  # rehearse the rest
-        _rehearse(model, buffer, rng)
+        _rehearse(model, history, rng)
     if model._queued >= model.flush_every:
         model.flush(stats)
 
 
-def _rehearse(model: CMOS, buffer: ReplayBuffer, rng: np.random.Generator) -> None:
-    """``replay`` triplets whose query is a remembered pair (the buffer's class-balanced
+def _rehearse(model: CMOS, history: History, rng: np.random.Generator) -> None:
+    """``replay`` triplets whose query is a remembered pair (the history's class-balanced
     memory), so that classes no longer arriving keep being learned as queries too."""
     for _ in range(model.replay):
-        q = buffer.recent + int(rng.integers(buffer.stored))
-        labels = buffer.labels_at(q)
-        sampler = TripletSampler(buffer, q, labels)
+        q = history.recent + int(rng.integers(history.stored))
+        labels = history.labels_at(q)
+        sampler = TripletSampler(history, q, labels)
         for is_text, pos, neg in sampler.directed(rng, 1, model.n_triplets):
-            query = model.map_texts(buffer.txt[q]) if is_text else model.map_images(buffer.img[q])
-            _queue_drawn(model, buffer, is_text, pos, neg, query)
+            query = model.map_texts(history.txt[q]) if is_text else model.map_images(history.img[q])
+            _queue_drawn(model, history, is_text, pos, neg, query)
 
 
 def _queue_drawn(
     model: CMOS,
-    buffer: ReplayBuffer,
+    history: History,
     is_text: bool,
     pos: int,
     neg: int,
@@ -148,15 +147,15 @@ def _queue_drawn(
     cap: float | None = None,
 ) -> None:
     """Queue a drawn triplet whose query maps to ``query``, the positive and the negative at
-    buffer slots ``pos`` and ``neg``, with the PA cap ``cap`` (default ``C``). Mean-centring
+    history slots ``pos`` and ``neg``, with the PA cap ``cap`` (default ``C``). Mean-centring
     cancels in a difference, so the normalised rows suffice there (their norms are cached by
-    the buffer)."""
+    the history)."""
     l2 = model.normalize == "l2"
     if is_text:
-        diff = _row_diff(buffer.img, buffer.img_norm, pos, neg, l2)
+        diff = _row_diff(history.img, history.img_norm, pos, neg, l2)
         model._enqueue(diff, query, is_text=True, cap=cap)
     else:
-        diff = _row_diff(buffer.txt, buffer.txt_norm, pos, neg, l2)
+        diff = _row_diff(history.txt, history.txt_norm, pos, neg, l2)
         model._enqueue(query, diff, is_text=False, cap=cap)
     model.n_triplets += 1
 

@@ -27,8 +27,8 @@ from typing import ClassVar, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.array_types import F32, F64
+from streamxm.models.history import History
 from streamxm.models.moments import power_normalize
 from streamxm.models.work import Work, elementwise, gemm
 
@@ -328,7 +328,7 @@ def unit_features(fmap: FeatureMap | None, x: NDArray[np.floating]) -> F32:
 
 
 class SlotFeatures:
-    """Features of a replay buffer's stored pairs under a head's feature map, one row per slot,
+    """Features of a replay history's stored pairs under a head's feature map, one row per slot,
     kept until the slot is written again or the map changes: the rolling evaluation scores the
     newest stored pairs at each evaluated pair, and their features do not change between the
     model's versions. The rows gone stale since the last call are computed together, one
@@ -341,41 +341,41 @@ class SlotFeatures:
         self._kept: dict[str, tuple[tuple[object, ...], F32, NDArray[np.int64]]] = {}
 
     def features(
-        self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer, rows: NDArray[np.intp]
+        self, fmap: FeatureMap | None, modality: str, history: History, rows: NDArray[np.intp]
     ) -> F32:
         """The features of the pairs stored at ``rows`` (a copy, in their order)."""
-        return self._current(fmap, modality, buffer, rows)[rows]
+        return self._current(fmap, modality, history, rows)[rows]
 
     def runs(
-        self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer, rows: NDArray[np.intp]
+        self, fmap: FeatureMap | None, modality: str, history: History, rows: NDArray[np.intp]
     ) -> list[F32]:
         """:meth:`features` in pieces whose concatenation is the rows' features: one view of
         the kept rows per run of consecutive slots when there are at most two, as the ring's
         newest pairs are in any rotation (nothing copied); otherwise one gathered copy."""
-        values = self._current(fmap, modality, buffer, rows)
+        values = self._current(fmap, modality, history, rows)
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         if len(breaks) > 1 or not len(rows):
             return [values[rows]]
         return [values[int(run[0]) : int(run[-1]) + 1] for run in np.split(rows, breaks)]
 
     def _current(
-        self, fmap: FeatureMap | None, modality: str, buffer: ReplayBuffer, rows: NDArray[np.intp]
+        self, fmap: FeatureMap | None, modality: str, history: History, rows: NDArray[np.intp]
     ) -> F32:
         """The kept features, one row per slot, with those of ``rows`` made current."""
-        stored = buffer.img if modality == "image" else buffer.txt
+        stored = history.img if modality == "image" else history.txt
         key = fmap.key if fmap is not None else ()
         kept = self._kept.get(modality)
-        if kept is None or kept[0] != key or len(kept[2]) != buffer.capacity:
+        if kept is None or kept[0] != key or len(kept[2]) != history.capacity:
             width = unit_features(fmap, stored[0]).shape[1]
             kept = (
                 key,
-                np.zeros((buffer.capacity, width), dtype=np.float32),
-                np.zeros(buffer.capacity, dtype=np.int64),
+                np.zeros((history.capacity, width), dtype=np.float32),
+                np.zeros(history.capacity, dtype=np.int64),
             )  # versions start at 1
             self._kept[modality] = kept
         _, values, versions = kept
-        stale = np.unique(rows[versions[rows] != buffer.versions[rows]])
+        stale = np.unique(rows[versions[rows] != history.versions[rows]])
         if len(stale):
             values[stale] = unit_features(fmap, stored[stale])
-            versions[stale] = buffer.versions[stale]
+            versions[stale] = history.versions[stale]
         return values

@@ -12,18 +12,17 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.special import softmax
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
 from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, power_features
+from streamxm.models.history import Example, History
 from streamxm.models.moments import append_constant, power_normalize, power_normalize_work
 from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.optim import adagrad_step, adagrad_work
 from streamxm.models.slots import SlotRows
 from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.models.work import Work, elementwise, gemm
-from streamxm.stream.messages import Pair
 
 __all__ = ["MarginalMatching"]
 
@@ -175,34 +174,30 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
                 setattr(self, key, np.hstack([w, np.zeros((w.shape[0], grow))]))
         return cols
 
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
         if not pair.labels:
             self.skipped_unlabelled += 1
             return
+        slot = history.newest
         slots, labels = [slot], [pair.labels]
         lr = self.lr
         if self.replay:
-            drawable = buffer.drawable()
-            labelled = np.flatnonzero(buffer.labelled(drawable))
-            labelled = labelled[~np.isin(labelled, buffer.others(slot, drawable))]
+            drawable = history.drawable()
+            labelled = np.flatnonzero(history.labelled(drawable))
+            labelled = labelled[~np.isin(labelled, history.others(slot, drawable))]
             if labelled.size:
                 # In a burst the ring holds the arriving class: draw every class as often as it
                 # arrived in the whole stream (from the ring and the memory), not as the ring
                 # does.
-                mix = buffer.stream_mix(labelled) if drawable > buffer.recent else None
+                mix = history.stream_mix(labelled) if drawable > history.recent else None
                 lr = self.lr * (1.0 + self.burst_boost) if mix is not None else lr
                 drawn = rng.choice(labelled, size=self.replay, p=mix)
                 slots += drawn.tolist()
-                labels += buffer.labels_of(drawn)
+                labels += history.labels_of(drawn)
         fx, fy = self._stored.rows(
-            buffer, np.asarray(slots, dtype=np.intp), self._features, self._features
+            history, np.asarray(slots, dtype=np.intp), self._features, self._features
         )
         self._learn_features(fx, fy, labels, stats, lr)
 

@@ -11,10 +11,10 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.embedding import EmbeddingKind, fixed_space_or_towers
 from streamxm.models.heads import SlotFeatures
+from streamxm.models.history import Example, History
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.opt_in import MergesRanks
 from streamxm.models.optim import adagrad_outer_step
@@ -28,7 +28,6 @@ from streamxm.models.pairwise_partners import (
 )
 from streamxm.models.pairwise_work import PairwiseWork
 from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
-from streamxm.stream.messages import Pair
 
 __all__ = ["INPUT_RULES", "PairwiseLogistic"]
 
@@ -220,13 +219,8 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         w = self.pos_weight
         return w if w != "auto" else INPUT_RULES[self.inputs_ or "histogram"][1]
 
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
         if self.inputs_ is None:  # "auto"'s pick: histograms keep the Wikipedia rule
             signed = min(float(np.min(pair.img)), float(np.min(pair.txt))) < 0.0
@@ -236,18 +230,18 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         )
         if self.schedule.due(self.moments.n):
             self._refresh_whitener()
-        drawable = buffer.drawable()
+        drawable, slot = history.drawable(), history.newest
         if self.restart and self.moments.n == self.whiten_first:
-            self._restart(slot, drawable, buffer, rng)
-        if drawable <= len(buffer.others(slot, drawable)):
+            self._restart(slot, drawable, history, rng)
+        if drawable <= len(history.others(slot, drawable)):
             return
-        self._step_at(slot, pair.labels, drawable, buffer, rng, stats)
-        if self.rehearse and drawable > buffer.recent:  # a burst: rehearse the whole history
+        self._step_at(slot, pair.labels, drawable, history, rng, stats)
+        if self.rehearse and drawable > history.recent:  # a burst: rehearse the whole history
             for q in rng.integers(drawable, size=self.rehearse):
-                self.learn_stored(int(q), drawable, buffer, rng)
+                self.learn_stored(int(q), drawable, history, rng)
 
     def _restart(
-        self, slot: int, drawable: int, buffer: ReplayBuffer, rng: np.random.Generator
+        self, slot: int, drawable: int, history: History, rng: np.random.Generator
     ) -> None:
         """``W`` and the AdaGrad sums from zero, then one step for each stored pair but the
         arriving one (at ``slot``), in slot order."""
@@ -256,29 +250,29 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         if drawable > 2:  # partners besides the positive and the arriving pair
             for q in range(drawable):
                 if q != slot:
-                    self.learn_stored(q, drawable, buffer, rng)
+                    self.learn_stored(q, drawable, history, rng)
 
     def learn_stored(
-        self, q: int, drawable: int, buffer: ReplayBuffer, rng: np.random.Generator
+        self, q: int, drawable: int, history: History, rng: np.random.Generator
     ) -> None:
         """One step with the pair stored at slot ``q`` as the positive and partners drawn from
         the first ``drawable`` slots; not counted in the metrics (it is not an arriving pair)."""
-        self._step_at(q, buffer.labels_at(q), drawable, buffer, rng, LearnStats())
+        self._step_at(q, history.labels_at(q), drawable, history, rng, LearnStats())
 
     def _step_at(
         self,
         q: int,
         labels: tuple[int, ...],
         drawable: int,
-        buffer: ReplayBuffer,
+        history: History,
         rng: np.random.Generator,
         stats: LearnStats,
     ) -> None:
         """One :meth:`step` with the pair stored at slot ``q``, labelled ``labels``, as the
         positive and partners drawn from the first ``drawable`` slots."""
-        others = self.draw_partners(buffer.others(q, drawable), drawable, rng)
-        agree = partner_agreement(buffer, labels, drawable, others)
-        self.step(*self.buffer_features(buffer, np.concatenate([[q], others])), agree, stats)
+        others = self.draw_partners(history.others(q, drawable), drawable, rng)
+        agree = partner_agreement(history, labels, drawable, others)
+        self.step(*self.buffer_features(history, np.concatenate([[q], others])), agree, stats)
 
     def draw_partners(
         self, skip: list[int], size: int, rng: np.random.Generator
@@ -318,12 +312,12 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
             self.W[:-1, -1] = 0.0
 
     def evaluation_scores(
-        self, pair: Pair, buffer: ReplayBuffer, rows: NDArray[np.intp], kept: SlotFeatures
+        self, pair: Example, history: History, rows: NDArray[np.intp], kept: SlotFeatures
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """The stored pairs' features from the cache the steps whiten them into, and ``W``
         multiplied into the query's side: two passes over ``W`` instead of whitening and
         projecting every stored pair again."""
-        fx, fy = self.buffer_features(buffer, rows)  # its own cache: ``kept`` is for heads
+        fx, fy = self.buffer_features(history, rows)  # its own cache: ``kept`` is for heads
         qx, qy = self.image_features(pair.img), self.text_features(pair.txt)
         query_image = (qx @ self.W).astype(np.float64)  # embed_images of the query, as served
         query_text = (self.W @ qy[0]).astype(np.float64)

@@ -11,8 +11,8 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.linalg.blas import dtrmv as _trmv
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import CrossModalModel
+from streamxm.models.history import History
 from streamxm.models.moments import RunningMoments, append_constant, power_normalize, ridge_whitener
 from streamxm.models.slots import SlotRows
 
@@ -58,11 +58,11 @@ class WhitenedFeatures(CrossModalModel):
         return self._features(x, self.mean_y, self.white_y)
 
     def buffer_features(
-        self, buffer: ReplayBuffer, rows: NDArray[np.intp]
+        self, history: History, rows: NDArray[np.intp]
     ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         """:meth:`image_features` and :meth:`text_features` of the pairs stored at ``rows``,
         each stored pair whitened once per whitener (:class:`~streamxm.models.slots.SlotRows`)."""
-        return self._cache.rows(buffer, rows, self.image_features, self.text_features)
+        return self._cache.rows(history, rows, self.image_features, self.text_features)
 
     def _refresh_whitener(self) -> None:
         m = self.moments

@@ -13,7 +13,8 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.special import expit
 
-from streamxm.buffer.replay import ReplayBuffer, skip_past
+from streamxm.models.history import History
+from streamxm.models.sampling import skip_past
 
 __all__ = ["Variant", "draw_partners", "formed_loss", "image_to_text", "partner_agreement"]
 
@@ -23,7 +24,7 @@ Variant = Literal["logistic", "bipartite"]
 def draw_partners(
     skip: list[int], size: int, count: int, rng: np.random.Generator
 ) -> NDArray[np.intp]:
-    """``count`` buffer slots, uniform with replacement over the first ``size`` slots without
+    """``count`` history slots, uniform with replacement over the first ``size`` slots without
     those in ``skip`` (sorted: the positive, and its copy in the memory).
 
     >>> draw_partners([1], 3, 4, np.random.default_rng(0)).tolist()  # never slot 1
@@ -34,13 +35,13 @@ def draw_partners(
 
 
 def partner_agreement(
-    buffer: ReplayBuffer, labels: tuple[int, ...], drawable: int, partners: NDArray[np.intp]
+    history: History, labels: tuple[int, ...], drawable: int, partners: NDArray[np.intp]
 ) -> NDArray[np.bool_]:
     """Whether each partner (a slot among the first ``drawable``) carries a label of the
     positive's ``labels``; none does for an unlabelled positive."""
     if not labels:
         return np.zeros(len(partners), dtype=bool)
-    return np.asarray(buffer.shared_label_counts(labels, drawable)[partners] > 0)
+    return np.asarray(history.shared_label_counts(labels, drawable)[partners] > 0)
 
 
 def image_to_text(formed: int) -> NDArray[np.bool_]:

@@ -26,6 +26,7 @@ from streamxm.models import sam_state, sam_work
 from streamxm.models.array_types import Vectors
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
 from streamxm.models.classes import ClassIndex
+from streamxm.models.history import Example, History
 from streamxm.models.moments import FeatureScaler
 from streamxm.models.opt_in import CountsWork, MergesRanks
 from streamxm.models.sam_inputs import (
@@ -44,7 +45,6 @@ from streamxm.models.sam_step import (
 )
 from streamxm.models.sam_tower import Tower
 from streamxm.models.work import Work
-from streamxm.stream.messages import Pair
 
 __all__ = [
     "SAM",
@@ -268,7 +268,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         Per class, the exponentially weighted mean projection of each modality.
     reservoir : ReplayBuffer
         The uniform reservoir sample of the stream that fills the mini-batches.
-    pending : list of Pair
+    pending : list of Example
         Arrived pairs waiting for the next step.
     steps : int
         SGD steps taken.
@@ -366,7 +366,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.cent_seen = torch.zeros(0, dtype=torch.bool, device=self.device_)
         self.reservoir = ReplayBuffer(self.replay, img_dim, txt_dim)
         self.reservoir_seen = 0
-        self.pending: list[Pair] = []
+        self.pending: list[Example] = []
         self.steps = 0
         self.clock = 0.0  # epochs (offline) or epoch-equivalents (stream) learned
 
@@ -401,7 +401,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.txt_tower.reset(self.generator)
         self.initialised = True
 
-    def _arrive(self, pairs: list[Pair], scale_all: bool = False) -> None:
+    def _arrive(self, pairs: list[Example], scale_all: bool = False) -> None:
         """Count the pairs' classes; their rows join the standardisation's statistics up to
         ``scale_pairs`` rows in all (every row with ``scale_all``: the offline training set)."""
         limit = None if scale_all else self.scale_pairs
@@ -410,25 +410,20 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         for p in pairs:
             self.classes.columns(p.labels)
 
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
         """Each pair waits in ``pending``; every ``step_every`` pairs, one step on them filled
         up to a mini-batch from the reservoir (:func:`.sam_replay.learn_arrival`)."""
-        learn_arrival(self, pair, buffer, rng, stats)
+        learn_arrival(self, pair, history, rng, stats)
 
-    def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
+    def fit(self, pairs: list[Example], rng: np.random.Generator, stats: LearnStats) -> None:
         """``epochs`` passes over ``pairs`` in mini-batches (the paper's training)."""
         for _ in self.fit_epochs(pairs, rng, stats):
             pass
 
     def fit_epochs(
-        self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats
+        self, pairs: list[Example], rng: np.random.Generator, stats: LearnStats
     ) -> Iterator[int]:
         """:meth:`fit`, yielding the number of epochs done after each one (to trace them;
         :func:`.sam_replay.fit_epochs`)."""

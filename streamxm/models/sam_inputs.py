@@ -15,9 +15,9 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
+from streamxm.models.history import Example
 from streamxm.models.moments import FeatureScaler, power_normalize
 from streamxm.models.sam_tower import Tower
-from streamxm.stream.messages import Pair
 
 __all__ = [
     "EMBED_ROWS",
@@ -44,7 +44,7 @@ def mapped_rows(x: NDArray[np.floating], power: float | None) -> NDArray[np.floa
 
 
 def scale_arrivals(
-    pairs: list[Pair],
+    pairs: list[Example],
     img_scaler: FeatureScaler,
     txt_scaler: FeatureScaler,
     powers: tuple[float | None, float | None],

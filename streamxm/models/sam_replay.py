@@ -1,4 +1,4 @@
-"""What SAM's steps learn from (:meth:`~streamxm.models.sam.SAM.update`,
+"""What SAM's steps learn from (:meth:`~streamxm.models.sam.SAM.learn_one`,
 :meth:`~streamxm.models.sam.SAM.fit_epochs`).
 
 On a stream each arriving pair waits in ``pending``; every ``step_every`` pairs one step is
@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 from streamxm.buffer.replay import ReplayBuffer, label_tuples
 from streamxm.models.array_types import Vectors
 from streamxm.models.base import LearnStats
-from streamxm.stream.messages import Pair
+from streamxm.models.history import Example, History
 
 if TYPE_CHECKING:
     from streamxm.models.sam import SAM
@@ -41,7 +41,7 @@ Labels = list[tuple[int, ...]]
 Batch = tuple[Vectors, Vectors, Labels, NDArray[np.bool_]]
 
 
-def stacked(pairs: list[Pair]) -> tuple[Vectors, Vectors, Labels]:
+def stacked(pairs: list[Example]) -> tuple[Vectors, Vectors, Labels]:
     """The pairs' image rows, text rows and labels."""
     return (
         np.stack([p.img for p in pairs]),
@@ -50,7 +50,7 @@ def stacked(pairs: list[Pair]) -> tuple[Vectors, Vectors, Labels]:
     )
 
 
-def keep(model: SAM, pairs: list[Pair], rng: np.random.Generator) -> None:
+def keep(model: SAM, pairs: list[Example], rng: np.random.Generator) -> None:
     """Reservoir sampling (Algorithm R) of ``pairs`` into ``model.reservoir`` (``replay``
     pairs): every pair offered so far (``reservoir_seen``) is in it with equal chance."""
     for pair in pairs:
@@ -64,7 +64,7 @@ def keep(model: SAM, pairs: list[Pair], rng: np.random.Generator) -> None:
 
 
 def stream_batch(
-    fresh: list[Pair],
+    fresh: list[Example],
     reservoir: ReplayBuffer,
     batch_size: int,
     balanced: bool,
@@ -100,11 +100,11 @@ def epoch_batches(
 
 
 def learn_arrival(
-    model: SAM, pair: Pair, buffer: ReplayBuffer, rng: np.random.Generator, stats: LearnStats
+    model: SAM, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
 ) -> None:
-    """:meth:`~streamxm.models.sam.SAM.update`: ``pair`` is counted in and waits; at the
+    """:meth:`~streamxm.models.sam.SAM.learn_one`: ``pair`` is counted in and waits; at the
     ``step_every``-th waiting pair, one step on them filled up from the reservoir
-    (class-balanced where ``balance`` is set and ``buffer`` sees a burst of few classes),
+    (class-balanced where ``balance`` is set and ``history`` sees a burst of few classes),
     which they then join."""
     model._start(rng)
     model._arrive([pair])
@@ -112,7 +112,7 @@ def learn_arrival(
     if len(model.pending) < model.step_every:
         return
     fresh, model.pending = model.pending, []
-    balanced = model.balance and buffer.bursty()
+    balanced = model.balance and history.bursty()
     img, txt, labels, new = stream_batch(fresh, model.reservoir, model.batch_size, balanced, rng)
     if len(img) >= 2:
         model.step(img, txt, labels, new, stats, model.epoch_pairs)
@@ -120,7 +120,7 @@ def learn_arrival(
 
 
 def fit_epochs(
-    model: SAM, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats
+    model: SAM, pairs: list[Example], rng: np.random.Generator, stats: LearnStats
 ) -> Iterator[int]:
     """:meth:`~streamxm.models.sam.SAM.fit_epochs`: the training set counted in (its
     standardisation and the ``f_ms`` normalisers from up to 4,096 sampled rows) and offered to

@@ -18,8 +18,8 @@ from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.base import Arrays, MergeParts
+from streamxm.models.history import Example
 from streamxm.models.sam_inputs import on_device
-from streamxm.stream.messages import make_pair
 
 if TYPE_CHECKING:
     from streamxm.models.sam import SAM
@@ -89,11 +89,10 @@ def load_state(model: SAM, arrays: Arrays, meta: dict[str, Any]) -> None:
     )
     model.reservoir_seen = int(meta["reservoir_seen"])
     model.pending = [
-        make_pair(
-            f"pending-{i}",
-            arrays["pending.img"][i],
-            arrays["pending.txt"][i],
-            labels=[int(x) for x in arrays["pending.labels"][i] if x >= 0],
+        Example(
+            np.array(arrays["pending.img"][i], dtype=np.float32),
+            np.array(arrays["pending.txt"][i], dtype=np.float32),
+            tuple(int(x) for x in arrays["pending.labels"][i] if x >= 0),
         )
         for i in range(int(meta["pending"]))
     ]

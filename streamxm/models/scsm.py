@@ -13,17 +13,16 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import linear_sum_assignment
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays, LearnStats, observe_triplet, require
 from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, power_features
+from streamxm.models.history import Example, History
 from streamxm.models.moments import ResolveSchedule, append_constant, power_normalize
 from streamxm.models.opt_in import CountsWork
 from streamxm.models.scsm_solver import Problem, ProblemWork
 from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 from streamxm.models.work import Work, elementwise, gemm
-from streamxm.stream.messages import Pair
 
 __all__ = ["SCSM"]
 
@@ -114,9 +113,12 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
     >>> from streamxm.tools.datasets import synthetic_pairs
     >>> pairs, rng = synthetic_pairs(90, 8, 5, n_classes=3, spread=0.3), np.random.default_rng(0)
     >>> m = SCSM(8, 5, groups=3, window=120, solve_first=90, power_img=1.0)
-    >>> buf = ReplayBuffer(200, 8, 5)
+    >>> from streamxm.buffer.replay import ReplayBuffer
+    >>> history = ReplayBuffer(200, 8, 5)
     >>> for p in pairs:
-    ...     m.update(p, buf.add(p), buf, rng, LearnStats())
+    ...     example = Example(p.img, p.txt, p.labels)
+    ...     _ = history.add(example)
+    ...     m.learn_one(example, history, rng, LearnStats())
     >>> round(min(retrieval_maps(m, split_of(pairs)).values()), 1)
     1.0
     """
@@ -191,21 +193,16 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         return append_constant(power_normalize(np.atleast_2d(x), power))
 
     # -- learning ----------------------------------------------------------------------------
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
         if self.solves:
-            observe_triplet(self, dataclasses.replace(pair, labels=()), slot, buffer, rng, stats)
+            observe_triplet(self, dataclasses.replace(pair, labels=()), history, rng, stats)
         self._add(pair)
         if self.schedule.due(self.pairs):
             self.solve(rng)
 
-    def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
+    def fit(self, pairs: list[Example], rng: np.random.Generator, stats: LearnStats) -> None:
         """The offline protocol: the last ``window`` of ``pairs`` (all of them when they fit)
         as the working set, one solve."""
         for pair in pairs:
@@ -217,7 +214,7 @@ class SCSM(CountsWork, name="scsm", shared_space=True, batch_fit=True):
         """The image power map in use (``"auto"`` before its first pair: the Hellinger map)."""
         return 0.5 if self.power_img_ is None else self.power_img_
 
-    def _add(self, pair: Pair) -> None:
+    def _add(self, pair: Example) -> None:
         if self.power_img_ is None:  # "auto": histograms keep the Hellinger map
             self.power_img_ = 0.5 if float(np.min(pair.img)) >= 0.0 else 1.0
         at = self.pairs % self.window

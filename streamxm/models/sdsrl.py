@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer
 from streamxm.models.array_types import F64
 from streamxm.models.base import (
     Arrays,
@@ -23,6 +22,7 @@ from streamxm.models.base import (
 from streamxm.models.classes import ClassIndex
 from streamxm.models.embedding import EmbeddingKind, linear_heads
 from streamxm.models.heads import LinearHead, RbfFeatures, power_features, rbf_kernel
+from streamxm.models.history import Example, History
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.opt_in import MergesRanks
 from streamxm.models.projections import mpl_cd
@@ -34,7 +34,6 @@ from streamxm.models.sdsrl_landmarks import (
     restore_maps,
 )
 from streamxm.models.sdsrl_work import SDSRLWork
-from streamxm.stream.messages import Pair
 
 __all__ = ["SDSRL", "NystroemMap", "rbf_kernel"]
 
@@ -213,16 +212,11 @@ class SDSRL(
         return self.class_index.ignored_labels
 
     # -- learning ----------------------------------------------------------------------------
-    def update(
-        self,
-        pair: Pair,
-        slot: int,
-        buffer: ReplayBuffer,
-        rng: np.random.Generator,
-        stats: LearnStats,
+    def learn_one(
+        self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
         if self.serve_img is not None:
-            observe_triplet(self, pair, slot, buffer, rng, stats)
+            observe_triplet(self, pair, history, rng, stats)
         self._add(pair)
         if not self.frozen and self.pairs >= self.landmark_pool:
             self._freeze(rng)
@@ -231,7 +225,7 @@ class SDSRL(
         if self.schedule.due(self.pairs):
             self.solve(rng)
 
-    def fit(self, pairs: list[Pair], rng: np.random.Generator, stats: LearnStats) -> None:
+    def fit(self, pairs: list[Example], rng: np.random.Generator, stats: LearnStats) -> None:
         """The offline protocol: landmarks drawn from all of ``pairs``, one solve on all of them
         (added to whatever the model has learned; on a fresh model, the paper's batch method)."""
         for pair in pairs:

@@ -15,8 +15,8 @@ from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays, CrossModalModel
 from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import rbf_kernel, squared_norms
+from streamxm.models.history import Example
 from streamxm.models.moments import power_normalize
-from streamxm.stream.messages import Pair
 
 __all__ = [
     "STATISTICS",
@@ -160,7 +160,7 @@ class LandmarkStatistics(CrossModalModel):
         self.landmark_classes_img = np.zeros(0, dtype=np.int64)
         self.landmark_classes_txt = np.zeros(0, dtype=np.int64)
 
-    def _add(self, pair: Pair) -> None:
+    def _add(self, pair: Example) -> None:
         self.pending_img.append(power_normalize(pair.img, self.power_img))
         self.pending_txt.append(power_normalize(pair.txt, self.power_txt))
         self.pending_cols.append(self.class_index.columns(pair.labels))

@@ -1,4 +1,4 @@
-"""Rows derived from a replay buffer's stored pairs, kept per slot until the slot is written."""
+"""Rows derived from a replay history's stored pairs, kept per slot until the slot is written."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.buffer.replay import ReplayBuffer
+from streamxm.models.history import History
 
 __all__ = ["SlotRows"]
 
@@ -17,7 +17,7 @@ RowMap = Callable[[NDArray[np.float32]], NDArray[Any]]
 
 
 class SlotRows:
-    """A model's features of the pairs in a replay buffer, one row per slot and side, kept
+    """A model's features of the pairs in a replay history, one row per slot and side, kept
     until the slot is written (:attr:`~streamxm.buffer.replay.ReplayBuffer.versions`) or the
     model's map changes (:meth:`clear`).
 
@@ -28,7 +28,7 @@ class SlotRows:
     rows are computed one at a time: a product's last bits depend on how many rows it holds,
     and which rows are stale together differs between a learner and its restored copy (whose
     cache starts empty); row by row both compute every row alike, bit for bit. Derived, never
-    checkpointed; as many rows as the buffer holds, in the map's own dtype.
+    checkpointed; as many rows as the history holds, in the map's own dtype.
     """
 
     def __init__(self) -> None:
@@ -41,21 +41,21 @@ class SlotRows:
         self.versions[:] = 0  # no slot's version: versions start at 1
 
     def rows(
-        self, buffer: ReplayBuffer, slots: NDArray[np.intp], image: RowMap, text: RowMap
+        self, history: History, slots: NDArray[np.intp], image: RowMap, text: RowMap
     ) -> tuple[NDArray[Any], NDArray[Any]]:
         """The image and text rows of the pairs stored at ``slots``, mapping the stale ones by
         ``image`` and ``text``."""
         stale = (
-            np.unique(slots[self.versions[slots] != buffer.versions[slots]])
-            if len(self.versions) == buffer.capacity
+            np.unique(slots[self.versions[slots] != history.versions[slots]])
+            if len(self.versions) == history.capacity
             else np.unique(slots)
         )
         for slot in stale:
-            fx, fy = image(buffer.img[slot][None, :])[0], text(buffer.txt[slot][None, :])[0]
-            if len(self.versions) != buffer.capacity:
-                self.fx = np.zeros((buffer.capacity, len(fx)), dtype=fx.dtype)
-                self.fy = np.zeros((buffer.capacity, len(fy)), dtype=fy.dtype)
-                self.versions = np.zeros(buffer.capacity, dtype=np.int64)
+            fx, fy = image(history.img[slot][None, :])[0], text(history.txt[slot][None, :])[0]
+            if len(self.versions) != history.capacity:
+                self.fx = np.zeros((history.capacity, len(fx)), dtype=fx.dtype)
+                self.fy = np.zeros((history.capacity, len(fy)), dtype=fy.dtype)
+                self.versions = np.zeros(history.capacity, dtype=np.int64)
             self.fx[slot], self.fy[slot] = fx, fy
-            self.versions[slot] = buffer.versions[slot]
+            self.versions[slot] = history.versions[slot]
         return self.fx[slots], self.fy[slots]
