@@ -328,7 +328,7 @@ def unit_features(fmap: FeatureMap | None, x: NDArray[np.floating]) -> F32:
 
 
 class SlotFeatures:
-    """Features of a replay history's stored pairs under a head's feature map, one row per slot,
+    """Features of a history's stored pairs under a head's feature map, one row per slot,
     kept until the slot is written again or the map changes: the rolling evaluation scores the
     newest stored pairs at each evaluated pair, and their features do not change between the
     model's versions. The rows gone stale since the last call are computed together, one

@@ -29,7 +29,7 @@ class CountsWork(CrossModalModel):
 
     def learning_work(self) -> Work | None:
         """The work of :meth:`update` per arriving pair at this model's settings, in the steady
-        state (history, budgets and landmark sets full, outside bursts), periodic work (a solve
+        state (buffer, budgets and landmark sets full, outside bursts), periodic work (a solve
         every ``n`` pairs) spread over its period; ``None``: not counted."""
         return None
 

@@ -164,7 +164,7 @@ def nesterov_step(w: F32, buf: F32, grad: F32, lr: float, momentum: float) -> No
     One compiled pass over the three arrays (torch's single-tensor path makes four), each
     item's operations in torch's order; a fused multiply-add may round the last place
     differently. A momentum below float32's smallest normal number (about 1.2e-38) is stored as
-    0: under zero gradients (a hinge loss with no active term) the history decays geometrically
+    0: under zero gradients (a hinge loss with no active term) the buffer decays geometrically
     into subnormal numbers, on which x86 arithmetic runs about a hundred times slower, and a
     step of that size leaves every weight unchanged anyway.
 

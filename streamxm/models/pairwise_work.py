@@ -110,7 +110,7 @@ class PairwiseWork(CountsWork):
         )
 
 
-#: Slots of the replay history's ring of recent pairs in the counted steady state: the learner's
+#: Slots of the replay buffer's ring of recent pairs in the counted steady state: the learner's
 #: default ``buffer_capacity`` (:class:`~streamxm.learning.stream_learner.StreamLearner`).
 _RING = 500
 

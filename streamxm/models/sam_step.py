@@ -183,7 +183,7 @@ def descend(
         return
     for p in parameters:
         state = optimizer.state[p]
-        if "momentum_buffer" not in state:  # torch's first step: the history is the gradient
+        if "momentum_buffer" not in state:  # torch's first step: the buffer is the gradient
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         assert p.grad is not None
         nesterov_step(

@@ -309,7 +309,7 @@ class NormalEquations:
         kind, factor = self._factor["factor"]
         if kind == "lu":
             lu, piv = factor
-            # ``lu`` factors K' (K's C-ordered history read in Fortran order): solve K' ' T = R.
+            # ``lu`` factors K' (K's C-ordered buffer read in Fortran order): solve K' ' T = R.
             t, info = scipy.linalg.lapack.dgetrs(lu, piv, r, trans=1)
             if info:
                 raise np.linalg.LinAlgError(f"dgetrs returned {info}")
@@ -321,7 +321,7 @@ class NormalEquations:
 
     def _factorise(self, w: F64, beta: float) -> tuple[str, Any]:
         """Sample space: ``K = W G + alpha gamma L G + beta I`` by LU with partial pivoting
-        (``dgetrf`` in place on ``K``'s history, read as ``K'`` in Fortran order: no copy).
+        (``dgetrf`` in place on ``K``'s buffer, read as ``K'`` in Fortran order: no copy).
         Feature space: ``A`` by Cholesky, or kept whole for an LU solve should Cholesky fail."""
         if self.gram is not None:
             k = self.gram * w[:, None]

@@ -1,4 +1,4 @@
-"""Rows derived from a replay history's stored pairs, kept per slot until the slot is written."""
+"""Rows derived from a history's stored pairs, kept per slot until the slot is written."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ RowMap = Callable[[NDArray[np.float32]], NDArray[Any]]
 
 
 class SlotRows:
-    """A model's features of the pairs in a replay history, one row per slot and side, kept
+    """A model's features of the pairs of a history, one row per slot and side, kept
     until the slot is written (:attr:`~streamxm.buffer.replay.ReplayBuffer.versions`) or the
     model's map changes (:meth:`clear`).
 
