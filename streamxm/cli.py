@@ -7,8 +7,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from streamxm.models import MODEL_NAMES
 from streamxm.tools.datasets import BURST_RUN, ORDERS
@@ -225,7 +226,7 @@ def _cmd_migrate_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from streamxm.config import get_settings
     from streamxm.stream.messages import Pair
@@ -410,25 +411,12 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 def _cmd_bench_load(args: argparse.Namespace) -> int:
     import importlib
 
-    module, function = _LOAD_BENCHES[args.bench]
-    result = getattr(importlib.import_module(f"streamxm.tools.{module}"), function)(
+    bench = _LOAD_BENCHES[args.bench]
+    result = getattr(importlib.import_module(f"streamxm.tools.{bench.module}"), bench.function)(
         **_options(args)
     )
     _print_bench(result, indent=None if args.json else 2)
     return 0
-
-
-#: Each service benchmark: its module in ``streamxm.tools`` and its function.
-_LOAD_BENCHES = {
-    "ingest": ("bench_ingest", "ingest"),
-    "end-to-end": ("bench_end_to_end", "end_to_end"),
-    "query": ("bench_query", "query"),
-    "ensemble-recall": ("bench_query", "ensemble_recall"),
-    "soak": ("bench_soak", "soak"),
-    "hostile": ("bench_hostile", "hostile"),
-    "scan": ("scan", "scan"),
-    "version-cost": ("bench_version_cost", "version_cost"),
-}
 
 
 def _cmd_bench_distributed(args: argparse.Namespace) -> int:
@@ -656,17 +644,16 @@ def _operator_commands(sub: _Commands) -> None:
     rd.set_defaults(func=_cmd_redis)
 
 
-def _bench_quality_command(bench_sub: _Commands) -> None:
-    q = bench_sub.add_parser("quality", help="test-split mAP on a benchmark file")
-    _add_dataset(q)
-    q.add_argument(
+def _bench_quality_options(parser: argparse.ArgumentParser) -> None:
+    _add_dataset(parser)
+    parser.add_argument(
         "--model",
         required=True,
         help="a model, or ensemble:<a>+<b>... (each member trained and scored too)",
     )
-    q.add_argument("--protocol", choices=["stream", "offline"], default="stream")
-    q.add_argument("--unlabelled", action="store_true", help="withhold every training label")
-    q.add_argument(
+    parser.add_argument("--protocol", choices=["stream", "offline"], default="stream")
+    parser.add_argument("--unlabelled", action="store_true", help="withhold every training label")
+    parser.add_argument(
         "--order",
         choices=ORDERS,
         default="file",
@@ -674,8 +661,10 @@ def _bench_quality_command(bench_sub: _Commands) -> None:
         "shuffled, in topic bursts of 30-100 pairs (bursts), or one class at a time with "
         "the classes in a random order (class-shuffled); seeded",
     )
-    _add_label_noise(q, 0.0, "replace a fraction P of training labels by another class (seeded)")
-    q.add_argument(
+    _add_label_noise(
+        parser, 0.0, "replace a fraction P of training labels by another class (seeded)"
+    )
+    parser.add_argument(
         "--buffer-memory",
         type=int,
         default=None,
@@ -685,27 +674,19 @@ def _bench_quality_command(bench_sub: _Commands) -> None:
         "model's own: 500 for cmos, cmomks and pairwise, 1000 for "
         "pairwise:marginal, 0 for the others)",
     )
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
     _add_eval_every(
-        q,
+        parser,
         1,
         help="the rolling evaluation's schedule while it learns (the service's "
         "default: auto): rolling_map and its standard error in the JSON",
     )
-    _add_param_and_json(q)
-    q.set_defaults(func=_cmd_bench_quality)
 
 
-def _bench_order_command(bench_sub: _Commands) -> None:
-    so = bench_sub.add_parser(
-        "order",
-        help="each model in file order, one class at a time (classes ascending and in a "
-        "random order), in topic bursts and with wrong labels, over seeds, against its own "
-        "file-order figure",
-    )
-    _add_dataset(so)
-    so.add_argument(
+def _bench_order_options(parser: argparse.ArgumentParser) -> None:
+    _add_dataset(parser)
+    parser.add_argument(
         "--model",
         action="append",
         default=[],
@@ -713,16 +694,16 @@ def _bench_order_command(bench_sub: _Commands) -> None:
         type=_model_name,
         help="a model to try (repeatable; default: every model)",
     )
-    so.add_argument(
+    parser.add_argument(
         "--seeds",
         default="0",
         help="comma-separated seeds (e.g. 0,1,2,3,4): the figures are means and spreads over them",
     )
-    so.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds N)")
+    parser.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds N)")
     _add_label_noise(
-        so, 0.2, "fraction of training labels replaced by another class in the noisy run"
+        parser, 0.2, "fraction of training labels replaced by another class in the noisy run"
     )
-    so.add_argument(
+    parser.add_argument(
         "--order",
         action="append",
         default=[],
@@ -731,7 +712,7 @@ def _bench_order_command(bench_sub: _Commands) -> None:
         help="an order to run beside file order (repeatable; default: class, bursts, "
         "class-shuffled; also shuffled)",
     )
-    so.add_argument(
+    parser.add_argument(
         "--burst-run",
         type=_burst_run,
         default=BURST_RUN,
@@ -739,73 +720,95 @@ def _bench_order_command(bench_sub: _Commands) -> None:
         help="lengths of the bursts order's topic bursts, in pairs, both included "
         "(default: 30,100)",
     )
-    _add_param_and_json(so)
-    so.set_defaults(func=_cmd_bench_order)
 
 
-def _bench_database_command(bench_sub: _Commands) -> None:
-    db = bench_sub.add_parser(
-        "database",
-        help="mAP with train+test pooled, random query/database split, database "
-        "as training set and gallery (the SDSRL paper's protocol)",
-    )
-    db.add_argument("--dataset", required=True)
-    db.add_argument("--model", required=True)
-    db.add_argument("--seeds", default="0,1,2,3,4", help="one random split per seed")
-    db.add_argument("--query-fraction", type=float, default=0.25)
-    db.add_argument("--protocol", choices=["stream", "offline"], default="offline")
-    db.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
-    _add_param_and_json(db)
-    db.set_defaults(func=_cmd_bench_database)
+def _bench_database_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="one random split per seed")
+    parser.add_argument("--query-fraction", type=float, default=0.25)
+    parser.add_argument("--protocol", choices=["stream", "offline"], default="offline")
+    parser.add_argument("--epochs", type=int, default=5, help="passes for --protocol offline")
 
 
-def _bench_throughput_command(bench_sub: _Commands) -> None:
-    t = bench_sub.add_parser("throughput", help="pairs learned per second on one core")
-    t.add_argument("--model", default="cmos")
-    _add_dims(t, 4096, 1000)
-    t.add_argument("--pairs", type=int, default=2000, help="timed pairs per repeat")
-    t.add_argument(
+def _bench_throughput_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="cmos")
+    _add_dims(parser, 4096, 1000)
+    parser.add_argument("--pairs", type=int, default=2000, help="timed pairs per repeat")
+    parser.add_argument(
         "--baseline-pairs",
         type=int,
         default=200,
         help="timed pairs of the literal paper loop (it is slow)",
     )
-    t.add_argument("--repeats", type=int, default=3, help="figures are medians over repeats")
-    t.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="figures are medians over repeats")
+    parser.add_argument("--seed", type=int, default=0)
     _add_eval_every(
-        t,
+        parser,
         None,
         help="time it with the rolling evaluation scoring every N-th pair (auto: "
         "the service's default STREAMXM_EVAL_EVERY, sized from the model's cost), "
         "beside it off",
     )
-    t.add_argument(
+    parser.add_argument(
         "--order",
         choices=["file", "class"],
         default="file",
         help="class: the pairs arrive one class at a time (a burst), timed beside "
         "the same pairs in their own order",
     )
-    _add_param_and_json(t)
-    t.set_defaults(func=_cmd_bench_throughput)
+
+
+class _LearningBench(NamedTuple):
+    """A benchmark of learning: its help, what adds its options, and the function the command
+    runs."""
+
+    help: str
+    options: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+#: Each learning benchmark by its subcommand, in the order ``streamxm bench --help`` lists them.
+_LEARNING_BENCHES = {
+    "quality": _LearningBench(
+        "test-split mAP on a benchmark file",
+        _bench_quality_options,
+        _cmd_bench_quality,
+    ),
+    "order": _LearningBench(
+        "each model in file order, one class at a time (classes ascending and in a "
+        "random order), in topic bursts and with wrong labels, over seeds, against its own "
+        "file-order figure",
+        _bench_order_options,
+        _cmd_bench_order,
+    ),
+    "database": _LearningBench(
+        "mAP with train+test pooled, random query/database split, database "
+        "as training set and gallery (the SDSRL paper's protocol)",
+        _bench_database_options,
+        _cmd_bench_database,
+    ),
+    "throughput": _LearningBench(
+        "pairs learned per second on one core",
+        _bench_throughput_options,
+        _cmd_bench_throughput,
+    ),
+}
 
 
 def _bench_learning_commands(bench_sub: _Commands) -> None:
-    """Benchmarks of learning: quality, order, database, throughput."""
-    _bench_quality_command(bench_sub)
-    _bench_order_command(bench_sub)
-    _bench_database_command(bench_sub)
-    _bench_throughput_command(bench_sub)
+    """Benchmarks of learning (:data:`_LEARNING_BENCHES`); each ends with ``--param`` and
+    ``--json``."""
+    for name, bench in _LEARNING_BENCHES.items():
+        parser = bench_sub.add_parser(name, help=bench.help)
+        bench.options(parser)
+        _add_param_and_json(parser)
+        parser.set_defaults(func=bench.run)
 
 
-def _bench_ingest_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    ing = bench_sub.add_parser(
-        "ingest",
-        help="pairs/s via the client and POST /v1/pairs beside "
-        "redis-benchmark's XADD on the same server",
-    )
-    _add_dims(ing, 4096, 1000)
-    ing.add_argument(
+def _bench_ingest_options(parser: argparse.ArgumentParser) -> None:
+    _add_dims(parser, 4096, 1000)
+    parser.add_argument(
         "--pairs",
         type=int,
         default=6000,
@@ -813,189 +816,210 @@ def _bench_ingest_command(bench_sub: _Commands) -> argparse.ArgumentParser:
         "(about 120 MB at 4096/1000: short runs were dominated by the machine's "
         "noise)",
     )
-    ing.add_argument("--http-batch", type=int, default=64, help="pairs per POST")
-    ing.add_argument(
+    parser.add_argument("--http-batch", type=int, default=64, help="pairs per POST")
+    parser.add_argument(
         "--http-clients",
         type=int,
         default=4,
         help="keep-alive connections posting at once (the HTTP counterpart of "
         "the client's pipeline)",
     )
-    ing.add_argument("--repeats", type=int, default=5)
-    ing.add_argument(
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
         "--cluster",
         action="store_true",
         help="instead: a local Redis Cluster (3 masters, 3 replicas), the client "
         "pushing into one namespace on one master, then into three namespaces on "
         "three masters at once (a process each)",
     )
-    return ing
 
 
-def _bench_end_to_end_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    e2e = bench_sub.add_parser(
-        "end-to-end",
-        help="pairs/s one worker learns from the stream, "
-        "beside the in-process learner; lag at a push rate",
-    )
-    e2e.add_argument("--model", default="cmos")
-    _add_dims(e2e, 4096, 1000)
-    e2e.add_argument("--backlog", type=int, default=4000)
-    e2e.add_argument(
+def _bench_end_to_end_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="cmos")
+    _add_dims(parser, 4096, 1000)
+    parser.add_argument("--backlog", type=int, default=4000)
+    parser.add_argument(
         "--rate",
         type=float,
         default=None,
         help="push rate for the lag phase (default half the learned rate)",
     )
-    e2e.add_argument("--seconds", type=float, default=60.0)
-    _add_eval_every(e2e, "auto")
-    return e2e
+    parser.add_argument("--seconds", type=float, default=60.0)
+    _add_eval_every(parser, "auto")
 
 
-def _bench_query_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    qry = bench_sub.add_parser(
-        "query",
-        help="/v1/search latency under concurrent clients while "
-        "a worker learns and checkpoints swap in",
-    )
-    qry.add_argument("--gallery", type=int, default=100_000)
-    _add_dims(qry, 512, 128)
-    qry.add_argument("--clients", type=int, default=32)
-    qry.add_argument("--seconds", type=float, default=30.0)
-    qry.add_argument("--model", default="cmos")
-    qry.add_argument(
+def _bench_query_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gallery", type=int, default=100_000)
+    _add_dims(parser, 512, 128)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--model", default="cmos")
+    parser.add_argument(
         "--recall-sample",
         type=int,
         default=200,
         help="answers checked against the exact ranking of their version",
     )
-    qry.add_argument(
+    parser.add_argument(
         "--candidates", type=int, default=100, help="STREAMXM_SEARCH_CANDIDATES of the API"
     )
-    qry.add_argument(
+    parser.add_argument(
         "--no-wait-for-index",
         dest="wait_for_index",
         action="store_false",
         help="STREAMXM_WAIT_FOR_INDEX=false: sam and cmomks serve a version at "
         "once, candidates from the earlier version's index",
     )
-    qry.add_argument(
+    parser.add_argument(
         "--gallery-backend",
         choices=("local", "ray"),
         default="local",
         help="STREAMXM_GALLERY_BACKEND of the API (ray: run under unshare -rn, loopback only)",
     )
-    qry.add_argument("--shards", type=int, default=2, help="STREAMXM_GALLERY_SHARDS (ray)")
-    return qry
+    parser.add_argument("--shards", type=int, default=2, help="STREAMXM_GALLERY_SHARDS (ray)")
 
 
-def _bench_soak_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    sk = bench_sub.add_parser("soak", help="long push/learn/query run sampling resident memory")
-    sk.add_argument("--minutes", type=float, default=20.0)
-    sk.add_argument("--rate", type=float, default=100.0, help="pairs pushed per second")
-    sk.add_argument("--qps", type=float, default=20.0, help="searches per second")
-    sk.add_argument("--gallery-max", type=int, default=20_000)
-    sk.add_argument("--sample-seconds", type=float, default=60.0)
-    sk.add_argument("--warmup-minutes", type=float, default=5.0)
-    return sk
+def _bench_soak_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--rate", type=float, default=100.0, help="pairs pushed per second")
+    parser.add_argument("--qps", type=float, default=20.0, help="searches per second")
+    parser.add_argument("--gallery-max", type=int, default=20_000)
+    parser.add_argument("--sample-seconds", type=float, default=60.0)
+    parser.add_argument("--warmup-minutes", type=float, default=5.0)
 
 
-def _bench_hostile_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    ho = bench_sub.add_parser(
-        "hostile",
-        help="junk bodies of growing size and a labels bomb: "
-        "answer size, API memory and /healthz latency meanwhile, beside "
-        "it at rest",
-    )
-    ho.add_argument("--sizes", default="1,4,24,64", help="body sizes, MiB, comma-separated")
-    ho.add_argument("--repeats", type=int, default=3)
-    ho.add_argument("--probes", type=int, default=200, help="/healthz probes at rest")
-    ho.add_argument(
+def _bench_hostile_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="1,4,24,64", help="body sizes, MiB, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--probes", type=int, default=200, help="/healthz probes at rest")
+    parser.add_argument(
         "--labels-mib",
         type=float,
         default=11.5,
         help="size of the labels bomb: "
         "one frame whose labels field is this many MiB, to /v1/pairs/frames",
     )
-    ho.add_argument(
+    parser.add_argument(
         "--part",
         choices=("all", "server", "client"),
         default="all",
         help="server: junk bodies to the API; client: the Python client against a "
         "malicious server (oversized, gzip-bombed and malformed answers)",
     )
-    ho.add_argument(
+    parser.add_argument(
         "--client-gib",
         type=float,
         default=1.0,
         help="size of the client cases' oversized bodies, GiB",
     )
-    return ho
 
 
-def _bench_scan_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    sc = bench_sub.add_parser(
-        "scan",
-        help="the search candidate scan's backends side by side "
-        "(float32, bfloat16, int8, FAISS when installed), one thread",
-    )
-    sc.add_argument("--rows", type=int, default=1_000_000)
-    sc.add_argument("--dims", default="128,512", help="two dimensions, comma-separated")
-    sc.add_argument("--queries", type=int, default=32)
-    sc.add_argument("--candidates", type=int, default=100)
-    sc.add_argument("--repeats", type=int, default=3)
-    return sc
+def _bench_scan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dims", default="128,512", help="two dimensions, comma-separated")
+    parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
 
 
-def _bench_ensemble_recall_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    er = bench_sub.add_parser(
-        "ensemble-recall",
-        help="recall@k of an ensemble's search (each "
-        "member's candidates, fused exactly) against its exact fused "
-        "ranking of the whole gallery",
-    )
-    er.add_argument("--model", default="ensemble:cmos+sdsrl")
-    er.add_argument("--gallery", type=int, default=20_000)
-    _add_dims(er, 128, 32)
-    er.add_argument("--queries", type=int, default=100)
-    er.add_argument("--k", type=int, default=10)
-    er.add_argument("--candidates", type=int, default=100, help="candidates per member")
-    return er
+def _bench_ensemble_recall_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="ensemble:cmos+sdsrl")
+    parser.add_argument("--gallery", type=int, default=20_000)
+    _add_dims(parser, 128, 32)
+    parser.add_argument("--queries", type=int, default=100)
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--candidates", type=int, default=100, help="candidates per member")
 
 
-def _bench_version_cost_command(bench_sub: _Commands) -> argparse.ArgumentParser:
-    vc = bench_sub.add_parser(
-        "version-cost",
-        help="what a new model version costs a search "
-        "server: seconds to embed the whole gallery, memory of its kept "
-        "features and embeddings, per model",
-    )
-    vc.add_argument("--gallery", type=int, default=100_000)
-    _add_dims(vc, 512, 128)
-    vc.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated")
-    vc.add_argument("--pairs", type=int, default=1500, help="pairs each model learns first")
-    vc.add_argument("--versions", type=int, default=3, help="builds timed per model")
-    vc.add_argument(
+def _bench_version_cost_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gallery", type=int, default=100_000)
+    _add_dims(parser, 512, 128)
+    parser.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated")
+    parser.add_argument("--pairs", type=int, default=1500, help="pairs each model learns first")
+    parser.add_argument("--versions", type=int, default=3, help="builds timed per model")
+    parser.add_argument(
         "--pairs-between", type=int, default=20, help="pairs learned before each later version"
     )
-    return vc
+
+
+class _ServiceBench(NamedTuple):
+    """A benchmark of the running service: the function it runs (its module in
+    ``streamxm.tools`` and its name), its help, and what adds its options."""
+
+    module: str
+    function: str
+    help: str
+    options: Callable[[argparse.ArgumentParser], None]
+
+
+#: Each service benchmark by its subcommand, in the order ``streamxm bench --help`` lists them.
+_LOAD_BENCHES = {
+    "ingest": _ServiceBench(
+        "bench_ingest",
+        "ingest",
+        "pairs/s via the client and POST /v1/pairs beside "
+        "redis-benchmark's XADD on the same server",
+        _bench_ingest_options,
+    ),
+    "end-to-end": _ServiceBench(
+        "bench_end_to_end",
+        "end_to_end",
+        "pairs/s one worker learns from the stream, "
+        "beside the in-process learner; lag at a push rate",
+        _bench_end_to_end_options,
+    ),
+    "query": _ServiceBench(
+        "bench_query",
+        "query",
+        "/v1/search latency under concurrent clients while a worker learns and checkpoints swap in",
+        _bench_query_options,
+    ),
+    "soak": _ServiceBench(
+        "bench_soak",
+        "soak",
+        "long push/learn/query run sampling resident memory",
+        _bench_soak_options,
+    ),
+    "hostile": _ServiceBench(
+        "bench_hostile",
+        "hostile",
+        "junk bodies of growing size and a labels bomb: "
+        "answer size, API memory and /healthz latency meanwhile, beside "
+        "it at rest",
+        _bench_hostile_options,
+    ),
+    "scan": _ServiceBench(
+        "scan",
+        "scan",
+        "the search candidate scan's backends side by side "
+        "(float32, bfloat16, int8, FAISS when installed), one thread",
+        _bench_scan_options,
+    ),
+    "ensemble-recall": _ServiceBench(
+        "bench_query",
+        "ensemble_recall",
+        "recall@k of an ensemble's search (each "
+        "member's candidates, fused exactly) against its exact fused "
+        "ranking of the whole gallery",
+        _bench_ensemble_recall_options,
+    ),
+    "version-cost": _ServiceBench(
+        "bench_version_cost",
+        "version_cost",
+        "what a new model version costs a search "
+        "server: seconds to embed the whole gallery, memory of its kept "
+        "features and embeddings, per model",
+        _bench_version_cost_options,
+    ),
+}
 
 
 def _bench_service_commands(bench_sub: _Commands) -> None:
-    """Benchmarks of the running service: ingest, end-to-end, query, soak, hostile, scan,
-    ensemble-recall, version-cost; each ends with ``--seed`` and ``--json`` and runs through
-    :func:`_cmd_bench_load`."""
-    for command in (
-        _bench_ingest_command,
-        _bench_end_to_end_command,
-        _bench_query_command,
-        _bench_soak_command,
-        _bench_hostile_command,
-        _bench_scan_command,
-        _bench_ensemble_recall_command,
-        _bench_version_cost_command,
-    ):
-        parser = command(bench_sub)
+    """Benchmarks of the running service (:data:`_LOAD_BENCHES`); each ends with ``--seed`` and
+    ``--json`` and runs through :func:`_cmd_bench_load`."""
+    for name, bench in _LOAD_BENCHES.items():
+        parser = bench_sub.add_parser(name, help=bench.help)
+        bench.options(parser)
         _add_seed_and_json(parser, _ONE_LINE_JSON)
         parser.set_defaults(func=_cmd_bench_load)
 

@@ -289,6 +289,24 @@ def three_class_benchmark(path: Path, seed: int, n: int, n_train: int) -> Path:
     )
 
 
+def whole_and_cut(
+    model: str,
+    img_dim: int,
+    txt_dim: int,
+    params: dict[str, Any],
+    pairs: list[Pair],
+    cut: int,
+    seed: int,
+) -> tuple[StreamLearner, StreamLearner]:
+    """Two learners of ``model`` made alike: one has learned every pair, the other the pairs
+    before ``cut`` (its state is the checkpoint a test resumes from)."""
+    whole = StreamLearner(model, img_dim, txt_dim, params, seed=seed)
+    whole.learn(pairs)
+    first = StreamLearner(model, img_dim, txt_dim, params, seed=seed)
+    first.learn(pairs[:cut])
+    return whole, first
+
+
 def assert_same_scores(
     got: CrossModalModel, want: CrossModalModel, img_dim: int, txt_dim: int
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:

@@ -189,9 +189,10 @@ def test_every_bench_prints_its_json_with_the_machine(
 ) -> None:
     """Each subcommand run as the console script runs it, its benchmark replaced by one that
     returns at once: the line printed is the benchmark's result plus ``machine``."""
+    argv: list[str] = []
     if name in cli._LOAD_BENCHES:
-        (module, function), argv = cli._LOAD_BENCHES[name], []
-        module = f"streamxm.tools.{module}"
+        load = cli._LOAD_BENCHES[name]
+        module, function = f"streamxm.tools.{load.module}", load.function
     else:
         assert name in _DIRECT, f"bench {name}: name the function it runs in _DIRECT"
         module, function, argv = _DIRECT[name]

@@ -21,7 +21,14 @@ from streamxm.service import build_worker
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import quality
-from tests.conftest import SHARED_WIKI, ApiServer, class_stream, wait_for
+from tests.conftest import (
+    SHARED_WIKI,
+    ApiServer,
+    assert_same_scores,
+    class_stream,
+    wait_for,
+    whole_and_cut,
+)
 
 
 def mixed_stream(n: int, seed: int) -> list[Pair]:
@@ -239,14 +246,10 @@ def test_checkpoint_round_trip_continues_identically(cut: int) -> None:
         "solve_first": 8,
         "solve_every": 50,
     }
-    whole = StreamLearner("sdsrl", 6, 4, params, seed=3)
-    whole.learn(pairs)
-    first = StreamLearner("sdsrl", 6, 4, params, seed=3)
-    first.learn(pairs[:cut])
+    whole, first = whole_and_cut("sdsrl", 6, 4, params, pairs, cut, seed=3)
     resumed = StreamLearner.from_state(*first.state())
     resumed.learn(pairs[cut:])
-    probe = np.random.default_rng(8).random((9, 6)), np.random.default_rng(9).random((9, 4))
-    np.testing.assert_array_equal(resumed.model.similarity(*probe), whole.model.similarity(*probe))
+    assert_same_scores(resumed.model, whole.model, 6, 4)
     assert resumed.stats.as_dict() == whole.stats.as_dict()
 
 
@@ -394,14 +397,10 @@ def test_growth_rebases_the_statistics_onto_a_span_holding_the_old_one() -> None
 def test_grown_checkpoint_round_trip_continues_identically(cut: int) -> None:
     pairs = classes_in_turn()
     params = {**GROW_PARAMS, "grow_landmarks": 0.5}
-    whole = StreamLearner("sdsrl", 8, 5, params, seed=3)
-    whole.learn(pairs)
-    first = StreamLearner("sdsrl", 8, 5, params, seed=3)
-    first.learn(pairs[:cut])
+    whole, first = whole_and_cut("sdsrl", 8, 5, params, pairs, cut, seed=3)
     resumed = StreamLearner.from_state(*first.state())
     resumed.learn(pairs[cut:])
-    probe = np.random.default_rng(8).random((9, 8)), np.random.default_rng(9).random((9, 5))
-    np.testing.assert_array_equal(resumed.model.similarity(*probe), whole.model.similarity(*probe))
+    assert_same_scores(resumed.model, whole.model, 8, 5)
 
 
 def test_a_checkpoint_from_before_growth_restores_the_frozen_rule() -> None:
@@ -409,10 +408,7 @@ def test_a_checkpoint_from_before_growth_restores_the_frozen_rule() -> None:
     before they came) restores with the landmarks frozen and continues as the model that wrote
     it, bit for bit."""
     pairs = classes_in_turn()
-    whole = StreamLearner("sdsrl", 8, 5, GROW_PARAMS, seed=3)
-    whole.learn(pairs)
-    first = StreamLearner("sdsrl", 8, 5, GROW_PARAMS, seed=3)
-    first.learn(pairs[:170])
+    whole, first = whole_and_cut("sdsrl", 8, 5, GROW_PARAMS, pairs, 170, seed=3)
     arrays, meta = first.state()
     old_arrays = {k: v for k, v in arrays.items() if not k.startswith("model.landmark_classes")}
     assert len(old_arrays) == len(arrays) - 2
@@ -421,5 +417,4 @@ def test_a_checkpoint_from_before_growth_restores_the_frozen_rule() -> None:
     resumed = StreamLearner.from_state(old_arrays, old_meta)
     assert isinstance(resumed.model, SDSRL) and resumed.model.grow_landmarks == 0.0
     resumed.learn(pairs[170:])
-    probe = np.random.default_rng(8).random((9, 8)), np.random.default_rng(9).random((9, 5))
-    np.testing.assert_array_equal(resumed.model.similarity(*probe), whole.model.similarity(*probe))
+    assert_same_scores(resumed.model, whole.model, 8, 5)
