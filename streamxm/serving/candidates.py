@@ -266,7 +266,7 @@ class CandidateScans:
         error = index.scan_error(target, query)
         if error > 0.0:
             # Embeddings made from rounded features (a feature map that keeps float16 rows, in
-            # a gallery of COMPACT_FEATURES_ROWS or more): each row's exact score is within
+            # a gallery of at least its ``compact_from_rows``): each row's exact score is within
             # ``error`` of its scan score, so the bound moves up by it and the candidates are
             # scored from their raw vectors.
             return Candidates.of(gallery, rows, kind, modality, target, vector, bound + error)
