@@ -95,9 +95,12 @@ class SDSRL(
         ``>= 0``. Above 0, after the freeze each side owes every class seen
         ``ceil(grow_landmarks m / C)`` landmarks (``m`` its landmarks at the freeze, ``C`` the
         classes so far), taken from the class's next pending pairs, the statistics re-based
-        onto the grown set (``LandmarkStatistics._grow``); a distributed learner's ranks then
-        no longer merge. 0 (the paper's landmarks drawn once, frozen) is the former rule, bit
-        for bit; the narrative is in ``docs/design.md``.
+        onto the grown set (``LandmarkStatistics._grow``). 0.5 keeps the file-order figure
+        and holds it in streams of one class or topic at a time (``docs/benchmarks.md``);
+        ``grow_landmarks=0`` is the paper's rule, the landmarks drawn once and frozen. A
+        distributed learner's split rounds hold the landmarks; rank 0 learns the round after
+        a class new to them alone, growing (:meth:`merge_parts`). The narrative is in
+        ``docs/design.md``.
 
     Attributes
     ----------
@@ -116,6 +119,9 @@ class SDSRL(
         The (forgetting-weighted) pair count of the statistics.
     pairs, unlabelled, solves : int
         Pairs seen, the unlabelled ones among them, and solves so far.
+    grown_classes : int
+        The class columns known at the last growth over pending pairs (those after are owed
+        growth).
 
     References
     ----------
@@ -269,11 +275,21 @@ class SDSRL(
 
     # -- several ranks ---------------------------------------------------------------------------
     def register_labels(self, labels: list[tuple[int, ...]]) -> None:
+        """The round's classes numbered alike on every rank; the round is split, so the
+        landmarks hold still until :meth:`after_merge` (every rank's set stays the same; a
+        class new to them is owed growth, :attr:`owes_growth`)."""
+        self.hold_growth = True
         for item in labels:
             self.class_index.columns(item, arriving=False)
 
     def merge_parts(self) -> MergeParts | None:
-        if not self.frozen or self.forget != 1.0 or self.grow_landmarks > 0:
+        """The summed statistics and counters; ``None`` before the freeze, with ``forget < 1``,
+        and while growth is owed with no pair pending outside a split round: rank 0 then learns
+        the next round alone, growing landmarks for the owed classes from its pairs (a fold
+        here grows from the pairs pending)."""
+        if not self.frozen or self.forget != 1.0:
+            return None
+        if self.owes_growth and not self.hold_growth and not self.pending_img:
             return None
         self._fold()
         # Columns for the classes registered for this round that no folded pair carried yet.
@@ -294,6 +310,7 @@ class SDSRL(
     def after_merge(self, pairs_before: int, pairs_after: int, rng: np.random.Generator) -> None:
         if self.schedule.crossed(pairs_before, pairs_after):
             self.solve(rng)
+        self.hold_growth = False  # the split round is over
 
     # -- serving -------------------------------------------------------------------------------
     def _embed(
@@ -355,6 +372,7 @@ class SDSRL(
             "cd_losses": self.cd_losses,
             "ignored_labels": self.class_index.ignored_labels,
             "serve_apart": serve_apart,
+            "grown_classes": self.grown_classes,
         }
         return arrays, meta
 
@@ -375,6 +393,8 @@ class SDSRL(
         self.weight = float(meta["weight"])
         self.pairs, self.unlabelled = int(meta["pairs"]), int(meta["unlabelled"])
         self.solves = int(meta["solves"])
+        # came with ranks that grow: none in older checkpoints (their classes owe growth)
+        self.grown_classes = int(meta.get("grown_classes", 0))
         self.cd_losses = [float(x) for x in meta["cd_losses"]]
         self.serve_img, self.serve_txt = self.map_img, self.map_txt
         if meta["serve_apart"]:
