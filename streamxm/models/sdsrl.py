@@ -91,7 +91,7 @@ class SDSRL(
         Pairs buffered before they are folded into the statistics, ``>= 1``.
     max_classes : int, default=1000
         Most classes tracked (labels beyond are ignored and counted).
-    grow_landmarks : float, default=0.0
+    grow_landmarks : float, default=0.5
         ``>= 0``. Above 0, after the freeze each side owes every class seen
         ``ceil(grow_landmarks m / C)`` landmarks (``m`` its landmarks at the freeze, ``C`` the
         classes so far), taken from the class's next pending pairs, the statistics re-based
@@ -166,7 +166,7 @@ class SDSRL(
         forget: float = 1.0,
         batch: int = 64,
         max_classes: int = 1000,
-        grow_landmarks: float = 0.0,
+        grow_landmarks: float = 0.5,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         m_txt = min(2 * txt_dim, 1000) if m_txt is None else m_txt
