@@ -12,6 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.buffer.replay import ReplayBuffer
+from streamxm.models import sdsrl_state
 from streamxm.models.array_types import F64
 from streamxm.models.base import (
     Arrays,
@@ -26,13 +27,7 @@ from streamxm.models.heads import LinearHead, RbfFeatures, power_features, rbf_k
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.opt_in import MergesRanks
 from streamxm.models.projections import mpl_cd
-from streamxm.models.sdsrl_landmarks import (
-    STATISTICS,
-    LandmarkStatistics,
-    NystroemMap,
-    map_arrays,
-    restore_maps,
-)
+from streamxm.models.sdsrl_landmarks import STATISTICS, LandmarkStatistics, NystroemMap
 from streamxm.models.sdsrl_work import SDSRLWork
 from streamxm.stream.messages import Pair
 
@@ -350,62 +345,10 @@ class SDSRL(
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays: Arrays = {key: getattr(self, key) for key in (*STATISTICS, "a", "b")}
-        arrays["pending_img"] = np.asarray(self.pending_img).reshape(-1, self.img_dim)
-        arrays["pending_txt"] = np.asarray(self.pending_txt).reshape(-1, self.txt_dim)
-        arrays["classes"] = np.asarray(self.class_index.classes, dtype=np.int64)
-        arrays["landmark_classes_img"] = self.landmark_classes_img
-        arrays["landmark_classes_txt"] = self.landmark_classes_txt
-        arrays.update(map_arrays("", self.map_img, self.map_txt))
-        serve_apart = self.serve_img is not None and self.serve_img is not self.map_img
-        if serve_apart:
-            arrays.update(map_arrays("serve_", self.serve_img, self.serve_txt))
-        if self.serve_img is not None:
-            arrays["w_img"], arrays["w_txt"] = self.w_img, self.w_txt
-        meta = {
-            "frozen": self.frozen,
-            "weight": self.weight,
-            "pairs": self.pairs,
-            "unlabelled": self.unlabelled,
-            "solves": self.solves,
-            "pending_cols": self.pending_cols,
-            "cd_losses": self.cd_losses,
-            "ignored_labels": self.class_index.ignored_labels,
-            "serve_apart": serve_apart,
-            "grown_classes": self.grown_classes,
-        }
-        return arrays, meta
+        return sdsrl_state.model_state(self)
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
-        for key in (*STATISTICS, "a", "b"):
-            setattr(self, key, np.array(arrays[key], dtype=np.float64))
-        self.pending_img = list(np.array(arrays["pending_img"], dtype=np.float64))
-        self.pending_txt = list(np.array(arrays["pending_txt"], dtype=np.float64))
-        self.pending_cols = [[int(c) for c in cols] for cols in meta["pending_cols"]]
-        self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
-        for side in ("img", "txt"):  # came with grow_landmarks: none in older checkpoints
-            counts = arrays.get(f"landmark_classes_{side}", np.zeros(0))
-            setattr(self, f"landmark_classes_{side}", np.array(counts, dtype=np.int64))
-        self.map_img = self.map_txt = None
-        if "landmarks_img" in arrays:
-            self.map_img, self.map_txt = restore_maps(arrays, "", self.sigma_img, self.sigma_txt)
-        self.frozen = bool(meta["frozen"])
-        self.weight = float(meta["weight"])
-        self.pairs, self.unlabelled = int(meta["pairs"]), int(meta["unlabelled"])
-        self.solves = int(meta["solves"])
-        # came with ranks that grow: none in older checkpoints (their classes owe growth)
-        self.grown_classes = int(meta.get("grown_classes", 0))
-        self.cd_losses = [float(x) for x in meta["cd_losses"]]
-        self.serve_img, self.serve_txt = self.map_img, self.map_txt
-        if meta["serve_apart"]:
-            self.serve_img, self.serve_txt = restore_maps(
-                arrays, "serve_", self.sigma_img, self.sigma_txt
-            )
-        if "w_img" in arrays:
-            self.w_img = np.array(arrays["w_img"], dtype=np.float64)
-            self.w_txt = np.array(arrays["w_txt"], dtype=np.float64)
-        else:
-            self.serve_img = self.serve_txt = None
+        sdsrl_state.load_state(self, arrays, meta)
 
 
 def _small_random(rng: np.random.Generator, target: F64, q: int) -> F64:
