@@ -362,6 +362,27 @@ def test_grown_landmarks_cover_the_classes_the_pool_missed() -> None:
     assert g.solves == f.solves and not g.owes_growth
 
 
+def test_counted_landmarks_follow_the_growth() -> None:
+    """The work counts' landmarks (``_steady_sizes``): the pool's draw before the freeze, then
+    those held plus what the classes seen still owe (a class new to them ``ceil(g m / C)`` a
+    side); without growth, the pool's draw throughout."""
+    pairs = classes_in_turn()
+    learner = StreamLearner("sdsrl", 8, 5, {**GROW_PARAMS, "grow_landmarks": 0.5}, seed=0)
+    learner.learn(pairs[:90])
+    m = learner.model
+    assert isinstance(m, SDSRL) and not m.frozen and m._steady_sizes() == (40, 10, 2)
+    learner.learn(pairs[90:125])  # frozen at the 100th pair; class 2 from the 120th, pending
+    assert m.map_img is not None and m.map_txt is not None and m.owes_growth
+    held = len(m.map_img.landmarks), len(m.map_txt.landmarks)
+    owed = math.ceil(0.5 * 40 / 3), math.ceil(0.5 * 10 / 3)
+    assert m._steady_sizes() == (held[0] + owed[0], held[1] + owed[1], 3)
+    learner.learn(pairs[125:])
+    assert m._steady_sizes() == (len(m.map_img.landmarks), len(m.map_txt.landmarks), 5)
+    frozen = StreamLearner("sdsrl", 8, 5, GROW_PARAMS, seed=0)
+    frozen.learn(pairs)
+    assert frozen.model._steady_sizes() == (40, 10, 5)  # type: ignore[attr-defined]
+
+
 def test_growth_rebases_the_statistics_onto_a_span_holding_the_old_one() -> None:
     """``T = U_new' K(new, old) U_old`` carries the old features into the grown map's
     coordinates: on the old landmarks (where the old map is exact) ``T phi_old = phi_new``,
