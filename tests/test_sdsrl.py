@@ -21,6 +21,7 @@ from streamxm.service import build_worker
 from streamxm.stream.messages import Pair, make_pair
 from streamxm.stream.producer import StreamProducer
 from streamxm.tools.bench import quality
+from streamxm.worker.ranks import RankFollower, RankZeroWorker
 from tests.conftest import (
     SHARED_WIKI,
     ApiServer,
@@ -71,6 +72,7 @@ def test_streamed_statistics_equal_the_batch_matrices(forget: float) -> None:
         power_img=1.0,
         solve_first=10**6,
         solve_every=10**6,
+        grow_landmarks=0.0,  # the paper's frozen landmarks: every pair's features on one map
     )
     learner = StreamLearner("sdsrl", 6, 4)
     learner.model = model
@@ -333,6 +335,7 @@ GROW_PARAMS = {
     "batch": 16,
     "solve_first": 8,
     "solve_every": 50,
+    "grow_landmarks": 0.0,
 }
 
 
@@ -359,7 +362,28 @@ def test_grown_landmarks_cover_the_classes_the_pool_missed() -> None:
         assert len(counts) == 5 and counts.min() >= math.ceil(0.5 * m / 5)
         added = len(nm.landmarks) - m
         assert 0 < added <= sum(math.ceil(0.5 * m / k) for k in range(1, 6))
-    assert g.solves == f.solves and g.merge_parts() is None
+    assert g.solves == f.solves and not g.owes_growth
+
+
+def test_counted_landmarks_follow_the_growth() -> None:
+    """The work counts' landmarks (``_steady_sizes``): the pool's draw before the freeze, then
+    those held plus what the classes seen still owe (a class new to them ``ceil(g m / C)`` a
+    side); without growth, the pool's draw throughout."""
+    pairs = classes_in_turn()
+    learner = StreamLearner("sdsrl", 8, 5, {**GROW_PARAMS, "grow_landmarks": 0.5}, seed=0)
+    learner.learn(pairs[:90])
+    m = learner.model
+    assert isinstance(m, SDSRL) and not m.frozen and m._steady_sizes() == (40, 10, 2)
+    learner.learn(pairs[90:125])  # frozen at the 100th pair; class 2 from the 120th, pending
+    assert m.map_img is not None and m.map_txt is not None and m.owes_growth
+    held = len(m.map_img.landmarks), len(m.map_txt.landmarks)
+    owed = math.ceil(0.5 * 40 / 3), math.ceil(0.5 * 10 / 3)
+    assert m._steady_sizes() == (held[0] + owed[0], held[1] + owed[1], 3)
+    learner.learn(pairs[125:])
+    assert m._steady_sizes() == (len(m.map_img.landmarks), len(m.map_txt.landmarks), 5)
+    frozen = StreamLearner("sdsrl", 8, 5, GROW_PARAMS, seed=0)
+    frozen.learn(pairs)
+    assert frozen.model._steady_sizes() == (40, 10, 5)  # type: ignore[attr-defined]
 
 
 def test_growth_rebases_the_statistics_onto_a_span_holding_the_old_one() -> None:
@@ -404,9 +428,9 @@ def test_grown_checkpoint_round_trip_continues_identically(cut: int) -> None:
 
 
 def test_a_checkpoint_from_before_growth_restores_the_frozen_rule() -> None:
-    """A checkpoint without ``grow_landmarks`` nor the landmarks' class counts (as written
-    before they came) restores with the landmarks frozen and continues as the model that wrote
-    it, bit for bit."""
+    """A checkpoint without ``grow_landmarks``, the landmarks' class counts nor
+    ``grown_classes`` (as written before they came) restores with the landmarks frozen and
+    continues as the model that wrote it, bit for bit."""
     pairs = classes_in_turn()
     whole, first = whole_and_cut("sdsrl", 8, 5, GROW_PARAMS, pairs, 170, seed=3)
     arrays, meta = first.state()
@@ -414,7 +438,74 @@ def test_a_checkpoint_from_before_growth_restores_the_frozen_rule() -> None:
     assert len(old_arrays) == len(arrays) - 2
     old_meta = copy.deepcopy(meta)
     assert old_meta["params"].pop("grow_landmarks") == 0.0
+    old_meta["model_meta"].pop("grown_classes")
     resumed = StreamLearner.from_state(old_arrays, old_meta)
     assert isinstance(resumed.model, SDSRL) and resumed.model.grow_landmarks == 0.0
     resumed.learn(pairs[170:])
     assert_same_scores(resumed.model, whole.model, 8, 5)
+
+
+def test_two_ranks_split_again_after_rank_zero_grows_for_a_new_class(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """Two ranks (rank 0's worker stepped here, rank 1 a follower on a thread: gloo on
+    loopback, a real Redis) learn the classes in turn with growth, then a tail of known
+    classes. A round that meets a new class is split and holds the landmarks; the next is
+    rank 0's alone and grows them for the class; the round after is split again. Every pair
+    is learned once."""
+    pairs = classes_in_turn() + class_stream(60, 8, 5, seed=12, n_classes=5)
+    StreamProducer(r, settings.namespace).push_pairs(pairs)
+    params = {**GROW_PARAMS, "grow_landmarks": 0.5}
+    ranks = settings.model_copy(update={"read_batch": 15, "dist_timeout_s": 20.0})
+    worker = build_worker(ranks, r, "sdsrl", params=params, world=2)
+    assert isinstance(worker, RankZeroWorker)
+    follower = RankFollower(r, "sdsrl", 1, 2, namespace=settings.namespace, timeout_s=20.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=follower.run, args=(stop,), daemon=True)
+    thread.start()
+    # Per round (a read of 30 pairs): split, landmarks, columns, columns grown, growth owed.
+    rounds: list[tuple[bool, int, int, int, bool]] = []
+    try:
+        worker.prepare(stop)
+        assert worker.hold_lease()
+        for _ in range(100):
+            split_before = worker.split_rounds
+            if not worker.step():  # the first read takes over the group's pending entries
+                continue
+            assert worker.learner is not None
+            m = worker.learner.model
+            assert isinstance(m, SDSRL) and m.map_img is not None
+            rounds.append(
+                (
+                    worker.split_rounds > split_before,
+                    len(m.map_img.landmarks),
+                    len(m.class_index),
+                    int(np.count_nonzero(m.landmark_classes_img)),
+                    m.owes_growth,
+                )
+            )
+            if worker.learner.pairs_seen == len(pairs):
+                break
+        worker.run(stop, until_idle=True)  # the final checkpoint; the follower is told to stop
+    finally:
+        stop.set()
+        thread.join(30)
+    assert len(rounds) == len(pairs) // 30
+    m = worker.learner.model  # type: ignore[union-attr]
+    assert isinstance(m, SDSRL) and m.map_img is not None and m.map_txt is not None
+    for at in range(4, len(rounds) - 1):
+        split, size, classes, _, owes = rounds[at]
+        if owes:  # a split round met a new class: its landmarks held, every rank's alike
+            assert split and size == rounds[at - 1][1] and classes > rounds[at - 1][2]
+            grew = rounds[at + 1]  # rank 0 alone, growing for it; then split again
+            assert not grew[0] and grew[1] > size and grew[3] == classes and not grew[4]
+            assert rounds[at + 2][0]
+    assert [at for at, (*_, owes) in enumerate(rounds) if owes] == [4, 6, 8]
+    assert all(split for split, *_ in rounds[-2:])
+    assert follower.rounds == worker.split_rounds == sum(split for split, *_ in rounds)
+    # Each pair counted once, its features in the statistics (forget 1: the weight counts them).
+    assert worker.learner.pairs_seen == m.pairs == len(pairs)  # type: ignore[union-attr]
+    assert m.weight == len(pairs) and not m.pending_img
+    for side, m0 in (("img", 40), ("txt", 10)):
+        counts = getattr(m, f"landmark_classes_{side}")
+        assert len(counts) == 5 and counts.min() >= math.ceil(0.5 * m0 / 5)

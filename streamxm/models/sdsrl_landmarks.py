@@ -159,6 +159,11 @@ class LandmarkStatistics(CrossModalModel):
         # Landmarks per class column, each side (a landmark counts for each of its labels).
         self.landmark_classes_img = np.zeros(0, dtype=np.int64)
         self.landmark_classes_txt = np.zeros(0, dtype=np.int64)
+        # The class columns known at the last growth over pending pairs: the classes after them
+        # are owed growth (:attr:`owes_growth`).
+        self.grown_classes = 0
+        # Set through a round split among ranks: their landmark sets stay equal (no growth).
+        self.hold_growth = False
 
     def _add(self, pair: Example) -> None:
         self.pending_img.append(power_normalize(pair.img, self.power_img))
@@ -198,10 +203,18 @@ class LandmarkStatistics(CrossModalModel):
             counts[self.pending_cols[row]] += 1
         return counts
 
+    @property
+    def owes_growth(self) -> bool:
+        """Whether a class became known after the last growth over pending pairs (landmarks
+        growing, frozen; always false for a single learner right after a fold)."""
+        return (
+            self.frozen and self.grow_landmarks > 0 and self.grown_classes < len(self.class_index)
+        )
+
     def _fold(self) -> None:
         """Add the pending pairs to the statistics and drop them (after the landmarks grow,
-        :meth:`_grow`, where ``grow_landmarks`` asks for it)."""
-        if self.frozen and self.grow_landmarks > 0:
+        :meth:`_grow`, where ``grow_landmarks`` asks for it and no split round holds them)."""
+        if self.frozen and self.grow_landmarks > 0 and not self.hold_growth:
             self._grow()
         self._accumulate()
         self.pending_img, self.pending_txt, self.pending_cols = [], [], []
@@ -219,11 +232,14 @@ class LandmarkStatistics(CrossModalModel):
         Nystroem projections ``U``) the old features are ``T phi`` in the new coordinates, so
         ``Phi'Phi`` becomes ``T Phi'Phi T'``, ``Phi'L`` becomes ``T Phi'L`` and ``A`` becomes
         ``T A``: the pairs folded keep the features they had; the pairs to come get the larger
-        span. The paper draws the landmarks once (``grow_landmarks = 0``).
+        span. The paper draws the landmarks once (``grow_landmarks = 0``). With pending pairs,
+        the classes known now are no longer owed growth (:attr:`owes_growth`).
         """
         classes = len(self.class_index)
         if classes == 0:
             return
+        if self.pending_cols:
+            self.grown_classes = classes
         for side in ("img", "txt"):
             nm: NystroemMap | None = getattr(self, f"map_{side}")
             assert nm is not None

@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.typing import NDArray
 
 from streamxm.models.classes import ClassIndex
 from streamxm.models.heads import RbfFeatures, power_features
 from streamxm.models.moments import ResolveSchedule, power_normalize_work
 from streamxm.models.opt_in import CountsWork
 from streamxm.models.projections import mpl_cd_work
+from streamxm.models.sdsrl_landmarks import NystroemMap
 from streamxm.models.work import Work, elementwise, gemm
 
 __all__ = ["SDSRLWork"]
@@ -40,6 +42,11 @@ class SDSRLWork(CountsWork):
     batch: int
     schedule: ResolveSchedule
     class_index: ClassIndex
+    frozen: bool
+    map_img: NystroemMap | None
+    map_txt: NystroemMap | None
+    landmark_classes_img: NDArray[np.int64]
+    landmark_classes_txt: NDArray[np.int64]
 
     def periodic_work(self) -> tuple[int, int]:
         """Solves come every ``solve_every`` pairs once the doubling ends and the landmark
@@ -49,19 +56,34 @@ class SDSRLWork(CountsWork):
 
     def _steady_sizes(self) -> tuple[int, int, int]:
         """``(m1, m2, c)`` of the steady state: the landmarks drawn from the full pool,
-        ``m = min(m_img, landmark_pool)`` and likewise for texts, plus the most that growth
-        adds for the ``c`` classes (``grow_landmarks = g``): ``ceil(g m / k)`` for the ``k``-th
-        class seen, none when ``g = 0`` (also the feature counts, at their most: the
-        eigenvalue floor may drop some, a property of the data); and ``c`` the class columns
-        seen so far (at least one: they grow with the stream's classes)."""
-        c = max(1, len(self.class_index))
+        ``m = min(m_img, landmark_pool)`` and likewise for texts; once they are frozen and
+        grow (``grow_landmarks > 0``), the landmarks held plus what the classes seen still
+        owe (:meth:`_still_owed`), so the counts follow the landmarks as they grow. These are
+        also the feature counts, at their most: the eigenvalue floor may drop some, a property
+        of the data. ``c`` is the class columns seen so far (at least one: they grow with the
+        stream's classes)."""
 
-        def most(m: int) -> int:
+        def most(side: str, m: int) -> int:
             m = min(m, self.landmark_pool)
-            grown = sum(math.ceil(self.grow_landmarks * m / k) for k in range(1, c + 1))
-            return m + grown
+            nm: NystroemMap | None = getattr(self, f"map_{side}")
+            if self.grow_landmarks > 0 and self.frozen and nm is not None:
+                return len(nm.landmarks) + self._still_owed(side, m)
+            return m
 
-        return most(self.m_img), most(self.m_txt), c
+        return most("img", self.m_img), most("txt", self.m_txt), max(1, len(self.class_index))
+
+    def _still_owed(self, side: str, m: int) -> int:
+        """The landmarks that growth may still add on ``side`` for the classes seen: each
+        class's ``ceil(g m / C)`` less those it has (``C`` the classes seen,
+        :meth:`~streamxm.models.sdsrl_landmarks.LandmarkStatistics._grow`)."""
+        classes = len(self.class_index)
+        if classes == 0:
+            return 0
+        counts: NDArray[np.int64] = getattr(self, f"landmark_classes_{side}")
+        have = np.zeros(classes, dtype=np.int64)
+        have[: len(counts)] = counts[:classes]
+        owed = math.ceil(self.grow_landmarks * m / classes)
+        return int(np.maximum(owed - have, 0).sum())
 
     def learning_work(self) -> Work:
         """Per pair in the steady state (landmarks frozen, solved once), float64, with
