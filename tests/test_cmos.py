@@ -1,5 +1,7 @@
 """CMOS against a direct transcription of the paper's equations."""
 
+from typing import Literal
+
 import numpy as np
 import pytest
 
@@ -268,3 +270,145 @@ def test_burst_damping_holds_text_to_image_when_topics_arrive_one_at_a_time() ->
     paper, damped = np.mean(maps[0.0], axis=0), np.mean(maps[0.5], axis=0)
     assert damped[1] > paper[1] + 0.003, maps
     assert damped[0] > paper[0] - 0.002, maps
+
+
+def _ema_transcription(
+    triplets: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], dv: int, dt: int, beta: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The paper's sequential loop (C = 0.3) with ``A = beta A + (1 - beta) W`` after each
+    triplet: the last iterate and its average."""
+    W, A = np.zeros((dv, dt)), np.zeros((dv, dt))
+    for kind, q, p, n in triplets:
+        left, right = (q, p - n) if kind == "image" else (p - n, q)
+        V = np.outer(left, right)
+        loss = max(0.0, 1 - left @ W @ right)
+        W = W + min(0.3, loss / np.sum(V * V)) * V
+        A = beta * A + (1 - beta) * W
+    return W, A
+
+
+@pytest.mark.parametrize("solver", ["blocked", "paper"])
+def test_the_average_is_the_sequential_loops_whatever_the_flushes(
+    solver: Literal["blocked", "paper"],
+) -> None:
+    """``average`` serves the moving average of the iterates one triplet at a time, as the
+    sequential loop gives it, through queues flushed at uneven points."""
+    rng = np.random.default_rng(3)
+    dv, dt = 9, 5
+    model = CMOS(
+        dv, dt, C=0.3, normalize="none", center=False, dtype="float64", solver=solver, average=4.0
+    )
+    assert model.triplets_per_pair == 10  # beta = 1 - 1 / 40
+    stats = LearnStats()
+    triplets = []
+    for k in range(400):
+        kind = "image" if rng.random() < 0.5 else "text"
+        q, p, n = (rng.normal(size=d) for d in ((dv, dt, dt) if kind == "image" else (dt, dv, dv)))
+        update = model.update_image if kind == "image" else model.update_text
+        update(q, p, n, stats, defer=k % 7 != 0)
+        triplets.append((kind, q, p, n))
+    model.flush(stats)
+    W, A = _ema_transcription(triplets, dv, dt, beta=1 - 1 / 40)
+    np.testing.assert_allclose(model.W, W, rtol=0, atol=1e-10)
+    assert model.W_avg is not None and model.served is model.W_avg
+    np.testing.assert_allclose(model.W_avg, A, rtol=0, atol=1e-10)
+    assert not np.allclose(model.W_avg, model.W, atol=1e-3)
+
+
+def test_without_an_average_the_last_iterate_is_served() -> None:
+    learner = StreamLearner("cmos", 6, 4, seed=1)
+    learner.learn(_random_pairs(200, seed=2))
+    model = learner.model
+    assert isinstance(model, CMOS) and model.average == 0.0
+    assert model.W_avg is None and model.served is model.W
+    assert "model.W_avg" not in learner.state()[0]
+
+
+def test_the_average_is_what_the_model_serves_and_scores() -> None:
+    pairs = class_stream(300, 10, 6, seed=5, n_classes=4)
+    learner = StreamLearner("cmos", 10, 6, {"average": 5.0}, seed=2, eval_every=3)
+    learner.learn(pairs)
+    learner.flush()  # as every read does first
+    model = learner.model
+    assert isinstance(model, CMOS) and model.W_avg is not None
+    imgs, txts = np.stack([p.img for p in pairs[:7]]), np.stack([p.txt for p in pairs[:9]])
+    want = model.map_images(imgs) @ model.W_avg.astype(np.float64) @ model.map_texts(txts).T
+    np.testing.assert_allclose(model.similarity(imgs, txts), want, rtol=1e-6, atol=1e-7)
+    inner = model.embed_images(imgs).astype(np.float64) @ model.embed_texts(txts).T
+    np.testing.assert_allclose(inner, want, rtol=1e-4, atol=1e-5)
+    kind = model.embedding()
+    assert kind.fixed
+    moved, constant = kind.moved("text", imgs)  # type: ignore[attr-defined]
+    units = txts / np.linalg.norm(txts, axis=1, keepdims=True)
+    np.testing.assert_allclose(moved @ units.T + constant[:, None], want, rtol=1e-6, atol=1e-7)
+    last = model.map_images(imgs) @ model.W.astype(np.float64) @ model.map_texts(txts).T
+    assert not np.allclose(last, want, rtol=1e-3)
+    assert learner.rolling_map()["i2t"] is not None
+
+
+def test_averaged_learning_does_not_depend_on_cuts_or_restarts() -> None:
+    """A checkpoint keeps the average and the queued triplets' decays: cut into calls and
+    restored halfway, a learner ends bit for bit as one that learned the stream in one go."""
+    pairs = class_stream(400, 10, 6, seed=2, n_classes=5)
+    params = {"average": 8.0}
+    one = StreamLearner("cmos", 10, 6, params, seed=5, eval_every=7)
+    one.learn(pairs)
+    cut = StreamLearner("cmos", 10, 6, params, seed=5, eval_every=7)
+    for i in range(0, 250, 13):
+        cut.learn(pairs[i : min(i + 13, 250)])
+    assert cut.model._queued > 0  # type: ignore[attr-defined]
+    restored = StreamLearner.from_state(*cut.state())
+    restored.learn(pairs[250:])
+    one.flush()
+    restored.flush()
+    for name in ("W", "W_avg"):
+        assert np.array_equal(getattr(one.model, name), getattr(restored.model, name)), name
+    assert one.stats.as_dict() == restored.stats.as_dict()
+    assert one.rolling_map() == restored.rolling_map()
+
+
+def test_a_checkpoint_without_average_restores_the_last_iterate_rule() -> None:
+    learner = StreamLearner("cmos", 6, 4, seed=4)
+    learner.learn(class_stream(120, 6, 4, seed=8, n_classes=3))
+    arrays, meta = learner.state()
+    old_meta = {**meta, "params": {k: v for k, v in meta["params"].items() if k != "average"}}
+    restored = StreamLearner.from_state(arrays, old_meta)
+    assert isinstance(restored.model, CMOS)
+    assert restored.model.average == 0.0 and restored.model.W_avg is None
+
+
+class _Mirror:
+    """A rank group of two whose other rank learned exactly what this one did."""
+
+    world = 2
+
+    def sum_ints(self, values: list[int]) -> list[int]:
+        return [2 * v for v in values]
+
+    def all_reduce_(self, flat: np.ndarray, op: str = "sum") -> None:
+        if op == "sum":
+            flat *= 2
+
+
+def test_ranks_mix_the_average_as_they_mix_w() -> None:
+    """Merged across ranks, the average moves from the round's start by the mixed changes of
+    the ranks, as ``W`` does."""
+    from streamxm.learning.rounds import RankMerge
+
+    pairs = class_stream(300, 10, 6, seed=6, n_classes=4)
+    learner = StreamLearner("cmos", 10, 6, {"average": 6.0}, seed=1)
+    learner.learn(pairs[:100])
+    merge = RankMerge(_Mirror())  # type: ignore[arg-type]
+    merge.reset(learner)
+    model = learner.model
+    assert isinstance(model, CMOS) and model.W_avg is not None
+    base = {"W": model.W.copy(), "W_avg": model.W_avg.copy()}
+    learner.learn(pairs[100:200])
+    learner.flush()
+    ends = {"W": model.W.copy(), "W_avg": model.W_avg.copy()}
+    merge.merge(learner, 100)
+    for name, start in base.items():
+        want = start + np.sqrt(2.0) * (ends[name] - start)
+        np.testing.assert_allclose(getattr(model, name), want, rtol=1e-5, atol=1e-6)
+    learner.learn(pairs[200:])  # and learning goes on from the merged iterate
+    assert not np.array_equal(model.W_avg, base["W_avg"])

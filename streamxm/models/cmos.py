@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 
 from streamxm.models import cmos_state, cmos_work
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
+from streamxm.models.cmos_average import decay, move_average
 from streamxm.models.cmos_updates import (
     Queued,
     add_outer_products,
@@ -75,11 +76,18 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         margin of 1 is rarely met), so the class that arrives last writes the most recent and
         largest share of ``W`` over the directions it shares with the others; the smaller steps
         keep what the earlier classes wrote. Outside a burst nothing changes.
+    average : float, default=0.0
+        Horizon, in pairs, of the exponential moving average of the iterates that the model
+        serves, ``>= 0``: after each triplet ``A = beta A + (1 - beta) W`` with
+        ``beta = 1 - 1 / (average * triplets_per_pair)`` (:mod:`.cmos_average`); the learner
+        keeps stepping from its last iterate ``W``. 0: ``A`` is ``W`` (the paper's rule).
 
     Attributes
     ----------
     W : ndarray of shape (img_dim, txt_dim)
-        The bilinear map, in ``dtype``.
+        The bilinear map, in ``dtype``: the last iterate.
+    W_avg : ndarray of shape (img_dim, txt_dim) or None
+        The average ``A`` served and scored in place of ``W`` (``None`` when ``average`` is 0).
     img_sum, txt_sum : ndarray of shape (img_dim,) and (txt_dim,)
         Sums of the normalised inputs seen; divided by ``n_seen``, the centring means.
     n_seen : int
@@ -107,8 +115,12 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
     """
 
     memory_share = 1.0
-    # replay and burst_damping came later: a checkpoint without them restores with them off
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"replay": 0, "burst_damping": 0.0}
+    # replay, burst_damping and average came later: a checkpoint without them restores them off
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {
+        "replay": 0,
+        "burst_damping": 0.0,
+        "average": 0.0,
+    }
 
     def __init__(
         self,
@@ -124,6 +136,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         solver: Literal["blocked", "paper"] = "blocked",
         replay: int = 2,
         burst_damping: float = 0.5,
+        average: float = 0.0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         require(
@@ -134,6 +147,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
             flush_every=">= 1",
             replay=">= 0",
             burst_damping="in [0, 1)",
+            average=">= 0",
         )
         if normalize not in ("l2", "none"):
             raise ValueError(f"normalize must be 'l2' or 'none', got {normalize!r}")
@@ -151,9 +165,12 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         self.solver = solver
         self.replay = int(replay)
         self.burst_damping = float(burst_damping)
+        self.average = float(average)
+        self._beta = decay(self.average, self.triplets_per_pair)  # per triplet
         #: When a list, every flush appends the step sizes it took, in order (for tests).
         self.tau_log: list[float] | None = None
         self.W = np.zeros((img_dim, txt_dim), dtype=dtype)
+        self.W_avg = self.W.copy() if self.average > 0 else None
         self.img_sum = np.zeros(img_dim, dtype=np.float64)
         self.txt_sum = np.zeros(txt_dim, dtype=np.float64)
         self.n_seen = 0
@@ -164,6 +181,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         self._right = np.zeros((capacity, txt_dim), dtype=dtype)
         self._is_text = np.zeros(capacity, dtype=bool)
         self._cap = np.zeros(capacity, dtype=np.float64)  # each queued triplet's PA cap
+        self._decay = np.zeros(capacity, dtype=np.float64)  # and its average's beta
         self._queued = 0
         self._stats = LearnStats()  # where reads record a flush; update points it at its own
 
@@ -202,6 +220,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         self._right[k] = right
         self._is_text[k] = is_text
         self._cap[k] = self.C if cap is None else cap
+        self._decay[k] = self._beta
         self._queued += 1
 
     def _submit(
@@ -253,21 +272,17 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         self._queued = 0
         queue = Queued(self._left[:n], self._right[:n], self._is_text[:n])
         caps = self._cap[:n]
+        before = self.W.copy() if self.W_avg is not None else self.W
         if self.solver == "paper":
             tau = paper_steps(self.W, queue, self.margin, caps, stats)
         else:
             tau = blocked_steps(self.W, queue, self.margin, caps, stats)
             if tau.any():
-                self._merge(queue.left, tau, queue.right)
+                add_outer_products(self.W, queue.left, tau, queue.right)  # W += A^T diag(tau) B
+        if self.W_avg is not None:
+            move_average(self.W_avg, before, queue.left, tau, queue.right, self._decay[:n])
         if self.tau_log is not None:
             self.tau_log.extend(tau.tolist())
-
-    def _merge(
-        self, left: NDArray[np.floating], tau: NDArray[np.float64], right: NDArray[np.floating]
-    ) -> None:
-        """``W += A^T diag(tau) B`` in place, ``A`` and ``B`` the queue's two sides
-        (:func:`~streamxm.models.cmos_updates.add_outer_products`)."""
-        add_outer_products(self.W, left, tau, right)
 
     def learn_one(
         self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
@@ -275,9 +290,14 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         queue_pair(self, pair, history, rng, stats)
 
     # -- serving ---------------------------------------------------------------------------
+    @property
+    def served(self) -> NDArray[Any]:
+        """The map served and scored: the average ``W_avg``, or ``W`` without one."""
+        return self.W if self.W_avg is None else self.W_avg
+
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         self.flush(self._stats)
-        return (self.map_images(x) @ self.W).astype(np.float32)
+        return np.asarray(self.map_images(x) @ self.served, dtype=np.float32)
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
         return self.map_texts(x).astype(np.float32)
@@ -289,8 +309,8 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         a, b = self.map_images(np.atleast_2d(imgs)), self.map_texts(np.atleast_2d(txts))
         # Multiply W into the smaller side: one query against many costs one matvec.
         if len(a) <= len(b):
-            return np.asarray((a @ self.W) @ b.T)
-        return np.asarray(a @ (self.W @ b.T))
+            return np.asarray((a @ self.served) @ b.T)
+        return np.asarray(a @ (self.served @ b.T))
 
     def evaluation_scores(
         self, pair: Example, history: History, rows: NDArray[np.intp], kept: SlotFeatures
@@ -299,27 +319,15 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         (a float64 operand would copy ``W`` at every call); the stored rows enter through the
         norms the history keeps: ``psi(t) . q = (t . q) / ||t|| - mean . q``."""
         self.flush(self._stats)
-        image_query = (self.map_images(pair.img).astype(self.W.dtype) @ self.W).astype(np.float64)
-        text_query = (self.W @ self.map_texts(pair.txt).astype(self.W.dtype)).astype(np.float64)
-        i2t = self._stored_scores(history.txt, history.txt_norm, rows, image_query, self.txt_sum)
-        t2i = self._stored_scores(history.img, history.img_norm, rows, text_query, self.img_sum)
+        W = self.served
+        image_query = (self.map_images(pair.img).astype(W.dtype) @ W).astype(np.float64)
+        text_query = (W @ self.map_texts(pair.txt).astype(W.dtype)).astype(np.float64)
+        i2t = _stored_scores(self, history.txt, history.txt_norm, rows, image_query, self.txt_sum)
+        t2i = _stored_scores(self, history.img, history.img_norm, rows, text_query, self.img_sum)
         return (
             np.concatenate([[self.map_texts(pair.txt) @ image_query], i2t]),
             np.concatenate([[self.map_images(pair.img) @ text_query], t2i]),
         )
-
-    def _stored_scores(
-        self,
-        stored: NDArray[np.float32],
-        norms: NDArray[np.float32],
-        rows: NDArray[np.intp],
-        query: NDArray[np.float64],
-        total: NDArray[np.float64],
-    ) -> NDArray[np.float64]:
-        raw = np.asarray(stored[rows] @ query.astype(np.float32), dtype=np.float64)
-        if self.normalize == "l2":
-            raw /= np.where(norms[rows] > 0, norms[rows], 1.0)
-        return raw - float(self._mean(total) @ query)
 
     # -- the work counted (streamxm/models/work.py) ----------------------------------------
     def learning_work(self) -> Work:
@@ -349,14 +357,14 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         self, imgs: NDArray[np.floating]
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         self.flush(self._stats)
-        q = self.map_images(np.atleast_2d(imgs)) @ self.W.astype(np.float64)
+        q = self.map_images(np.atleast_2d(imgs)) @ self.served.astype(np.float64)
         return q, -(q @ self._mean(self.txt_sum))
 
     def queries_for_images(
         self, txts: NDArray[np.floating]
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         self.flush(self._stats)
-        q = self.map_texts(np.atleast_2d(txts)) @ self.W.T.astype(np.float64)
+        q = self.map_texts(np.atleast_2d(txts)) @ self.served.T.astype(np.float64)
         return q, -(q @ self._mean(self.img_sum))
 
     # -- state (streamxm/models/cmos_state.py) ---------------------------------------------
@@ -371,3 +379,19 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
 
     def load_state(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         cmos_state.load_state(self, arrays, meta)
+
+
+def _stored_scores(
+    model: CMOS,
+    stored: NDArray[np.float32],
+    norms: NDArray[np.float32],
+    rows: NDArray[np.intp],
+    query: NDArray[np.float64],
+    total: NDArray[np.float64],
+) -> NDArray[np.float64]:
+    """The stored ``rows``' scores against a moved ``query``: ``(x . q) / ||x|| - mean . q``,
+    ``mean`` the centring mean of the sums ``total``."""
+    raw = np.asarray(stored[rows] @ query.astype(np.float32), dtype=np.float64)
+    if model.normalize == "l2":
+        raw /= np.where(norms[rows] > 0, norms[rows], 1.0)
+    return raw - float(model._mean(total) @ query)

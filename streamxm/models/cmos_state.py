@@ -4,7 +4,8 @@
 
 The arrays: ``W``, the centring sums ``img_sum`` and ``txt_sum``, and in a checkpoint the
 triplets still queued, ``queued_left``, ``queued_right``, ``queued_is_text`` and their PA caps
-``queued_cap`` (absent in a checkpoint written before the caps could differ: all ``C``).
+``queued_cap`` (absent in a checkpoint written before the caps could differ: all ``C``); with
+an average served, also ``W_avg`` and the queued triplets' decays ``queued_decay``.
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ __all__ = ["load_state", "merge_parts", "model_state", "set_merged"]
 
 
 def merge_parts(model: CMOS) -> MergeParts:
-    """``W`` mixed across ranks; the centring sums and the counts summed."""
-    return {
+    """``W`` and its average ``W_avg`` mixed across ranks; the centring sums and the counts
+    summed."""
+    parts: MergeParts = {
         "W": ("mix", model.W),
         "img_sum": ("sum", model.img_sum),
         "txt_sum": ("sum", model.txt_sum),
         "n_seen": ("sum", np.asarray(model.n_seen)),
         "n_triplets": ("sum", np.asarray(model.n_triplets)),
     }
+    if model.W_avg is not None:
+        parts["W_avg"] = ("mix", model.W_avg)
+    return parts
 
 
 def set_merged(model: CMOS, merged: Arrays) -> None:
@@ -37,6 +42,8 @@ def set_merged(model: CMOS, merged: Arrays) -> None:
     if model._queued:
         raise RuntimeError("merge with triplets still queued: flush first")
     model.W = np.asarray(merged["W"], dtype=model.dtype)
+    if model.W_avg is not None:
+        model.W_avg = np.array(merged["W_avg"], dtype=model.dtype)
     model.img_sum = np.array(merged["img_sum"], dtype=np.float64)
     model.txt_sum = np.array(merged["txt_sum"], dtype=np.float64)
     model.n_seen, model.n_triplets = int(merged["n_seen"]), int(merged["n_triplets"])
@@ -54,6 +61,8 @@ def model_state(model: CMOS) -> tuple[Arrays, dict[str, Any]]:
         "queued_is_text": model._is_text[:n],
         "queued_cap": model._cap[:n],
     }
+    if model.W_avg is not None:
+        arrays.update(W_avg=model.W_avg, queued_decay=model._decay[:n])
     return arrays, {"n_seen": model.n_seen, "n_triplets": model.n_triplets}
 
 
@@ -68,4 +77,7 @@ def load_state(model: CMOS, arrays: Arrays, meta: dict[str, Any]) -> None:
     model._right[:n] = arrays["queued_right"]
     model._is_text[:n] = arrays["queued_is_text"]
     model._cap[:n] = arrays.get("queued_cap", model.C)  # absent: written when all were C
+    if model.W_avg is not None:
+        model.W_avg = np.array(arrays["W_avg"], dtype=model.dtype)
+        model._decay[:n] = arrays["queued_decay"]
     model._queued = n

@@ -18,14 +18,20 @@ __all__ = ["embedding_work", "evaluation_work", "flush_work"]
 def flush_work(model: CMOS, queued: int) -> Work:
     """A flush of ``F = queued`` triplets: the margins ``A W`` (an ``F x d_t x d_v`` product in
     ``W``'s dtype), the two ``F x F`` Gram matrices (float64) and the merge
-    ``W += A^T diag(tau) B`` (``W`` read and written)."""
+    ``W += A^T diag(tau) B`` (``W`` read and written); with an average served, ``W`` copied,
+    the average moved towards it and its own merge (:mod:`.cmos_average`)."""
     size = np.dtype(model.dtype).itemsize
-    return (
+    work = (
         gemm(queued, model.txt_dim, model.img_dim, size)
         + gemm(queued, queued, model.img_dim)
         + gemm(queued, queued, model.txt_dim)
         + rank_update(model.img_dim, model.txt_dim, queued, size)
     )
+    if model.W_avg is None:
+        return work
+    entries = model.img_dim * model.txt_dim
+    moved = elementwise(entries, flops_per_item=3.0, passes=8, itemsize=size)
+    return work + moved + rank_update(model.img_dim, model.txt_dim, queued, size)
 
 
 def embedding_work(model: CMOS, rows: int, modality: str) -> Work:
