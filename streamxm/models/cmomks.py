@@ -433,7 +433,7 @@ class CMOMKS(CountsWork, name="cmomks"):
         rehearsed. Every triplet is counted as updating (a triplet skips the support only when
         all ``M`` kernel pairs already meet the margin, which the margin-1 hinge on centred
         kernel scores rarely does), so each one also projects a support triplet into ``A``
-        (choosing it is ``O(budget)``, not counted)."""
+        (choosing it, ``O(budget)``, and the pool's rare rebuilds are not counted)."""
         return cmomks_work.triplet_work(self.img_side, self.txt_side) * self.triplets_per_pair
 
     def embedding_work(self, rows: int, modality: str) -> Work:
