@@ -87,6 +87,7 @@ _RULES = {
     "rehearse": ">= 0",
     "burst_damping": "in [0, 1)",
     "pool_skip": ">= 0",
+    "rebuild_pool": ">= 0",
 }
 #: Parameters that came later, off: a checkpoint without them restores with the former rules.
 _CAME_LATER: dict[str, Any] = {
@@ -94,6 +95,7 @@ _CAME_LATER: dict[str, Any] = {
     "balanced_support": False,
     "burst_damping": 0.0,
     "pool_skip": 0,
+    "rebuild_pool": 0,
 }
 
 
@@ -129,6 +131,11 @@ class CMOMKS(CountsWork, name="cmomks"):
         Pairs passed over between two pool points while the pool fills, ``>= 0`` (the pool
         spans the first ``(pool_skip + 1) landmarks`` pairs); 0: the paper's first
         ``landmarks`` pairs.
+    rebuild_pool : int, default=0
+        Pairs of a class with no landmark that the memory must hold for the pool to be rebuilt
+        class-balanced from the memory, ``A`` re-based onto it
+        (:func:`.cmomks_pool.rebuild_slots`, :func:`.cmomks_pool.rebuild`), ``>= 0``; 0: the
+        paper's pool, frozen once full.
     triplets_per_pair : int, default=10
         Triplets drawn per arriving pair, ``>= 1``.
     power : float, default=0.5
@@ -163,6 +170,8 @@ class CMOMKS(CountsWork, name="cmomks"):
         taken before it (its age).
     projected : int
         Triplets projected into ``A`` so far.
+    pool_group : ndarray of shape (landmarks,)
+        Each pool point's class (-1: unlabelled); ``pool_rebuilds``: the pool's rebuilds.
 
     References
     ----------
@@ -202,6 +211,7 @@ class CMOMKS(CountsWork, name="cmomks"):
         balanced_support: bool = False,
         burst_damping: float = 0.0,
         pool_skip: int = 0,
+        rebuild_pool: int = 0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         specs = [KernelPair.from_json(k) for k in (kernels or default_kernels())]
@@ -217,7 +227,7 @@ class CMOMKS(CountsWork, name="cmomks"):
         self.rehearse = int(rehearse)
         self.balanced_support = bool(balanced_support)
         self.burst_damping = float(burst_damping)
-        self.pool_skip = int(pool_skip)
+        self.pool_skip, self.rebuild_pool = int(pool_skip), int(rebuild_pool)
         self.pairs_offered = 0  # pairs learned from (one in pool_skip + 1 joins the pool)
         sizes = (self.power, self.landmarks, self.budget)
         self.img_side = KernelSide.for_kernels(
@@ -238,6 +248,8 @@ class CMOMKS(CountsWork, name="cmomks"):
         self.slot_written = np.zeros(budget, dtype=np.int64)  # support writes before it
         self.n_triplets = 0
         self.projected = 0
+        self.pool_group = np.full(landmarks, -1, dtype=np.int64)  # class of each pool point
+        self.pool_rebuilds = 0
         # Triplets that arrived before the pool was full: image rows, text rows, is_text, class.
         self._waiting: list[Triplet] = []
 
@@ -421,7 +433,7 @@ class CMOMKS(CountsWork, name="cmomks"):
         rehearsed. Every triplet is counted as updating (a triplet skips the support only when
         all ``M`` kernel pairs already meet the margin, which the margin-1 hinge on centred
         kernel scores rarely does), so each one also projects a support triplet into ``A``
-        (choosing it is ``O(budget)``, not counted)."""
+        (choosing it, ``O(budget)``, and the pool's rare rebuilds are not counted)."""
         return cmomks_work.triplet_work(self.img_side, self.txt_side) * self.triplets_per_pair
 
     def embedding_work(self, rows: int, modality: str) -> Work:

@@ -15,6 +15,7 @@ from numpy.typing import NDArray
 
 from streamxm.models.array_types import F64
 from streamxm.models.base import LearnStats
+from streamxm.models.cmomks_pool import rebuild, rebuild_slots
 from streamxm.models.cmomks_support import KernelSide
 from streamxm.models.history import Example, History
 from streamxm.models.sampling import TripletSampler
@@ -181,17 +182,22 @@ def learn_pair(
     stats: LearnStats,
 ) -> None:
     """:meth:`~streamxm.models.cmomks.CMOMKS.learn_one`: the pair joins the landmark pool while it
-    fills (one pair in ``pool_skip + 1``), then its ``triplets_per_pair`` triplets (and during a
-    burst ``rehearse`` more, whose queries are remembered pairs) are learned, or wait for the
-    pool to fill; the pair that fills it closes the pool, whether triplets wait or not (a stream
-    opening with one class draws none), and the waiting triplets are learned in order."""
+    fills (one pair in ``pool_skip + 1``), or once the pool is closed may have it rebuilt
+    (``rebuild_pool``: :func:`~streamxm.models.cmomks_pool.rebuild_slots`); then its
+    ``triplets_per_pair`` triplets (and during a burst ``rehearse`` more, whose queries are
+    remembered pairs) are learned, or wait for the pool to fill; the pair that fills it closes
+    the pool, whether triplets wait or not (a stream opening with one class draws none), and the
+    waiting triplets are learned in order."""
     model.pairs_offered += 1
     if not model.pool_full and (model.pairs_offered - 1) % (model.pool_skip + 1) == 0:
+        model.pool_group[model.img_side.pool_size] = pair.labels[0] if pair.labels else -1
         model.img_side.add_to_pool(pair.img)
         model.txt_side.add_to_pool(pair.txt)
         if model.pool_full:  # closed by the pair that fills it, whether triplets wait or not
             model.img_side.close_pool()
             model.txt_side.close_pool()
+    if model.rebuild_pool and (new_pool := rebuild_slots(model, pair, history, rng)) is not None:
+        rebuild(model, history, *new_pool)
     burst = model.pool_full and history.drawable() > history.recent
     damped = model.C * (1.0 - model.burst_damping) if burst and model.burst_damping else None
     queries = [(history.newest, pair.labels, model.triplets_per_pair, stats, damped)]

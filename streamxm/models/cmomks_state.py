@@ -1,10 +1,10 @@
 """CMOMKS's checkpoint as arrays (:meth:`~streamxm.models.cmomks.CMOMKS.state`,
 :meth:`~streamxm.models.cmomks.CMOMKS.load_state`).
 
-The arrays: ``tau``, ``A``, ``log_theta``, ``kernel_mistakes`` and the support slots' classes and
-ages (``slot_group``, ``slot_written``); per side (``img.``, ``txt.``) what
-:meth:`~streamxm.models.cmomks_support.KernelSide.state_arrays` keeps; and ``waiting.*``, the
-triplets drawn before the landmark pool filled, when there are any.
+The arrays: ``tau``, ``A``, ``log_theta``, ``kernel_mistakes``, the support slots' classes and
+ages (``slot_group``, ``slot_written``) and the pool points' classes (``pool_group``); per side
+(``img.``, ``txt.``) what :meth:`~streamxm.models.cmomks_support.KernelSide.state_arrays` keeps;
+and ``waiting.*``, the triplets drawn before the landmark pool filled, when there are any.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ _LEARNED: ArrayAttributes = {
 }
 #: The support slots' classes and ages, which a checkpoint from before them lacks.
 _SLOTS: ArrayAttributes = dict.fromkeys(("slot_group", "slot_written"), np.int64)
+#: The pool points' classes, which a checkpoint from before them lacks (read as unlabelled).
+_POOL: ArrayAttributes = {"pool_group": np.int64}
 
 
 def model_state(model: CMOMKS) -> tuple[Arrays, dict[str, Any]]:
     """The checkpoint of ``model``: its arrays and its metadata (JSON-serialisable)."""
-    arrays = attribute_arrays(model, {**_LEARNED, **_SLOTS})
+    arrays = attribute_arrays(model, {**_LEARNED, **_SLOTS, **_POOL})
     for name, side in (("img", model.img_side), ("txt", model.txt_side)):
         arrays.update(side.state_arrays(name))
     arrays.update(_waiting_arrays(model._waiting))
@@ -45,6 +47,7 @@ def model_state(model: CMOMKS) -> tuple[Arrays, dict[str, Any]]:
         "vote_mistakes": model.vote_mistakes,
         "pool_size": model.img_side.pool_size,
         "pairs_offered": model.pairs_offered,
+        "pool_rebuilds": model.pool_rebuilds,
     }
 
 
@@ -58,6 +61,11 @@ def load_state(model: CMOMKS, arrays: Arrays, meta: dict[str, Any]) -> None:
     model.vote_mistakes = int(meta["vote_mistakes"])
     model.pairs_offered = int(meta.get("pairs_offered", 0))  # from before: pool_skip 0, unread
     model._waiting = _waiting_from(arrays)
+    model.pool_rebuilds = int(meta.get("pool_rebuilds", 0))
+    if "pool_group" in arrays:
+        restore_attribute_arrays(model, arrays, _POOL)
+    else:
+        model.pool_group = np.full(model.landmarks, -1, dtype=np.int64)
     if "slot_group" in arrays:
         restore_attribute_arrays(model, arrays, _SLOTS)
     else:  # from before: unlabelled, aged in ring order (the oldest at ``head`` once full)
