@@ -383,6 +383,17 @@ def test_the_moving_average_serves_and_the_live_weights_train() -> None:
     assert averaged.model.learning_work().flops > plain.model.learning_work().flops
 
 
+def test_offline_the_trained_weights_serve_with_ema() -> None:
+    pairs = [example_of(p) for p in class_stream(60, 7, 5, seed=2)]
+    img = np.stack([p.img for p in pairs[:5]])
+    models = [SAM(7, 5, **SMALL, epochs=3, ema=ema) for ema in (0.0, 0.99)]
+    for m in models:
+        m.fit(pairs, np.random.default_rng(0), LearnStats())
+    assert np.array_equal(models[0].embed_images(img), models[1].embed_images(img))
+    assert models[1].average is not None
+    assert torch.equal(models[1].average[1].w1, models[1].txt_tower.w1)
+
+
 def test_ranks_average_the_moving_averages() -> None:
     learner = StreamLearner("sam", 7, 5, {**SMALL, "ema": 0.9}, seed=3)
     learner.learn(class_stream(30, 7, 5, seed=2))

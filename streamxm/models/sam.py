@@ -29,7 +29,7 @@ from streamxm.models.classes import ClassIndex
 from streamxm.models.history import Example, History
 from streamxm.models.moments import FeatureScaler
 from streamxm.models.opt_in import CountsWork, MergesRanks
-from streamxm.models.sam_average import average_towers, new_averages, served_towers
+from streamxm.models.sam_average import match_live, new_averages, served_towers
 from streamxm.models.sam_inputs import (
     embed_rows,
     input_distances,
@@ -413,8 +413,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.generator.manual_seed(int(rng.integers(2**62)))
         self.img_tower.reset(self.generator)
         self.txt_tower.reset(self.generator)
-        if self.average is not None:  # the average starts at the initial weights
-            average_towers(self.average, (self.img_tower, self.txt_tower), 0.0)
+        match_live(self)  # the average starts at the initial weights
         self.initialised = True
 
     def _arrive(self, pairs: list[Example], scale_all: bool = False) -> None:

@@ -1,11 +1,13 @@
-"""SAM's served towers: an exponential moving average of the trained towers' weights (Polyak
-averaging), which the embeddings read while the optimiser keeps stepping the live weights
-(:class:`~streamxm.models.sam.SAM`'s ``ema``).
+"""SAM's served towers on a stream: an exponential moving average of the trained towers'
+weights (Polyak averaging), which the embeddings read while the optimiser keeps stepping the
+live weights (:class:`~streamxm.models.sam.SAM`'s ``ema``).
 
-After each step the average moves towards the live weights by ``1 - decay_t``, with ``decay_t
-= min(ema, n / (n + 1))`` at the ``n``-th step (counting from 0): the plain mean of the weights
-after each step until ``1 / (1 - ema)`` steps, an exponential moving average after
-(:func:`step_decay`). At ``ema = 0`` there is no average and the live towers serve.
+After each stream step the average moves towards the live weights by ``1 - decay_t``, with
+``decay_t = min(ema, n / (n + 1))`` at the ``n``-th step (counting from 0): the plain mean of
+the weights after each step until ``1 / (1 - ema)`` steps, an exponential moving average after
+(:func:`step_decay`, :func:`follow_step`). Offline (``fit``) the trained weights serve, as the
+paper's: the average is set to them after each epoch (:func:`match_live`). At ``ema = 0`` there
+is no average and the live towers serve.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ __all__ = [
     "average_towers",
     "average_work",
     "copy_tower",
+    "follow_step",
+    "match_live",
     "new_averages",
     "served_towers",
     "step_decay",
@@ -82,6 +86,20 @@ def average_towers(averages: tuple[Tower, Tower], live: tuple[Tower, Tower], dec
                 continue
             for a, p in zip(average.parameters(), tower.parameters(), strict=True):
                 a.lerp_(p, 1.0 - decay)
+
+
+def follow_step(model: SAM) -> None:
+    """After ``model``'s ``steps``-th stream step, its averages (if any) move towards the live
+    towers by ``1 - step_decay(ema, steps - 1)``."""
+    if model.average is not None:
+        live = (model.img_tower, model.txt_tower)
+        average_towers(model.average, live, step_decay(model.ema, model.steps - 1))
+
+
+def match_live(model: SAM) -> None:
+    """``model``'s averages (if any) set to its live towers."""
+    if model.average is not None:
+        average_towers(model.average, (model.img_tower, model.txt_tower), 0.0)
 
 
 def average_work(parameters: int) -> Work:

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from streamxm.models.base import LearnStats
 from streamxm.models.classes import ClassIndex
 from streamxm.models.optim import nesterov_step
-from streamxm.models.sam_average import average_towers, step_decay
 from streamxm.models.sam_inputs import on_device, prepare_rows
 from streamxm.models.sam_replay import Batch, Labels
 from streamxm.models.sam_tower import step_multipliers
@@ -199,8 +198,7 @@ def train_step(model: SAM, batch: Batch, stats: LearnStats, epoch: int) -> float
     Per tower, the inputs prepared and a training pass with this step's dropout; the centroids
     move towards the batch's class means and the ``f_ms`` normalisers take in its distances
     before the margins are computed; the new anchors' triplets enter ``stats``; the learning
-    rate decays with the step count, the towers' moving averages (``ema``) take in the new
-    weights and the clock advances by ``rows / epoch``.
+    rate decays with the step count and the clock advances by ``rows / epoch``.
     """
     img, txt, labels, new = batch
     with subnormals_flushed():
@@ -230,9 +228,6 @@ def train_step(model: SAM, batch: Batch, stats: LearnStats, epoch: int) -> float
             model.txt_tower.set_gradients(txt_pass, grad_s.T @ zi)
         lr = model.lr / (1.0 + model.decay * model.steps)
         descend(model.optimizer, model._parameters(), lr, model.momentum, model.device_)
-        if model.average is not None:
-            live = (model.img_tower, model.txt_tower)
-            average_towers(model.average, live, step_decay(model.ema, model.steps))
         model.steps += 1
         model.clock += b / epoch
         return loss
