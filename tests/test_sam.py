@@ -25,6 +25,7 @@ from streamxm.models.sam import (
     score_gradient,
     semantic_margin,
 )
+from streamxm.models.sam_inputs import prepare_rows
 from streamxm.models.sam_tower import Tower, dropout_multipliers
 from streamxm.service import build_worker
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
@@ -328,9 +329,10 @@ def learner_state(learner: StreamLearner) -> dict[str, np.ndarray]:
     return arrays
 
 
-def test_checkpoint_round_trip_continues_training_identically() -> None:
+@pytest.mark.parametrize("ema", [0.0, 0.9])
+def test_checkpoint_round_trip_continues_training_identically(ema: float) -> None:
     pairs = class_stream(170, 7, 5, seed=11)
-    original = StreamLearner("sam", 7, 5, SMALL, seed=4)
+    original = StreamLearner("sam", 7, 5, {**SMALL, "ema": ema}, seed=4)
     original.learn(pairs[:101])  # 101 = 33 steps + 2 pending pairs
     assert len(original.model.pending) == 2
     arrays, meta = original.state()
@@ -346,6 +348,77 @@ def test_checkpoint_round_trip_continues_training_identically() -> None:
         assert np.array_equal(a[key], b[key]), key
     assert original.stats.as_dict() == restored.stats.as_dict()
     assert original.model.clock == restored.model.clock
+
+
+def test_the_moving_average_serves_and_the_live_weights_train() -> None:
+    """With ``ema`` the embeddings read the towers' moving average, the running mean of the
+    weights after each step until ``1 / (1 - ema)`` steps; the live weights are those of the
+    model without it, bit for bit; at ``ema = 0`` nothing is averaged or checkpointed."""
+    pairs = class_stream(60, 7, 5, seed=2)
+    plain = StreamLearner("sam", 7, 5, SMALL, seed=3)
+    averaged = StreamLearner("sam", 7, 5, {**SMALL, "ema": 0.99}, seed=3)
+    assert isinstance(plain.model, SAM) and isinstance(averaged.model, SAM)
+    assert plain.model.average is None
+    img = np.stack([p.img for p in pairs[:5]])
+    weights: list[torch.Tensor] = []
+    for pair in pairs[:30]:  # 10 steps
+        plain.learn([pair])
+        averaged.learn([pair])
+        if len(weights) < plain.model.steps:
+            weights.append(plain.model.img_tower.w1.detach().clone())
+    a, b = learner_state(plain), learner_state(averaged)
+    assert sorted(set(b) - set(a)) == sorted(
+        f"model.avg.{t}.{n}" for t in ("img", "txt") for n in ("w1", "b1", "w2", "b2")
+    )
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    assert averaged.model.average is not None
+    mean = torch.stack(weights).mean(dim=0)
+    torch.testing.assert_close(averaged.model.average[0].w1, mean, rtol=1e-5, atol=1e-6)
+    served = averaged.model.embed_images(img)
+    assert not np.allclose(served, plain.model.embed_images(img))
+    rows = prepare_rows(img, averaged.model.img_scaler, 0.5, torch.device("cpu"))
+    with torch.no_grad():
+        assert np.array_equal(served, averaged.model.average[0](rows).numpy())
+    assert averaged.model.learning_work().flops > plain.model.learning_work().flops
+
+
+def test_offline_the_trained_weights_serve_with_ema() -> None:
+    pairs = [example_of(p) for p in class_stream(60, 7, 5, seed=2)]
+    img = np.stack([p.img for p in pairs[:5]])
+    models = [SAM(7, 5, **SMALL, epochs=3, ema=ema) for ema in (0.0, 0.99)]
+    for m in models:
+        m.fit(pairs, np.random.default_rng(0), LearnStats())
+    assert np.array_equal(models[0].embed_images(img), models[1].embed_images(img))
+    assert models[1].average is not None
+    assert torch.equal(models[1].average[1].w1, models[1].txt_tower.w1)
+
+
+def test_ranks_average_the_moving_averages() -> None:
+    learner = StreamLearner("sam", 7, 5, {**SMALL, "ema": 0.9}, seed=3)
+    learner.learn(class_stream(30, 7, 5, seed=2))
+    m = learner.model
+    assert isinstance(m, SAM) and m.average is not None
+    parts = m.merge_parts()
+    assert parts is not None and parts["avg.txt.w2"][0] == "mean"
+    merged = {k: np.array(v, copy=True) for k, (_, v) in parts.items()}
+    merged["avg.txt.w2"] = merged["avg.txt.w2"] + 1.0
+    before = m.txt_tower.w2.detach().clone()
+    m.set_merged(merged)
+    assert np.array_equal(m.average[1].w2.detach().numpy(), merged["avg.txt.w2"])
+    assert torch.equal(m.txt_tower.w2, before)
+
+
+def test_a_checkpoint_without_ema_restores_serving_the_live_weights() -> None:
+    learner = StreamLearner("sam", 7, 5, SMALL, seed=3)
+    learner.learn(class_stream(30, 7, 5, seed=2))
+    arrays, meta = learner.state()
+    del meta["params"]["ema"]
+    restored = StreamLearner.from_state(arrays, meta)
+    assert isinstance(restored.model, SAM)
+    assert restored.model.ema == 0.0 and restored.model.average is None
+    with pytest.raises(ValueError, match="ema"):
+        SAM(4, 3, ema=1.0)
 
 
 def test_checkpoints_hold_plain_arrays_and_torch_load_is_safe() -> None:

@@ -29,6 +29,7 @@ from streamxm.models.classes import ClassIndex
 from streamxm.models.history import Example, History
 from streamxm.models.moments import FeatureScaler
 from streamxm.models.opt_in import CountsWork, MergesRanks
+from streamxm.models.sam_average import match_live, new_averages, served_towers
 from streamxm.models.sam_inputs import (
     embed_rows,
     input_distances,
@@ -171,6 +172,7 @@ def _check_parameters(values: dict[str, Any]) -> None:
         lam="in [0, 1]",
         step_every=">= 1",
         centroid_rate="in (0, 1]",
+        ema="in [0, 1)",
     )
     if values["alpha"] is not None:
         require(values, alpha="in [0, 1]")
@@ -255,6 +257,10 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         (embeddings, similarity, :meth:`state`, :meth:`load_state`) take and return CPU arrays
         whatever it is; :meth:`params` records ``"cuda"`` as ``"auto"``, so a checkpoint
         resolves its device again on the machine that restores it.
+    ema : float, default=0.0
+        Decay per step of a moving average of the towers' weights, in ``[0, 1)``: above 0 the
+        embeddings read the average while the optimiser steps the live weights
+        (:mod:`~streamxm.models.sam_average`); 0 serves the live weights, the paper's rule.
 
     Attributes
     ----------
@@ -262,6 +268,8 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         The resolved device.
     img_tower, txt_tower : Tower
         The two towers.
+    average : tuple of Tower or None
+        The towers' moving averages, image then text, which serve (``None`` at ``ema = 0``).
     img_scaler, txt_scaler : FeatureScaler
         The inputs' standardisation statistics.
     cent_img, cent_txt : Tensor of shape (n_classes, dim)
@@ -290,11 +298,14 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
     True
     """
 
-    #: Parameters added later, with their earlier behaviour: ``balance`` was off and the
-    #: standardisation followed every pair. ``device`` needs no entry: a checkpoint without it
-    #: restores with the default ``"auto"`` (the device is resolved again on the machine that
-    #: restores; the arrays are the same).
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"balance": False, "scale_pairs": None}
+    #: Parameters added later, with their earlier behaviour: ``balance`` off, the standardisation
+    #: of every pair, the live towers served (``ema``). ``device`` needs no entry: a checkpoint
+    #: without it restores with ``"auto"``, resolved again where it is restored.
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {
+        "balance": False,
+        "scale_pairs": None,
+        "ema": 0.0,
+    }
 
     def __init__(
         self,
@@ -324,6 +335,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         balance: bool = True,
         scale_pairs: int | None = 300,
         device: str = "auto",
+        ema: float = 0.0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         self.device = device
@@ -347,6 +359,8 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
 
         self.img_tower = Tower(img_dim, self.hidden, self.dim, self.device_)
         self.txt_tower = Tower(txt_dim, self.hidden, self.dim, self.device_)
+        self.ema = float(ema)
+        self.average = new_averages(self)
         self.optimizer = torch.optim.SGD(
             self._parameters(), lr=self.lr, momentum=self.momentum, nesterov=self.momentum > 0
         )
@@ -399,6 +413,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.generator.manual_seed(int(rng.integers(2**62)))
         self.img_tower.reset(self.generator)
         self.txt_tower.reset(self.generator)
+        match_live(self)  # the average starts at the initial weights
         self.initialised = True
 
     def _arrive(self, pairs: list[Example], scale_all: bool = False) -> None:
@@ -480,10 +495,10 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         return embed_rows(x, tower, scaler, power, self.device_)
 
     def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        return self._embed(self.img_tower, self.img_scaler, self.power_img, x)
+        return self._embed(served_towers(self)[0], self.img_scaler, self.power_img, x)
 
     def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        return self._embed(self.txt_tower, self.txt_scaler, self.power_txt, x)
+        return self._embed(served_towers(self)[1], self.txt_scaler, self.power_txt, x)
 
     # -- the work counted (streamxm/models/work.py) ----------------------------------------------
     def periodic_work(self) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from streamxm.buffer.replay import ReplayBuffer, label_tuples
 from streamxm.models.array_types import Vectors
 from streamxm.models.base import LearnStats
 from streamxm.models.history import Example, History
+from streamxm.models.sam_average import follow_step, match_live
 
 if TYPE_CHECKING:
     from streamxm.models.sam import SAM
@@ -105,7 +106,7 @@ def learn_arrival(
     """:meth:`~streamxm.models.sam.SAM.learn_one`: ``pair`` is counted in and waits; at the
     ``step_every``-th waiting pair, one step on them filled up from the reservoir
     (class-balanced where ``balance`` is set and ``history`` sees a burst of few classes),
-    which they then join."""
+    which they then join; the towers' moving averages (``ema``) follow the step."""
     model._start(rng)
     model._arrive([pair])
     model.pending.append(pair)
@@ -116,6 +117,7 @@ def learn_arrival(
     img, txt, labels, new = stream_batch(fresh, model.reservoir, model.batch_size, balanced, rng)
     if len(img) >= 2:
         model.step(img, txt, labels, new, stats, model.epoch_pairs)
+        follow_step(model)
     keep(model, fresh, rng)
 
 
@@ -125,7 +127,8 @@ def fit_epochs(
     """:meth:`~streamxm.models.sam.SAM.fit_epochs`: the training set counted in (its
     standardisation and the ``f_ms`` normalisers from up to 4,096 sampled rows) and offered to
     the reservoir, so that a stream can continue from the fitted model; then ``epochs`` passes
-    over it, yielding the number done after each."""
+    over it, yielding the number done after each, the towers' averages (``ema``) set to the
+    trained weights after each (offline the trained weights serve, as the paper's)."""
     model._start(rng)
     model._arrive(pairs, scale_all=True)
     img, txt, labels = stacked(pairs)
@@ -135,4 +138,5 @@ def fit_epochs(
     for epoch in range(model.epochs):
         for batch in epoch_batches((img, txt, labels), model.batch_size, rng):
             model.step(*batch, stats, len(pairs))
+        match_live(model)
         yield epoch + 1

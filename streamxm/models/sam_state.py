@@ -5,7 +5,8 @@
 The arrays are CPU numpy whatever the model's device: ``w.<tower>.<name>`` the towers'
 parameters and ``momentum.<tower>.<name>`` their optimiser buffers, ``scaler_img.`` and
 ``scaler_txt.`` the standardisation's sums, ``cent_*`` the centroids, ``reservoir.`` and
-``pending.`` the stored pairs, ``torch_rng`` the model's generator.
+``pending.`` the stored pairs, ``torch_rng`` the model's generator, and where ``ema`` is set
+``avg.<tower>.<name>`` the towers' moving averages.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def _cpu_copy(x: torch.Tensor) -> NDArray[Any]:
     return x.detach().cpu().numpy().copy()
 
 
+def _averages(model: SAM) -> list[tuple[str, torch.nn.Parameter]]:
+    """The moving averages' parameters by checkpoint name (none at ``ema`` 0)."""
+    if model.average is None:
+        return []
+    img, txt = model.average
+    return [(f"avg.img.{n}", p) for n, p in img.named_parameters()] + [
+        (f"avg.txt.{n}", p) for n, p in txt.named_parameters()
+    ]
+
+
 def model_state(model: SAM) -> tuple[Arrays, dict[str, Any]]:
     """The checkpoint of ``model``: its arrays and its metadata (JSON-serialisable)."""
     arrays: Arrays = {}
@@ -40,6 +51,7 @@ def model_state(model: SAM) -> tuple[Arrays, dict[str, Any]]:
         buf = model.optimizer.state.get(p, {}).get("momentum_buffer")
         if buf is not None:
             arrays[f"momentum.{name}"] = _cpu_copy(buf)
+    arrays.update((name, _cpu_copy(p)) for name, p in _averages(model))
     arrays.update(model.img_scaler.state("scaler_img."))
     arrays.update(model.txt_scaler.state("scaler_txt."))
     arrays["cent_img"] = _cpu_copy(model.cent_img)
@@ -78,6 +90,8 @@ def load_state(model: SAM, arrays: Arrays, meta: dict[str, Any]) -> None:
                 model.optimizer.state[p]["momentum_buffer"] = on_device(
                     np.array(arrays[f"momentum.{name}"], dtype=np.float32), model.device_
                 )
+        for name, p in _averages(model):
+            p.copy_(torch.from_numpy(np.asarray(arrays[name], dtype=np.float32)))
     model.img_scaler.load_state(arrays, "scaler_img.")
     model.txt_scaler.load_state(arrays, "scaler_txt.")
     model.cent_img = on_device(np.array(arrays["cent_img"], dtype=np.float32), model.device_)
@@ -103,7 +117,8 @@ def load_state(model: SAM, arrays: Arrays, meta: dict[str, Any]) -> None:
 
 
 def merge_parts(model: SAM) -> MergeParts | None:
-    """What the ranks merge: the towers' weights and momentum buffers averaged, the changes
+    """What the ranks merge: the towers' weights, momentum buffers and moving averages
+    averaged, the changes
     of the standardisation's sums and of the counters added, the largest ``f_ms`` normalisers,
     each class's centroids averaged over the ranks that have seen it (their totals and the
     count of such ranks); ``None`` before the first step."""
@@ -118,6 +133,8 @@ def merge_parts(model: SAM) -> MergeParts | None:
             "mean",
             model.optimizer.state[p]["momentum_buffer"].cpu().numpy(),
         )
+    for name, p in _averages(model):
+        parts[name] = ("mean", p.detach().cpu().numpy())
     for key, scaler in (("img", model.img_scaler), ("txt", model.txt_scaler)):
         parts.update({k: ("sum", np.asarray(v)) for k, v in scaler.state(f"scaler_{key}.").items()})
     parts["scales"] = ("max", np.array([model.scale_img, model.scale_txt]))
@@ -142,6 +159,8 @@ def set_merged(model: SAM, merged: Arrays) -> None:
             model.optimizer.state[p]["momentum_buffer"].copy_(
                 torch.from_numpy(np.asarray(merged[f"momentum.{name}"], dtype=np.float32))
             )
+        for name, p in _averages(model):
+            p.copy_(torch.from_numpy(np.asarray(merged[name], dtype=np.float32)))
     model.img_scaler.load_state(merged, "scaler_img.")
     model.txt_scaler.load_state(merged, "scaler_txt.")
     model.scale_img, model.scale_txt = (float(x) for x in merged["scales"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from streamxm.models.optim import nesterov_work
+from streamxm.models.sam_average import average_work
 from streamxm.models.sam_inputs import EMBED_ROWS
 from streamxm.models.sam_step import uses_compiled_descent
 from streamxm.models.sam_tower import tower_forward_work, tower_training_work
@@ -68,7 +69,9 @@ def step_work(model: SAM) -> Work:
     - Nesterov SGD, ``buf = mu buf + g``, ``w -= lr (g + mu buf)``: on the CPU one pass
       (:func:`~streamxm.models.optim.nesterov_work`: 5 flops and 20 B per parameter),
       elsewhere torch's single-tensor path (7 flops and 11 float32 passes, 44 B)
-      (:func:`~streamxm.models.sam_step.descend`).
+      (:func:`~streamxm.models.sam_step.descend`);
+    - with ``ema``, the moving average's step (:func:`~streamxm.models.sam_average.average_work`:
+      3 flops and 12 B per parameter).
     """
     b, h, d, c = model.batch_size, model.hidden, model.dim, max(1, len(model.classes))
     total = Work(0.0, 16.0 * b * (model.img_dim + model.txt_dim))
@@ -87,6 +90,8 @@ def step_work(model: SAM) -> Work:
     total += elementwise(b * b, _NET, _PAIRWISE_FLOPS, _PAIRWISE_PASSES)
     total += gemm(b, b, c, _NET)  # shared classes Y Y^T
     total += elementwise(b * c, _NET, flops_per_item=3.0, passes=_CATEGORY_PASSES)
+    if model.average is not None:
+        total += average_work(params)
     if uses_compiled_descent(model.device_, model.momentum):
         return total + nesterov_work(params)
     return total + elementwise(params, _NET, flops_per_item=7.0, passes=11.0)
