@@ -137,7 +137,7 @@ def test_worker_rejects_an_unknown_model_before_registering_it(
     ("param", "message"),
     [
         ("C=-1", "C must be > 0, got -1"),
-        ("Cx=1", "unexpected keyword argument 'Cx'; its parameters: C, average, burst_damping, center"),
+        ("Cx=1", "unexpected keyword argument 'Cx'; its parameters: C, average, burst_damping"),
     ],
 )
 def test_worker_rejects_a_bad_param_before_anything_starts(
