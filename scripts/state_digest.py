@@ -18,25 +18,19 @@ import hashlib
 import numpy as np
 
 from streamxm.learning.stream_learner import StreamLearner
+from streamxm.models import MODEL_NAMES
+from streamxm.stream.messages import Pair
 from streamxm.tools.datasets import synthetic_pairs
 
-MODELS = (
-    "cmos",
-    "cmomks",
-    "pairwise",
-    "pairwise:bipartite",
-    "pairwise:marginal",
-    "cca",
-    "sdsrl",
-    "scsm",
-    "sam",
-)
 
-
-def digest(name: str, skip: list[str]) -> str:
+def bursty_stream() -> list[Pair]:
+    """1,500 synthetic pairs, the first half sorted by class."""
     pairs = synthetic_pairs(1500, 24, 12, n_classes=6, spread=0.5)
     order = sorted(range(750), key=lambda i: pairs[i].labels) + list(range(750, 1500))
-    stream = [pairs[i] for i in order]
+    return [pairs[i] for i in order]
+
+
+def digest(name: str, stream: list[Pair], skip: list[str]) -> str:
     params = {"budget": 100, "landmarks": 40} if name == "cmomks" else None
     learner = StreamLearner(name, 24, 12, params, eval_every=97)
     for start in range(0, len(stream), 100):
@@ -54,8 +48,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-array", action="append", default=[], metavar="TEXT")
     args = parser.parse_args()
-    for name in MODELS:
-        print(name, digest(name, args.skip_array), flush=True)
+    stream = bursty_stream()
+    for name in MODEL_NAMES:
+        print(name, digest(name, stream, args.skip_array), flush=True)
 
 
 if __name__ == "__main__":
