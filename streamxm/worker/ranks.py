@@ -31,9 +31,10 @@ Failures:
   sends its whole learner state (a checkpoint blob: arrays + JSON) to every rank.
 
 Rounds in which the model cannot be split (:meth:`~streamxm.models.opt_in.MergesRanks.
-merge_parts` returns ``None``: SDSRL before its landmarks freeze, SAM before its first step; or
-the model does not opt into :class:`~streamxm.models.opt_in.MergesRanks`: CMOMKS and SCSM) are
-learned by rank 0 alone while the others wait.
+merge_parts` returns ``None``: SDSRL before its landmarks freeze and while a class first seen
+in a split round is owed landmark growth, SAM before its first step; or the model does not opt
+into :class:`~streamxm.models.opt_in.MergesRanks`: CMOMKS and SCSM) are learned by rank 0 alone
+while the others wait.
 """
 
 from __future__ import annotations
