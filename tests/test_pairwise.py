@@ -1,5 +1,6 @@
 """The pairwise-classification family (logistic, bipartite, marginal) and the CCA baseline."""
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -437,3 +438,49 @@ def test_a_checkpoint_without_burst_boost_restores_the_former_rule(name: str) ->
     old_meta = {**meta, "params": {k: v for k, v in meta["params"].items() if k != "burst_boost"}}
     restored = StreamLearner.from_state(arrays, old_meta)
     assert restored.model.burst_boost == 0.0  # type: ignore[attr-defined]
+
+
+# -- burst_mix -------------------------------------------------------------------------------
+def _burst_replay_labels(params: dict[str, Any]) -> Counter[int]:
+    """The classes of the pairs a marginal model replays during bursts of a stream whose first
+    class arrives seven times as often as each of the three others."""
+    pairs = sorted(class_stream(600, 6, 4, seed=5), key=lambda p: p.labels[0])
+    skewed = [p for p in pairs if p.labels[0] == 0][:280] + [
+        p for c in (1, 2, 3) for p in [q for q in pairs if q.labels[0] == c][:40]
+    ]
+    learner = StreamLearner(
+        "pairwise:marginal", 6, 4, params, buffer_capacity=40, seed=2, eval_every=10**9
+    )
+    model = learner.model
+    assert isinstance(model, MarginalMatching)
+    seen: Counter[int] = Counter()
+    learn = model._learn_features
+
+    def spy(fx: Any, fy: Any, labels: list[tuple[int, ...]], stats: Any, lr: Any = None) -> None:
+        if lr is not None and lr != model.lr:  # the boosted step: a burst
+            seen.update(lab[0] for lab in labels[1:])
+        learn(fx, fy, labels, stats, lr)
+
+    model._learn_features = spy  # type: ignore[method-assign]
+    learner.learn(skewed)
+    assert learner.pairs_in_burst > 0
+    return seen
+
+
+def test_burst_replays_draw_every_class_equally_often_by_default() -> None:
+    """By default a burst replays each class as often as any other, not as often as it
+    arrived; ``burst_mix="stream"`` (the former rule) replays the frequent class most."""
+    balanced, stream = _burst_replay_labels({}), _burst_replay_labels({"burst_mix": "stream"})
+    share = {name: c[0] / sum(c.values()) for name, c in (("b", balanced), ("s", stream))}
+    assert share["b"] < 0.35 < 0.5 < share["s"]
+
+
+def test_a_checkpoint_without_burst_mix_restores_the_stream_mix() -> None:
+    learner = StreamLearner("pairwise:marginal", 6, 4, seed=4, eval_every=10**9)
+    learner.learn(class_stream(60, 6, 4, seed=8))
+    arrays, meta = learner.state()
+    old_meta = {**meta, "params": {k: v for k, v in meta["params"].items() if k != "burst_mix"}}
+    restored = StreamLearner.from_state(arrays, old_meta)
+    assert restored.model.burst_mix == "stream"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="burst_mix"):
+        MarginalMatching(3, 2, burst_mix="even")  # type: ignore[arg-type]

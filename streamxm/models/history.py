@@ -85,5 +85,8 @@ class History(Protocol):
     def stream_mix(self, slots: NDArray[np.intp]) -> NDArray[np.float64]:
         """Weights over ``slots`` that give each class its share of the whole stream."""
 
+    def balanced_mix(self, slots: NDArray[np.intp]) -> NDArray[np.float64]:
+        """Weights over ``slots`` that give every class the same share."""
+
     def bursty(self) -> bool:
         """Whether the stream is in a burst of few classes now."""

@@ -6,7 +6,7 @@ SDM 2015, Sec. 5.2 (Eq. 5.9-5.10).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -65,6 +65,14 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
         summed over the whole stream, so a class arriving in a run of its own pairs late in the
         stream is learned with the small steps of a model that has seen many; the larger step
         lets it catch up. Outside a burst nothing changes.
+    burst_mix : {"balanced", "stream"}, default="balanced"
+        How a burst's replayed pairs, drawn from the ring and the memory together, weigh the
+        classes: ``"balanced"`` draws every class equally often, ``"stream"`` each as often as
+        it arrived in the whole stream so far. The paper learns without replay; ``"stream"``
+        is the former rule. The stream's mix so far depends on which classes burst first and
+        longest, so the class prior that both softmax models learn moves with the order of the
+        bursts; an even mix is the same for every order. Outside a burst the replays come from
+        the ring, uniformly, either way.
 
     Attributes
     ----------
@@ -98,8 +106,8 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
     """
 
     memory_share = 2.0
-    # burst_boost came later: a checkpoint without it restores it off
-    checkpoint_defaults: ClassVar[dict[str, Any]] = {"burst_boost": 0.0}
+    # burst_boost and burst_mix came later: a checkpoint without them restores the former rule
+    checkpoint_defaults: ClassVar[dict[str, Any]] = {"burst_boost": 0.0, "burst_mix": "stream"}
 
     def __init__(
         self,
@@ -112,6 +120,7 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
         max_classes: int = 1000,
         replay: int = 64,
         burst_boost: float = 2.0,
+        burst_mix: Literal["balanced", "stream"] = "balanced",
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant != "marginal":
@@ -125,6 +134,9 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
             replay=">= 0",
             burst_boost=">= 0",
         )
+        if burst_mix not in ("balanced", "stream"):
+            raise ValueError(f"burst_mix must be 'balanced' or 'stream', got {burst_mix!r}")
+        self.burst_mix = burst_mix
         self.lam = float(lam)
         self.lr = float(lr)
         self.power = float(power)
@@ -188,10 +200,9 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
             labelled = np.flatnonzero(history.labelled(drawable))
             labelled = labelled[~np.isin(labelled, history.others(slot, drawable))]
             if labelled.size:
-                # In a burst the ring holds the arriving class: draw every class as often as it
-                # arrived in the whole stream (from the ring and the memory), not as the ring
-                # does.
-                mix = history.stream_mix(labelled) if drawable > history.recent else None
+                # In a burst the ring holds the arriving class: draw the classes from the ring
+                # and the memory by burst_mix, not as the ring does.
+                mix = _burst_mix(self, history, labelled) if drawable > history.recent else None
                 lr = self.lr * (1.0 + self.burst_boost) if mix is not None else lr
                 drawn = rng.choice(labelled, size=self.replay, p=mix)
                 slots += drawn.tolist()
@@ -335,6 +346,15 @@ class MarginalMatching(CountsWork, MergesRanks, name="pairwise", shared_space=Tr
         restore_attribute_arrays(self, arrays, _WEIGHTS)
         self.class_index.restore([int(c) for c in arrays["classes"]], meta["ignored_labels"])
         self.skipped_unlabelled = int(meta["skipped_unlabelled"])
+
+
+def _burst_mix(
+    model: MarginalMatching, history: History, slots: NDArray[np.intp]
+) -> NDArray[np.float64]:
+    """A burst's draw probabilities over the labelled ``slots`` (``burst_mix``)."""
+    if model.burst_mix == "balanced":
+        return history.balanced_mix(slots)
+    return history.stream_mix(slots)
 
 
 def _softmax_work(items: int) -> Work:
