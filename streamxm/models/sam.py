@@ -173,6 +173,7 @@ def _check_parameters(values: dict[str, Any]) -> None:
         step_every=">= 1",
         centroid_rate="in (0, 1]",
         ema="in [0, 1)",
+        rehearse=">= 0",
     )
     if values["alpha"] is not None:
         require(values, alpha="in [0, 1]")
@@ -261,6 +262,12 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         Decay per step of a moving average of the towers' weights, in ``[0, 1)``: above 0 the
         embeddings read the average while the optimiser steps the live weights
         (:mod:`~streamxm.models.sam_average`); 0 serves the live weights, the paper's rule.
+    rehearse : int, default=0
+        During a burst of few classes, steps taken after each stream step on mini-batches of
+        the reservoir alone, every class equally likely, ``>= 0`` (each advances the clock and
+        the learning-rate decay as a stream step does; not in :meth:`learning_work`, which
+        counts the steps outside bursts); 0 takes none, the paper's rule of one step per
+        mini-batch.
 
     Attributes
     ----------
@@ -305,6 +312,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         "balance": False,
         "scale_pairs": None,
         "ema": 0.0,
+        "rehearse": 0,
     }
 
     def __init__(
@@ -336,6 +344,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         scale_pairs: int | None = 300,
         device: str = "auto",
         ema: float = 0.0,
+        rehearse: int = 0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         self.device = device
@@ -361,6 +370,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.txt_tower = Tower(txt_dim, self.hidden, self.dim, self.device_)
         self.ema = float(ema)
         self.average = new_averages(self)
+        self.rehearse = int(rehearse)
         self.optimizer = torch.optim.SGD(
             self._parameters(), lr=self.lr, momentum=self.momentum, nesterov=self.momentum > 0
         )
