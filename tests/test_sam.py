@@ -12,6 +12,7 @@ import pytest
 import redis
 import torch
 
+from streamxm.buffer.replay import ReplayBuffer
 from streamxm.config import Settings
 from streamxm.learning.stream_learner import StreamLearner, example_of
 from streamxm.models import LearnStats, create_model
@@ -655,3 +656,30 @@ def test_offline_quality_on_wikipedia() -> None:
     # docs/benchmarks.md: mean of 3 seeds 0.285 / 0.231; one seed may sit a little lower.
     assert result["map_i2t"] > 0.275 and result["map_t2i"] > 0.222
     assert result["map_i2t"] + result["map_t2i"] > 0.5
+
+
+def test_rehearsal_steps_only_during_a_burst() -> None:
+    """``rehearse`` adds that many steps on the reservoir alone after each stream step taken
+    during a burst (a stream in class order); a mixed stream is never in one and learns
+    bit for bit as without it."""
+    ordered = sorted(class_stream(200, 6, 5, seed=3), key=lambda p: p.labels)
+    mixed = class_stream(200, 6, 5, seed=4)
+    for pairs, bursts in ((ordered, True), (mixed, False)):
+        models = [SAM(6, 5, **SMALL, rehearse=r) for r in (0, 2)]
+        in_burst = 0  # stream steps during a burst, counted for each of the two models
+        for m in models:
+            rng, stats = np.random.default_rng(0), LearnStats()
+            buf = ReplayBuffer(60, 6, 5, memory=30)  # the burst signal over the last 30 pairs
+            for example in map(example_of, pairs):
+                buf.add(example)
+                steps = m.steps
+                m.learn_one(example, buf, rng, stats)
+                in_burst += m.steps > steps and buf.bursty()
+        plain, rehearsed = models
+        assert plain.steps == 200 // 3
+        assert (rehearsed.steps > plain.steps) == bursts
+        if bursts:
+            assert rehearsed.steps - plain.steps == in_burst  # 2 per stream step in a burst
+            continue
+        for a, b in zip(plain._parameters(), rehearsed._parameters(), strict=True):
+            assert torch.equal(a, b)

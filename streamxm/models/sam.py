@@ -173,6 +173,7 @@ def _check_parameters(values: dict[str, Any]) -> None:
         step_every=">= 1",
         centroid_rate="in (0, 1]",
         ema="in [0, 1)",
+        rehearse=">= 0",
     )
     if values["alpha"] is not None:
         require(values, alpha="in [0, 1]")
@@ -261,6 +262,9 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         Decay per step of a moving average of the towers' weights, in ``[0, 1)``: above 0 the
         embeddings read the average while the optimiser steps the live weights
         (:mod:`~streamxm.models.sam_average`); 0 serves the live weights, the paper's rule.
+    rehearse : int, default=0
+        During a burst, steps after each stream step on class-balanced batches of the reservoir
+        alone, ``>= 0`` (not in :meth:`learning_work`); 0, the paper's one step per batch.
 
     Attributes
     ----------
@@ -298,13 +302,13 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
     True
     """
 
-    #: Parameters added later, with their earlier behaviour: ``balance`` off, the standardisation
-    #: of every pair, the live towers served (``ema``). ``device`` needs no entry: a checkpoint
-    #: without it restores with ``"auto"``, resolved again where it is restored.
+    #: Parameters added later, with their earlier behaviour (``balance`` off, every pair
+    #: standardised, live towers served, no rehearsal); ``device`` restores as ``"auto"``.
     checkpoint_defaults: ClassVar[dict[str, Any]] = {
         "balance": False,
         "scale_pairs": None,
         "ema": 0.0,
+        "rehearse": 0,
     }
 
     def __init__(
@@ -336,6 +340,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         scale_pairs: int | None = 300,
         device: str = "auto",
         ema: float = 0.0,
+        rehearse: int = 0,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         self.device = device
@@ -354,7 +359,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.classes = ClassIndex(max_classes)
         self.power_img = None if power_img is None else float(power_img)
         self.power_txt = None if power_txt is None else float(power_txt)
-        self.balance = bool(balance)
+        self.balance, self.rehearse = bool(balance), int(rehearse)
         self.scale_pairs = None if scale_pairs is None else int(scale_pairs)
 
         self.img_tower = Tower(img_dim, self.hidden, self.dim, self.device_)
@@ -428,8 +433,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
     def learn_one(
         self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
     ) -> None:
-        """Each pair waits in ``pending``; every ``step_every`` pairs, one step on them filled
-        up to a mini-batch from the reservoir (:func:`.sam_replay.learn_arrival`)."""
+        """A step every ``step_every`` pairs (:func:`.sam_replay.learn_arrival`)."""
         learn_arrival(self, pair, history, rng, stats)
 
     def fit(self, pairs: list[Example], rng: np.random.Generator, stats: LearnStats) -> None:
@@ -440,8 +444,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
     def fit_epochs(
         self, pairs: list[Example], rng: np.random.Generator, stats: LearnStats
     ) -> Iterator[int]:
-        """:meth:`fit`, yielding the number of epochs done after each one (to trace them;
-        :func:`.sam_replay.fit_epochs`)."""
+        """:meth:`fit`, yielding the epochs done after each (:func:`.sam_replay.fit_epochs`)."""
         return fit_epochs(self, pairs, rng, stats)
 
     def _distances(self, img: Vectors, txt: Vectors) -> tuple[Tensor, Tensor]:
@@ -479,10 +482,9 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         stats: LearnStats,
         epoch: int,
     ) -> float:
-        """One SGD step on a mini-batch (:func:`.sam_step.train_step`); returns its loss. ``new``
-        marks the anchors whose triplets enter ``stats``; ``epoch`` is the clock's unit in rows.
-        The gradients are the chain rule written out (:func:`score_gradient`,
-        :meth:`Tower.set_gradients`); the step runs with subnormal numbers flushed to zero."""
+        """One SGD step on a mini-batch (:func:`.sam_step.train_step`: gradients written out,
+        subnormals flushed); returns its loss. ``new``: the anchors whose triplets enter
+        ``stats``; ``epoch``: the clock's unit in rows."""
         return train_step(self, (img, txt, labels, new), stats, epoch)
 
     # -- serving -------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "fit_epochs",
     "keep",
     "learn_arrival",
+    "rehearsal_batch",
     "stacked",
     "stream_batch",
 ]
@@ -86,6 +87,16 @@ def stream_batch(
     return img, txt, labels, new
 
 
+def rehearsal_batch(reservoir: ReplayBuffer, batch_size: int, rng: np.random.Generator) -> Batch:
+    """Up to ``batch_size`` rows of ``reservoir``, drawn without replacement with every class
+    equally likely (:meth:`~streamxm.buffer.replay.ReplayBuffer.balanced_mix`); none is new."""
+    size = min(batch_size, reservoir.size)
+    mix = reservoir.balanced_mix(np.arange(reservoir.size))
+    slots = rng.choice(reservoir.size, size=size, replace=False, p=mix)
+    labels = label_tuples(reservoir.labels[slots])
+    return reservoir.img[slots], reservoir.txt[slots], labels, np.zeros(size, dtype=bool)
+
+
 def epoch_batches(
     training: tuple[Vectors, Vectors, Labels], batch_size: int, rng: np.random.Generator
 ) -> Iterator[Batch]:
@@ -106,19 +117,30 @@ def learn_arrival(
     """:meth:`~streamxm.models.sam.SAM.learn_one`: ``pair`` is counted in and waits; at the
     ``step_every``-th waiting pair, one step on them filled up from the reservoir
     (class-balanced where ``balance`` is set and ``history`` sees a burst of few classes),
-    which they then join; the towers' moving averages (``ema``) follow the step."""
+    which they then join; during a burst, ``rehearse`` more steps on class-balanced mini-batches
+    of the reservoir alone (:func:`rehearsal_batch`); the towers' moving averages (``ema``)
+    follow every step."""
     model._start(rng)
     model._arrive([pair])
     model.pending.append(pair)
     if len(model.pending) < model.step_every:
         return
     fresh, model.pending = model.pending, []
-    balanced = model.balance and history.bursty()
+    burst = history.bursty()
+    balanced = model.balance and burst
     img, txt, labels, new = stream_batch(fresh, model.reservoir, model.batch_size, balanced, rng)
-    if len(img) >= 2:
+    stepped = len(img) >= 2
+    if stepped:
         model.step(img, txt, labels, new, stats, model.epoch_pairs)
         follow_step(model)
     keep(model, fresh, rng)
+    if not (stepped and burst and model.reservoir.size >= 2):
+        return
+    for _ in range(model.rehearse):
+        model.step(
+            *rehearsal_batch(model.reservoir, model.batch_size, rng), stats, model.epoch_pairs
+        )
+        follow_step(model)
 
 
 def fit_epochs(
