@@ -33,6 +33,7 @@ __all__ = [
     "keep",
     "learn_arrival",
     "rehearsal_batch",
+    "reservoir_rows",
     "stacked",
     "stream_batch",
 ]
@@ -65,6 +66,18 @@ def keep(model: SAM, pairs: list[Example], rng: np.random.Generator) -> None:
         model.reservoir_seen += 1
 
 
+def reservoir_rows(
+    reservoir: ReplayBuffer, count: int, balanced: bool, rng: np.random.Generator
+) -> tuple[Vectors, Vectors, Labels]:
+    """Up to ``count`` rows of ``reservoir``, drawn without replacement: uniformly, or every
+    class equally likely where ``balanced``
+    (:meth:`~streamxm.buffer.replay.ReplayBuffer.balanced_mix`)."""
+    mix = reservoir.balanced_mix(np.arange(reservoir.size)) if balanced else None
+    size = min(count, reservoir.size)
+    slots = rng.choice(reservoir.size, size=size, replace=False, p=mix)
+    return reservoir.img[slots], reservoir.txt[slots], label_tuples(reservoir.labels[slots])
+
+
 def stream_batch(
     fresh: list[Example],
     reservoir: ReplayBuffer,
@@ -72,29 +85,24 @@ def stream_batch(
     balanced: bool,
     rng: np.random.Generator,
 ) -> Batch:
-    """The ``fresh`` pairs filled up to ``batch_size`` rows from ``reservoir``, drawn without
-    replacement: uniformly, or every class equally likely where ``balanced``. The fresh pairs
-    come first and are the new rows."""
-    fill = min(batch_size - len(fresh), reservoir.size)
-    mix = reservoir.balanced_mix(np.arange(reservoir.size)) if balanced else None
-    slots = rng.choice(reservoir.size, size=fill, replace=False, p=mix)
+    """The ``fresh`` pairs filled up to ``batch_size`` rows from ``reservoir``
+    (:func:`reservoir_rows`). The fresh pairs come first and are the new rows."""
+    fill_img, fill_txt, fill_labels = reservoir_rows(
+        reservoir, batch_size - len(fresh), balanced, rng
+    )
     fresh_img, fresh_txt, fresh_labels = stacked(fresh)
-    img = np.vstack([fresh_img, reservoir.img[slots]])
-    txt = np.vstack([fresh_txt, reservoir.txt[slots]])
-    labels = fresh_labels + label_tuples(reservoir.labels[slots])
+    img = np.vstack([fresh_img, fill_img])
+    txt = np.vstack([fresh_txt, fill_txt])
     new = np.zeros(len(img), dtype=bool)
     new[: len(fresh)] = True
-    return img, txt, labels, new
+    return img, txt, fresh_labels + fill_labels, new
 
 
 def rehearsal_batch(reservoir: ReplayBuffer, batch_size: int, rng: np.random.Generator) -> Batch:
-    """Up to ``batch_size`` rows of ``reservoir``, drawn without replacement with every class
-    equally likely (:meth:`~streamxm.buffer.replay.ReplayBuffer.balanced_mix`); none is new."""
-    size = min(batch_size, reservoir.size)
-    mix = reservoir.balanced_mix(np.arange(reservoir.size))
-    slots = rng.choice(reservoir.size, size=size, replace=False, p=mix)
-    labels = label_tuples(reservoir.labels[slots])
-    return reservoir.img[slots], reservoir.txt[slots], labels, np.zeros(size, dtype=bool)
+    """Up to ``batch_size`` rows of ``reservoir``, every class equally likely
+    (:func:`reservoir_rows`); none is new."""
+    img, txt, labels = reservoir_rows(reservoir, batch_size, True, rng)
+    return img, txt, labels, np.zeros(len(img), dtype=bool)
 
 
 def epoch_batches(
