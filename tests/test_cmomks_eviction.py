@@ -9,6 +9,8 @@ from streamxm.stream.messages import make_pair
 from tests.conftest import assert_same_scores, class_stream
 
 KERNELS = [{"img_gamma": 0.5, "txt_gamma": 0.5}, {"img_gamma": 4.0, "txt_gamma": 2.0}]
+#: The paper's pool, the stream's first pairs: no class capped.
+PAPERS_POOL = {"pool_class_cap": 1.0, "pool_burst_cap": 1.0}
 
 
 def _closed_model(balanced: bool) -> CMOMKS:
@@ -124,7 +126,7 @@ def test_the_balanced_rule_keeps_every_class_in_a_class_ordered_support() -> Non
 
 def test_the_pool_takes_one_pair_in_pool_skip_plus_one_and_closes_when_full() -> None:
     pairs = class_stream(100, 6, 4, seed=2)
-    params = {"kernels": KERNELS, "landmarks": 10, "pool_skip": 2}
+    params = {"kernels": KERNELS, "landmarks": 10, "pool_skip": 2, **PAPERS_POOL}
     learner = StreamLearner("cmomks", 6, 4, params, seed=0)
     learner.learn(pairs[:27])
     model = learner.model
@@ -143,7 +145,8 @@ def test_a_pool_filled_while_no_triplet_waits_is_closed() -> None:
     pair that fills it closes it all the same (centring constants and the pool Gram's inverse)."""
     pairs = sorted(class_stream(200, 6, 4, seed=6), key=lambda p: p.labels[0])
     assert len({p.labels[0] for p in pairs[:10]}) == 1
-    learner = StreamLearner("cmomks", 6, 4, {"kernels": KERNELS, "landmarks": 10, "pool_skip": 0})
+    params = {"kernels": KERNELS, "landmarks": 10, "pool_skip": 0, **PAPERS_POOL}
+    learner = StreamLearner("cmomks", 6, 4, params)
     learner.learn(pairs[:10])
     model = learner.model
     assert isinstance(model, CMOMKS) and model.pool_full and not model._waiting
@@ -153,3 +156,96 @@ def test_a_pool_filled_while_no_triplet_waits_is_closed() -> None:
     learner.learn(pairs[10:])
     restored.learn(pairs[10:])
     assert_same_scores(restored.model, learner.model, 6, 4)
+
+
+def test_a_class_holding_its_cap_of_the_pool_passes_it_by() -> None:
+    """In class order the capped pool holds ``ceil(0.25 * 10) = 3`` points of each of the first
+    classes (their first pairs), not the first class alone; the paper's rule is the cap 1."""
+    pairs = sorted(class_stream(40, 6, 4, seed=6), key=lambda p: p.labels[0])
+    held = {}
+    for cap in (0.25, 1.0):
+        params = {"kernels": KERNELS, "landmarks": 10, **PAPERS_POOL, "pool_class_cap": cap}
+        learner = StreamLearner("cmomks", 6, 4, params, seed=0)
+        learner.learn(pairs)
+        model = learner.model
+        assert isinstance(model, CMOMKS) and model.pool_full
+        held[cap] = np.bincount(model.pool_group, minlength=4).tolist()
+        if cap < 1.0:
+            firsts = [
+                i
+                for c in range(4)
+                for i in [j for j, p in enumerate(pairs) if p.labels[0] == c][:3]
+            ]
+            rows = np.stack([pairs[i].img for i in firsts[:10]])
+            assert np.array_equal(model.img_side.pool[0], model.img_side.prep(rows)[0])
+    first_ten = np.bincount([p.labels[0] for p in pairs[:10]], minlength=4).tolist()
+    assert held[0.25] == [3, 3, 3, 1] and held[1.0] == first_ten == [8, 2, 0, 0]
+
+
+def test_a_pool_cap_no_class_reaches_changes_nothing() -> None:
+    """A well-mixed stream whose classes each hold fewer than the cap's points of the first
+    ``landmarks`` pairs fills the pool with them, as the paper's rule does, and learns alike."""
+    pairs = class_stream(300, 6, 4, seed=3)
+    assert max(np.bincount([p.labels[0] for p in pairs[:12]])) <= 6
+    learners = []
+    for cap in (0.5, 1.0):
+        params = {"kernels": KERNELS, "landmarks": 12, "budget": 20, **PAPERS_POOL}
+        params["pool_class_cap"] = cap
+        learners.append(StreamLearner("cmomks", 6, 4, params, seed=0))
+        learners[-1].learn(pairs)
+    capped, paper = (learner.model for learner in learners)
+    assert isinstance(capped, CMOMKS) and isinstance(paper, CMOMKS)
+    assert np.array_equal(capped.A, paper.A) and np.array_equal(capped.tau, paper.tau)
+    # A checkpoint from before the parameter restores the paper's rule.
+    arrays, meta = learners[0].state()
+    meta["params"] = {k: v for k, v in meta["params"].items() if k != "pool_class_cap"}
+    before = StreamLearner.from_state(arrays, meta)
+    assert isinstance(before.model, CMOMKS) and before.model.pool_class_cap == 1.0
+
+
+def test_a_burst_caps_the_pool_tighter_and_a_stream_of_few_classes_lifts_the_caps() -> None:
+    """In class order, the classes arriving in a burst hold at most the burst cap's points
+    (``ceil(0.25 * 40) = 10``), the first at most the plain cap's (20); a stream of two classes,
+    which the plain cap of 0.2 cannot fill a pool with, passes ``landmarks`` offered pairs by in
+    a row and then fills it from the next ones, and a restored copy continues alike."""
+    pairs = sorted(class_stream(160, 6, 4, seed=6), key=lambda p: p.labels[0])
+    params = {"kernels": KERNELS, "landmarks": 40, "pool_class_cap": 0.5, "pool_burst_cap": 0.25}
+    learner = StreamLearner("cmomks", 6, 4, params, seed=0)
+    learner.learn(pairs)
+    model = learner.model
+    assert isinstance(model, CMOMKS) and model.pool_full and model.pool_passed < 40
+    held = np.bincount(model.pool_group, minlength=4)
+    assert held[0] == 20 and held.min() <= 10 and held.max() <= 20, held
+    two = [p for p in class_stream(300, 6, 4, seed=7) if p.labels[0] < 2]
+    params = {"kernels": KERNELS, "landmarks": 10, "pool_class_cap": 0.2}
+    learner = StreamLearner("cmomks", 6, 4, params, seed=0)
+    learner.learn(two[:8])
+    model = learner.model
+    assert isinstance(model, CMOMKS) and model.img_side.pool_size == 4 and not model.pool_full
+    restored = StreamLearner.from_state(*learner.state())
+    learner.learn(two[15:])
+    restored.learn(two[15:])
+    assert model.pool_full and model.pool_passed == 10
+    assert np.bincount(model.pool_group, minlength=2).tolist() != [5, 5]  # not capped to 2 each
+    assert_same_scores(restored.model, model, 6, 4)
+
+
+def test_classes_that_each_break_the_run_still_lift_the_caps_in_all() -> None:
+    """One pool point a class (``ceil(0.05 * 20)``) and runs of 14 pairs: every new class breaks
+    the run of pairs passed by before it reaches 20, so the caps lift at 60 passed in all, in
+    the fifth class, and the pairs from there on fill the pool."""
+    rng = np.random.default_rng(0)
+    pairs = [
+        make_pair(f"{c}-{i}", rng.random(6) + c, rng.random(4) + c, labels=[c])
+        for c in range(8)
+        for i in range(14)
+    ]
+    params = {"kernels": KERNELS, "landmarks": 20, "pool_class_cap": 0.05, "pool_burst_cap": 1.0}
+    learner = StreamLearner("cmomks", 6, 4, params, seed=0)
+    learner.learn(pairs[: 4 * 14])
+    model = learner.model
+    assert isinstance(model, CMOMKS) and model.img_side.pool_size == 4
+    assert model.pool_passed_all == 52 and model.pool_passed == 13
+    learner.learn(pairs[4 * 14 :])
+    assert model.pool_full and model.pool_passed_all == 60 and model.pool_passed < 20
+    assert np.bincount(model.pool_group).tolist() == [1, 1, 1, 1, 7, 9]

@@ -5,7 +5,8 @@ Sec. 3.4.
 
 The kernel machinery of one modality is in :mod:`streamxm.models.cmomks_support`, the learning
 step in :mod:`streamxm.models.cmomks_learning`, the checkpoint in
-:mod:`streamxm.models.cmomks_state` and the work counted in :mod:`streamxm.models.cmomks_work`.
+:mod:`streamxm.models.cmomks_state`, the work counted in :mod:`streamxm.models.cmomks_work` and the
+index rows carried between versions in :mod:`streamxm.models.cmomks_index`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from streamxm.models import cmomks_state, cmomks_work
+from streamxm.models import cmomks_index, cmomks_state, cmomks_work
 from streamxm.models.array_types import F64
 from streamxm.models.base import Arrays, CrossModalModel, LearnStats, require
 from streamxm.models.cmomks_learning import Triplet, image_terms, learn_pair, triplet_step
@@ -88,6 +89,8 @@ _RULES = {
     "burst_damping": "in [0, 1)",
     "pool_skip": ">= 0",
     "rebuild_pool": ">= 0",
+    "pool_class_cap": "in (0, 1]",
+    "pool_burst_cap": "in (0, 1]",
 }
 #: Parameters that came later, off: a checkpoint without them restores with the former rules.
 _CAME_LATER: dict[str, Any] = {
@@ -96,6 +99,8 @@ _CAME_LATER: dict[str, Any] = {
     "burst_damping": 0.0,
     "pool_skip": 0,
     "rebuild_pool": 0,
+    "pool_class_cap": 1.0,
+    "pool_burst_cap": 1.0,
 }
 
 
@@ -131,6 +136,16 @@ class CMOMKS(CountsWork, name="cmomks"):
         Pairs passed over between two pool points while the pool fills, ``>= 0`` (the pool
         spans the first ``(pool_skip + 1) landmarks`` pairs); 0: the paper's first
         ``landmarks`` pairs.
+    pool_class_cap : float, default=0.2
+        The share of the pool one class may take while it fills, in ``(0, 1]``: a pair whose
+        class (its first label) holds ``ceil(pool_class_cap landmarks)`` pool points passes
+        it by (:func:`.cmomks_learning.joins_pool`), until ``landmarks`` offered pairs in a
+        row, or three times as many in all, have been passed by, which lifts the caps for good
+        (a stream of fewer classes than the caps allow for fills its pool all the same); 1: the
+        paper's rule, every pair joins.
+    pool_burst_cap : float, default=0.1
+        The same share while the history sees a burst of few classes, in ``(0, 1]`` (the
+        smaller of the two holds then); 1: no other cap in a burst.
     rebuild_pool : int, default=0
         Pairs of a class with no landmark that the memory must hold for the pool to be rebuilt
         class-balanced from the memory, ``A`` re-based onto it
@@ -212,6 +227,8 @@ class CMOMKS(CountsWork, name="cmomks"):
         burst_damping: float = 0.0,
         pool_skip: int = 0,
         rebuild_pool: int = 0,
+        pool_class_cap: float = 0.2,
+        pool_burst_cap: float = 0.1,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         specs = [KernelPair.from_json(k) for k in (kernels or default_kernels())]
@@ -228,7 +245,10 @@ class CMOMKS(CountsWork, name="cmomks"):
         self.balanced_support = bool(balanced_support)
         self.burst_damping = float(burst_damping)
         self.pool_skip, self.rebuild_pool = int(pool_skip), int(rebuild_pool)
+        self.pool_class_cap, self.pool_burst_cap = float(pool_class_cap), float(pool_burst_cap)
         self.pairs_offered = 0  # pairs learned from (one in pool_skip + 1 joins the pool)
+        self.pool_passed = 0  # offered pairs passed by in a row for a cap (joins_pool)
+        self.pool_passed_all = 0  # and in all
         sizes = (self.power, self.landmarks, self.budget)
         self.img_side = KernelSide.for_kernels(
             img_dim, [k.img_block for k in specs], [k.img_gamma for k in specs], *sizes
@@ -383,37 +403,8 @@ class CMOMKS(CountsWork, name="cmomks"):
 
     def index_update(self, earlier: CrossModalModel, modality: str) -> IndexUpdate | None:
         """Kept rows with the columns of the support slots written since ``earlier`` recomputed
-        (the pool means read from the kept rows); ``None`` unless ``earlier`` is an earlier
-        version of this model (same settings, the same closed pool, no larger support)."""
-        if not (
-            isinstance(earlier, CMOMKS)
-            and self.pool_full
-            and earlier.pool_full
-            and self._settings() == earlier._settings()
-            and earlier.support_size <= self.support_size
-        ):
-            return None
-        side = self.img_side if modality == "image" else self.txt_side
-        before = earlier.img_side if modality == "image" else earlier.txt_side
-        if not side.same_pool(before):
-            return None
-        slots = side.rewritten(before, self.support_size, earlier.support_size)
-        m, width = len(self.kernels), self.landmarks + self.budget
-        columns = (np.arange(m)[:, None] * width + self.landmarks + slots[None, :]).ravel()
-
-        def update(kept: NDArray[np.float32], x: NDArray[np.floating]) -> NDArray[np.float32]:
-            if kept.shape[1] != self._index_width():
-                raise ValueError(
-                    f"kept rows are {kept.shape[1]} wide, not cmomks's {self._index_width()}"
-                )
-            out = np.array(kept, dtype=np.float32)
-            if len(slots):
-                m_x = kept[:, -m:].T.astype(np.float64)
-                values = side.centred_to_slots(side.prep(x), m_x, slots, np.float32)
-                out[:, columns] = values.transpose(1, 0, 2).reshape(len(out), -1)
-            return out
-
-        return update
+        (:func:`.cmomks_index.index_update`)."""
+        return cmomks_index.index_update(self, earlier, modality)
 
     def _settings(self) -> tuple[object, ...]:
         """What two versions share when one's index rows can be the other's."""

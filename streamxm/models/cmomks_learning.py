@@ -8,6 +8,7 @@ fills.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +28,7 @@ __all__ = [
     "Triplet",
     "evicted_slot",
     "image_terms",
+    "joins_pool",
     "kernel_margins",
     "learn_pair",
     "project_slot",
@@ -174,6 +176,51 @@ def triplet_rows(
     )
 
 
+#: Offered pairs passed by in all, in ``landmarks``, that lift the pool's caps (:func:`joins_pool`).
+PASSED_IN_ALL = 3
+
+
+def joins_pool(model: CMOMKS, pair: Example, history: History) -> bool:
+    """Whether the arriving ``pair`` joins the landmark pool: while it fills, one pair in
+    ``pool_skip + 1`` is offered (counted in ``pairs_offered``), and an offered pair joins unless
+    its class (its first label) already holds ``ceil(cap landmarks)`` pool points, ``cap`` being
+    ``pool_class_cap``, or the smaller ``pool_burst_cap`` while ``history`` sees a burst (an
+    unlabelled pair always does). Once ``landmarks`` offered pairs in a row
+    (``pool_passed``), or :data:`PASSED_IN_ALL` times as many in all (``pool_passed_all``),
+    have been passed by, the caps are lifted for good: the pair that reaches it joins. So the
+    pool of a stream with fewer classes than the caps allow for still fills, by the offered
+    pair ``(1 + PASSED_IN_ALL) landmarks`` at the latest."""
+    model.pairs_offered += 1
+    if model.pool_full or (model.pairs_offered - 1) % (model.pool_skip + 1):
+        return False
+    lifted = (
+        model.pool_passed >= model.landmarks
+        or model.pool_passed_all >= PASSED_IN_ALL * model.landmarks
+    )
+    if lifted or not _over_cap(model, pair, history):
+        if not lifted:
+            model.pool_passed = 0  # the run of pairs passed by is broken
+        return True
+    model.pool_passed += 1
+    model.pool_passed_all += 1
+    return (
+        model.pool_passed >= model.landmarks
+        or model.pool_passed_all >= PASSED_IN_ALL * model.landmarks
+    )
+
+
+def _over_cap(model: CMOMKS, pair: Example, history: History) -> bool:
+    """Whether the class of ``pair`` (its first label) holds its cap of the pool
+    (:func:`joins_pool`)."""
+    cap = model.pool_class_cap
+    if model.pool_burst_cap < cap and history.bursty():
+        cap = model.pool_burst_cap
+    if cap >= 1.0 or not pair.labels:
+        return False
+    held = int(np.count_nonzero(model.pool_group[: model.img_side.pool_size] == pair.labels[0]))
+    return held >= math.ceil(cap * model.landmarks)
+
+
 def learn_pair(
     model: CMOMKS,
     pair: Example,
@@ -188,8 +235,7 @@ def learn_pair(
     remembered pairs) are learned, or wait for the pool to fill; the pair that fills it closes
     the pool, whether triplets wait or not (a stream opening with one class draws none), and the
     waiting triplets are learned in order."""
-    model.pairs_offered += 1
-    if not model.pool_full and (model.pairs_offered - 1) % (model.pool_skip + 1) == 0:
+    if joins_pool(model, pair, history):
         model.pool_group[model.img_side.pool_size] = pair.labels[0] if pair.labels else -1
         model.img_side.add_to_pool(pair.img)
         model.txt_side.add_to_pool(pair.txt)

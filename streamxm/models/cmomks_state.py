@@ -47,6 +47,8 @@ def model_state(model: CMOMKS) -> tuple[Arrays, dict[str, Any]]:
         "vote_mistakes": model.vote_mistakes,
         "pool_size": model.img_side.pool_size,
         "pairs_offered": model.pairs_offered,
+        "pool_passed": model.pool_passed,
+        "pool_passed_all": model.pool_passed_all,
         "pool_rebuilds": model.pool_rebuilds,
     }
 
@@ -60,6 +62,8 @@ def load_state(model: CMOMKS, arrays: Arrays, meta: dict[str, Any]) -> None:
     model.n_triplets, model.projected = int(meta["n_triplets"]), int(meta["projected"])
     model.vote_mistakes = int(meta["vote_mistakes"])
     model.pairs_offered = int(meta.get("pairs_offered", 0))  # from before: pool_skip 0, unread
+    model.pool_passed = int(meta.get("pool_passed", 0))  # from before: no cap, unread
+    model.pool_passed_all = int(meta.get("pool_passed_all", 0))
     model._waiting = _waiting_from(arrays)
     model.pool_rebuilds = int(meta.get("pool_rebuilds", 0))
     if "pool_group" in arrays:
