@@ -193,16 +193,18 @@ def joins_pool(model: CMOMKS, pair: Example, history: History) -> bool:
     model.pairs_offered += 1
     if model.pool_full or (model.pairs_offered - 1) % (model.pool_skip + 1):
         return False
-    lifted = (
-        model.pool_passed >= model.landmarks
-        or model.pool_passed_all >= PASSED_IN_ALL * model.landmarks
-    )
+    lifted = _caps_lifted(model)
     if lifted or not _over_cap(model, pair, history):
         if not lifted:
             model.pool_passed = 0  # the run of pairs passed by is broken
         return True
     model.pool_passed += 1
     model.pool_passed_all += 1
+    return _caps_lifted(model)
+
+
+def _caps_lifted(model: CMOMKS) -> bool:
+    """Whether the pool's caps are lifted for good (:func:`joins_pool`)."""
     return (
         model.pool_passed >= model.landmarks
         or model.pool_passed_all >= PASSED_IN_ALL * model.landmarks
