@@ -1,5 +1,6 @@
-"""The pairwise classifier's choices beyond the paper: ``lr`` and ``pos_weight`` picked by the
-first pair's inputs (``"auto"``), and the bipartite variant's class positives."""
+"""The pairwise classifier's choices beyond the paper: ``lr``, ``pos_weight`` and ``lam``
+picked by the first pair's inputs (``"auto"``), the bipartite variant's class positives and
+the one-sided terms held at zero."""
 
 from typing import Any
 
@@ -30,21 +31,21 @@ def _learned(name: str, pairs: list[Pair], params: dict[str, Any]) -> PairwiseLo
 
 
 @pytest.mark.parametrize(
-    ("signed", "inputs", "lr", "pos_weight"),
-    [(False, "histogram", 0.01, 10.0), (True, "signed", 0.03, 1.0)],
+    ("signed", "inputs", "lr", "pos_weight", "lam"),
+    [(False, "histogram", 0.01, 10.0, 0.08), (True, "signed", 0.03, 1.0, 0.02)],
 )
 def test_auto_picks_the_rule_from_the_first_pair_and_equals_it_given(
-    signed: bool, inputs: str, lr: float, pos_weight: float
+    signed: bool, inputs: str, lr: float, pos_weight: float, lam: float
 ) -> None:
-    """``"auto"`` reads the first pair: no negative value is the histogram rule (the former
-    defaults, ``lr=0.01, pos_weight=10``), else the signed rule; either way the weights are bit
-    for bit those of the same numbers given."""
+    """``"auto"`` reads the first pair: no negative value is the histogram rule
+    (``lr=0.01, pos_weight=10, lam=0.08``), else the signed rule; either way the weights are
+    bit for bit those of the same numbers given."""
     pairs = class_stream(200, 6, 4, seed=5)
     pairs = _signed(pairs) if signed else pairs
     auto = _learned("pairwise", pairs, {})
-    given = _learned("pairwise", pairs, {"lr": lr, "pos_weight": pos_weight})
+    given = _learned("pairwise", pairs, {"lr": lr, "pos_weight": pos_weight, "lam": lam})
     assert auto.inputs_ == inputs
-    assert (auto.step_size, auto.positive_weight) == (lr, pos_weight)
+    assert (auto.step_size, auto.positive_weight, auto.l2) == (lr, pos_weight, lam)
     assert np.array_equal(auto.W, given.W) and np.array_equal(auto.G, given.G)
 
 
@@ -55,6 +56,9 @@ def test_given_numbers_override_auto_and_invalid_ones_raise() -> None:
         PairwiseLogistic(3, 2, lr=0.0)
     with pytest.raises(ValueError, match="pos_weight must be > 0"):
         PairwiseLogistic(3, 2, pos_weight=-1.0)
+    with pytest.raises(ValueError, match="lam must be >= 0"):
+        PairwiseLogistic(3, 2, lam=-0.1)
+    assert PairwiseLogistic(3, 2, lam=0.0).l2 == 0.0
 
 
 def test_the_pick_is_checkpointed_and_old_checkpoints_keep_their_numbers() -> None:
@@ -130,8 +134,9 @@ def test_class_positives_off_restores_the_former_rule_from_old_checkpoints() -> 
 
 def test_cross_only_is_the_former_step_then_the_projection() -> None:
     """A step with ``cross_only`` is the former step (``cross_only=False``) with the one-sided
-    terms set back to zero; learned, only the intercept and the cross terms move; off by
-    default."""
+    terms set back to zero; learned, only the intercept and the cross terms move; on by
+    default, and a checkpoint without the key restores with it off (the rule it was written
+    under)."""
     rng = np.random.default_rng(3)
     on = PairwiseLogistic(3, 2, negatives=4, cross_only=True)
     off = PairwiseLogistic(3, 2, negatives=4, cross_only=False)
@@ -146,8 +151,14 @@ def test_cross_only_is_the_former_step_then_the_projection() -> None:
     projected = off.W.copy()
     projected[-1, :-1] = projected[:-1, -1] = 0.0
     assert np.array_equal(on.W, projected) and np.array_equal(on.G, off.G)
-    assert not PairwiseLogistic(3, 2, variant="bipartite").cross_only
-    assert not PairwiseLogistic(3, 2).cross_only
+    assert PairwiseLogistic(3, 2, variant="bipartite").cross_only
+    assert PairwiseLogistic(3, 2).cross_only
     learned = _learned("pairwise:bipartite", class_stream(120, 6, 4, seed=5), {"cross_only": True})
     assert not learned.W[-1, :-1].any() and not learned.W[:-1, -1].any()
     assert learned.W[-1, -1] != 0 and learned.W[:-1, :-1].any()
+    learner = StreamLearner("pairwise", 6, 4, seed=4, eval_every=10**9)
+    learner.learn(class_stream(60, 6, 4, seed=5))
+    arrays, meta = learner.state()
+    params = {k: v for k, v in meta["params"].items() if k != "cross_only"}
+    restored = StreamLearner.from_state(arrays, {**meta, "params": params})
+    assert restored.model.cross_only is False  # type: ignore[attr-defined]

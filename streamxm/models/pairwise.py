@@ -31,12 +31,15 @@ from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, rest
 
 __all__ = ["INPUT_RULES", "PairwiseLogistic"]
 
-#: ``"auto"``'s picks of ``(lr, pos_weight)`` by the first pair's inputs: histograms (no
+#: ``"auto"``'s picks of ``(lr, pos_weight, lam)`` by the first pair's inputs: histograms (no
 #: negative value in either vector; the rule chosen on Wikipedia) or signed features.
-INPUT_RULES: dict[str, tuple[float, float]] = {"histogram": (0.01, 10.0), "signed": (0.03, 1.0)}
+INPUT_RULES: dict[str, tuple[float, float, float]] = {
+    "histogram": (0.01, 10.0, 0.08),
+    "signed": (0.03, 1.0, 0.02),
+}
 
 #: Parameters that came later, at the values that restore a checkpoint written before them.
-_CAME_LATER = {"rehearse": 0, "restart": False, "class_positives": False}
+_CAME_LATER = {"rehearse": 0, "restart": False, "class_positives": False, "cross_only": False}
 
 #: The learned arrays a checkpoint keeps beside the running sums: the bilinear weights and their
 #: AdaGrad sums (float32), the centring means and the whiteners (float64).
@@ -65,8 +68,12 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         The loss: positive-unlabelled logistic (Eq. 4.6) or bipartite ranking (Eq. 4.7).
     negatives : int, default=10
         Unlabelled pairs formed per arriving pair (S), ``>= 1``.
-    lam : float, default=0.02
-        l2 regularisation, ``>= 0``; chosen on the Wikipedia stream (``docs/benchmarks.md``).
+    lam : float or "auto", default="auto"
+        l2 regularisation, ``>= 0``. ``"auto"`` picks it from the first pair learned as ``lr``
+        does (:data:`INPUT_RULES`): 0.08 for histograms, chosen on the Wikipedia stream's
+        orders (``docs/benchmarks.md``, "Stream orders": a stronger pull to zero keeps less of
+        the latest topic in ``W``), else 0.02, the value before it, which the signed digits
+        set keeps (0.08 costs it 0.02 to 0.03 mAP). Give 0.02 for the former Wikipedia rule.
     lr : float or "auto", default="auto"
         AdaGrad base step, ``> 0``. ``"auto"`` picks it from the first pair learned
         (:data:`INPUT_RULES`): 0.01, the step chosen on the Wikipedia stream
@@ -87,8 +94,11 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         Input power map before L2 normalisation, ``> 0``.
     whiten_first : int, default=64
         First whitener refresh (pairs); the gaps double from it up to ``whiten_every``, ``>= 1``.
-    whiten_every : int, default=1024
-        Pairs between whitener refreshes once the doubling ends, ``>= 1``.
+    whiten_every : int, default=512
+        Pairs between whitener refreshes once the doubling ends, ``>= 1``. A stream that meets
+        its classes in runs moves the covariance as each new class arrives and the whitener
+        lags it; 512 (1,024 before) refreshes it twice as often there. A file-order stream's
+        covariance has settled by then, and its figures do not move.
     rehearse : int or None, default=None
         Extra steps per pair during a burst, each with a stored pair as the positive, ``>= 0``
         (``None``: 2 for the logistic variant, 8 for the bipartite one, whose loss learns only
@@ -102,16 +112,16 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         others, the rule before it and Eq. 4.7 as written for pairs without labels, where the
         arriving pair is the only one known to match. On a labelled stream the formed pairs of
         a common class match too. No effect on the logistic variant or an unlabelled stream.
-    cross_only : bool, default=False
+    cross_only : bool, default=True
         Keep the one-sided terms of ``W`` at zero (its last row and column but their common
         entry): with the constant appended to both sides, ``W[-1, :-1] b`` scores a text by
         itself whatever the query, and ``W[:-1, -1] a`` an image (a popularity of the item).
         Learned from a stream that meets its classes in runs, these lean towards the latest
         class, and every query then prefers its items. Each step is followed by the
         projection onto ``W`` without them; the intercept ``W[-1, -1]`` and the cross terms
-        learn as before. ``False``: every entry learns, the rule before it (the logistic
-        variant's class order loses with ``True`` what its topic bursts gain, and the bipartite
-        one's topic bursts gain less than its text->image on signed features loses).
+        learn as before. ``False``: every entry learns, the paper's rule (its features hold
+        the one-sided terms) and the one before it; old checkpoints restore with it. On by
+        default with the histogram rule's stronger ``lam`` (chosen together, ``lam``).
 
     Attributes
     ----------
@@ -155,18 +165,18 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         txt_dim: int,
         variant: Variant = "logistic",
         negatives: int = 10,
-        lam: float = 0.02,
+        lam: float | Literal["auto"] = "auto",
         lr: float | Literal["auto"] = "auto",
         pos_weight: float | Literal["auto"] = "auto",
         ridge: float = 3.0,
         whiten: bool = True,
         power: float = 1.0,
         whiten_first: int = 64,
-        whiten_every: int = 1024,
+        whiten_every: int = 512,
         rehearse: int | None = None,
         restart: bool = True,
         class_positives: bool = True,
-        cross_only: bool = False,
+        cross_only: bool = True,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         if variant not in ("logistic", "bipartite"):
@@ -178,17 +188,17 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         require(
             locals(),
             negatives=">= 1",
-            lam=">= 0",
             ridge=">= 0",
             power="> 0",
             rehearse=">= 0",
         )
-        for name, value in (("lr", lr), ("pos_weight", pos_weight)):
+        positive = (("lr", lr, "> 0"), ("pos_weight", pos_weight, "> 0"), ("lam", lam, ">= 0"))
+        for name, value, rule in positive:
             if value != "auto":
-                require({name: value}, **{name: "> 0"})
+                require({name: value}, **{name: rule})
         self.variant = variant
         self.negatives = int(negatives)
-        self.lam = float(lam)
+        self.lam: float | Literal["auto"] = "auto" if lam == "auto" else float(lam)
         self.lr: float | Literal["auto"] = "auto" if lr == "auto" else float(lr)
         self.pos_weight: float | Literal["auto"] = (
             "auto" if pos_weight == "auto" else float(pos_weight)
@@ -218,6 +228,11 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         """``pos_weight``, or ``"auto"``'s pick (:data:`INPUT_RULES`)."""
         w = self.pos_weight
         return w if w != "auto" else INPUT_RULES[self.inputs_ or "histogram"][1]
+
+    @property
+    def l2(self) -> float:
+        """``lam``, or ``"auto"``'s pick (:data:`INPUT_RULES`)."""
+        return self.lam if self.lam != "auto" else INPUT_RULES[self.inputs_ or "histogram"][2]
 
     def learn_one(
         self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
@@ -306,7 +321,7 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         for d, direction in ((i2t, "i2t"), (~i2t, "t2i")):
             for m in margins[d]:
                 stats.add(direction, bool(m <= 0), float(np.logaddexp(0.0, -m)), True)
-        adagrad_outer_step(self.W, self.G, left, right, self.step_size, self.lam)
+        adagrad_outer_step(self.W, self.G, left, right, self.step_size, self.l2)
         if self.cross_only:  # a projected step: the one-sided terms stay at zero
             self.W[-1, :-1] = 0.0
             self.W[:-1, -1] = 0.0
