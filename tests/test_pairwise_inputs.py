@@ -9,6 +9,7 @@ import pytest
 
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.models.base import LearnStats
+from streamxm.models.moments import power_normalize
 from streamxm.models.pairwise import PairwiseLogistic
 from streamxm.stream.messages import Pair, make_pair
 from tests.conftest import class_stream
@@ -162,3 +163,44 @@ def test_cross_only_is_the_former_step_then_the_projection() -> None:
     params = {k: v for k, v in meta["params"].items() if k != "cross_only"}
     restored = StreamLearner.from_state(arrays, {**meta, "params": params})
     assert restored.model.cross_only is False  # type: ignore[attr-defined]
+
+
+def _last_refresh(model: PairwiseLogistic, pairs: list[Pair]) -> int:
+    """The pair count at the whitener's last refresh: the prefix whose mean its mean is."""
+    rows = power_normalize(np.stack([p.img for p in pairs]), model.power)
+    means = np.cumsum(rows, axis=0) / np.arange(1, len(rows) + 1)[:, None]
+    found = [n + 1 for n in range(len(rows)) if np.allclose(means[n], model.mean_x, atol=1e-12)]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_burst_whiten_every_refreshes_more_often_only_in_a_burst() -> None:
+    """A mixed stream never bursts: ``burst_whiten_every`` leaves it bit for bit as without it.
+    A class-ordered one bursts, and its whitener was last refreshed on the finer schedule
+    (16, 32, then every 50) instead of the coarse one's 256; 0 is the coarse schedule alone,
+    and a checkpoint without the key restores with 0."""
+    base = {"whiten_first": 16, "whiten_every": 200}
+
+    def learned(pairs: list[Pair], every: int) -> tuple[PairwiseLogistic, int]:
+        params = {**base, "burst_whiten_every": every}
+        learner = StreamLearner("pairwise", 6, 4, params, buffer_capacity=40, seed=2)
+        learner.learn(pairs)
+        assert isinstance(learner.model, PairwiseLogistic)
+        return learner.model, learner.pairs_in_burst
+
+    mixed = class_stream(400, 6, 4, seed=3)
+    (on, bursts_on), (off, bursts_off) = learned(mixed, 50), learned(mixed, 0)
+    assert bursts_on == bursts_off == 0 and np.array_equal(on.W, off.W)
+    ordered = sorted(mixed, key=lambda p: p.labels[0])
+    (on, bursts_on), (off, _) = learned(ordered, 50), learned(ordered, 0)
+    assert bursts_on > 0
+    assert _last_refresh(off, ordered) == 256
+    assert _last_refresh(on, ordered) in range(264, 401, 50)
+    learner = StreamLearner("pairwise", 6, 4, seed=4, eval_every=10**9)
+    learner.learn(mixed[:60])
+    arrays, meta = learner.state()
+    params = {k: v for k, v in meta["params"].items() if k != "burst_whiten_every"}
+    restored = StreamLearner.from_state(arrays, {**meta, "params": params})
+    assert restored.model.burst_whiten_every == 0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="burst_whiten_every must be >= 0"):
+        PairwiseLogistic(3, 2, burst_whiten_every=-1)

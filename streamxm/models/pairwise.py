@@ -39,7 +39,13 @@ INPUT_RULES: dict[str, tuple[float, float, float]] = {
 }
 
 #: Parameters that came later, at the values that restore a checkpoint written before them.
-_CAME_LATER = {"rehearse": 0, "restart": False, "class_positives": False, "cross_only": False}
+_CAME_LATER = {
+    "rehearse": 0,
+    "restart": False,
+    "class_positives": False,
+    "cross_only": False,
+    "burst_whiten_every": 0,
+}
 
 #: The learned arrays a checkpoint keeps beside the running sums: the bilinear weights and their
 #: AdaGrad sums (float32), the centring means and the whiteners (float64).
@@ -94,11 +100,16 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         Input power map before L2 normalisation, ``> 0``.
     whiten_first : int, default=64
         First whitener refresh (pairs); the gaps double from it up to ``whiten_every``, ``>= 1``.
-    whiten_every : int, default=512
-        Pairs between whitener refreshes once the doubling ends, ``>= 1``. A stream that meets
-        its classes in runs moves the covariance as each new class arrives and the whitener
-        lags it; 512 (1,024 before) refreshes it twice as often there. A file-order stream's
-        covariance has settled by then, and its figures do not move.
+    whiten_every : int, default=1024
+        Pairs between whitener refreshes once the doubling ends, ``>= 1``.
+    burst_whiten_every : int, default=512
+        During a burst the whitener is also refreshed on the schedule that doubles from
+        ``whiten_first`` up to this gap, ``>= 0`` (0: no extra refresh, the rule before it). A
+        stream that meets its classes in runs moves the covariance as each class arrives and
+        the whitener lags it; a well-mixed stream's covariance has settled, and a refresh of a
+        4096-d whitener costs seconds of re-whitened stored rows, so outside bursts the gap
+        stays ``whiten_every``. A single learner's rule: ranks that merge refresh on
+        ``whiten_every``'s schedule.
     rehearse : int or None, default=None
         Extra steps per pair during a burst, each with a stored pair as the positive, ``>= 0``
         (``None``: 2 for the logistic variant, 8 for the bipartite one, whose loss learns only
@@ -172,7 +183,8 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         whiten: bool = True,
         power: float = 1.0,
         whiten_first: int = 64,
-        whiten_every: int = 512,
+        whiten_every: int = 1024,
+        burst_whiten_every: int = 512,
         rehearse: int | None = None,
         restart: bool = True,
         class_positives: bool = True,
@@ -191,6 +203,7 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
             ridge=">= 0",
             power="> 0",
             rehearse=">= 0",
+            burst_whiten_every=">= 0",
         )
         positive = (("lr", lr, "> 0"), ("pos_weight", pos_weight, "> 0"), ("lam", lam, ">= 0"))
         for name, value, rule in positive:
@@ -214,6 +227,10 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         self.class_positives = bool(class_positives)
         self.cross_only = bool(cross_only)
         self.schedule = ResolveSchedule(whiten_first, whiten_every)
+        self.burst_whiten_every = int(burst_whiten_every)
+        self.burst_schedule = (
+            ResolveSchedule(whiten_first, burst_whiten_every) if burst_whiten_every else None
+        )
         self.W = np.zeros((img_dim + 1, txt_dim + 1), dtype=np.float32)
         self.G = np.zeros_like(self.W)
 
@@ -243,15 +260,16 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         self.moments.add(
             power_normalize(pair.img, self.power), power_normalize(pair.txt, self.power)
         )
-        if self.schedule.due(self.moments.n):
-            self._refresh_whitener()
         drawable, slot = history.drawable(), history.newest
+        n, burst = self.moments.n, drawable > history.recent
+        if self.schedule.due(n) or (burst and self.burst_schedule and self.burst_schedule.due(n)):
+            self._refresh_whitener()
         if self.restart and self.moments.n == self.whiten_first:
             self._restart(slot, drawable, history, rng)
         if drawable <= len(history.others(slot, drawable)):
             return
         self._step_at(slot, pair.labels, drawable, history, rng, stats)
-        if self.rehearse and drawable > history.recent:  # a burst: rehearse the whole history
+        if self.rehearse and burst:  # a burst: rehearse the whole history
             for q in rng.integers(drawable, size=self.rehearse):
                 self.learn_stored(int(q), drawable, history, rng)
 
