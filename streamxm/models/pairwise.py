@@ -12,13 +12,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from streamxm.models.base import Arrays, LearnStats, MergeParts, require
-from streamxm.models.embedding import EmbeddingKind, fixed_space_or_towers
 from streamxm.models.heads import SlotFeatures
 from streamxm.models.history import Example, History
 from streamxm.models.moments import ResolveSchedule, power_normalize
 from streamxm.models.opt_in import MergesRanks
 from streamxm.models.optim import adagrad_outer_step
-from streamxm.models.pairwise_features import WhitenedFeatures
 from streamxm.models.pairwise_partners import (
     Variant,
     draw_partners,
@@ -26,6 +24,7 @@ from streamxm.models.pairwise_partners import (
     image_to_text,
     partner_agreement,
 )
+from streamxm.models.pairwise_serving import PairwiseServing
 from streamxm.models.pairwise_work import PairwiseWork
 from streamxm.models.state_arrays import ArrayAttributes, attribute_arrays, restore_attribute_arrays
 
@@ -55,7 +54,7 @@ _LEARNED: ArrayAttributes = {
 }
 
 
-class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwise"):
+class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwise"):
     """``s(a, b) = <a, W b>``: a linear classifier over the cross-product features ``a b^T``.
 
     ``W`` is learned online by AdaGrad on an l2-regularised logistic loss: each arriving pair is
@@ -357,40 +356,6 @@ class PairwiseLogistic(WhitenedFeatures, PairwiseWork, MergesRanks, name="pairwi
         texts = np.vstack([qy, fy]).astype(np.float64)
         images = np.vstack([qx, fx]).astype(np.float64)
         return (query_image @ texts.T)[0], images @ query_text
-
-    # -- serving -----------------------------------------------------------------------------
-    def embed_images(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        return np.asarray(self.image_features(x) @ self.W, dtype=np.float32)
-
-    def embed_texts(self, x: NDArray[np.floating]) -> NDArray[np.float32]:
-        return self.text_features(x)
-
-    def embedding(self) -> EmbeddingKind:
-        return fixed_space_or_towers(self)
-
-    @property
-    def fixed_space(self) -> bool:
-        # f(x) = [white (unit(x)^power - mean), 1]: bilinear in the unit rows only at power 1.
-        return self.power == 1.0
-
-    def _fixed_queries(
-        self, left: NDArray[np.floating], white: NDArray[np.float64], mean: NDArray[np.float64]
-    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-        # s = a . [white (u - mean), 1] = (white^T a[:-1]) . u - (white^T a[:-1]) . mean + a[-1]
-        a = left.astype(np.float64)
-        q = a[:, :-1] @ white
-        return q, a[:, -1] - q @ mean
-
-    def queries_for_texts(
-        self, imgs: NDArray[np.floating]
-    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-        return self._fixed_queries(self.embed_images(imgs), self.white_y, self.mean_y)
-
-    def queries_for_images(
-        self, txts: NDArray[np.floating]
-    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-        left = self.text_features(txts).astype(np.float64) @ self.W.T.astype(np.float64)
-        return self._fixed_queries(left, self.white_x, self.mean_x)
 
     def merge_parts(self) -> MergeParts:
         parts: MergeParts = {
