@@ -54,6 +54,14 @@ _LEARNED: ArrayAttributes = {
 }
 
 
+def _auto_or_number(name: str, value: float | str, rule: str) -> float | Literal["auto"]:
+    """``"auto"``, or ``value`` as a float checked against ``rule`` (as :func:`require`)."""
+    if value == "auto":
+        return "auto"
+    require({name: value}, **{name: rule})
+    return float(value)
+
+
 class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwise"):
     """``s(a, b) = <a, W b>``: a linear classifier over the cross-product features ``a b^T``.
 
@@ -77,8 +85,8 @@ class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwis
         l2 regularisation, ``>= 0``. ``"auto"`` picks it from the first pair learned as ``lr``
         does (:data:`INPUT_RULES`): 0.08 for histograms, chosen on the Wikipedia stream's
         orders (``docs/benchmarks.md``, "Stream orders": a stronger pull to zero keeps less of
-        the latest topic in ``W``), else 0.02, the value before it, which the signed digits
-        set keeps (0.08 costs it 0.02 to 0.03 mAP). Give 0.02 for the former Wikipedia rule.
+        the latest topic in ``W``), else 0.02, which the signed digits set keeps (0.08 costs it
+        more than the orders gain). The paper tunes it by validation; give a number to fix it.
     lr : float or "auto", default="auto"
         AdaGrad base step, ``> 0``. ``"auto"`` picks it from the first pair learned
         (:data:`INPUT_RULES`): 0.01, the step chosen on the Wikipedia stream
@@ -103,7 +111,7 @@ class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwis
         Pairs between whitener refreshes once the doubling ends, ``>= 1``.
     burst_whiten_every : int, default=512
         During a burst the whitener is also refreshed on the schedule that doubles from
-        ``whiten_first`` up to this gap, ``>= 0`` (0: no extra refresh, the rule before it). A
+        ``whiten_first`` up to this gap, ``>= 0`` (0: no extra refresh, one schedule). A
         stream that meets its classes in runs moves the covariance as each class arrives and
         the whitener lags it; a well-mixed stream's covariance has settled, and a refresh of a
         4096-d whitener costs seconds of re-whitened stored rows, so outside bursts the gap
@@ -130,8 +138,8 @@ class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwis
         class, and every query then prefers its items. Each step is followed by the
         projection onto ``W`` without them; the intercept ``W[-1, -1]`` and the cross terms
         learn as before. ``False``: every entry learns, the paper's rule (its features hold
-        the one-sided terms) and the one before it; old checkpoints restore with it. On by
-        default with the histogram rule's stronger ``lam`` (chosen together, ``lam``).
+        the one-sided terms); checkpoints without the key restore with it. Chosen together
+        with the histogram rule's ``lam`` and ``burst_whiten_every``.
 
     Attributes
     ----------
@@ -204,17 +212,11 @@ class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwis
             rehearse=">= 0",
             burst_whiten_every=">= 0",
         )
-        positive = (("lr", lr, "> 0"), ("pos_weight", pos_weight, "> 0"), ("lam", lam, ">= 0"))
-        for name, value, rule in positive:
-            if value != "auto":
-                require({name: value}, **{name: rule})
         self.variant = variant
         self.negatives = int(negatives)
-        self.lam: float | Literal["auto"] = "auto" if lam == "auto" else float(lam)
-        self.lr: float | Literal["auto"] = "auto" if lr == "auto" else float(lr)
-        self.pos_weight: float | Literal["auto"] = (
-            "auto" if pos_weight == "auto" else float(pos_weight)
-        )
+        self.lam = _auto_or_number("lam", lam, ">= 0")
+        self.lr = _auto_or_number("lr", lr, "> 0")
+        self.pos_weight = _auto_or_number("pos_weight", pos_weight, "> 0")
         # "auto"'s pick at the first pair ("histogram" or "signed"); None until then.
         self.inputs_: str | None = None
         self.ridge = float(ridge)
@@ -234,21 +236,25 @@ class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwis
         self.G = np.zeros_like(self.W)
 
     # -- learning ----------------------------------------------------------------------------
+    def _picked(self, given: float | Literal["auto"], index: int) -> float:
+        """``given``, or for ``"auto"`` entry ``index`` of :data:`INPUT_RULES`' rule for the
+        inputs seen (histograms before a pair)."""
+        return given if given != "auto" else INPUT_RULES[self.inputs_ or "histogram"][index]
+
     @property
     def step_size(self) -> float:
-        """``lr``, or ``"auto"``'s pick (:data:`INPUT_RULES`; histograms before a pair)."""
-        return self.lr if self.lr != "auto" else INPUT_RULES[self.inputs_ or "histogram"][0]
+        """``lr``, or ``"auto"``'s pick."""
+        return self._picked(self.lr, 0)
 
     @property
     def positive_weight(self) -> float:
-        """``pos_weight``, or ``"auto"``'s pick (:data:`INPUT_RULES`)."""
-        w = self.pos_weight
-        return w if w != "auto" else INPUT_RULES[self.inputs_ or "histogram"][1]
+        """``pos_weight``, or ``"auto"``'s pick."""
+        return self._picked(self.pos_weight, 1)
 
     @property
     def l2(self) -> float:
-        """``lam``, or ``"auto"``'s pick (:data:`INPUT_RULES`)."""
-        return self.lam if self.lam != "auto" else INPUT_RULES[self.inputs_ or "histogram"][2]
+        """``lam``, or ``"auto"``'s pick."""
+        return self._picked(self.lam, 2)
 
     def learn_one(
         self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
@@ -263,7 +269,7 @@ class PairwiseLogistic(PairwiseServing, PairwiseWork, MergesRanks, name="pairwis
         n, burst = self.moments.n, drawable > history.recent
         if self.schedule.due(n) or (burst and self.burst_schedule and self.burst_schedule.due(n)):
             self._refresh_whitener()
-        if self.restart and self.moments.n == self.whiten_first:
+        if self.restart and n == self.whiten_first:
             self._restart(slot, drawable, history, rng)
         if drawable <= len(history.others(slot, drawable)):
             return
