@@ -272,6 +272,29 @@ def test_burst_damping_holds_text_to_image_when_topics_arrive_one_at_a_time() ->
     assert damped[0] > paper[0] - 0.002, maps
 
 
+def test_memory_and_replays_hold_text_to_image_when_topics_arrive_one_at_a_time() -> None:
+    """The same streams: the default memory of twice the ring with six replays a pair keeps more
+    of both directions than a memory of the ring's size with two (the former defaults): a text
+    query's negatives are images drawn from the memory during a burst, and a few dozen a class
+    teach ``W`` those images rather than the class."""
+    ds = load_dataset("wiki")
+    maps: dict[str, list[tuple[float, float]]] = {"former": [], "default": []}
+    for seed in (0, 1, 2):
+        pairs = list(iter_pairs(ds, order="class-shuffled", seed=seed))
+        for name, params, memory in (("former", {"replay": 2}, 500), ("default", {}, None)):
+            learner = StreamLearner(
+                "cmos", 128, 10, params, seed=seed, eval_every=10**9, buffer_memory=memory
+            )
+            assert learner.buffer.memory == (memory or 1000)
+            learner.learn(pairs)
+            m = retrieval_maps(learner.model, (ds.img_test, ds.txt_test, ds.y_test))
+            runs = maps[name]
+            runs.append((m["map_i2t"], m["map_t2i"]))
+    former, default = np.mean(maps["former"], axis=0), np.mean(maps["default"], axis=0)
+    assert default[1] > former[1] + 0.002, maps
+    assert default[0] > former[0] - 0.002, maps
+
+
 def _ema_transcription(
     triplets: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], dv: int, dt: int, beta: float
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -263,13 +263,13 @@ def test_a_checkpoint_from_before_the_burst_signal_offers_its_ring_to_the_memory
 @pytest.mark.parametrize("model", ["cmos", "pairwise", "pairwise:marginal", "cca"])
 def test_each_model_gets_its_own_memory_unless_told(model: str) -> None:
     """The models that draw from the buffer keep a class-balanced memory beside the ring by
-    default (the marginal model twice the ring); the order-free ones none. An explicit size,
-    0 included, wins; a checkpoint keeps the size it was written with."""
+    default (cmos and the marginal model twice the ring); the order-free ones none. An explicit
+    size, 0 included, wins; a checkpoint keeps the size it was written with."""
     learner = StreamLearner(model, 8, 4, seed=0, buffer_capacity=200)
-    expected = {"cmos": 200, "pairwise": 200, "pairwise:marginal": 400, "cca": 0}[model]
+    expected = {"cmos": 400, "pairwise": 200, "pairwise:marginal": 400, "cca": 0}[model]
     assert learner.buffer.memory == expected and learner.buffer.recent == 200
     if model == "cmos":
-        assert learner.model.params()["replay"] == 2
+        assert learner.model.params()["replay"] == 6
     assert (
         StreamLearner(model, 8, 4, seed=0, buffer_capacity=200, buffer_memory=0).buffer.memory == 0
     )
@@ -305,7 +305,7 @@ def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
     rows = {row["model"]: row for row in result["models"]}
     assert list(rows) == ["cmos", "scsm"]
     assert rows["scsm"]["noisy"] is None and rows["scsm"]["noisy_share"] is None
-    assert rows["cmos"]["file"]["per_seed"][0]["buffer_memory"] == 500
+    assert rows["cmos"]["file"]["per_seed"][0]["buffer_memory"] == 1000
     for row in rows.values():
         conditions = ["file", "class"] + (["noisy"] if row["noisy"] else [])
         for name in conditions:
@@ -345,7 +345,7 @@ def test_bench_order_checks_each_model_against_its_own_file_order_over_seeds(
 
 def test_a_cmos_checkpoint_from_before_replay_continues_as_it_learned() -> None:
     """A checkpoint written before ``replay`` existed (a memory, no ``replay`` key) is restored
-    with replay off, as it learned, not with today's default of one replayed query per pair."""
+    with replay off, as it learned, not with today's default of six replayed queries per pair."""
     pairs = sorted(class_stream(500, 8, 4, seed=4), key=lambda p: p.labels[0])
     then = StreamLearner("cmos", 8, 4, {"replay": 0}, seed=0, buffer_capacity=120, buffer_memory=80)
     then.learn(pairs[:250])
@@ -357,7 +357,7 @@ def test_a_cmos_checkpoint_from_before_replay_continues_as_it_learned() -> None:
     then.learn(pairs[250:])
     assert_same_learner(restored, then)
     fresh = StreamLearner("cmos", 8, 4, seed=0, buffer_capacity=120, buffer_memory=80)
-    assert fresh.model.params()["replay"] == 2  # the default only for a fresh learner
+    assert fresh.model.params()["replay"] == 6  # the default only for a fresh learner
 
 
 def test_a_blank_memory_setting_means_the_models_own(monkeypatch: pytest.MonkeyPatch) -> None:

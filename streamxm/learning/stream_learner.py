@@ -58,7 +58,7 @@ def default_memory(model: CrossModalModel, capacity: int) -> int:
     >>> from streamxm.models import create_model
     >>> cmos, cca = create_model("cmos", 4, 3), create_model("cca", 4, 3)
     >>> default_memory(cmos, 500), default_memory(cca, 500)
-    (500, 0)
+    (1000, 0)
     """
     return int(capacity * model.memory_share)
 

@@ -66,9 +66,11 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         ``"blocked"`` solves the queue at once; ``"paper"`` is Eq. 6/7 transcribed literally,
         one triplet at a time with ``V`` formed explicitly (the baseline of
         ``streamxm bench throughput`` and the oracle of the tests).
-    replay : int, default=2
+    replay : int, default=6
         Extra triplets per pair, during a burst, whose query is a pair of the history's memory,
         ``>= 0`` (0: the paper's rule; nothing is replayed outside a burst or without a memory).
+        Chosen with the memory's size (``memory_share``) on some seeds of the stream orders and
+        checked on others (``docs/benchmarks.md``, "Stream orders").
     burst_damping : float, default=0.5
         During a burst, the arriving pair's triplets step with the cap ``C (1 - burst_damping)``
         (its replayed ones keep ``C``), in ``[0, 1)`` (0: the paper's rule). A burst hands the
@@ -114,7 +116,10 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
     (1, 1.0)
     """
 
-    memory_share = 1.0
+    # A memory twice the ring: a text query's negatives are images drawn from it during a burst,
+    # and a memory of a few dozen pairs a class lets W learn those few images rather than the
+    # class (text->image falls); the replays draw their queries from it too.
+    memory_share = 2.0
     # replay, burst_damping and average came later: a checkpoint without them restores them off
     checkpoint_defaults: ClassVar[dict[str, Any]] = {
         "replay": 0,
@@ -134,7 +139,7 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
         dtype: Literal["float32", "float64"] = "float32",
         flush_every: int = 128,
         solver: Literal["blocked", "paper"] = "blocked",
-        replay: int = 2,
+        replay: int = 6,
         burst_damping: float = 0.5,
         average: float = 0.0,
     ) -> None:
