@@ -116,9 +116,8 @@ class CMOS(CountsWork, MergesRanks, name="cmos"):
     (1, 1.0)
     """
 
-    # A memory twice the ring: a text query's negatives are images drawn from it during a burst,
-    # and a memory of a few dozen pairs a class lets W learn those few images rather than the
-    # class (text->image falls); the replays draw their queries from it too.
+    # Twice the ring: in a burst a text query's negatives are images from it, and a few dozen a
+    # class let W learn those images rather than the class (text->image falls).
     memory_share = 2.0
     # replay, burst_damping and average came later: a checkpoint without them restores them off
     checkpoint_defaults: ClassVar[dict[str, Any]] = {
