@@ -26,7 +26,8 @@ from streamxm.models.sam import (
     score_gradient,
     semantic_margin,
 )
-from streamxm.models.sam_inputs import prepare_rows
+from streamxm.models.sam_inputs import observe_scale, prepare_rows
+from streamxm.models.sam_replay import arrive
 from streamxm.models.sam_tower import Tower, dropout_multipliers
 from streamxm.service import build_worker
 from streamxm.storage.checkpoint import Checkpoint, decode_blob, encode_blob
@@ -45,6 +46,22 @@ def test_alpha_follows_the_sigmoid_schedule() -> None:
     assert schedule_alpha(0, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e**4))
     assert schedule_alpha(100, 0.1, 0.4, 100) == pytest.approx(1 / (1 + math.e**-6))
     assert schedule_alpha(50, 1.0, 0.5, 100) == pytest.approx(0.5)
+
+
+def test_the_schedule_reads_n_e_offline_and_stream_n_e_on_a_stream() -> None:
+    """Offline Eq. 7 counts in epochs against the paper's ``n_e``; on a stream in
+    epoch-equivalents against ``stream_n_e`` (``None``: ``n_e`` there too)."""
+    pairs = class_stream(20, 2, 2, seed=0)
+    m = SAM(2, 2, dim=2, hidden=4, epochs=0)
+    m.clock = 20.0
+    assert m.current_alpha() == pytest.approx(0.5)  # a new model learns from a stream
+    m.fit(pairs, np.random.default_rng(0), LearnStats())
+    assert m.current_alpha() == pytest.approx(schedule_alpha(20.0, 0.1, 0.4, 100))
+    m.learn_one(example_of(pairs[0]), ReplayBuffer(8, 2, 2), np.random.default_rng(0), LearnStats())
+    assert m.current_alpha() == pytest.approx(0.5)
+    before = SAM(2, 2, dim=2, hidden=4, stream_n_e=None)
+    before.clock = 20.0
+    assert before.current_alpha() == pytest.approx(schedule_alpha(20.0, 0.1, 0.4, 100))
 
 
 def test_semantic_and_centroid_margins_by_hand() -> None:
@@ -69,7 +86,7 @@ def test_semantic_and_centroid_margins_by_hand() -> None:
 
 def test_scheduled_margin_of_a_batch_by_hand() -> None:
     m = SAM(2, 2, dim=2, hidden=4, lam=0.25)
-    m.clock = 40.0  # alpha = 1/2
+    m.clock = 20.0  # alpha = 1/2 on a stream: f_a stream_n_e = 0.4 * 50
     m.scale_img, m.scale_txt = 2.0, 4.0
     m.classes.columns((7,))
     m.classes.columns((9,))
@@ -120,8 +137,8 @@ def test_step_loss_equals_a_direct_loop_over_triplets(seed: int) -> None:
     m = SAM(6, 4, dim=5, hidden=16, dropout=0.0, lam=0.25)
     rng = np.random.default_rng(seed)
     m._start(rng)
-    m._arrive([make_pair(str(i), img[i], txt[i], labels=list(labels[i])) for i in range(len(img))])
-    m._observe_scale(*m._distances(img, txt))
+    arrive(m, [make_pair(str(i), img[i], txt[i], labels=list(labels[i])) for i in range(len(img))])
+    observe_scale(m, *m._distances(img, txt))
     m.clock = 35.0
     zi, zt = m.embed_images(img).astype(np.float64), m.embed_texts(txt).astype(np.float64)
     stats = LearnStats()
@@ -282,7 +299,7 @@ def test_stream_clock_steps_and_reservoir() -> None:
     # Batches grow with the reservoir up to batch_size; the clock counts rows / epoch_pairs.
     rows = sum(min(3 + min(3 * i, 64), 16) for i in range(m.steps))
     assert m.clock == pytest.approx(rows / 50)
-    assert m.current_alpha() == pytest.approx(schedule_alpha(rows / 50, 0.1, 0.4, 100))
+    assert m.current_alpha() == pytest.approx(schedule_alpha(rows / 50, 0.1, 0.4, 50))
     assert m.reservoir.size == 64 and m.reservoir_seen == 198
     # Anchors of new pairs only: 3 per step, each against the labelled items of other classes.
     assert 0 < stats.triplets["i2t"] == stats.triplets["t2i"] < m.steps * 3 * 16
@@ -310,6 +327,23 @@ def test_standardisation_learns_from_the_first_scale_pairs_then_stays(
     offline = SAM(6, 5, **SMALL, epochs=0, scale_pairs=scale_pairs)
     offline.fit(pairs, np.random.default_rng(0), LearnStats())
     assert offline.img_scaler.n == len(pairs)
+
+
+def test_standardisation_keeps_learning_while_a_burst_lasts() -> None:
+    """With ``burst_scale`` a pair that arrives while the history sees a burst joins the
+    scaler past ``scale_pairs``; without it the scaler stops there, burst or not."""
+    ordered = sorted(class_stream(200, 6, 5, seed=3), key=lambda p: p.labels)
+    for burst_scale in (True, False):
+        m = SAM(6, 5, **SMALL, scale_pairs=50, burst_scale=burst_scale)
+        rng, stats = np.random.default_rng(0), LearnStats()
+        buf = ReplayBuffer(60, 6, 5, memory=30)
+        late_in_burst = 0  # pairs past the first 50 that arrive during a burst
+        for i, example in enumerate(map(example_of, ordered)):
+            buf.add(example)
+            late_in_burst += i >= 50 and buf.bursty()
+            m.learn_one(example, buf, rng, stats)
+        assert 0 < late_in_burst < 150
+        assert m.img_scaler.n == m.txt_scaler.n == 50 + late_in_burst * burst_scale
 
 
 def test_learning_separates_classes() -> None:

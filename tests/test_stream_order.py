@@ -404,10 +404,10 @@ def test_sam_fills_its_batches_class_balanced_during_a_burst_only() -> None:
     bursty = sorted(class_stream(600, 8, 4, seed=2), key=lambda p: p.labels[0])
     shares = {}
     for balance in (True, False):
-        model = _RecordingSAM(8, 4, **_SMALL_SAM, balance=balance)
-        learner = StreamLearner(
-            "sam", 8, 4, {**_SMALL_SAM, "balance": balance}, seed=0, eval_every=10**9
-        )
+        # No rehearsal: every recorded fill is a stream step's, two pairs apart.
+        settings = {**_SMALL_SAM, "balance": balance, "rehearse": 0}
+        model = _RecordingSAM(8, 4, **settings)
+        learner = StreamLearner("sam", 8, 4, settings, seed=0, eval_every=10**9)
         learner.model = model
         learner.learn(bursty)
         last = bursty[-1].labels[0]

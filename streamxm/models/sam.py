@@ -34,7 +34,6 @@ from streamxm.models.sam_inputs import (
     embed_rows,
     input_distances,
     pairwise_distances,
-    scale_arrivals,
 )
 from streamxm.models.sam_replay import Labels, fit_epochs, learn_arrival
 from streamxm.models.sam_step import (
@@ -177,6 +176,8 @@ def _check_parameters(values: dict[str, Any]) -> None:
     )
     if values["alpha"] is not None:
         require(values, alpha="in [0, 1]")
+    if values["stream_n_e"] is not None:
+        require(values, stream_n_e="> 0")
     if values["scale_pairs"] is not None:
         require(values, scale_pairs=">= 1")
     batch_size, step_every, replay = values["batch_size"], values["step_every"], values["replay"]
@@ -224,7 +225,10 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
     k : float, default=0.1
         Eq. 7's slope ``k``.
     n_e : float, default=100.0
-        Eq. 7's ``n_e``, in the clock's unit (epochs, or epoch-equivalents on a stream).
+        Eq. 7's ``n_e`` in epochs, offline (the paper's: its number of epochs).
+    stream_n_e : float or None, default=50.0
+        Eq. 7's ``n_e`` on a stream, in epoch-equivalents, ``> 0`` (a stream has no number of
+        epochs); ``None``: ``n_e``, the rule before.
     margin : float, default=1.0
         The static margin ``m``.
     alpha : float or None, default=None
@@ -251,6 +255,9 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         During a burst of few classes, fill mini-batches class-balanced from the reservoir.
     scale_pairs : int or None, default=300
         Pairs the input standardisation learns from on a stream, ``>= 1`` (``None``: every pair).
+    burst_scale : bool, default=True
+        During a burst of few classes arriving pairs join the standardisation past
+        ``scale_pairs`` (a bursty stream's first pairs hold few classes); ``False``: not.
     device : {"auto", "cpu", "cuda"}, default="auto"
         Where the towers, the optimiser state, the centroids and every tensor of a step live:
         ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU), ``"cpu"`` or
@@ -262,7 +269,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         Decay per step of a moving average of the towers' weights, in ``[0, 1)``: above 0 the
         embeddings read the average while the optimiser steps the live weights
         (:mod:`~streamxm.models.sam_average`); 0 serves the live weights, the paper's rule.
-    rehearse : int, default=0
+    rehearse : int, default=1
         During a burst, steps after each stream step on class-balanced batches of the reservoir
         alone, ``>= 0`` (not in :meth:`learning_work`); 0, the paper's one step per batch.
 
@@ -309,6 +316,8 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         "scale_pairs": None,
         "ema": 0.0,
         "rehearse": 0,
+        "burst_scale": False,
+        "stream_n_e": None,
     }
 
     def __init__(
@@ -326,6 +335,7 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         f_a: float = 0.4,
         k: float = 0.1,
         n_e: float = 100.0,
+        stream_n_e: float | None = 50.0,
         margin: float = 1.0,
         alpha: float | None = None,
         epochs: int = 100,
@@ -338,9 +348,10 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         power_txt: float | None = None,
         balance: bool = True,
         scale_pairs: int | None = 300,
+        burst_scale: bool = True,
         device: str = "auto",
         ema: float = 0.0,
-        rehearse: int = 0,
+        rehearse: int = 1,
     ) -> None:
         super().__init__(img_dim, txt_dim)
         self.device = device
@@ -350,11 +361,12 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.lr, self.momentum, self.decay = float(lr), float(momentum), float(decay)
         self.batch_size = int(batch_size)
         self.lam, self.f_a, self.k, self.n_e = float(lam), float(f_a), float(k), float(n_e)
-        self.margin = float(margin)
-        self.alpha = None if alpha is None else float(alpha)
+        self.stream_n_e = None if stream_n_e is None else float(stream_n_e)
+        self.on_stream = True  # which n_e the schedule reads: set by learn_one and fit
+        self.margin, self.alpha = float(margin), None if alpha is None else float(alpha)
         self.epochs, self.epoch_pairs = int(epochs), int(epoch_pairs)
         self.step_every, self.replay = int(step_every), int(replay)
-        self.centroid_rate = float(centroid_rate)
+        self.centroid_rate, self.burst_scale = float(centroid_rate), bool(burst_scale)
         self.max_classes = max_classes
         self.classes = ClassIndex(max_classes)
         self.power_img = None if power_img is None else float(power_img)
@@ -409,7 +421,8 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         """``alpha(t)`` at the current clock (or the fixed ``alpha``)."""
         if self.alpha is not None:
             return self.alpha
-        return schedule_alpha(self.clock, self.k, self.f_a, self.n_e)
+        n_e = self.n_e if self.stream_n_e is None or not self.on_stream else self.stream_n_e
+        return schedule_alpha(self.clock, self.k, self.f_a, n_e)
 
     # -- learning ----------------------------------------------------------------------------
     def _start(self, rng: np.random.Generator) -> None:
@@ -420,15 +433,6 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
         self.txt_tower.reset(self.generator)
         match_live(self)  # the average starts at the initial weights
         self.initialised = True
-
-    def _arrive(self, pairs: list[Example], scale_all: bool = False) -> None:
-        """Count the pairs' classes; their rows join the standardisation's statistics up to
-        ``scale_pairs`` rows in all (every row with ``scale_all``: the offline training set)."""
-        limit = None if scale_all else self.scale_pairs
-        powers = (self.power_img, self.power_txt)
-        scale_arrivals(pairs, self.img_scaler, self.txt_scaler, powers, limit)
-        for p in pairs:
-            self.classes.columns(p.labels)
 
     def learn_one(
         self, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
@@ -450,11 +454,6 @@ class SAM(CountsWork, MergesRanks, name="sam", shared_space=True, batch_fit=True
     def _distances(self, img: Vectors, txt: Vectors) -> tuple[Tensor, Tensor]:
         """Euclidean distances between the rows, per modality, on the vectors as sent."""
         return input_distances(img, txt, self.device_)
-
-    def _observe_scale(self, dist_img: Tensor, dist_txt: Tensor) -> None:
-        """Raise the ``f_ms`` normalisers to the largest of these distances."""
-        self.scale_img = max(self.scale_img, float(dist_img.max()))
-        self.scale_txt = max(self.scale_txt, float(dist_txt.max()))
 
     def _category_matrix(self, labels: Labels) -> Tensor:
         """(b, classes) 0/1: the known classes of each item."""

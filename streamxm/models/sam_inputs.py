@@ -8,7 +8,7 @@ A tower reads its modality's vectors power-mapped and L2-normalised (when the mo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,11 +19,15 @@ from streamxm.models.history import Example
 from streamxm.models.moments import FeatureScaler, power_normalize
 from streamxm.models.sam_tower import Tower
 
+if TYPE_CHECKING:
+    from streamxm.models.sam import SAM
+
 __all__ = [
     "EMBED_ROWS",
     "embed_rows",
     "input_distances",
     "mapped_rows",
+    "observe_scale",
     "on_device",
     "pairwise_distances",
     "prepare_rows",
@@ -41,6 +45,12 @@ def on_device(x: NDArray[Any], device: torch.device) -> Tensor:
 def mapped_rows(x: NDArray[np.floating], power: float | None) -> NDArray[np.floating]:
     """Inputs before standardisation: as sent, or power-mapped and L2-normalised."""
     return x if power is None else power_normalize(x, power)
+
+
+def observe_scale(model: SAM, dist_img: Tensor, dist_txt: Tensor) -> None:
+    """Raise ``model``'s ``f_ms`` normalisers to the largest of these distances."""
+    model.scale_img = max(model.scale_img, float(dist_img.max()))
+    model.scale_txt = max(model.scale_txt, float(dist_txt.max()))
 
 
 def scale_arrivals(

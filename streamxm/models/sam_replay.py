@@ -20,6 +20,7 @@ from streamxm.models.array_types import Vectors
 from streamxm.models.base import LearnStats
 from streamxm.models.history import Example, History
 from streamxm.models.sam_average import follow_step, match_live
+from streamxm.models.sam_inputs import observe_scale, scale_arrivals
 
 if TYPE_CHECKING:
     from streamxm.models.sam import SAM
@@ -28,6 +29,7 @@ __all__ = [
     "Batch",
     "Labels",
     "Vectors",
+    "arrive",
     "epoch_batches",
     "fit_epochs",
     "keep",
@@ -119,22 +121,36 @@ def epoch_batches(
             yield img[rows], txt[rows], [labels[i] for i in rows], np.ones(len(rows), dtype=bool)
 
 
+def arrive(model: SAM, pairs: list[Example], scale_all: bool = False) -> None:
+    """Count the pairs' classes; their rows join the standardisation's statistics up to
+    ``scale_pairs`` rows in all (every row with ``scale_all``: the offline training set, or a
+    pair that arrives during a burst with ``burst_scale``)."""
+    limit = None if scale_all else model.scale_pairs
+    powers = (model.power_img, model.power_txt)
+    scale_arrivals(pairs, model.img_scaler, model.txt_scaler, powers, limit)
+    for p in pairs:
+        model.classes.columns(p.labels)
+
+
 def learn_arrival(
     model: SAM, pair: Example, history: History, rng: np.random.Generator, stats: LearnStats
 ) -> None:
-    """:meth:`~streamxm.models.sam.SAM.learn_one`: ``pair`` is counted in and waits; at the
+    """:meth:`~streamxm.models.sam.SAM.learn_one`: ``pair`` is counted in (into the
+    standardisation past ``scale_pairs`` too, where ``burst_scale`` is set and ``history`` sees a
+    burst) and waits; at the
     ``step_every``-th waiting pair, one step on them filled up from the reservoir
     (class-balanced where ``balance`` is set and ``history`` sees a burst of few classes),
     which they then join; during a burst, ``rehearse`` more steps on class-balanced mini-batches
     of the reservoir alone (:func:`rehearsal_batch`); the towers' moving averages (``ema``)
     follow every step."""
     model._start(rng)
-    model._arrive([pair])
+    model.on_stream = True
+    burst = history.bursty()
+    arrive(model, [pair], scale_all=model.burst_scale and burst)
     model.pending.append(pair)
     if len(model.pending) < model.step_every:
         return
     fresh, model.pending = model.pending, []
-    burst = history.bursty()
     balanced = model.balance and burst
     img, txt, labels, new = stream_batch(fresh, model.reservoir, model.batch_size, balanced, rng)
     stepped = len(img) >= 2
@@ -160,10 +176,11 @@ def fit_epochs(
     over it, yielding the number done after each, the towers' averages (``ema``) set to the
     trained weights after each (offline the trained weights serve, as the paper's)."""
     model._start(rng)
-    model._arrive(pairs, scale_all=True)
+    model.on_stream = False
+    arrive(model, pairs, scale_all=True)
     img, txt, labels = stacked(pairs)
     sample = rng.choice(len(pairs), size=min(len(pairs), 4096), replace=False)
-    model._observe_scale(*model._distances(img[sample], txt[sample]))
+    observe_scale(model, *model._distances(img[sample], txt[sample]))
     keep(model, pairs, rng)
     for epoch in range(model.epochs):
         for batch in epoch_batches((img, txt, labels), model.batch_size, rng):

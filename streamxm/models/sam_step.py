@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from streamxm.models.base import LearnStats
 from streamxm.models.classes import ClassIndex
 from streamxm.models.optim import nesterov_step
-from streamxm.models.sam_inputs import on_device, prepare_rows
+from streamxm.models.sam_inputs import observe_scale, on_device, prepare_rows
 from streamxm.models.sam_replay import Batch, Labels
 from streamxm.models.sam_tower import step_multipliers
 
@@ -216,7 +216,7 @@ def train_step(model: SAM, batch: Batch, stats: LearnStats, epoch: int) -> float
             zi, zt = img_pass.z, txt_pass.z
             model._update_centroids(y, zi, zt)
             distances = model._distances(img, txt)
-            model._observe_scale(*distances)
+            observe_scale(model, *distances)
             margins = model.margins(*distances, y)
             s = zi @ zt.T
             i2t, t2i = batch_loss(s, margins, negatives)
