@@ -8,7 +8,8 @@ Wikipedia set in ``--order``, the defaults updated by ``--param``, values read a
 rolling gauge off), then prints one JSON object: the mAP of each direction (equal to
 ``quality``'s), per direction the mean AP of each class's test queries in the order the stream
 first meets the classes, each class's test queries, and for a model with a landmark pool
-(cmomks) its points per class and the Hedge weights.
+(cmomks) its points per class, the Hedge weights, and the triplets held in the support and
+projected onto the pool.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> None:
     if hasattr(model, "pool_group"):
         out["pool_points"] = [int(np.count_nonzero(model.pool_group == c)) for c in met]
         out["theta"] = np.round(model.theta, 3).tolist()
+        out["support_triplets"] = int(model.support_size)
+        out["projected"] = int(model.projected)
     print(json.dumps(out))
 
 
