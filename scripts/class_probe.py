@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from streamxm.cli import parse_params
 from streamxm.learning.evaluation import label_relevance, mean_average_precision
 from streamxm.learning.stream_learner import StreamLearner
 from streamxm.tools.bench import train
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--param", action="append", default=[])
     args = ap.parse_args()
-    params = {k: json.loads(v) for k, v in (p.split("=", 1) for p in args.param)}
+    params = parse_params(args.param)
     ds = load_dataset(bundled_wiki_path())
     pairs = list(iter_pairs(ds, order=args.order, seed=args.seed))
     learner = StreamLearner(

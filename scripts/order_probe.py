@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from streamxm.cli import parse_params
 from streamxm.tools.bench import quality
 from streamxm.tools.datasets import bundled_wiki_path
 
@@ -34,21 +35,35 @@ def main() -> None:
     ap.add_argument("--ref")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    params = {k: json.loads(v) for k, v in (p.split("=", 1) for p in args.param)}
+    orders = args.orders.split(",")
+    if "file" not in orders and not args.ref:
+        ap.error("without file among --orders, --ref must name an earlier output")
+    params = parse_params(args.param)
     runs: dict[str, dict[str, list[float]]] = {}
-    for order in args.orders.split(","):
+    for order in orders:
         runs[order] = {}
         for seed in seeds:
-            r = quality(bundled_wiki_path(), args.model, seed=seed, params=params, order=order,
-                        eval_every=10**9)
+            r = quality(
+                bundled_wiki_path(),
+                args.model,
+                seed=seed,
+                params=params,
+                order=order,
+                eval_every=10**9,
+            )
             runs[order][str(seed)] = [r["map_i2t"], r["map_t2i"]]
             print(order, seed, runs[order][str(seed)], file=sys.stderr, flush=True)
-    file_runs = runs.get("file") or json.load(open(args.ref))["runs"]["file"]
+    if "file" in runs:
+        file_runs = runs["file"]
+    else:
+        with open(args.ref) as f:
+            file_runs = json.load(f)["runs"]["file"]
     file_mean = np.mean([file_runs[str(s)] for s in seeds], axis=0)
     out: dict[str, Any] = {"model": args.model, "params": params, "seeds": seeds, "runs": runs}
     out["shares"] = {
         o: (np.mean(list(v.values()), axis=0) / file_mean).round(3).tolist()
-        for o, v in runs.items() if o != "file"
+        for o, v in runs.items()
+        if o != "file"
     }
     print(json.dumps(out))
 

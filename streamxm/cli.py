@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, TypeAlias
 from streamxm.models import MODEL_NAMES
 from streamxm.tools.datasets import BURST_RUN, ORDERS
 
-__all__ = ["main"]
+__all__ = ["main", "parse_params"]
 
 
 #: The namespace's entries that belong to the command line, not to the function a command runs.
@@ -27,11 +27,11 @@ def _options(args: argparse.Namespace, *apart: str) -> dict[str, Any]:
     ``--param`` parsed into ``params``."""
     options = {k: v for k, v in vars(args).items() if k not in (*_COMMAND_LINE, *apart)}
     if "param" in options:
-        options["params"] = _params(options.pop("param")) or None
+        options["params"] = parse_params(options.pop("param")) or None
     return options
 
 
-def _params(items: list[str]) -> dict[str, Any]:
+def parse_params(items: list[str]) -> dict[str, Any]:
     """``["C=0.1", "center=false"]`` -> ``{"C": 0.1, "center": False}`` (JSON values)."""
     out: dict[str, Any] = {}
     for item in items:
@@ -99,7 +99,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
     return run_worker(
-        get_settings(), args.model, _params(args.param) or None, world=world, rank=rank
+        get_settings(), args.model, parse_params(args.param) or None, world=world, rank=rank
     )
 
 
@@ -312,7 +312,7 @@ def _cmd_bench_order(args: argparse.Namespace) -> int:
         progress=not args.json,
         orders=args.order or BENCH_ORDERS,
         burst_run=args.burst_run,
-        params=_params(args.param) or None,
+        params=parse_params(args.param) or None,
     )
     if args.json:
         _print_bench(result)
@@ -478,7 +478,7 @@ def _add_model_name(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_param(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    """``--param KEY=VALUE``, repeatable: model parameters (:func:`_params`)."""
+    """``--param KEY=VALUE``, repeatable: model parameters (:func:`parse_params`)."""
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from streamxm.cli import _params, _seeds, build_parser
+from streamxm.cli import _seeds, build_parser, parse_params
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
@@ -395,7 +395,7 @@ def check_values(ns: argparse.Namespace) -> list[str]:
             attempt(f"--{option}", _comma, values[option], kind, f"--{option}")
     if values.get("param"):
         try:
-            params = _params(values["param"])
+            params = parse_params(values["param"])
         except SystemExit as exc:
             problems.append(f"--param: {exc}")
         else:
